@@ -1,0 +1,63 @@
+"""The `opentinker` command line: one entry point, a subcommand group per component."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+app = typer.Typer(
+    no_args_is_help=True, help="OpenTinker: train and serve many LoRA policies on one base LLM."
+)
+
+
+@app.command("make-tiny-model")
+def make_tiny_model_command(
+    out_dir: Annotated[Path, typer.Argument(help="Directory to write the model and tokenizer into.")],
+    arch: Annotated[str, typer.Option(help="qwen2 or llama.")] = "qwen2",
+    seed: Annotated[int, typer.Option(help="Weights seed; same seed, same bytes.")] = 0,
+    hidden_size: Annotated[int, typer.Option(help="Hidden size.")] = 64,
+    intermediate_size: Annotated[int, typer.Option(help="MLP intermediate size.")] = 128,
+    layers: Annotated[int, typer.Option(help="Number of decoder layers.")] = 2,
+    heads: Annotated[int, typer.Option(help="Attention heads.")] = 4,
+    kv_heads: Annotated[int, typer.Option(help="Key/value heads (grouped-query attention).")] = 2,
+    vocab_size: Annotated[int, typer.Option(help="Tokenizer vocabulary size incl. special tokens.")] = 512,
+) -> None:
+    """Write a small random causal LM + byte-level BPE tokenizer, offline and deterministically."""
+    from opentinker.client.tiny_model import TinyModelSpec, make_tiny_model
+
+    if arch not in ("qwen2", "llama"):
+        raise typer.BadParameter("arch must be qwen2 or llama", param_hint="--arch")
+    spec = TinyModelSpec(
+        arch=arch,  # type: ignore[arg-type]
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        seed=seed,
+    )
+    path = make_tiny_model(out_dir, spec)
+    typer.echo(f"wrote {arch} model to {path}")
+
+
+@app.command("demo")
+def demo_command(
+    workdir: Annotated[Path, typer.Option(help="Where the demo writes models, Redis data and logs.")] = Path(
+        "demo-data"
+    ),
+) -> None:
+    """Run the end-to-end demo on a locally generated tiny model."""
+    from opentinker.client.demo import run_demo
+
+    run_demo(workdir)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""Typer options every `... serve` command shares, so all servers take the same flags."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from opentinker.rpc.server import ServerOptions
+
+Host = Annotated[str, typer.Option(help="Address to bind; non-loopback needs tokens or --insecure-public.")]
+Port = Annotated[int, typer.Option(help="gRPC port; 0 picks a free port (printed on start).")]
+MetricsPort = Annotated[int, typer.Option(help="Prometheus metrics port; 0 picks a free one, -1 disables.")]
+TokensFile = Annotated[
+    Path | None, typer.Option(help="JSON file mapping bearer tokens to tenants and roles.", exists=True)
+]
+InsecurePublic = Annotated[bool, typer.Option(help="Allow binding a public address without authentication.")]
+TlsCert = Annotated[Path | None, typer.Option(help="PEM certificate chain for TLS.", exists=True)]
+TlsKey = Annotated[Path | None, typer.Option(help="PEM private key for TLS.", exists=True)]
+ReadyFile = Annotated[
+    Path | None, typer.Option(help="Write {address, metrics_address} JSON here once serving.")
+]
+LogLevel = Annotated[str, typer.Option(help="Logging level.")]
+
+
+def server_options(
+    host: str,
+    port: int,
+    metrics_port: int,
+    tokens_file: Path | None,
+    insecure_public: bool,
+    tls_cert: Path | None,
+    tls_key: Path | None,
+    ready_file: Path | None,
+) -> ServerOptions:
+    return ServerOptions(
+        host=host,
+        port=port,
+        metrics_port=None if metrics_port < 0 else metrics_port,
+        tokens_file=tokens_file,
+        insecure_public=insecure_public,
+        tls_cert=tls_cert,
+        tls_key=tls_key,
+        ready_file=ready_file,
+    )

@@ -1,0 +1,98 @@
+"""Service errors: a precise gRPC status plus a google.rpc.ErrorInfo detail.
+
+Handlers raise a `ServiceError` subclass; the interceptor turns it into the status. Anything else that
+escapes a handler becomes INTERNAL with an incident id (the traceback stays in the server log).
+"""
+
+from __future__ import annotations
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import error_details_pb2, status_pb2
+
+ERROR_DOMAIN = "opentinker"
+
+
+class ServiceError(Exception):
+    """An error with a gRPC status code, a reason (UPPER_SNAKE_CASE) and string metadata."""
+
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    default_reason: str = "INTERNAL"
+
+    def __init__(self, message: str, *, reason: str | None = None, **metadata: str | int) -> None:
+        super().__init__(message)
+        self.message = message
+        self.reason = reason or self.default_reason
+        self.metadata = {key: str(value) for key, value in metadata.items()}
+
+    def to_status(self) -> status_pb2.Status:
+        info = error_details_pb2.ErrorInfo(reason=self.reason, domain=ERROR_DOMAIN, metadata=self.metadata)
+        detail = any_pb2.Any()
+        detail.Pack(info)
+        return status_pb2.Status(code=self.code.value[0], message=self.message, details=[detail])
+
+
+class InvalidArgument(ServiceError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+    default_reason = "INVALID_ARGUMENT"
+
+
+class NotFound(ServiceError):
+    code = grpc.StatusCode.NOT_FOUND
+    default_reason = "NOT_FOUND"
+
+
+class AlreadyExists(ServiceError):
+    code = grpc.StatusCode.ALREADY_EXISTS
+    default_reason = "ALREADY_EXISTS"
+
+
+class FailedPrecondition(ServiceError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+    default_reason = "FAILED_PRECONDITION"
+
+
+class PermissionDenied(ServiceError):
+    code = grpc.StatusCode.PERMISSION_DENIED
+    default_reason = "PERMISSION_DENIED"
+
+
+class Unauthenticated(ServiceError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+    default_reason = "UNAUTHENTICATED"
+
+
+class DataLoss(ServiceError):
+    code = grpc.StatusCode.DATA_LOSS
+    default_reason = "DIGEST_MISMATCH"
+
+
+class ResourceExhausted(ServiceError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    default_reason = "RESOURCE_EXHAUSTED"
+
+
+class Unavailable(ServiceError):
+    code = grpc.StatusCode.UNAVAILABLE
+    default_reason = "UNAVAILABLE"
+
+
+class Internal(ServiceError):
+    code = grpc.StatusCode.INTERNAL
+    default_reason = "INTERNAL"
+
+
+def error_info(error: grpc.RpcError) -> error_details_pb2.ErrorInfo | None:
+    """Client side: the ErrorInfo detail of a failed call, if it carries one."""
+    from grpc_status import rpc_status
+
+    if not isinstance(error, grpc.Call):
+        return None
+    status = rpc_status.from_call(error)
+    if status is None:
+        return None
+    for detail in status.details:
+        info = error_details_pb2.ErrorInfo()
+        if detail.Unpack(info):
+            return info
+    return None

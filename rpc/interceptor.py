@@ -1,0 +1,157 @@
+"""One server interceptor: authenticate, run the handler, map errors, count.
+
+Every RPC of every server passes through `ServiceInterceptor`, so no handler can leak UNKNOWN or a
+traceback: `ServiceError`s become their status with ErrorInfo, anything unexpected becomes INTERNAL with
+an incident id that points into the server log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+import grpc
+from grpc import aio
+from prometheus_client import Counter, Histogram
+
+from opentinker.rpc.auth import LOCAL_PRINCIPAL, Principal, TokenTable, reset_principal, set_principal
+from opentinker.rpc.errors import Internal, ServiceError, Unauthenticated
+
+log = logging.getLogger("opentinker.rpc")
+
+RPC_REQUESTS = Counter(
+    "opentinker_rpc_requests_total", "RPCs handled, by method and status code", ["method", "code"]
+)
+RPC_SECONDS = Histogram(
+    "opentinker_rpc_duration_seconds",
+    "RPC handling time (streams: until the last message)",
+    ["method"],
+    buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30, 300),
+)
+
+# Infrastructure services answer without a token (load balancers, grpcurl).
+_OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+_Context = aio.ServicerContext[Any, Any]
+if TYPE_CHECKING:
+    Handler: TypeAlias = grpc.RpcMethodHandler[Any, Any]
+
+
+async def abort_with(context: _Context, error: ServiceError) -> None:
+    from grpc_status import rpc_status
+
+    status = rpc_status.to_status(error.to_status())
+    await context.abort(status.code, status.details, trailing_metadata=status.trailing_metadata)
+
+
+def _authenticate(tokens: TokenTable | None, metadata: tuple[tuple[str, str | bytes], ...]) -> Principal:
+    if tokens is None:
+        return LOCAL_PRINCIPAL
+    header = next((v for k, v in metadata if k == "authorization"), None)
+    if header is None:
+        raise Unauthenticated("missing 'authorization: Bearer <token>' metadata")
+    text = header.decode() if isinstance(header, bytes) else header
+    scheme, _, token = text.partition(" ")
+    if scheme.lower() != "bearer" or not token:
+        raise Unauthenticated("authorization metadata must be 'Bearer <token>'")
+    principal = tokens.lookup(token.strip())
+    if principal is None:
+        raise Unauthenticated("unknown bearer token")
+    return principal
+
+
+class ServiceInterceptor(aio.ServerInterceptor):
+    def __init__(self, tokens: TokenTable | None) -> None:
+        self._tokens = tokens
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Handler | None]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> Handler | None:
+        handler = await continuation(handler_call_details)
+        method: str = handler_call_details.method
+        if handler is None or method.startswith(_OPEN_PREFIXES):
+            return handler
+        metadata = tuple(handler_call_details.invocation_metadata or ())
+        try:
+            principal: Principal | ServiceError = _authenticate(self._tokens, metadata)
+        except ServiceError as error:
+            principal = error
+        return _wrap(handler, method, principal)
+
+
+def _record(method: str, started: float, code: grpc.StatusCode) -> None:
+    RPC_REQUESTS.labels(method, code.name).inc()
+    RPC_SECONDS.labels(method).observe(time.perf_counter() - started)
+
+
+@contextlib.asynccontextmanager
+async def _rpc_scope(
+    method: str, principal: Principal | ServiceError, context: _Context
+) -> AsyncIterator[None]:
+    """Run one RPC's handler as `principal`, map what it raises to a status, record metrics."""
+    started = time.perf_counter()
+    code = grpc.StatusCode.OK
+    token = None
+    try:
+        if isinstance(principal, ServiceError):
+            raise principal
+        token = set_principal(principal)
+        yield
+    except aio.AbortError:
+        code = context.code() or grpc.StatusCode.UNKNOWN
+        raise
+    except ServiceError as error:
+        code = error.code
+        await abort_with(context, error)
+    except Exception:
+        code = grpc.StatusCode.INTERNAL
+        incident = uuid.uuid4().hex[:12]
+        log.exception("unhandled error in %s (incident %s)", method, incident)
+        await abort_with(
+            context, Internal(f"internal error (incident {incident}); see the server log", incident=incident)
+        )
+    except BaseException:  # cancelled by the client or by shutdown
+        code = grpc.StatusCode.CANCELLED
+        raise
+    finally:
+        if token is not None:
+            reset_principal(token)
+        _record(method, started, code)
+
+
+def _wrap(handler: Handler, method: str, principal: Principal | ServiceError) -> Handler:
+    if handler.request_streaming and handler.response_streaming:
+        raise NotImplementedError("bidirectional streaming RPCs are not used by OpenTinker")
+
+    if handler.response_streaming:
+        stream_behavior: Any = handler.unary_stream
+
+        async def streaming(request: Any, context: _Context) -> AsyncIterator[Any]:
+            async with _rpc_scope(method, principal, context):
+                async for response in stream_behavior(request, context):
+                    yield response
+
+        return grpc.unary_stream_rpc_method_handler(
+            streaming, handler.request_deserializer, handler.response_serializer
+        )
+
+    unary_behavior: Any = handler.stream_unary if handler.request_streaming else handler.unary_unary
+
+    async def unary(request: Any, context: _Context) -> Any:
+        async with _rpc_scope(method, principal, context):
+            return await unary_behavior(request, context)
+        raise AssertionError("unreachable: the scope aborts on error")
+
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(
+            unary, handler.request_deserializer, handler.response_serializer
+        )
+    return grpc.unary_unary_rpc_method_handler(
+        unary, handler.request_deserializer, handler.response_serializer
+    )
