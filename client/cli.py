@@ -43,6 +43,15 @@ def make_tiny_model_command(
     typer.echo(f"wrote {arch} model to {path}")
 
 
+def _register_groups() -> None:
+    from opentinker.registry.cli import registry_app
+
+    app.add_typer(registry_app, name="registry", help="Run and administer the adapter registry.")
+
+
+_register_groups()
+
+
 @app.command("demo")
 def demo_command(
     workdir: Annotated[Path, typer.Option(help="Where the demo writes models, Redis data and logs.")] = Path(

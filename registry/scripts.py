@@ -1,0 +1,201 @@
+"""Lua scripts: each state change and its event in one atomic script, every check before the first write.
+
+Redis layout (prefix `ot:`):
+    ot:adapters                       zset of live adapter names (score 0, paged by lex range)
+    ot:adapter:{name}                 hash: proto (Adapter bytes), deleted 0|1, create_ms
+    ot:adapter:{name}:seq             version counter (INCR: contiguous, never reused)
+    ot:adapter:{name}:versions        zset of version numbers (score = number)
+    ot:adapter:{name}:aliases         hash alias -> version
+    ot:adapter:{name}:history:{alias} list of earlier versions of the alias, newest first (rollback)
+    ot:adapter:{name}:requests        hash request_id -> "version event_id" (idempotent publish)
+    ot:version:{name}:{n}             hash: proto (Version bytes), publish_ms, artifact_sha256, deleted 0|1
+    ot:artifact:{sha256}:refs         set of "name@n" using the artifact (GC deletes files at zero)
+    ot:events                         stream; fields: type adapter version alias previous aliases
+                                      time actor cause artifact (absolute state; replay-safe)
+
+Lua scripts do not roll back, so a rejected call must fail before it writes anything, including INCR.
+Errors are returned as `redis.error_reply("REASON message")`; the store maps REASON to a status.
+"""
+
+from __future__ import annotations
+
+# Shared prologue: event append with the adapter's whole alias map (absolute state).
+_EMIT = """
+local function alias_map(aliases_key)
+  local flat = redis.call('HGETALL', aliases_key)
+  local map = {}
+  for i = 1, #flat, 2 do map[flat[i]] = tonumber(flat[i + 1]) end
+  if next(map) == nil then return '{}' end
+  return cjson.encode(map)
+end
+local function emit(events_key, maxlen, fields)
+  local args = {events_key, 'MAXLEN', '~', maxlen, '*'}
+  for k, v in pairs(fields) do table.insert(args, k); table.insert(args, tostring(v)) end
+  return redis.call('XADD', unpack(args))
+end
+local function live_adapter(adapter_key, name)
+  if redis.call('EXISTS', adapter_key) == 0 or redis.call('HGET', adapter_key, 'deleted') == '1' then
+    return redis.error_reply('ADAPTER_NOT_FOUND adapter ' .. name .. ' not found')
+  end
+  return nil
+end
+"""
+
+# KEYS: adapter, adapters, aliases, events   ARGV: name, proto, now_ms, actor, maxlen
+CREATE_ADAPTER = (
+    _EMIT
+    + """
+if redis.call('EXISTS', KEYS[1]) == 1 and redis.call('HGET', KEYS[1], 'deleted') ~= '1' then
+  return redis.error_reply('ADAPTER_EXISTS adapter ' .. ARGV[1] .. ' already exists')
+end
+redis.call('HSET', KEYS[1], 'proto', ARGV[2], 'deleted', '0', 'create_ms', ARGV[3])
+redis.call('ZADD', KEYS[2], 0, ARGV[1])
+return emit(KEYS[4], ARGV[5], {type='ADAPTER_CREATED', adapter=ARGV[1], time=ARGV[3], actor=ARGV[4],
+  cause='create', aliases=alias_map(KEYS[3])})
+"""
+)
+
+# KEYS: adapter, adapters, aliases, events   ARGV: name, now_ms, actor, maxlen
+DELETE_ADAPTER = (
+    _EMIT
+    + """
+local err = live_adapter(KEYS[1], ARGV[1]); if err then return err end
+redis.call('HSET', KEYS[1], 'deleted', '1')
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('DEL', KEYS[3])
+return emit(KEYS[4], ARGV[4], {type='ADAPTER_DELETED', adapter=ARGV[1], time=ARGV[2], actor=ARGV[3],
+  cause='delete', aliases='{}'})
+"""
+)
+
+# KEYS: adapter, seq, versions, aliases, requests, events, artifact_refs, version_prefix, history_prefix
+# ARGV: name, proto, artifact_sha256, now_ms, actor, maxlen, request_id, skip_latest(0|1),
+#       expected_latest('' = none), alias1, alias2, ...
+PUBLISH_VERSION = (
+    _EMIT
+    + """
+local err = live_adapter(KEYS[1], ARGV[1]); if err then return err end
+if ARGV[7] ~= '' then
+  local done = redis.call('HGET', KEYS[5], ARGV[7])
+  if done then return {'REPLAY', done} end
+end
+local newest = tonumber(redis.call('GET', KEYS[2]) or '0')
+if ARGV[9] ~= '' and tonumber(ARGV[9]) ~= newest then
+  return redis.error_reply('VERSION_CONFLICT newest version of ' .. ARGV[1] .. ' is ' .. newest ..
+    ', expected ' .. ARGV[9])
+end
+local v = redis.call('INCR', KEYS[2])
+local vkey = KEYS[8] .. v
+redis.call('HSET', vkey, 'proto', ARGV[2], 'publish_ms', ARGV[4], 'artifact_sha256', ARGV[3], 'deleted', '0')
+redis.call('ZADD', KEYS[3], v, v)
+redis.call('SADD', KEYS[7], ARGV[1] .. '@' .. v)
+local moved = {}
+if ARGV[8] ~= '1' then table.insert(moved, 'latest') end
+for i = 10, #ARGV do table.insert(moved, ARGV[i]) end
+for _, alias in ipairs(moved) do
+  local prev = redis.call('HGET', KEYS[4], alias)
+  if prev and tonumber(prev) ~= v then
+    redis.call('LPUSH', KEYS[9] .. alias, prev)
+    redis.call('LTRIM', KEYS[9] .. alias, 0, 999)
+  end
+  redis.call('HSET', KEYS[4], alias, v)
+end
+local id = emit(KEYS[6], ARGV[6], {type='VERSION_PUBLISHED', adapter=ARGV[1], version=v, time=ARGV[4],
+  actor=ARGV[5], cause='publish', artifact=ARGV[3], aliases=alias_map(KEYS[4])})
+if ARGV[7] ~= '' then redis.call('HSET', KEYS[5], ARGV[7], v .. ' ' .. id) end
+return {'NEW', v .. ' ' .. id}
+"""
+)
+
+# Moves an alias. mode: 'set' (push the old version to history), 'rollback-to' (same, target must be
+# older), 'rollback' (target = newest usable entry popped from history; ARGV[3] ignored).
+# KEYS: adapter, versions, aliases, history, events, version_prefix
+# ARGV: name, alias, version, expected('' = none), now_ms, actor, maxlen, mode
+SET_ALIAS = (
+    _EMIT
+    + """
+local err = live_adapter(KEYS[1], ARGV[1]); if err then return err end
+local cur = tonumber(redis.call('HGET', KEYS[3], ARGV[2]) or '0')
+if ARGV[4] ~= '' and tonumber(ARGV[4]) ~= cur then
+  return redis.error_reply('VERSION_CONFLICT alias ' .. ARGV[2] .. ' points to ' .. cur .. ', expected ' .. ARGV[4])
+end
+local function usable(v)
+  return redis.call('ZSCORE', KEYS[2], v) and redis.call('HGET', KEYS[6] .. v, 'deleted') ~= '1'
+end
+local mode = ARGV[8]
+local target
+local popped = 0
+if mode == 'rollback' then
+  if cur == 0 then return redis.error_reply('ALIAS_NOT_FOUND alias ' .. ARGV[2] .. ' is not set') end
+  local history = redis.call('LRANGE', KEYS[4], 0, -1)
+  for i, entry in ipairs(history) do
+    local v = tonumber(entry)
+    if v ~= cur and usable(v) then target = v; popped = i; break end
+  end
+  if not target then
+    return redis.error_reply('NO_PREVIOUS_VERSION alias ' .. ARGV[2] .. ' has no earlier usable version')
+  end
+else
+  target = tonumber(ARGV[3])
+  if not redis.call('ZSCORE', KEYS[2], target) then
+    return redis.error_reply('VERSION_NOT_FOUND version ' .. target .. ' of ' .. ARGV[1] .. ' not found')
+  end
+  if redis.call('HGET', KEYS[6] .. target, 'deleted') == '1' then
+    return redis.error_reply('ARTIFACT_DELETED version ' .. target .. ' was garbage-collected')
+  end
+  if mode == 'rollback-to' then
+    if cur == 0 then return redis.error_reply('ALIAS_NOT_FOUND alias ' .. ARGV[2] .. ' is not set') end
+    if target >= cur then
+      return redis.error_reply('NOT_OLDER rollback target ' .. target .. ' is not older than ' .. cur)
+    end
+  end
+end
+if popped > 0 then
+  redis.call('LTRIM', KEYS[4], popped, -1)
+elseif cur ~= 0 and cur ~= target then
+  redis.call('LPUSH', KEYS[4], cur)
+  redis.call('LTRIM', KEYS[4], 0, 999)
+end
+redis.call('HSET', KEYS[3], ARGV[2], target)
+local cause = 'set'
+if mode ~= 'set' then cause = 'rollback' end
+local id = emit(KEYS[5], ARGV[7], {type='ALIAS_SET', adapter=ARGV[1], version=target, alias=ARGV[2],
+  previous=cur, time=ARGV[5], actor=ARGV[6], cause=cause, aliases=alias_map(KEYS[3])})
+return {cur, target, id}
+"""
+)
+
+# KEYS: adapter, aliases, history, events   ARGV: name, alias, expected, now_ms, actor, maxlen
+DELETE_ALIAS = (
+    _EMIT
+    + """
+local err = live_adapter(KEYS[1], ARGV[1]); if err then return err end
+local cur = redis.call('HGET', KEYS[2], ARGV[2])
+if not cur then return redis.error_reply('ALIAS_NOT_FOUND alias ' .. ARGV[2] .. ' of ' .. ARGV[1] .. ' not found') end
+if ARGV[3] ~= '' and tonumber(ARGV[3]) ~= tonumber(cur) then
+  return redis.error_reply('VERSION_CONFLICT alias ' .. ARGV[2] .. ' points to ' .. cur .. ', expected ' .. ARGV[3])
+end
+redis.call('HDEL', KEYS[2], ARGV[2])
+redis.call('DEL', KEYS[3])
+local id = emit(KEYS[4], ARGV[6], {type='ALIAS_DELETED', adapter=ARGV[1], alias=ARGV[2], previous=cur,
+  time=ARGV[4], actor=ARGV[5], cause='delete', aliases=alias_map(KEYS[2])})
+return {tonumber(cur), id}
+"""
+)
+
+# Marks a version's artifact collected unless an alias points at it now (checked atomically here).
+# KEYS: version, aliases, events, artifact_refs   ARGV: name, version, now_ms, actor, maxlen
+# Returns the number of versions still referencing the artifact, or -1 if skipped.
+COLLECT_VERSION = (
+    _EMIT
+    + """
+if redis.call('HGET', KEYS[1], 'deleted') ~= '0' then return -1 end
+local flat = redis.call('HGETALL', KEYS[2])
+for i = 2, #flat, 2 do if tonumber(flat[i]) == tonumber(ARGV[2]) then return -1 end end
+redis.call('HSET', KEYS[1], 'deleted', '1')
+redis.call('SREM', KEYS[4], ARGV[1] .. '@' .. ARGV[2])
+emit(KEYS[3], ARGV[5], {type='ARTIFACT_DELETED', adapter=ARGV[1], version=ARGV[2], time=ARGV[3],
+  actor=ARGV[4], cause='gc', artifact=redis.call('HGET', KEYS[1], 'artifact_sha256'), aliases=alias_map(KEYS[2])})
+return redis.call('SCARD', KEYS[4])
+"""
+)

@@ -1,0 +1,370 @@
+"""RegistryService: validate, authorize, then one store call. The store holds the truth.
+
+Artifact files never pass through Redis: they live in the content-addressed ArtifactStore, and a version
+is only published after the store has verified every file of its artifact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fnmatch
+import re
+from collections.abc import AsyncIterator
+from typing import Any
+
+from opentinker.registry.artifacts import ArtifactStore, ArtifactWriter, format_uri, parse_uri
+from opentinker.registry.names import LATEST, check_adapter_name, check_alias, parse_reference
+from opentinker.registry.store import RegistryStore, lora_or_default
+from opentinker.rpc.auth import Principal, current_principal, require_access, require_admin
+from opentinker.rpc.errors import FailedPrecondition, InvalidArgument, PermissionDenied
+from opentinker.v1 import common_pb2, registry_pb2, registry_pb2_grpc
+
+_EVENT_ID_RE = re.compile(r"^\d+(-\d+)?$")
+_TARGET_RE = re.compile(r"^[a-z_][a-z0-9_.]{0,127}$")
+MAX_REQUEST_ID = 128
+MAX_RANK = 1024
+
+Context = Any  # grpc.aio.ServicerContext; untyped in the generated stubs
+
+
+def check_lora_config(config: common_pb2.LoraConfig) -> None:
+    if config.rank > MAX_RANK:
+        raise InvalidArgument(f"LoRA rank {config.rank} exceeds {MAX_RANK}", reason="INVALID_LORA_CONFIG")
+    if config.alpha < 0 or not 0 <= config.dropout < 1:
+        raise InvalidArgument("LoRA alpha must be >= 0 and dropout in [0, 1)", reason="INVALID_LORA_CONFIG")
+    for target in config.target_modules:
+        if not _TARGET_RE.match(target):
+            raise InvalidArgument(f"invalid LoRA target module {target!r}", reason="INVALID_LORA_CONFIG")
+
+
+def _check_event_id(event_id: str) -> str:
+    if event_id and not _EVENT_ID_RE.match(event_id):
+        raise InvalidArgument(
+            f"invalid event id {event_id!r}: expected '<ms>-<seq>'", reason="INVALID_EVENT_ID"
+        )
+    return event_id
+
+
+def _check_watch_pattern(pattern: str) -> str:
+    check_adapter_name(pattern.removesuffix("/*") if pattern.endswith("/*") else pattern)
+    return pattern
+
+
+def _watch_filter(principal: Principal, patterns: list[str]) -> Any:
+    def visible(adapter: str) -> bool:
+        if not principal.can_access(adapter):
+            return False
+        return not patterns or any(fnmatch.fnmatchcase(adapter, p) for p in patterns)
+
+    return visible
+
+
+class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
+    def __init__(
+        self, store: RegistryStore, artifacts: ArtifactStore, *, max_artifact_bytes: int = 8 << 30
+    ) -> None:
+        self.store = store
+        self.artifacts = artifacts
+        self.max_artifact_bytes = max_artifact_bytes
+        # Poll interval of blocking stream reads: bounds how long a cancelled watcher lingers.
+        self.watch_block_ms = 1000
+
+    # Adapters
+
+    async def CreateAdapter(self, request: registry_pb2.CreateAdapterRequest, context: Context) -> Any:
+        name = check_adapter_name(request.name)
+        principal = require_access(name)
+        if principal.tenant is not None and not principal.is_admin and "/" not in name:
+            raise PermissionDenied(
+                f"tenant {principal.tenant!r} must create adapters as '{principal.tenant}/...'"
+            )
+        check_lora_config(request.lora_config)
+        adapter = registry_pb2.Adapter(
+            name=name,
+            lora_config=lora_or_default(request.lora_config),
+            base_model_digest=request.base_model_digest,
+            labels=dict(request.labels),
+            description=request.description,
+        )
+        created, event_id = await self.store.create_adapter(adapter, principal.actor)
+        return registry_pb2.CreateAdapterResponse(adapter=created, event_id=event_id)
+
+    async def GetAdapter(self, request: registry_pb2.GetAdapterRequest, context: Context) -> Any:
+        name = check_adapter_name(request.name)
+        require_access(name)
+        return registry_pb2.GetAdapterResponse(adapter=await self.store.get_adapter(name))
+
+    async def ListAdapters(self, request: registry_pb2.ListAdaptersRequest, context: Context) -> Any:
+        principal = current_principal()
+        prefix = request.prefix
+        if principal.tenant is not None and not principal.is_admin:
+            own = principal.tenant + "/"
+            if not prefix.startswith(own):
+                if not own.startswith(prefix):
+                    return registry_pb2.ListAdaptersResponse()
+                prefix = own
+        adapters, token = await self.store.list_adapters(prefix, request.page_size, request.page_token)
+        return registry_pb2.ListAdaptersResponse(adapters=adapters, next_page_token=token)
+
+    async def DeleteAdapter(self, request: registry_pb2.DeleteAdapterRequest, context: Context) -> Any:
+        name = check_adapter_name(request.name)
+        principal = require_admin("DeleteAdapter")
+        return registry_pb2.DeleteAdapterResponse(
+            event_id=await self.store.delete_adapter(name, principal.actor)
+        )
+
+    # Versions
+
+    async def PublishVersion(self, request: registry_pb2.PublishVersionRequest, context: Context) -> Any:
+        name = check_adapter_name(request.adapter)
+        principal = require_access(name)
+        digest = parse_uri(request.artifact_uri)
+        if request.artifact_sha256 and request.artifact_sha256 != digest:
+            raise InvalidArgument(
+                "artifact_sha256 does not match artifact_uri", reason="INVALID_ARTIFACT_URI"
+            )
+        aliases = [check_alias(a) for a in request.aliases]
+        if len(request.request_id) > MAX_REQUEST_ID:
+            raise InvalidArgument(f"request_id longer than {MAX_REQUEST_ID}", reason="INVALID_REQUEST_ID")
+        check_lora_config(request.lora_config)
+        adapter = await self.store.get_adapter(name)
+        if request.lineage.parent_version:
+            await self.store.get_version(name, request.lineage.parent_version)
+        # Verifies every file: the registry never references a partial or corrupt artifact.
+        ref = await asyncio.to_thread(self.artifacts.ref, format_uri(digest))
+        version = registry_pb2.Version(
+            adapter=name,
+            artifact_uri=ref.uri,
+            artifact_sha256=ref.sha256,
+            artifact_size_bytes=ref.size_bytes,
+            lora_config=request.lora_config if request.HasField("lora_config") else adapter.lora_config,
+            lineage=request.lineage,
+        )
+        published, event_id, _replayed = await self.store.publish_version(
+            version,
+            actor=principal.actor,
+            aliases=aliases,
+            skip_latest=request.skip_latest,
+            request_id=request.request_id,
+            expected_latest=request.expected_latest_version
+            if request.HasField("expected_latest_version")
+            else None,
+        )
+        return registry_pb2.PublishVersionResponse(version=published, event_id=event_id)
+
+    async def GetVersion(self, request: registry_pb2.GetVersionRequest, context: Context) -> Any:
+        name = check_adapter_name(request.adapter)
+        require_access(name)
+        if request.version < 1:
+            raise InvalidArgument("version numbers start at 1", reason="INVALID_VERSION")
+        await self.store.get_adapter(name)
+        return registry_pb2.GetVersionResponse(version=await self.store.get_version(name, request.version))
+
+    async def ListVersions(self, request: registry_pb2.ListVersionsRequest, context: Context) -> Any:
+        name = check_adapter_name(request.adapter)
+        require_access(name)
+        versions, token = await self.store.list_versions(name, request.page_size, request.page_token)
+        return registry_pb2.ListVersionsResponse(versions=versions, next_page_token=token)
+
+    async def Resolve(self, request: registry_pb2.ResolveRequest, context: Context) -> Any:
+        ref = parse_reference(request.reference)
+        require_access(ref.adapter)
+        version = await self.store.resolve(request.reference)
+        resolved = common_pb2.ResolvedVersion(
+            adapter=version.adapter,
+            version=version.version,
+            reference=request.reference,
+            artifact_sha256=version.artifact_sha256,
+        )
+        return registry_pb2.ResolveResponse(version=version, resolved=resolved)
+
+    # Aliases
+
+    async def SetAlias(self, request: registry_pb2.SetAliasRequest, context: Context) -> Any:
+        name = check_adapter_name(request.adapter)
+        alias = check_alias(request.alias)
+        principal = require_access(name)
+        if request.version < 1:
+            raise InvalidArgument("version numbers start at 1", reason="INVALID_VERSION")
+        expected = request.expected_version if request.HasField("expected_version") else None
+        previous, version, event_id = await self.store.move_alias(
+            name, alias, request.version, expected, principal.actor, "set"
+        )
+        return registry_pb2.SetAliasResponse(previous_version=previous, version=version, event_id=event_id)
+
+    async def DeleteAlias(self, request: registry_pb2.DeleteAliasRequest, context: Context) -> Any:
+        name = check_adapter_name(request.adapter)
+        alias = check_alias(request.alias)
+        principal = require_access(name)
+        if alias == LATEST:
+            raise FailedPrecondition(
+                "'latest' is managed by publishes and cannot be deleted", reason="ALIAS_MANAGED"
+            )
+        expected = request.expected_version if request.HasField("expected_version") else None
+        previous, event_id = await self.store.delete_alias(name, alias, expected, principal.actor)
+        return registry_pb2.DeleteAliasResponse(previous_version=previous, event_id=event_id)
+
+    async def Rollback(self, request: registry_pb2.RollbackRequest, context: Context) -> Any:
+        name = check_adapter_name(request.adapter)
+        alias = check_alias(request.alias or LATEST)
+        principal = require_access(name)
+        expected = request.expected_version if request.HasField("expected_version") else None
+        if request.HasField("to_version"):
+            if request.to_version < 1:
+                raise InvalidArgument("version numbers start at 1", reason="INVALID_VERSION")
+            move = await self.store.move_alias(
+                name, alias, request.to_version, expected, principal.actor, "rollback-to"
+            )
+        else:
+            move = await self.store.move_alias(name, alias, 0, expected, principal.actor, "rollback")
+        previous, version, event_id = move
+        return registry_pb2.RollbackResponse(
+            alias=alias, from_version=previous, to_version=version, event_id=event_id
+        )
+
+    async def GetLineage(self, request: registry_pb2.GetLineageRequest, context: Context) -> Any:
+        ref = parse_reference(request.reference)
+        require_access(ref.adapter)
+        return registry_pb2.GetLineageResponse(
+            chain=await self.store.lineage(request.reference, request.max_depth)
+        )
+
+    # Events
+
+    async def WatchEvents(
+        self, request: registry_pb2.WatchEventsRequest, context: Context
+    ) -> AsyncIterator[Any]:
+        after = _check_event_id(request.after_event_id)
+        patterns = [_check_watch_pattern(p) for p in request.adapters]
+        visible = _watch_filter(current_principal(), patterns)
+        if after in ("0", "0-0"):
+            cursor = "0-0"
+            reconcile_reason = "requested" if request.send_snapshot else ""
+        elif after == "":
+            cursor = await self.store.last_event_id()
+            reconcile_reason = "requested" if request.send_snapshot else ""
+        elif await self.store.event_exists(after):
+            cursor = after
+            reconcile_reason = "requested" if request.send_snapshot else ""
+        else:
+            # The id is gone (trimmed, or from another store): events may be missing. Never a silent gap.
+            cursor = ""
+            reconcile_reason = "trimmed"
+        if reconcile_reason:
+            # Take the id before the snapshot: events after it may repeat what the snapshot shows,
+            # which absolute-state events make harmless.
+            cursor = await self.store.last_event_id()
+            adapters = [a for a in await self.store.alias_snapshot() if visible(a.adapter)]
+            yield registry_pb2.WatchEventsResponse(
+                reconcile=registry_pb2.Reconcile(event_id=cursor, adapters=adapters, reason=reconcile_reason)
+            )
+        while True:
+            for record in await self.store.read_events(cursor, self.watch_block_ms):
+                cursor = record.event_id
+                if visible(record.event.adapter):
+                    yield registry_pb2.WatchEventsResponse(event=record.event)
+
+    # Garbage collection and artifacts
+
+    async def GarbageCollect(self, request: registry_pb2.GarbageCollectRequest, context: Context) -> Any:
+        principal = require_admin("GarbageCollect")
+        keep_last = request.keep_last or 5
+        names = (
+            [check_adapter_name(request.adapter)] if request.adapter else await self.store.all_adapter_names()
+        )
+        response = registry_pb2.GarbageCollectResponse()
+        for name in names:
+            numbers = await self.store.all_version_numbers(name)
+            for number in numbers[keep_last:]:  # numbers are newest first
+                version = await self.store.get_version(name, number)
+                if version.artifact_deleted or version.aliases:
+                    continue
+                if request.dry_run:
+                    remaining: int | None = 0
+                else:
+                    remaining = await self.store.collect_version(version, principal.actor)
+                    if remaining is None:
+                        continue  # an alias moved onto it meanwhile
+                freed = 0
+                if remaining == 0 and not request.dry_run:
+                    freed = await asyncio.to_thread(self.artifacts.delete, version.artifact_uri)
+                response.collected.append(
+                    registry_pb2.CollectedVersion(
+                        adapter=name,
+                        version=number,
+                        artifact_sha256=version.artifact_sha256,
+                        size_bytes=version.artifact_size_bytes,
+                    )
+                )
+                response.bytes_freed += freed if not request.dry_run else version.artifact_size_bytes
+        return response
+
+    async def UploadArtifact(self, request_iterator: AsyncIterator[Any], context: Context) -> Any:
+        writer: ArtifactWriter | None = None
+        headers: list[registry_pb2.ArtifactFileHeader] = []
+        index = -1
+        remaining = 0
+        try:
+            async for message in request_iterator:
+                kind = message.WhichOneof("message")
+                if kind == "manifest":
+                    if writer is not None:
+                        raise InvalidArgument(
+                            "the manifest must be sent once, first", reason="INVALID_UPLOAD"
+                        )
+                    headers = list(message.manifest.files)
+                    if sum(h.size_bytes for h in headers) > self.max_artifact_bytes:
+                        raise InvalidArgument(
+                            f"artifact larger than {self.max_artifact_bytes} bytes",
+                            reason="ARTIFACT_TOO_LARGE",
+                        )
+                    writer = self.artifacts.begin()
+                    index, remaining = -1, 0
+                elif kind == "chunk":
+                    if writer is None:
+                        raise InvalidArgument("chunk before manifest", reason="INVALID_UPLOAD")
+                    data = message.chunk
+                    while data:
+                        while remaining == 0:
+                            index += 1
+                            if index >= len(headers):
+                                raise InvalidArgument(
+                                    "more bytes than the manifest declares", reason="INVALID_UPLOAD"
+                                )
+                            header = headers[index]
+                            writer.add_file(header.path, header.size_bytes, header.sha256)
+                            remaining = header.size_bytes
+                        take = min(remaining, len(data))
+                        writer.write(data[:take])
+                        data, remaining = data[take:], remaining - take
+            if writer is None:
+                raise InvalidArgument("empty upload: no manifest", reason="INVALID_UPLOAD")
+            while index + 1 < len(headers) and headers[index + 1].size_bytes == 0 and remaining == 0:
+                index += 1
+                writer.add_file(headers[index].path, 0, headers[index].sha256)
+            if remaining or index + 1 != len(headers):
+                raise InvalidArgument(
+                    "upload ended before every declared byte arrived", reason="INVALID_UPLOAD"
+                )
+            ref = await asyncio.to_thread(writer.commit)
+        except BaseException:
+            if writer is not None:
+                writer.abort()
+            raise
+        return registry_pb2.UploadArtifactResponse(
+            artifact_uri=ref.uri, artifact_sha256=ref.sha256, artifact_size_bytes=ref.size_bytes
+        )
+
+    async def DownloadArtifact(self, request: registry_pb2.DownloadArtifactRequest, context: Context) -> Any:
+        uri = format_uri(parse_uri(request.artifact_uri))
+        files = await asyncio.to_thread(self.artifacts.manifest, uri)
+        yield registry_pb2.DownloadArtifactResponse(
+            manifest=registry_pb2.ArtifactManifest(
+                files=[
+                    registry_pb2.ArtifactFileHeader(path=f.path, size_bytes=f.size, sha256=f.sha256)
+                    for f in files
+                ]
+            )
+        )
+        for _file, chunk in self.artifacts.iter_chunks(uri):
+            yield registry_pb2.DownloadArtifactResponse(chunk=chunk)

@@ -1,0 +1,410 @@
+"""RegistryService against a real registry process on a private Redis."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+
+import grpc
+import pytest
+from registryutil import artifact_files, create_adapter, publish, unique_name, upload
+
+from opentinker.rpc.errors import error_info
+from opentinker.v1 import registry_pb2, registry_pb2_grpc
+
+Stub = registry_pb2_grpc.RegistryServiceStub
+
+
+def rpc_error(fn: object, *args: object) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as caught:
+        fn(*args)  # type: ignore[operator]
+    return caught.value
+
+
+def assert_status(error: grpc.RpcError, code: grpc.StatusCode, reason: str) -> None:
+    assert isinstance(error, grpc.Call)
+    assert error.code() == code, error.details()
+    info = error_info(error)
+    assert info is not None and info.reason == reason, (info, error.details())
+
+
+def test_create_get_and_duplicate(registry: Stub) -> None:
+    name = unique_name()
+    adapter = create_adapter(registry, name)
+    assert adapter.name == name and adapter.lora_config.rank == 8
+    assert adapter.lora_config.alpha == 8.0 and list(adapter.lora_config.target_modules) == ["all-linear"]
+    assert adapter.version_count == 0 and adapter.created_by == "local"
+    got = registry.GetAdapter(registry_pb2.GetAdapterRequest(name=name)).adapter
+    assert got.name == name
+    error = rpc_error(create_adapter, registry, name)
+    assert_status(error, grpc.StatusCode.ALREADY_EXISTS, "ADAPTER_EXISTS")
+
+
+@pytest.mark.parametrize("name", ["", "UPPER", "a b", "-dash", "a/b/c", "base", "x" * 64])
+def test_bad_names_are_invalid_argument(registry: Stub, name: str) -> None:
+    error = rpc_error(create_adapter, registry, name)
+    assert_status(error, grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ADAPTER_NAME")
+
+
+def test_unknown_adapter_not_found(registry: Stub) -> None:
+    error = rpc_error(registry.GetAdapter, registry_pb2.GetAdapterRequest(name=unique_name()))
+    assert_status(error, grpc.StatusCode.NOT_FOUND, "ADAPTER_NOT_FOUND")
+    error = rpc_error(registry.Resolve, registry_pb2.ResolveRequest(reference=unique_name() + "@3"))
+    assert_status(error, grpc.StatusCode.NOT_FOUND, "ADAPTER_NOT_FOUND")
+
+
+def test_versions_contiguous_and_rejections_burn_no_number(registry: Stub) -> None:
+    name = unique_name()
+    create_adapter(registry, name)
+    assert publish(registry, name).version.version == 1
+    # Rejected publishes: stale compare-and-set, missing artifact, bad alias. None may use up a number.
+    error = rpc_error(lambda: publish(registry, name, expected_latest_version=7))
+    assert_status(error, grpc.StatusCode.FAILED_PRECONDITION, "VERSION_CONFLICT")
+    missing = registry_pb2.PublishVersionRequest(adapter=name, artifact_uri="sha256:" + "ab" * 32)
+    assert_status(
+        rpc_error(registry.PublishVersion, missing), grpc.StatusCode.NOT_FOUND, "ARTIFACT_NOT_FOUND"
+    )
+    error = rpc_error(lambda: publish(registry, name, aliases=("Bad Alias",)))
+    assert_status(error, grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ALIAS")
+    second = publish(registry, name, parent=1, expected_latest_version=1).version
+    assert second.version == 2
+    assert list(second.aliases) == ["latest"]
+    adapter = registry.GetAdapter(registry_pb2.GetAdapterRequest(name=name)).adapter
+    assert (
+        adapter.latest_version == 2 and adapter.version_count == 2 and dict(adapter.aliases) == {"latest": 2}
+    )
+
+
+def test_publish_moves_extra_aliases_and_can_skip_latest(registry: Stub) -> None:
+    name = unique_name()
+    create_adapter(registry, name)
+    publish(registry, name)
+    v2 = publish(registry, name, aliases=("stable", "canary"), skip_latest=True).version
+    assert sorted(v2.aliases) == ["canary", "stable"]
+    adapter = registry.GetAdapter(registry_pb2.GetAdapterRequest(name=name)).adapter
+    assert dict(adapter.aliases) == {"latest": 1, "stable": 2, "canary": 2}
+
+
+def test_publish_is_idempotent_by_request_id(registry: Stub) -> None:
+    name = unique_name()
+    create_adapter(registry, name)
+    first = publish(registry, name, seed=1, request_id="req-1")
+    again = publish(registry, name, seed=1, request_id="req-1")
+    assert again.version.version == first.version.version == 1
+    assert again.event_id == first.event_id
+    assert registry.GetAdapter(registry_pb2.GetAdapterRequest(name=name)).adapter.version_count == 1
+
+
+def test_parallel_publishers_get_unique_contiguous_numbers(registry_server: object, registry: Stub) -> None:
+    name = unique_name()
+    create_adapter(registry, name)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        numbers = list(pool.map(lambda i: publish(registry, name, seed=i).version.version, range(24)))
+    assert sorted(numbers) == list(range(1, 25))
+
+
+def test_list_versions_newest_first_paged(registry: Stub) -> None:
+    name = unique_name()
+    create_adapter(registry, name)
+    for _ in range(5):
+        publish(registry, name)
+    seen: list[int] = []
+    token = ""
+    while True:
+        response = registry.ListVersions(
+            registry_pb2.ListVersionsRequest(adapter=name, page_size=2, page_token=token)
+        )
+        seen.extend(v.version for v in response.versions)
+        token = response.next_page_token
+        if not token:
+            break
+    assert seen == [5, 4, 3, 2, 1]
+    bad = registry_pb2.ListVersionsRequest(adapter=name, page_token="!!not-a-token")
+    assert_status(
+        rpc_error(registry.ListVersions, bad), grpc.StatusCode.INVALID_ARGUMENT, "INVALID_PAGE_TOKEN"
+    )
+
+
+def test_list_adapters_by_prefix_paged(registry: Stub) -> None:
+    tenant = unique_name("tenant")
+    names = sorted(f"{tenant}/a{i}" for i in range(5))
+    for name in names:
+        create_adapter(registry, name)
+    seen: list[str] = []
+    token = ""
+    while True:
+        request = registry_pb2.ListAdaptersRequest(prefix=tenant + "/", page_size=2, page_token=token)
+        response = registry.ListAdapters(request)
+        seen.extend(a.name for a in response.adapters)
+        token = response.next_page_token
+        if not token:
+            break
+    assert seen == names
+
+
+def test_resolve_references(registry: Stub) -> None:
+    name = unique_name()
+    create_adapter(registry, name)
+    error = rpc_error(registry.Resolve, registry_pb2.ResolveRequest(reference=name))
+    assert_status(error, grpc.StatusCode.NOT_FOUND, "ALIAS_NOT_FOUND")
+    publish(registry, name)
+    publish(registry, name, aliases=("stable",))
+    publish(registry, name)
+
+    def resolve(reference: str) -> int:
+        response: registry_pb2.ResolveResponse = registry.Resolve(
+            registry_pb2.ResolveRequest(reference=reference)
+        )
+        assert response.resolved.reference == reference
+        assert response.resolved.artifact_sha256 == response.version.artifact_sha256
+        number: int = response.version.version
+        return number
+
+    assert resolve(name) == 3
+    assert resolve(f"{name}@latest") == 3
+    assert resolve(f"{name}@stable") == 2
+    assert resolve(f"{name}@1") == 1
+    assert_status(
+        rpc_error(registry.Resolve, registry_pb2.ResolveRequest(reference=f"{name}@9")),
+        grpc.StatusCode.NOT_FOUND,
+        "VERSION_NOT_FOUND",
+    )
+    for bad in (f"{name}@", f"{name}@0", f"{name}@Bad", "@1", "base"):
+        error = rpc_error(registry.Resolve, registry_pb2.ResolveRequest(reference=bad))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, bad
+
+
+def test_set_alias_compare_and_set(registry: Stub) -> None:
+    name = unique_name()
+    create_adapter(registry, name)
+    publish(registry, name)
+    publish(registry, name)
+    created = registry.SetAlias(
+        registry_pb2.SetAliasRequest(adapter=name, alias="stable", version=1, expected_version=0)
+    )
+    assert (created.previous_version, created.version) == (0, 1)
+    stale = registry_pb2.SetAliasRequest(adapter=name, alias="stable", version=2, expected_version=2)
+    assert_status(
+        rpc_error(registry.SetAlias, stale), grpc.StatusCode.FAILED_PRECONDITION, "VERSION_CONFLICT"
+    )
+    missing = registry_pb2.SetAliasRequest(adapter=name, alias="stable", version=99)
+    assert_status(rpc_error(registry.SetAlias, missing), grpc.StatusCode.NOT_FOUND, "VERSION_NOT_FOUND")
+    assert registry.GetAdapter(registry_pb2.GetAdapterRequest(name=name)).adapter.aliases["stable"] == 1
+    moved = registry.SetAlias(
+        registry_pb2.SetAliasRequest(adapter=name, alias="stable", version=2, expected_version=1)
+    )
+    assert (moved.previous_version, moved.version) == (1, 2)
+
+
+def test_rollback_steps_back_through_history(registry: Stub) -> None:
+    name = unique_name()
+    create_adapter(registry, name)
+    for _ in range(3):
+        publish(registry, name)
+    back = registry.Rollback(registry_pb2.RollbackRequest(adapter=name))
+    assert (back.alias, back.from_version, back.to_version) == ("latest", 3, 2)
+    back = registry.Rollback(registry_pb2.RollbackRequest(adapter=name))
+    assert (back.from_version, back.to_version) == (2, 1)
+    error = rpc_error(registry.Rollback, registry_pb2.RollbackRequest(adapter=name))
+    assert_status(error, grpc.StatusCode.FAILED_PRECONDITION, "NO_PREVIOUS_VERSION")
+    forward = registry_pb2.RollbackRequest(adapter=name, to_version=3)
+    assert_status(rpc_error(registry.Rollback, forward), grpc.StatusCode.FAILED_PRECONDITION, "NOT_OLDER")
+    # A new publish moves latest forward again; rollback to an explicit version.
+    publish(registry, name)
+    explicit = registry.Rollback(registry_pb2.RollbackRequest(adapter=name, to_version=2))
+    assert (explicit.from_version, explicit.to_version) == (4, 2)
+    assert registry.Resolve(registry_pb2.ResolveRequest(reference=name)).version.version == 2
+
+
+def test_delete_alias(registry: Stub) -> None:
+    name = unique_name()
+    create_adapter(registry, name)
+    publish(registry, name, aliases=("stable",))
+    deleted = registry.DeleteAlias(registry_pb2.DeleteAliasRequest(adapter=name, alias="stable"))
+    assert deleted.previous_version == 1
+    again = registry_pb2.DeleteAliasRequest(adapter=name, alias="stable")
+    assert_status(rpc_error(registry.DeleteAlias, again), grpc.StatusCode.NOT_FOUND, "ALIAS_NOT_FOUND")
+    latest = registry_pb2.DeleteAliasRequest(adapter=name, alias="latest")
+    assert_status(
+        rpc_error(registry.DeleteAlias, latest), grpc.StatusCode.FAILED_PRECONDITION, "ALIAS_MANAGED"
+    )
+
+
+def test_lineage_chain_with_batches(registry: Stub) -> None:
+    name = unique_name()
+    create_adapter(registry, name)
+    parent = 0
+    for step in range(3):
+        batch = registry_pb2.BatchRecord(
+            digest=f"d{step}", trace_ids=[f"trace-{step}"], step=step + 1, num_tokens=10
+        )
+        lineage = registry_pb2.Lineage(
+            parent_version=parent, trainer_step=step + 1, tokens_trained=10 * (step + 1), batches=[batch],
+            metrics={"loss:mean": 1.0 / (step + 1)},
+        )  # fmt: skip
+        uri = upload(registry, artifact_files(step))
+        response = registry.PublishVersion(
+            registry_pb2.PublishVersionRequest(adapter=name, artifact_uri=uri, lineage=lineage)
+        )
+        parent = response.version.version
+    chain = registry.GetLineage(registry_pb2.GetLineageRequest(reference=name)).chain
+    assert [v.version for v in chain] == [3, 2, 1]
+    assert [v.lineage.batches[0].trace_ids[0] for v in chain] == ["trace-2", "trace-1", "trace-0"]
+    assert chain[0].lineage.metrics["loss:mean"] == pytest.approx(1 / 3)
+    assert chain[0].published_by == "local" and chain[0].artifact_size_bytes > 0
+    short = registry.GetLineage(registry_pb2.GetLineageRequest(reference=f"{name}@3", max_depth=2)).chain
+    assert [v.version for v in short] == [3, 2]
+    orphan = registry_pb2.PublishVersionRequest(
+        adapter=name, artifact_uri=uri, lineage=registry_pb2.Lineage(parent_version=42)
+    )
+    assert_status(rpc_error(registry.PublishVersion, orphan), grpc.StatusCode.NOT_FOUND, "VERSION_NOT_FOUND")
+
+
+def test_upload_download_round_trip_and_digest_mismatch(registry: Stub) -> None:
+    files = artifact_files(99, size=3_000_000)  # several chunks, larger than one 1 MiB download chunk
+    uri = upload(registry, files)
+    messages = list(registry.DownloadArtifact(registry_pb2.DownloadArtifactRequest(artifact_uri=uri)))
+    headers = messages[0].manifest.files
+    data = b"".join(m.chunk for m in messages[1:])
+    assert [h.path for h in headers] == sorted(files)
+    assert data == b"".join(files[h.path] for h in headers)
+
+    from registryutil import upload_requests
+
+    def corrupted() -> object:
+        for i, message in enumerate(upload_requests(artifact_files(100))):
+            if i == 2:
+                message.chunk = bytes([message.chunk[0] ^ 1]) + message.chunk[1:]
+            yield message
+
+    error = rpc_error(registry.UploadArtifact, corrupted())
+    assert_status(error, grpc.StatusCode.DATA_LOSS, "DIGEST_MISMATCH")
+    unknown = registry_pb2.DownloadArtifactRequest(artifact_uri="sha256:" + "cd" * 32)
+    assert_status(
+        rpc_error(lambda: list(registry.DownloadArtifact(unknown))),
+        grpc.StatusCode.NOT_FOUND,
+        "ARTIFACT_NOT_FOUND",
+    )
+    bad = registry_pb2.DownloadArtifactRequest(artifact_uri="md5:abc")
+    assert_status(
+        rpc_error(lambda: list(registry.DownloadArtifact(bad))),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "INVALID_ARTIFACT_URI",
+    )
+
+
+def test_delete_adapter_keeps_versions_for_lineage(registry: Stub) -> None:
+    name = unique_name()
+    create_adapter(registry, name)
+    publish(registry, name)
+    registry.DeleteAdapter(registry_pb2.DeleteAdapterRequest(name=name))
+    error = rpc_error(registry.GetAdapter, registry_pb2.GetAdapterRequest(name=name))
+    assert_status(error, grpc.StatusCode.NOT_FOUND, "ADAPTER_NOT_FOUND")
+    # Re-creating the name continues its numbering: version numbers are never reused.
+    create_adapter(registry, name)
+    assert publish(registry, name).version.version == 2
+
+
+def test_watch_resumes_from_event_id_with_absolute_state(registry: Stub) -> None:
+    name = unique_name()
+    created = registry.CreateAdapter(registry_pb2.CreateAdapterRequest(name=name))
+    first = publish(registry, name)
+    publish(registry, name, aliases=("stable",))
+    registry.Rollback(registry_pb2.RollbackRequest(adapter=name))
+    stream = registry.WatchEvents(
+        registry_pb2.WatchEventsRequest(after_event_id=created.event_id, adapters=[name])
+    )
+    events = [next(stream).event for _ in range(3)]
+    stream.cancel()
+    assert [registry_pb2.EventType.Name(e.type) for e in events] == [
+        "EVENT_TYPE_VERSION_PUBLISHED", "EVENT_TYPE_VERSION_PUBLISHED", "EVENT_TYPE_ALIAS_SET",
+    ]  # fmt: skip
+    assert events[0].event_id == first.event_id
+    assert dict(events[0].aliases) == {"latest": 1}
+    assert dict(events[1].aliases) == {"latest": 2, "stable": 2}
+    assert (events[2].alias, events[2].previous_version, events[2].version, events[2].cause) == (
+        "latest",
+        2,
+        1,
+        "rollback",
+    )
+    assert dict(events[2].aliases) == {"latest": 1, "stable": 2}
+    assert events[1].artifact_sha256 and events[0].actor == "local"
+
+
+def test_watch_live_events_and_snapshot(registry: Stub) -> None:
+    name = unique_name()
+    create_adapter(registry, name)
+    publish(registry, name)
+    stream = registry.WatchEvents(registry_pb2.WatchEventsRequest(adapters=[name], send_snapshot=True))
+    snapshot = next(stream).reconcile
+    assert snapshot.reason == "requested"
+    assert [(a.adapter, dict(a.aliases)) for a in snapshot.adapters] == [(name, {"latest": 1})]
+    received: list[registry_pb2.Event] = []
+
+    def read_one() -> None:
+        received.append(next(stream).event)
+
+    reader = threading.Thread(target=read_one)
+    reader.start()
+    publish(registry, name)
+    reader.join(10)
+    stream.cancel()
+    assert received and received[0].version == 2 and dict(received[0].aliases) == {"latest": 2}
+
+
+def test_watch_rejects_bad_ids_and_patterns(registry: Stub) -> None:
+    for request in (
+        registry_pb2.WatchEventsRequest(after_event_id="yesterday"),
+        registry_pb2.WatchEventsRequest(adapters=["Bad Pattern"]),
+    ):
+        error = rpc_error(lambda r=request: next(registry.WatchEvents(r)))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_garbage_collect_keeps_last_and_aliased(registry: Stub, registry_server: object) -> None:
+    name = unique_name()
+    create_adapter(registry, name)
+    for i in range(6):
+        publish(registry, name, seed=1000 + i, aliases=("stable",) if i == 0 else ())
+    dry = registry.GarbageCollect(registry_pb2.GarbageCollectRequest(adapter=name, keep_last=2, dry_run=True))
+    assert sorted(c.version for c in dry.collected) == [2, 3, 4]
+    assert not registry.GetVersion(
+        registry_pb2.GetVersionRequest(adapter=name, version=2)
+    ).version.artifact_deleted
+    done = registry.GarbageCollect(registry_pb2.GarbageCollectRequest(adapter=name, keep_last=2))
+    assert sorted(c.version for c in done.collected) == [2, 3, 4] and done.bytes_freed > 0
+    v2 = registry.GetVersion(registry_pb2.GetVersionRequest(adapter=name, version=2)).version
+    assert v2.artifact_deleted and v2.lineage.trainer_step == 1  # record and lineage stay
+    gone = registry_pb2.DownloadArtifactRequest(artifact_uri=v2.artifact_uri)
+    assert_status(
+        rpc_error(lambda: list(registry.DownloadArtifact(gone))),
+        grpc.StatusCode.NOT_FOUND,
+        "ARTIFACT_NOT_FOUND",
+    )
+    kept = registry.GetVersion(registry_pb2.GetVersionRequest(adapter=name, version=1)).version
+    assert not kept.artifact_deleted and list(kept.aliases) == ["stable"]
+    back = registry_pb2.SetAliasRequest(adapter=name, alias="stable", version=3)
+    assert_status(rpc_error(registry.SetAlias, back), grpc.StatusCode.FAILED_PRECONDITION, "ARTIFACT_DELETED")
+    again = registry.GarbageCollect(registry_pb2.GarbageCollectRequest(adapter=name, keep_last=2))
+    assert not again.collected
+
+
+def test_shared_artifact_survives_until_last_user_collected(registry: Stub) -> None:
+    a, b = unique_name(), unique_name()
+    for name in (a, b):
+        create_adapter(registry, name)
+        publish(registry, name, seed=4242)
+        publish(registry, name)
+    registry.GarbageCollect(registry_pb2.GarbageCollectRequest(adapter=a, keep_last=1))
+    shared = registry.GetVersion(registry_pb2.GetVersionRequest(adapter=b, version=1)).version
+    assert (
+        len(
+            list(
+                registry.DownloadArtifact(
+                    registry_pb2.DownloadArtifactRequest(artifact_uri=shared.artifact_uri)
+                )
+            )
+        )
+        > 1
+    )

@@ -1,0 +1,68 @@
+"""Helpers for tests that need registry content: unique names, uploaded artifacts, published versions."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+from opentinker.v1 import common_pb2, registry_pb2, registry_pb2_grpc
+
+
+def unique_name(prefix: str = "t") -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:10]}"
+
+
+def artifact_files(seed: int = 0, size: int = 2048) -> dict[str, bytes]:
+    payload = hashlib.sha256(f"weights-{seed}".encode()).digest() * (size // 32)
+    config = json.dumps({"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"], "seed": seed}).encode()
+    return {"adapter_config.json": config, "adapter_model.safetensors": payload}
+
+
+def upload_requests(
+    files: dict[str, bytes], chunk: int = 1000
+) -> Iterator[registry_pb2.UploadArtifactRequest]:
+    headers = [
+        registry_pb2.ArtifactFileHeader(path=p, size_bytes=len(b), sha256=hashlib.sha256(b).hexdigest())
+        for p, b in files.items()
+    ]
+    yield registry_pb2.UploadArtifactRequest(manifest=registry_pb2.ArtifactManifest(files=headers))
+    data = b"".join(files.values())
+    for i in range(0, len(data), chunk):
+        yield registry_pb2.UploadArtifactRequest(chunk=data[i : i + chunk])
+
+
+def upload(stub: registry_pb2_grpc.RegistryServiceStub, files: dict[str, bytes], **kw: object) -> str:
+    response: registry_pb2.UploadArtifactResponse = stub.UploadArtifact(upload_requests(files), **kw)
+    return response.artifact_uri
+
+
+def create_adapter(
+    stub: registry_pb2_grpc.RegistryServiceStub, name: str, **kw: object
+) -> registry_pb2.Adapter:
+    request = registry_pb2.CreateAdapterRequest(name=name, lora_config=common_pb2.LoraConfig(rank=8))
+    response: registry_pb2.CreateAdapterResponse = stub.CreateAdapter(request, **kw)
+    return response.adapter
+
+
+def publish(
+    stub: registry_pb2_grpc.RegistryServiceStub,
+    name: str,
+    *,
+    seed: int | None = None,
+    parent: int = 0,
+    aliases: tuple[str, ...] = (),
+    metadata: list[tuple[str, str]] | None = None,
+    **fields: Any,
+) -> registry_pb2.PublishVersionResponse:
+    files = artifact_files(seed if seed is not None else int.from_bytes(os.urandom(4), "little"))
+    uri = upload(stub, files, metadata=metadata)
+    lineage = registry_pb2.Lineage(parent_version=parent, trainer_step=parent + 1)
+    request = registry_pb2.PublishVersionRequest(
+        adapter=name, artifact_uri=uri, lineage=lineage, aliases=list(aliases), **fields
+    )
+    response: registry_pb2.PublishVersionResponse = stub.PublishVersion(request, metadata=metadata)
+    return response
