@@ -7,9 +7,7 @@ from typing import Annotated
 
 import typer
 
-app = typer.Typer(
-    no_args_is_help=True, help="OpenTinker: train and serve many LoRA policies on one base LLM."
-)
+app = typer.Typer(no_args_is_help=True, help="OpenTinker: train and serve many LoRA policies on one base LLM.")
 
 
 @app.command("make-tiny-model")
@@ -45,8 +43,10 @@ def make_tiny_model_command(
 
 def _register_groups() -> None:
     from opentinker.registry.cli import registry_app
+    from opentinker.trainer_server.cli import trainer_app
 
     app.add_typer(registry_app, name="registry", help="Run and administer the adapter registry.")
+    app.add_typer(trainer_app, name="trainer", help="Run the trainer server.")
 
 
 _register_groups()

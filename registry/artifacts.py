@@ -297,9 +297,7 @@ class ArtifactStore:
                 raise _not_found(digest) from None
             raise
 
-    def _stream(
-        self, digest: str, verified: _Verified, chunk_size: int
-    ) -> Iterator[tuple[ArtifactFile, bytes]]:
+    def _stream(self, digest: str, verified: _Verified, chunk_size: int) -> Iterator[tuple[ArtifactFile, bytes]]:
         for entry in verified.files:
             try:
                 source = _open_nofollow(verified.directory / entry.path)
@@ -313,9 +311,7 @@ class ArtifactStore:
                 while True:
                     block = source.read(min(chunk_size, remaining)) if remaining else b""
                     if remaining and not block:
-                        raise _corrupt(
-                            digest, f"{entry.path!r} was truncated while streaming", path=entry.path
-                        )
+                        raise _corrupt(digest, f"{entry.path!r} was truncated while streaming", path=entry.path)
                     hasher.update(block)
                     remaining -= len(block)
                     if remaining:
@@ -390,9 +386,7 @@ class ArtifactWriter:
         ``expected_sha256`` (64 hex digits)."""
         self._check_open()
         if isinstance(expected_size, bool) or not isinstance(expected_size, int) or expected_size < 0:
-            raise InvalidArgument(
-                f"invalid size {expected_size!r} for {path!r}", reason="INVALID_ARTIFACT_FILE"
-            )
+            raise InvalidArgument(f"invalid size {expected_size!r} for {path!r}", reason="INVALID_ARTIFACT_FILE")
         sha = expected_sha256.lower()
         if not _HEX64.fullmatch(sha):
             raise InvalidArgument(
@@ -892,6 +886,4 @@ def _corrupt(digest: str, what: str, **metadata: str | int) -> DataLoss:
 
 
 def _not_found(digest: str) -> NotFound:
-    return NotFound(
-        f"artifact {format_uri(digest)} not found", reason="ARTIFACT_NOT_FOUND", uri=format_uri(digest)
-    )
+    return NotFound(f"artifact {format_uri(digest)} not found", reason="ARTIFACT_NOT_FOUND", uri=format_uri(digest))

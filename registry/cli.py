@@ -42,12 +42,8 @@ def serve(
     data_dir: Annotated[Path, typer.Option(help="Embedded Redis data and default artifact store.")] = Path(
         "registry-data"
     ),
-    store: Annotated[
-        Path | None, typer.Option(help="Artifact store root (default DATA_DIR/artifacts).")
-    ] = None,
-    events_maxlen: Annotated[
-        int, typer.Option(help="Approximate number of events the stream keeps.")
-    ] = 100_000,
+    store: Annotated[Path | None, typer.Option(help="Artifact store root (default DATA_DIR/artifacts).")] = None,
+    events_maxlen: Annotated[int, typer.Option(help="Approximate number of events the stream keeps.")] = 100_000,
     host: opt.Host = "127.0.0.1",
     port: opt.Port = DEFAULT_PORT,
     metrics_port: opt.MetricsPort = 0,
@@ -84,9 +80,7 @@ def serve(
         registry_pb2.DESCRIPTOR.services_by_name["RegistryService"].full_name,
         lambda server: registry_pb2_grpc.add_RegistryServiceServicer_to_server(servicer, server),
     )
-    options = opt.server_options(
-        host, port, metrics_port, tokens_file, insecure_public, tls_cert, tls_key, ready_file
-    )
+    options = opt.server_options(host, port, metrics_port, tokens_file, insecure_public, tls_cert, tls_key, ready_file)
     try:
         serve_forever("registry", [binding], options, on_stop=on_stop)
     finally:
@@ -137,9 +131,7 @@ def create(
     name: str,
     rank: Annotated[int, typer.Option(help="LoRA rank.")] = 32,
     alpha: Annotated[float, typer.Option(help="LoRA alpha (default: rank).")] = 0.0,
-    target: Annotated[
-        list[str] | None, typer.Option(help="Target modules (attn, mlp, all-linear, names).")
-    ] = None,
+    target: Annotated[list[str] | None, typer.Option(help="Target modules (attn, mlp, all-linear, names).")] = None,
     description: Annotated[str, typer.Option(help="Free text.")] = "",
     registry: RegistryAddr = DEFAULT_ADDR,
     token: Token = None,
@@ -218,9 +210,7 @@ def versions(
 
 
 @registry_app.command("show")
-def show(
-    reference: str, registry: RegistryAddr = DEFAULT_ADDR, token: Token = None, as_json: AsJson = False
-) -> None:
+def show(reference: str, registry: RegistryAddr = DEFAULT_ADDR, token: Token = None, as_json: AsJson = False) -> None:
     """Resolve a reference (name, name@alias, name@N) to its exact version."""
     with _stub(registry, token) as (stub, md):
         response = _call(lambda: stub.Resolve(registry_pb2.ResolveRequest(reference=reference), metadata=md))
@@ -231,12 +221,10 @@ def show(
     console.print(f"{reference} -> {v.adapter}@{v.version}")
     console.print(f"  aliases    {', '.join(v.aliases) or '-'}")
     console.print(
-        f"  artifact   {v.artifact_uri}{' (collected)' if v.artifact_deleted else ''}"
-        f" ({v.artifact_size_bytes} B)"
+        f"  artifact   {v.artifact_uri}{' (collected)' if v.artifact_deleted else ''} ({v.artifact_size_bytes} B)"
     )
     console.print(
-        f"  lora       rank {v.lora_config.rank} alpha {v.lora_config.alpha:g}"
-        f" {list(v.lora_config.target_modules)}"
+        f"  lora       rank {v.lora_config.rank} alpha {v.lora_config.alpha:g} {list(v.lora_config.target_modules)}"
     )
     console.print(f"  parent     {v.lineage.parent_version or '-'}  step {v.lineage.trainer_step}")
     console.print(f"  published  {_when(v.publish_time)} by {v.published_by}")
@@ -253,9 +241,7 @@ def alias_set(
     as_json: AsJson = False,
 ) -> None:
     """Point ALIAS of NAME at VERSION."""
-    request = registry_pb2.SetAliasRequest(
-        adapter=name, alias=alias, version=version, expected_version=expect
-    )
+    request = registry_pb2.SetAliasRequest(adapter=name, alias=alias, version=version, expected_version=expect)
     with _stub(registry, token) as (stub, md):
         response = _call(lambda: stub.SetAlias(request, metadata=md))
     if as_json:
@@ -330,12 +316,8 @@ def lineage(
 
 @registry_app.command("watch")
 def watch(
-    from_id: Annotated[
-        str, typer.Option("--from", help="Resume after this event id ('0': from the oldest).")
-    ] = "",
-    adapter: Annotated[
-        list[str] | None, typer.Option(help="Only these adapters ('tenant/*' patterns).")
-    ] = None,
+    from_id: Annotated[str, typer.Option("--from", help="Resume after this event id ('0': from the oldest).")] = "",
+    adapter: Annotated[list[str] | None, typer.Option(help="Only these adapters ('tenant/*' patterns).")] = None,
     count: Annotated[int, typer.Option(help="Stop after N messages (0: never).")] = 0,
     registry: RegistryAddr = DEFAULT_ADDR,
     token: Token = None,
@@ -360,11 +342,7 @@ def watch(
                 else:
                     e = message.event
                     kind = registry_pb2.EventType.Name(e.type).removeprefix("EVENT_TYPE_")
-                    detail = (
-                        f"{e.alias} {e.previous_version or '-'} -> {e.version}"
-                        if e.alias
-                        else f"v{e.version}"
-                    )
+                    detail = f"{e.alias} {e.previous_version or '-'} -> {e.version}" if e.alias else f"v{e.version}"
                     print(f"{e.event_id} {kind} {e.adapter} {detail} by {e.actor}", flush=True)
                 seen += 1
                 if count and seen >= count:
@@ -376,9 +354,7 @@ def watch(
 
 @registry_app.command("gc")
 def gc(
-    keep: Annotated[
-        int, typer.Option(help="Keep the newest K versions of each adapter (plus aliased ones).")
-    ] = 5,
+    keep: Annotated[int, typer.Option(help="Keep the newest K versions of each adapter (plus aliased ones).")] = 5,
     adapter: Annotated[str, typer.Option(help="Only this adapter.")] = "",
     dry_run: Annotated[bool, typer.Option(help="Only report.")] = False,
     registry: RegistryAddr = DEFAULT_ADDR,
@@ -402,7 +378,5 @@ def gc(
 def delete(name: str, registry: RegistryAddr = DEFAULT_ADDR, token: Token = None) -> None:
     """Delete an adapter and its aliases (admin); versions remain until gc."""
     with _stub(registry, token) as (stub, md):
-        response = _call(
-            lambda: stub.DeleteAdapter(registry_pb2.DeleteAdapterRequest(name=name), metadata=md)
-        )
+        response = _call(lambda: stub.DeleteAdapter(registry_pb2.DeleteAdapterRequest(name=name), metadata=md))
     console.print(f"deleted {name} (event {response.event_id})")

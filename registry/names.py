@@ -48,9 +48,7 @@ def check_adapter_name(name: str) -> str:
             name=name,
         )
     if name == BASE:
-        raise InvalidArgument(
-            "'base' is reserved for the base model", reason="INVALID_ADAPTER_NAME", name=name
-        )
+        raise InvalidArgument("'base' is reserved for the base model", reason="INVALID_ADAPTER_NAME", name=name)
     return name
 
 
@@ -76,9 +74,7 @@ def parse_reference(text: str) -> Reference:
     if suffix.isdigit():
         version = int(suffix)
         if version < 1:
-            raise InvalidArgument(
-                f"invalid reference {text!r}: versions start at 1", reason="INVALID_REFERENCE"
-            )
+            raise InvalidArgument(f"invalid reference {text!r}: versions start at 1", reason="INVALID_REFERENCE")
         return Reference(name, version=version)
     if not _ALIAS_RE.match(suffix):
         raise InvalidArgument(

@@ -20,7 +20,7 @@ from opentinker.rpc.errors import FailedPrecondition, InvalidArgument, Permissio
 from opentinker.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
 _EVENT_ID_RE = re.compile(r"^\d+(-\d+)?$")
-_TARGET_RE = re.compile(r"^[a-z_][a-z0-9_.]{0,127}$")
+_TARGET_RE = re.compile(r"^[a-z_][a-z0-9_.-]{0,127}$")
 MAX_REQUEST_ID = 128
 MAX_RANK = 1024
 
@@ -39,9 +39,7 @@ def check_lora_config(config: common_pb2.LoraConfig) -> None:
 
 def _check_event_id(event_id: str) -> str:
     if event_id and not _EVENT_ID_RE.match(event_id):
-        raise InvalidArgument(
-            f"invalid event id {event_id!r}: expected '<ms>-<seq>'", reason="INVALID_EVENT_ID"
-        )
+        raise InvalidArgument(f"invalid event id {event_id!r}: expected '<ms>-<seq>'", reason="INVALID_EVENT_ID")
     return event_id
 
 
@@ -60,9 +58,7 @@ def _watch_filter(principal: Principal, patterns: list[str]) -> Any:
 
 
 class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
-    def __init__(
-        self, store: RegistryStore, artifacts: ArtifactStore, *, max_artifact_bytes: int = 8 << 30
-    ) -> None:
+    def __init__(self, store: RegistryStore, artifacts: ArtifactStore, *, max_artifact_bytes: int = 8 << 30) -> None:
         self.store = store
         self.artifacts = artifacts
         self.max_artifact_bytes = max_artifact_bytes
@@ -75,9 +71,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         name = check_adapter_name(request.name)
         principal = require_access(name)
         if principal.tenant is not None and not principal.is_admin and "/" not in name:
-            raise PermissionDenied(
-                f"tenant {principal.tenant!r} must create adapters as '{principal.tenant}/...'"
-            )
+            raise PermissionDenied(f"tenant {principal.tenant!r} must create adapters as '{principal.tenant}/...'")
         check_lora_config(request.lora_config)
         adapter = registry_pb2.Adapter(
             name=name,
@@ -109,9 +103,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
     async def DeleteAdapter(self, request: registry_pb2.DeleteAdapterRequest, context: Context) -> Any:
         name = check_adapter_name(request.name)
         principal = require_admin("DeleteAdapter")
-        return registry_pb2.DeleteAdapterResponse(
-            event_id=await self.store.delete_adapter(name, principal.actor)
-        )
+        return registry_pb2.DeleteAdapterResponse(event_id=await self.store.delete_adapter(name, principal.actor))
 
     # Versions
 
@@ -120,9 +112,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         principal = require_access(name)
         digest = parse_uri(request.artifact_uri)
         if request.artifact_sha256 and request.artifact_sha256 != digest:
-            raise InvalidArgument(
-                "artifact_sha256 does not match artifact_uri", reason="INVALID_ARTIFACT_URI"
-            )
+            raise InvalidArgument("artifact_sha256 does not match artifact_uri", reason="INVALID_ARTIFACT_URI")
         aliases = [check_alias(a) for a in request.aliases]
         if len(request.request_id) > MAX_REQUEST_ID:
             raise InvalidArgument(f"request_id longer than {MAX_REQUEST_ID}", reason="INVALID_REQUEST_ID")
@@ -146,9 +136,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
             aliases=aliases,
             skip_latest=request.skip_latest,
             request_id=request.request_id,
-            expected_latest=request.expected_latest_version
-            if request.HasField("expected_latest_version")
-            else None,
+            expected_latest=request.expected_latest_version if request.HasField("expected_latest_version") else None,
         )
         return registry_pb2.PublishVersionResponse(version=published, event_id=event_id)
 
@@ -197,9 +185,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         alias = check_alias(request.alias)
         principal = require_access(name)
         if alias == LATEST:
-            raise FailedPrecondition(
-                "'latest' is managed by publishes and cannot be deleted", reason="ALIAS_MANAGED"
-            )
+            raise FailedPrecondition("'latest' is managed by publishes and cannot be deleted", reason="ALIAS_MANAGED")
         expected = request.expected_version if request.HasField("expected_version") else None
         previous, event_id = await self.store.delete_alias(name, alias, expected, principal.actor)
         return registry_pb2.DeleteAliasResponse(previous_version=previous, event_id=event_id)
@@ -218,22 +204,16 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         else:
             move = await self.store.move_alias(name, alias, 0, expected, principal.actor, "rollback")
         previous, version, event_id = move
-        return registry_pb2.RollbackResponse(
-            alias=alias, from_version=previous, to_version=version, event_id=event_id
-        )
+        return registry_pb2.RollbackResponse(alias=alias, from_version=previous, to_version=version, event_id=event_id)
 
     async def GetLineage(self, request: registry_pb2.GetLineageRequest, context: Context) -> Any:
         ref = parse_reference(request.reference)
         require_access(ref.adapter)
-        return registry_pb2.GetLineageResponse(
-            chain=await self.store.lineage(request.reference, request.max_depth)
-        )
+        return registry_pb2.GetLineageResponse(chain=await self.store.lineage(request.reference, request.max_depth))
 
     # Events
 
-    async def WatchEvents(
-        self, request: registry_pb2.WatchEventsRequest, context: Context
-    ) -> AsyncIterator[Any]:
+    async def WatchEvents(self, request: registry_pb2.WatchEventsRequest, context: Context) -> AsyncIterator[Any]:
         after = _check_event_id(request.after_event_id)
         patterns = [_check_watch_pattern(p) for p in request.adapters]
         visible = _watch_filter(current_principal(), patterns)
@@ -269,9 +249,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
     async def GarbageCollect(self, request: registry_pb2.GarbageCollectRequest, context: Context) -> Any:
         principal = require_admin("GarbageCollect")
         keep_last = request.keep_last or 5
-        names = (
-            [check_adapter_name(request.adapter)] if request.adapter else await self.store.all_adapter_names()
-        )
+        names = [check_adapter_name(request.adapter)] if request.adapter else await self.store.all_adapter_names()
         response = registry_pb2.GarbageCollectResponse()
         for name in names:
             numbers = await self.store.all_version_numbers(name)
@@ -309,9 +287,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
                 kind = message.WhichOneof("message")
                 if kind == "manifest":
                     if writer is not None:
-                        raise InvalidArgument(
-                            "the manifest must be sent once, first", reason="INVALID_UPLOAD"
-                        )
+                        raise InvalidArgument("the manifest must be sent once, first", reason="INVALID_UPLOAD")
                     headers = list(message.manifest.files)
                     if sum(h.size_bytes for h in headers) > self.max_artifact_bytes:
                         raise InvalidArgument(
@@ -328,9 +304,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
                         while remaining == 0:
                             index += 1
                             if index >= len(headers):
-                                raise InvalidArgument(
-                                    "more bytes than the manifest declares", reason="INVALID_UPLOAD"
-                                )
+                                raise InvalidArgument("more bytes than the manifest declares", reason="INVALID_UPLOAD")
                             header = headers[index]
                             writer.add_file(header.path, header.size_bytes, header.sha256)
                             remaining = header.size_bytes
@@ -343,9 +317,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
                 index += 1
                 writer.add_file(headers[index].path, 0, headers[index].sha256)
             if remaining or index + 1 != len(headers):
-                raise InvalidArgument(
-                    "upload ended before every declared byte arrived", reason="INVALID_UPLOAD"
-                )
+                raise InvalidArgument("upload ended before every declared byte arrived", reason="INVALID_UPLOAD")
             ref = await asyncio.to_thread(writer.commit)
         except BaseException:
             if writer is not None:
@@ -356,14 +328,16 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         )
 
     async def DownloadArtifact(self, request: registry_pb2.DownloadArtifactRequest, context: Context) -> Any:
-        uri = format_uri(parse_uri(request.artifact_uri))
+        digest = parse_uri(request.artifact_uri)
+        uri = format_uri(digest)
+        principal = current_principal()
+        if not principal.is_admin and not any(map(principal.can_access, await self.store.artifact_users(digest))):
+            # Content addresses are guessable only in theory; still, tenants read only their own versions.
+            raise PermissionDenied("no version you can access uses this artifact", artifact=uri)
         files = await asyncio.to_thread(self.artifacts.manifest, uri)
         yield registry_pb2.DownloadArtifactResponse(
             manifest=registry_pb2.ArtifactManifest(
-                files=[
-                    registry_pb2.ArtifactFileHeader(path=f.path, size_bytes=f.size, sha256=f.sha256)
-                    for f in files
-                ]
+                files=[registry_pb2.ArtifactFileHeader(path=f.path, size_bytes=f.size, sha256=f.sha256) for f in files]
             )
         )
         for _file, chunk in self.artifacts.iter_chunks(uri):

@@ -127,9 +127,7 @@ class RegistryStore:
 
     @classmethod
     def from_url(cls, url: str, *, events_maxlen: int = 100_000) -> RegistryStore:
-        client = aioredis.Redis.from_url(
-            url, decode_responses=False, socket_timeout=10, socket_connect_timeout=5
-        )
+        client = aioredis.Redis.from_url(url, decode_responses=False, socket_timeout=10, socket_connect_timeout=5)
         return cls(client, events_maxlen=events_maxlen)
 
     async def close(self) -> None:
@@ -141,9 +139,7 @@ class RegistryStore:
 
     # Adapters
 
-    async def create_adapter(
-        self, adapter: registry_pb2.Adapter, actor: str
-    ) -> tuple[registry_pb2.Adapter, str]:
+    async def create_adapter(self, adapter: registry_pb2.Adapter, actor: str) -> tuple[registry_pb2.Adapter, str]:
         name = adapter.name
         record = registry_pb2.Adapter()
         record.CopyFrom(adapter)
@@ -249,9 +245,7 @@ class RegistryStore:
         version.aliases.extend(sorted(_text(a) for a, v in aliases.items() if int(v) == number))
         return version
 
-    async def list_versions(
-        self, name: str, page_size: int, page_token: str
-    ) -> tuple[list[registry_pb2.Version], str]:
+    async def list_versions(self, name: str, page_size: int, page_token: str) -> tuple[list[registry_pb2.Version], str]:
         await self.get_adapter(name)
         size = _page_size(page_size)
         high = "+inf"
@@ -271,9 +265,7 @@ class RegistryStore:
     async def resolve(self, reference: str) -> registry_pb2.Version:
         ref = parse_reference(reference)
         if ref.is_base:
-            raise InvalidArgument(
-                "'base' is the base model, not a registry adapter", reason="INVALID_REFERENCE"
-            )
+            raise InvalidArgument("'base' is the base model, not a registry adapter", reason="INVALID_REFERENCE")
         if ref.version is not None:
             await self.get_adapter(ref.adapter)
             return await self.get_version(ref.adapter, ref.version)
@@ -350,6 +342,12 @@ class RegistryStore:
         remaining = int(await self._run("COLLECT_VERSION", keys, args))
         return None if remaining < 0 else remaining
 
+    async def artifact_users(self, sha256: str) -> list[str]:
+        """Adapters with a live version that uses this artifact."""
+        with _redis_errors():
+            members: Any = await self.redis.smembers(_refs_key(sha256))
+        return sorted({_text(m).rsplit("@", 1)[0] for m in members})
+
     async def all_version_numbers(self, name: str) -> list[int]:
         with _redis_errors():
             numbers: Any = await self.redis.zrevrange(f"{_adapter_key(name)}:versions", 0, -1)
@@ -395,9 +393,7 @@ class RegistryStore:
             for name in names:
                 aliases = await self.redis.hgetall(f"{_adapter_key(name)}:aliases")
                 snapshot.append(
-                    registry_pb2.AdapterAliases(
-                        adapter=name, aliases={_text(a): int(v) for a, v in aliases.items()}
-                    )
+                    registry_pb2.AdapterAliases(adapter=name, aliases={_text(a): int(v) for a, v in aliases.items()})
                 )
         return snapshot
 
@@ -429,9 +425,7 @@ def _text(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-async def aiter_events(
-    store: RegistryStore, after_id: str, block_ms: int = 1000
-) -> AsyncIterator[EventRecord]:
+async def aiter_events(store: RegistryStore, after_id: str, block_ms: int = 1000) -> AsyncIterator[EventRecord]:
     """Every event after after_id, forever (blocking reads)."""
     cursor = after_id
     while True:

@@ -18,9 +18,7 @@ TokensFile = Annotated[
 InsecurePublic = Annotated[bool, typer.Option(help="Allow binding a public address without authentication.")]
 TlsCert = Annotated[Path | None, typer.Option(help="PEM certificate chain for TLS.", exists=True)]
 TlsKey = Annotated[Path | None, typer.Option(help="PEM private key for TLS.", exists=True)]
-ReadyFile = Annotated[
-    Path | None, typer.Option(help="Write {address, metrics_address} JSON here once serving.")
-]
+ReadyFile = Annotated[Path | None, typer.Option(help="Write {address, metrics_address} JSON here once serving.")]
 LogLevel = Annotated[str, typer.Option(help="Logging level.")]
 
 

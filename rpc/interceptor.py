@@ -23,9 +23,7 @@ from opentinker.rpc.errors import Internal, ServiceError, Unauthenticated
 
 log = logging.getLogger("opentinker.rpc")
 
-RPC_REQUESTS = Counter(
-    "opentinker_rpc_requests_total", "RPCs handled, by method and status code", ["method", "code"]
-)
+RPC_REQUESTS = Counter("opentinker_rpc_requests_total", "RPCs handled, by method and status code", ["method", "code"])
 RPC_SECONDS = Histogram(
     "opentinker_rpc_duration_seconds",
     "RPC handling time (streams: until the last message)",
@@ -91,9 +89,7 @@ def _record(method: str, started: float, code: grpc.StatusCode) -> None:
 
 
 @contextlib.asynccontextmanager
-async def _rpc_scope(
-    method: str, principal: Principal | ServiceError, context: _Context
-) -> AsyncIterator[None]:
+async def _rpc_scope(method: str, principal: Principal | ServiceError, context: _Context) -> AsyncIterator[None]:
     """Run one RPC's handler as `principal`, map what it raises to a status, record metrics."""
     started = time.perf_counter()
     code = grpc.StatusCode.OK
@@ -149,9 +145,5 @@ def _wrap(handler: Handler, method: str, principal: Principal | ServiceError) ->
         raise AssertionError("unreachable: the scope aborts on error")
 
     if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(
-            unary, handler.request_deserializer, handler.response_serializer
-        )
-    return grpc.unary_unary_rpc_method_handler(
-        unary, handler.request_deserializer, handler.response_serializer
-    )
+        return grpc.stream_unary_rpc_method_handler(unary, handler.request_deserializer, handler.response_serializer)
+    return grpc.unary_unary_rpc_method_handler(unary, handler.request_deserializer, handler.response_serializer)

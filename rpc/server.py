@@ -101,9 +101,7 @@ def _free_port(host: str) -> int:
         return int(sock.getsockname()[1])
 
 
-async def start_server(
-    component: str, bindings: Sequence[ServiceBinding], options: ServerOptions
-) -> RunningServer:
+async def start_server(component: str, bindings: Sequence[ServiceBinding], options: ServerOptions) -> RunningServer:
     tokens = TokenTable.load(options.tokens_file)
     _check_exposure(options, tokens)
     server = aio.server(
@@ -125,9 +123,7 @@ async def start_server(
 
     target = f"[{options.host}]:{options.port}" if ":" in options.host else f"{options.host}:{options.port}"
     if options.tls_cert is not None and options.tls_key is not None:
-        credentials = grpc.ssl_server_credentials(
-            [(options.tls_key.read_bytes(), options.tls_cert.read_bytes())]
-        )
+        credentials = grpc.ssl_server_credentials([(options.tls_key.read_bytes(), options.tls_cert.read_bytes())])
         port = server.add_secure_port(target, credentials)
     else:
         port = server.add_insecure_port(target)
@@ -148,8 +144,7 @@ async def start_server(
     running = RunningServer(server, health, address, metrics_address, names)
     log.info("%s serving on %s (metrics %s)", component, address, metrics_address)
     print(
-        f"opentinker {component} serving on {address}"
-        + (f", metrics on {metrics_address}" if metrics_address else ""),
+        f"opentinker {component} serving on {address}" + (f", metrics on {metrics_address}" if metrics_address else ""),
         flush=True,
     )
     if options.ready_file is not None:

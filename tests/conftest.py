@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
-from serverproc import ServerProcess, opentinker_command
+from serverproc import ServerProcess, start_registry, start_trainer
 
 from opentinker.registry.embedded_redis import EmbeddedRedis
-from opentinker.v1 import registry_pb2_grpc
+from opentinker.v1 import registry_pb2_grpc, trainer_pb2_grpc
 
 # Nothing in the test suite may reach a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -27,18 +28,9 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedR
 
 
 @pytest.fixture(scope="session")
-def registry_server(
-    redis_server: EmbeddedRedis, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[ServerProcess]:
+def registry_server(redis_server: EmbeddedRedis, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """One registry process for the session, on the private Redis, with its own artifact store."""
-    workdir = tmp_path_factory.mktemp("registry")
-    server = ServerProcess(
-        opentinker_command(
-            "registry", "serve", "--redis-url", redis_server.url, "--store", str(workdir / "artifacts"),
-            "--port", "0", "--data-dir", str(workdir),
-        ),
-        workdir,
-    )  # fmt: skip
+    server = start_registry(tmp_path_factory.mktemp("registry"), "--redis-url", redis_server.url)
     yield server
     assert server.terminate() == 0, server.log()
 
@@ -52,3 +44,28 @@ def registry_channel(registry_server: ServerProcess) -> Iterator[grpc.Channel]:
 @pytest.fixture(scope="session")
 def registry(registry_channel: grpc.Channel) -> registry_pb2_grpc.RegistryServiceStub:
     return registry_pb2_grpc.RegistryServiceStub(registry_channel)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny qwen2 model every server test loads (written once per session)."""
+    from opentinker.client.tiny_model import TinyModelSpec, make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen2", TinyModelSpec(arch="qwen2", seed=0))
+
+
+@pytest.fixture(scope="session")
+def trainer_server(
+    tiny_model: Path, registry_server: ServerProcess, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    """One trainer process for the session, sharing the registry's artifact store."""
+    workdir = tmp_path_factory.mktemp("trainer")
+    server = start_trainer(workdir, tiny_model, registry_server)
+    yield server
+    assert server.terminate() == 0, server.log()
+
+
+@pytest.fixture(scope="session")
+def trainer(trainer_server: ServerProcess) -> Iterator[trainer_pb2_grpc.TrainerServiceStub]:
+    with grpc.insecure_channel(trainer_server.address) as channel:
+        yield trainer_pb2_grpc.TrainerServiceStub(channel)

@@ -22,9 +22,7 @@ def artifact_files(seed: int = 0, size: int = 2048) -> dict[str, bytes]:
     return {"adapter_config.json": config, "adapter_model.safetensors": payload}
 
 
-def upload_requests(
-    files: dict[str, bytes], chunk: int = 1000
-) -> Iterator[registry_pb2.UploadArtifactRequest]:
+def upload_requests(files: dict[str, bytes], chunk: int = 1000) -> Iterator[registry_pb2.UploadArtifactRequest]:
     headers = [
         registry_pb2.ArtifactFileHeader(path=p, size_bytes=len(b), sha256=hashlib.sha256(b).hexdigest())
         for p, b in files.items()
@@ -40,9 +38,7 @@ def upload(stub: registry_pb2_grpc.RegistryServiceStub, files: dict[str, bytes],
     return response.artifact_uri
 
 
-def create_adapter(
-    stub: registry_pb2_grpc.RegistryServiceStub, name: str, **kw: object
-) -> registry_pb2.Adapter:
+def create_adapter(stub: registry_pb2_grpc.RegistryServiceStub, name: str, **kw: object) -> registry_pb2.Adapter:
     request = registry_pb2.CreateAdapterRequest(name=name, lora_config=common_pb2.LoraConfig(rank=8))
     response: registry_pb2.CreateAdapterResponse = stub.CreateAdapter(request, **kw)
     return response.adapter

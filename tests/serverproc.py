@@ -14,9 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 class ServerProcess:
-    def __init__(
-        self, args: list[str], workdir: Path, *, timeout: float = 60.0, env: dict[str, str] | None = None
-    ):
+    def __init__(self, args: list[str], workdir: Path, *, timeout: float = 60.0, env: dict[str, str] | None = None):
         workdir.mkdir(parents=True, exist_ok=True)
         self.ready_file = workdir / "ready.json"
         self.ready_file.unlink(missing_ok=True)
@@ -61,3 +59,33 @@ class ServerProcess:
 
 def opentinker_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "opentinker.client.cli", *args]
+
+
+def start_registry(workdir: Path, *extra: str, env: dict[str, str] | None = None) -> ServerProcess:
+    """A registry process; without --redis-url in extra it runs its own embedded Redis under workdir."""
+    args = opentinker_command(
+        "registry",
+        "serve",
+        "--port",
+        "0",
+        "--data-dir",
+        str(workdir),
+        "--store",
+        str(workdir / "artifacts"),
+        *extra,
+    )
+    return ServerProcess(args, workdir, env=env)
+
+
+def registry_store(registry: ServerProcess) -> Path:
+    return registry.ready_file.parent / "artifacts"
+
+
+def start_trainer(workdir: Path, model: Path, registry: ServerProcess, *extra: str) -> ServerProcess:
+    """A trainer process on the given model, sharing the registry's artifact store."""
+    args = opentinker_command(
+        "trainer", "serve", "--model", str(model), "--registry", registry.address,
+        "--store", str(registry_store(registry)), "--port", "0", "--device", "cpu",
+        "--spill-dir", str(workdir / "spill"), *extra,
+    )  # fmt: skip
+    return ServerProcess(args, workdir, timeout=120)

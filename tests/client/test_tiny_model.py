@@ -51,9 +51,7 @@ def _hf_offline() -> Iterator[None]:
 
 
 @pytest.fixture(scope="module", params=ARCHS)
-def built(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, _hf_offline: None
-) -> Built:
+def built(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, _hf_offline: None) -> Built:
     arch: Arch = request.param
     spec = TinyModelSpec(arch=arch, seed=0)
     root = tmp_path_factory.mktemp(f"tiny-{arch}")
@@ -136,9 +134,7 @@ def test_tokenizer_round_trips_unicode(built: Built) -> None:
         assert raw.encode(text, add_special_tokens=False).ids == ids, repr(text)
     # The normaliser is NFC (as Qwen's), so decomposed input decodes to its composed form.
     decomposed = "cafe\u0301"
-    assert tok.decode(tok.encode(decomposed, add_special_tokens=False)) == unicodedata.normalize(
-        "NFC", decomposed
-    )
+    assert tok.decode(tok.encode(decomposed, add_special_tokens=False)) == unicodedata.normalize("NFC", decomposed)
     # Every single byte value is encodable (ByteLevel initial alphabet) and no id is out of range.
     all_bytes = bytes(range(256)).decode("latin-1")
     ids = tok.encode(all_bytes, add_special_tokens=False)
@@ -158,9 +154,7 @@ def test_chat_template(built: Built) -> None:
 
     # {% generation %} markers: the mask covers assistant content plus its <|im_end|> (so the model learns
     # to stop), and nothing else.
-    out = tok.apply_chat_template(
-        MESSAGES, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-    )
+    out = tok.apply_chat_template(MESSAGES, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
     ids: list[int] = list(out["input_ids"])
     mask: list[int] = list(out["assistant_masks"])
     assert len(ids) == len(mask)
@@ -191,9 +185,7 @@ def test_logits_finite(built: Built) -> None:
     tok: Any = AutoTokenizer.from_pretrained(built.dir_a)
     model: Any = AutoModelForCausalLM.from_pretrained(built.dir_a)
     model.eval()
-    input_ids = torch.tensor(
-        [tok.apply_chat_template(MESSAGES, tokenize=True, return_dict=True)["input_ids"]]
-    )
+    input_ids = torch.tensor([tok.apply_chat_template(MESSAGES, tokenize=True, return_dict=True)["input_ids"]])
     with torch.no_grad():
         logits = model(input_ids=input_ids).logits
     assert logits.shape == (1, input_ids.shape[1], built.spec.vocab_size)

@@ -54,12 +54,8 @@ def test_generated_modules_import_and_define_services() -> None:
         sampler_pb2.DESCRIPTOR.services_by_name["SamplerService"],
     }
     methods = {s.name: {m.name for m in s.methods} for s in services}
-    assert {"PublishVersion", "WatchEvents", "Rollback", "GetLineage", "GarbageCollect"} <= methods[
-        "RegistryService"
-    ]
-    assert {"ForwardBackward", "OptimStep", "SaveSnapshot", "SaveState", "LoadState"} <= methods[
-        "TrainerService"
-    ]
+    assert {"PublishVersion", "WatchEvents", "Rollback", "GetLineage", "GarbageCollect"} <= methods["RegistryService"]
+    assert {"ForwardBackward", "OptimStep", "SaveSnapshot", "SaveState", "LoadState"} <= methods["TrainerService"]
     assert {"Sample", "ComputeLogprobs", "LoadAdapter", "ListLoaded", "GetStats"} <= methods["SamplerService"]
     assert registry_pb2.DESCRIPTOR.GetOptions().go_package.endswith(";opentinkerv1")
 

@@ -45,9 +45,7 @@ def write_peft_folder(folder: Path, seed: int = 0) -> Path:
 
 
 def folder_bytes(folder: Path) -> dict[str, bytes]:
-    return {
-        path.relative_to(folder).as_posix(): path.read_bytes() for path in folder.rglob("*") if path.is_file()
-    }
+    return {path.relative_to(folder).as_posix(): path.read_bytes() for path in folder.rglob("*") if path.is_file()}
 
 
 def objects(store: ArtifactStore) -> list[str]:
@@ -107,8 +105,7 @@ def test_commit_dir_round_trip(store: ArtifactStore, peft_dir: Path) -> None:
         "adapter_model.safetensors",
     ]
     assert store.manifest(ref.uri) == [
-        ArtifactFile(name, hashlib.sha256(data).hexdigest(), len(data))
-        for name, data in sorted(stored.items())
+        ArtifactFile(name, hashlib.sha256(data).hexdigest(), len(data)) for name, data in sorted(stored.items())
     ]
     assert store.ref(ref.sha256) == ref
     assert store.exists(ref.uri)
@@ -232,9 +229,7 @@ def swap_in_symlink(directory: Path) -> None:
         swap_in_symlink,
     ],
 )
-def test_corruption_is_data_loss(
-    store: ArtifactStore, peft_dir: Path, corrupt: Callable[[Path], None]
-) -> None:
+def test_corruption_is_data_loss(store: ArtifactStore, peft_dir: Path, corrupt: Callable[[Path], None]) -> None:
     ref = store.commit_dir(peft_dir)
     corrupt(store.path(ref.uri))
     error = assert_data_loss(lambda: store.path(ref.uri))
@@ -313,9 +308,7 @@ def test_overlapping_paths_are_rejected(store: ArtifactStore) -> None:
     assert objects(store) == []
 
 
-def test_commit_dir_rejects_symlinks_and_empty_sources(
-    store: ArtifactStore, peft_dir: Path, tmp_path: Path
-) -> None:
+def test_commit_dir_rejects_symlinks_and_empty_sources(store: ArtifactStore, peft_dir: Path, tmp_path: Path) -> None:
     (peft_dir / "link.json").symlink_to(peft_dir / "adapter_config.json")
     with pytest.raises(InvalidArgument) as caught:
         store.commit_dir(peft_dir)

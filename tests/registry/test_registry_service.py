@@ -61,18 +61,14 @@ def test_versions_contiguous_and_rejections_burn_no_number(registry: Stub) -> No
     error = rpc_error(lambda: publish(registry, name, expected_latest_version=7))
     assert_status(error, grpc.StatusCode.FAILED_PRECONDITION, "VERSION_CONFLICT")
     missing = registry_pb2.PublishVersionRequest(adapter=name, artifact_uri="sha256:" + "ab" * 32)
-    assert_status(
-        rpc_error(registry.PublishVersion, missing), grpc.StatusCode.NOT_FOUND, "ARTIFACT_NOT_FOUND"
-    )
+    assert_status(rpc_error(registry.PublishVersion, missing), grpc.StatusCode.NOT_FOUND, "ARTIFACT_NOT_FOUND")
     error = rpc_error(lambda: publish(registry, name, aliases=("Bad Alias",)))
     assert_status(error, grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ALIAS")
     second = publish(registry, name, parent=1, expected_latest_version=1).version
     assert second.version == 2
     assert list(second.aliases) == ["latest"]
     adapter = registry.GetAdapter(registry_pb2.GetAdapterRequest(name=name)).adapter
-    assert (
-        adapter.latest_version == 2 and adapter.version_count == 2 and dict(adapter.aliases) == {"latest": 2}
-    )
+    assert adapter.latest_version == 2 and adapter.version_count == 2 and dict(adapter.aliases) == {"latest": 2}
 
 
 def test_publish_moves_extra_aliases_and_can_skip_latest(registry: Stub) -> None:
@@ -95,12 +91,13 @@ def test_publish_is_idempotent_by_request_id(registry: Stub) -> None:
     assert registry.GetAdapter(registry_pb2.GetAdapterRequest(name=name)).adapter.version_count == 1
 
 
-def test_parallel_publishers_get_unique_contiguous_numbers(registry_server: object, registry: Stub) -> None:
+def test_16_parallel_publishers_get_contiguous_numbers(registry: Stub) -> None:
     name = unique_name()
     create_adapter(registry, name)
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        numbers = list(pool.map(lambda i: publish(registry, name, seed=i).version.version, range(24)))
-    assert sorted(numbers) == list(range(1, 25))
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        numbers = list(pool.map(lambda i: publish(registry, name, seed=i).version.version, range(48)))
+    assert sorted(numbers) == list(range(1, 49))
+    assert registry.Resolve(registry_pb2.ResolveRequest(reference=name)).version.version == 48
 
 
 def test_list_versions_newest_first_paged(registry: Stub) -> None:
@@ -111,18 +108,14 @@ def test_list_versions_newest_first_paged(registry: Stub) -> None:
     seen: list[int] = []
     token = ""
     while True:
-        response = registry.ListVersions(
-            registry_pb2.ListVersionsRequest(adapter=name, page_size=2, page_token=token)
-        )
+        response = registry.ListVersions(registry_pb2.ListVersionsRequest(adapter=name, page_size=2, page_token=token))
         seen.extend(v.version for v in response.versions)
         token = response.next_page_token
         if not token:
             break
     assert seen == [5, 4, 3, 2, 1]
     bad = registry_pb2.ListVersionsRequest(adapter=name, page_token="!!not-a-token")
-    assert_status(
-        rpc_error(registry.ListVersions, bad), grpc.StatusCode.INVALID_ARGUMENT, "INVALID_PAGE_TOKEN"
-    )
+    assert_status(rpc_error(registry.ListVersions, bad), grpc.StatusCode.INVALID_ARGUMENT, "INVALID_PAGE_TOKEN")
 
 
 def test_list_adapters_by_prefix_paged(registry: Stub) -> None:
@@ -152,9 +145,7 @@ def test_resolve_references(registry: Stub) -> None:
     publish(registry, name)
 
     def resolve(reference: str) -> int:
-        response: registry_pb2.ResolveResponse = registry.Resolve(
-            registry_pb2.ResolveRequest(reference=reference)
-        )
+        response: registry_pb2.ResolveResponse = registry.Resolve(registry_pb2.ResolveRequest(reference=reference))
         assert response.resolved.reference == reference
         assert response.resolved.artifact_sha256 == response.version.artifact_sha256
         number: int = response.version.version
@@ -184,15 +175,11 @@ def test_set_alias_compare_and_set(registry: Stub) -> None:
     )
     assert (created.previous_version, created.version) == (0, 1)
     stale = registry_pb2.SetAliasRequest(adapter=name, alias="stable", version=2, expected_version=2)
-    assert_status(
-        rpc_error(registry.SetAlias, stale), grpc.StatusCode.FAILED_PRECONDITION, "VERSION_CONFLICT"
-    )
+    assert_status(rpc_error(registry.SetAlias, stale), grpc.StatusCode.FAILED_PRECONDITION, "VERSION_CONFLICT")
     missing = registry_pb2.SetAliasRequest(adapter=name, alias="stable", version=99)
     assert_status(rpc_error(registry.SetAlias, missing), grpc.StatusCode.NOT_FOUND, "VERSION_NOT_FOUND")
     assert registry.GetAdapter(registry_pb2.GetAdapterRequest(name=name)).adapter.aliases["stable"] == 1
-    moved = registry.SetAlias(
-        registry_pb2.SetAliasRequest(adapter=name, alias="stable", version=2, expected_version=1)
-    )
+    moved = registry.SetAlias(registry_pb2.SetAliasRequest(adapter=name, alias="stable", version=2, expected_version=1))
     assert (moved.previous_version, moved.version) == (1, 2)
 
 
@@ -225,9 +212,7 @@ def test_delete_alias(registry: Stub) -> None:
     again = registry_pb2.DeleteAliasRequest(adapter=name, alias="stable")
     assert_status(rpc_error(registry.DeleteAlias, again), grpc.StatusCode.NOT_FOUND, "ALIAS_NOT_FOUND")
     latest = registry_pb2.DeleteAliasRequest(adapter=name, alias="latest")
-    assert_status(
-        rpc_error(registry.DeleteAlias, latest), grpc.StatusCode.FAILED_PRECONDITION, "ALIAS_MANAGED"
-    )
+    assert_status(rpc_error(registry.DeleteAlias, latest), grpc.StatusCode.FAILED_PRECONDITION, "ALIAS_MANAGED")
 
 
 def test_lineage_chain_with_batches(registry: Stub) -> None:
@@ -235,9 +220,7 @@ def test_lineage_chain_with_batches(registry: Stub) -> None:
     create_adapter(registry, name)
     parent = 0
     for step in range(3):
-        batch = registry_pb2.BatchRecord(
-            digest=f"d{step}", trace_ids=[f"trace-{step}"], step=step + 1, num_tokens=10
-        )
+        batch = registry_pb2.BatchRecord(digest=f"d{step}", trace_ids=[f"trace-{step}"], step=step + 1, num_tokens=10)
         lineage = registry_pb2.Lineage(
             parent_version=parent, trainer_step=step + 1, tokens_trained=10 * (step + 1), batches=[batch],
             metrics={"loss:mean": 1.0 / (step + 1)},
@@ -311,9 +294,7 @@ def test_watch_resumes_from_event_id_with_absolute_state(registry: Stub) -> None
     first = publish(registry, name)
     publish(registry, name, aliases=("stable",))
     registry.Rollback(registry_pb2.RollbackRequest(adapter=name))
-    stream = registry.WatchEvents(
-        registry_pb2.WatchEventsRequest(after_event_id=created.event_id, adapters=[name])
-    )
+    stream = registry.WatchEvents(registry_pb2.WatchEventsRequest(after_event_id=created.event_id, adapters=[name]))
     events = [next(stream).event for _ in range(3)]
     stream.cancel()
     assert [registry_pb2.EventType.Name(e.type) for e in events] == [
@@ -369,9 +350,7 @@ def test_garbage_collect_keeps_last_and_aliased(registry: Stub, registry_server:
         publish(registry, name, seed=1000 + i, aliases=("stable",) if i == 0 else ())
     dry = registry.GarbageCollect(registry_pb2.GarbageCollectRequest(adapter=name, keep_last=2, dry_run=True))
     assert sorted(c.version for c in dry.collected) == [2, 3, 4]
-    assert not registry.GetVersion(
-        registry_pb2.GetVersionRequest(adapter=name, version=2)
-    ).version.artifact_deleted
+    assert not registry.GetVersion(registry_pb2.GetVersionRequest(adapter=name, version=2)).version.artifact_deleted
     done = registry.GarbageCollect(registry_pb2.GarbageCollectRequest(adapter=name, keep_last=2))
     assert sorted(c.version for c in done.collected) == [2, 3, 4] and done.bytes_freed > 0
     v2 = registry.GetVersion(registry_pb2.GetVersionRequest(adapter=name, version=2)).version
@@ -399,12 +378,5 @@ def test_shared_artifact_survives_until_last_user_collected(registry: Stub) -> N
     registry.GarbageCollect(registry_pb2.GarbageCollectRequest(adapter=a, keep_last=1))
     shared = registry.GetVersion(registry_pb2.GetVersionRequest(adapter=b, version=1)).version
     assert (
-        len(
-            list(
-                registry.DownloadArtifact(
-                    registry_pb2.DownloadArtifactRequest(artifact_uri=shared.artifact_uri)
-                )
-            )
-        )
-        > 1
+        len(list(registry.DownloadArtifact(registry_pb2.DownloadArtifactRequest(artifact_uri=shared.artifact_uri)))) > 1
     )

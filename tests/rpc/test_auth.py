@@ -41,9 +41,7 @@ def stub(secured: ServerProcess) -> Iterator[registry_pb2_grpc.RegistryServiceSt
         yield registry_pb2_grpc.RegistryServiceStub(channel)
 
 
-def call_get(
-    stub: registry_pb2_grpc.RegistryServiceStub, name: str, token: str | None
-) -> registry_pb2.Adapter:
+def call_get(stub: registry_pb2_grpc.RegistryServiceStub, name: str, token: str | None) -> registry_pb2.Adapter:
     metadata = [("authorization", f"Bearer {token}")] if token is not None else None
     response: registry_pb2.GetAdapterResponse = stub.GetAdapter(
         registry_pb2.GetAdapterRequest(name=name), metadata=metadata
@@ -64,9 +62,7 @@ def test_missing_or_invalid_token_is_unauthenticated(
 
 def test_malformed_authorization_header(stub: registry_pb2_grpc.RegistryServiceStub) -> None:
     with pytest.raises(grpc.RpcError) as caught:
-        stub.GetAdapter(
-            registry_pb2.GetAdapterRequest(name="team-a/known"), metadata=[("authorization", "tok-a")]
-        )
+        stub.GetAdapter(registry_pb2.GetAdapterRequest(name="team-a/known"), metadata=[("authorization", "tok-a")])
     assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 

@@ -90,9 +90,7 @@ def test_reflection_lists_services(toy: ServerProcess) -> None:
     assert {"opentinker.v1.RegistryService", "grpc.health.v1.Health"} <= services
 
 
-def test_metrics_endpoint_counts_rpcs(
-    registry_stub: registry_pb2_grpc.RegistryServiceStub, toy: ServerProcess
-) -> None:
+def test_metrics_endpoint_counts_rpcs(registry_stub: registry_pb2_grpc.RegistryServiceStub, toy: ServerProcess) -> None:
     with pytest.raises(grpc.RpcError):
         registry_stub.GetAdapter(registry_pb2.GetAdapterRequest(name="team-a/missing"))
     assert toy.metrics_address is not None

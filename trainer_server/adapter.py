@@ -1,0 +1,168 @@
+"""One adapter's training state: its own LoRA parameters, AdamW, step, RNG and data ledger.
+
+`params` is the explicit, ordered parameter list the optimizer was built from; nothing here is found by
+scanning modules for requires_grad, so a step of one adapter cannot touch another's weights.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from opentinker.trainer_server.base_model import LoraWeights, ModuleShape
+from opentinker.v1 import common_pb2, registry_pb2
+
+# Tinker's AdamParams defaults.
+DEFAULT_ADAM = common_pb2.AdamParams(learning_rate=1e-4, beta1=0.9, beta2=0.95, eps=1e-12)
+PEFT_PREFIX = "base_model.model."
+
+
+def adam_or_default(params: common_pb2.AdamParams | None) -> common_pb2.AdamParams:
+    filled = common_pb2.AdamParams()
+    filled.CopyFrom(DEFAULT_ADAM)
+    if params is not None:
+        for descriptor, value in params.ListFields():
+            setattr(filled, descriptor.name, value)
+    return filled
+
+
+@dataclass(slots=True)
+class Ledger:
+    """What the adapter was trained on: every batch since the last snapshot plus running totals."""
+
+    batches: list[registry_pb2.BatchRecord] = field(default_factory=list)
+    tokens_trained: int = 0
+    datums_trained: int = 0
+    pending: list[registry_pb2.BatchRecord] = field(default_factory=list)  # awaiting the next optim step
+
+    def to_json(self) -> str:
+        from google.protobuf.json_format import MessageToDict
+
+        return json.dumps({
+            "batches": [MessageToDict(b) for b in self.batches],
+            "pending": [MessageToDict(b) for b in self.pending],
+            "tokens_trained": self.tokens_trained,
+            "datums_trained": self.datums_trained,
+        }, sort_keys=True)  # fmt: skip
+
+    @classmethod
+    def from_json(cls, text: str) -> Ledger:
+        from google.protobuf.json_format import ParseDict
+
+        data = json.loads(text)
+        return cls(
+            batches=[ParseDict(b, registry_pb2.BatchRecord()) for b in data["batches"]],
+            pending=[ParseDict(b, registry_pb2.BatchRecord()) for b in data["pending"]],
+            tokens_trained=int(data["tokens_trained"]),
+            datums_trained=int(data["datums_trained"]),
+        )
+
+
+@dataclass(slots=True)
+class AdapterState:
+    name: str
+    lora: common_pb2.LoraConfig
+    adam: common_pb2.AdamParams
+    seed: int
+    modules: dict[str, LoraWeights]
+    generator: torch.Generator
+    optimizer: torch.optim.AdamW
+    step: int = 0
+    ledger: Ledger = field(default_factory=Ledger)
+    last_snapshot_version: int = 0
+    create_time: float = field(default_factory=time.time)
+    resident: bool = True
+    # Offloaded weights, gradients and AdamW moments while not resident on a GPU (None: on disk or resident).
+    offloaded: dict[str, object] | None = None
+    last_used: float = field(default_factory=time.monotonic)
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return [p for weights in self.modules.values() for p in (weights.a, weights.b)]
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.params)
+
+    def has_gradients(self) -> bool:
+        return any(p.grad is not None for p in self.params)
+
+    def peft_state_dict(self) -> dict[str, torch.Tensor]:
+        """Weights under peft's key names, so PeftModel.from_pretrained loads the snapshot."""
+        tensors: dict[str, torch.Tensor] = {}
+        for name, weights in sorted(self.modules.items()):
+            tensors[f"{PEFT_PREFIX}{name}.lora_A.weight"] = weights.a.detach().to("cpu", torch.float32).contiguous()
+            tensors[f"{PEFT_PREFIX}{name}.lora_B.weight"] = weights.b.detach().to("cpu", torch.float32).contiguous()
+        return tensors
+
+    def load_peft_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+        expected = {f"{PEFT_PREFIX}{n}.lora_{x}.weight" for n in self.modules for x in ("A", "B")}
+        missing, extra = expected - tensors.keys(), tensors.keys() - expected
+        if missing or extra:
+            raise ValueError(
+                f"adapter weights do not match the config: missing {sorted(missing)[:3]}, extra {sorted(extra)[:3]}"
+            )
+        with torch.no_grad():
+            for name, weights in self.modules.items():
+                weights.a.copy_(tensors[f"{PEFT_PREFIX}{name}.lora_A.weight"])
+                weights.b.copy_(tensors[f"{PEFT_PREFIX}{name}.lora_B.weight"])
+
+    def peft_config(self, base_model_path: str) -> dict[str, object]:
+        leaves = sorted({n.rsplit(".", 1)[-1] for n in self.modules})
+        return {
+            "base_model_name_or_path": base_model_path,
+            "bias": "none",
+            "fan_in_fan_out": False,
+            "inference_mode": True,
+            "init_lora_weights": True,
+            "lora_alpha": self.lora.alpha,
+            "lora_dropout": self.lora.dropout,
+            "modules_to_save": None,
+            "peft_type": "LORA",
+            "r": self.lora.rank,
+            "target_modules": leaves,
+            "task_type": "CAUSAL_LM",
+            "use_dora": False,
+            "use_rslora": False,
+        }
+
+
+def new_adapter(
+    name: str,
+    lora: common_pb2.LoraConfig,
+    adam: common_pb2.AdamParams,
+    seed: int,
+    shapes: dict[str, ModuleShape],
+    device: torch.device,
+) -> AdapterState:
+    """Fresh LoRA weights from the adapter's seed: A kaiming-uniform (as peft), B zero (delta starts at 0)."""
+    generator = torch.Generator(device=device)  # init and dropout masks; saved with the state
+    generator.manual_seed(seed)
+    scaling = lora.alpha / lora.rank
+    modules: dict[str, LoraWeights] = {}
+    for module_name, shape in shapes.items():
+        a = torch.empty(lora.rank, shape.d_in, device=device)
+        bound = 1.0 / math.sqrt(shape.d_in)  # kaiming_uniform(a=sqrt(5)) bound for fan_in d_in
+        a.uniform_(-bound, bound, generator=generator)
+        b = torch.zeros(shape.d_out, lora.rank, device=device)
+        modules[module_name] = LoraWeights(
+            a=nn.Parameter(a),
+            b=nn.Parameter(b),
+            scaling=scaling,
+            dropout=lora.dropout,
+            generator=generator if lora.dropout > 0 else None,
+        )
+    params = [p for w in modules.values() for p in (w.a, w.b)]
+    optimizer = torch.optim.AdamW(
+        params,
+        lr=adam.learning_rate,
+        betas=(adam.beta1, adam.beta2),
+        eps=adam.eps,
+        weight_decay=adam.weight_decay,
+    )
+    return AdapterState(name, lora, adam, seed, modules, generator, optimizer)

@@ -1,0 +1,182 @@
+"""The frozen base model with a LoRA hook in every targetable Linear.
+
+Each targetable `nn.Linear` is replaced by a `LoraLinear` that holds the frozen base layer and, only while an
+adapter's compute runs, a reference to that adapter's A/B tensors. Adapters never own modules of the base
+model and never touch its `requires_grad` flags, so no optimizer can pick up another adapter's parameters
+(the peft "active adapter" bug class): each adapter keeps its own explicit parameter list.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from opentinker.rpc.errors import InvalidArgument
+from opentinker.v1 import common_pb2
+
+# Leaf names of the Llama-family projections, by group.
+ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+SUPPORTED_ARCHITECTURES = ("qwen2", "qwen3", "llama", "mistral")
+
+
+@dataclass(slots=True)
+class LoraWeights:
+    """One adapter's tensors for one module: y += scaling * dropout(x) A^T B^T."""
+
+    a: nn.Parameter  # [r, d_in]
+    b: nn.Parameter  # [d_out, r]
+    scaling: float
+    dropout: float
+    generator: torch.Generator | None  # the adapter's own RNG, for dropout masks
+
+
+class LoraLinear(nn.Module):
+    def __init__(self, base: nn.Linear) -> None:
+        super().__init__()
+        self.base = base
+        self.active: LoraWeights | None = None
+
+    @property
+    def in_features(self) -> int:
+        return self.base.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.base.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y: torch.Tensor = self.base(x)  # [..., d_out]
+        lora = self.active
+        if lora is None:
+            return y
+        h = x.to(lora.a.dtype)
+        if lora.dropout > 0 and self.training:
+            keep = 1.0 - lora.dropout
+            mask = torch.empty_like(h).bernoulli_(keep, generator=lora.generator)
+            h = h * mask / keep
+        delta = (h @ lora.a.T) @ lora.b.T  # [..., r] -> [..., d_out], rank-sized intermediate in fp32
+        out: torch.Tensor = y + (delta * lora.scaling).to(y.dtype)
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class ModuleShape:
+    d_in: int
+    d_out: int
+
+
+class BaseModel:
+    """HF causal LM, frozen, with LoraLinear hooks; compute happens on one thread at a time."""
+
+    def __init__(self, model_path: str, *, device: str = "cpu", dtype: str = "float32") -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(model_path)
+        if config.model_type not in SUPPORTED_ARCHITECTURES:
+            raise InvalidArgument(
+                f"unsupported architecture {config.model_type!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}",
+                reason="UNSUPPORTED_ARCHITECTURE",
+            )
+        torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+        self.model_path = model_path
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.model: Any = cast(Any, AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype))
+        self.model.to(self.device)
+        self.model.eval()
+        for parameter in self.model.parameters():
+            parameter.requires_grad_(False)
+        self.config = config
+        self.vocab_size = int(config.vocab_size)
+        self.max_positions = int(config.max_position_embeddings)
+        self.hooks: dict[str, LoraLinear] = {}
+        self._inject()
+        self.digest = model_digest(Path(model_path)) if Path(model_path).is_dir() else model_path
+
+    def _inject(self) -> None:
+        targets = set(ATTN_MODULES + MLP_MODULES)
+        for name, module in list(self.model.named_modules()):
+            for child_name, child in list(module.named_children()):
+                if isinstance(child, nn.Linear) and child_name in targets:
+                    hook = LoraLinear(child)
+                    setattr(module, child_name, hook)
+                    self.hooks[f"{name}.{child_name}" if name else child_name] = hook
+
+    def module_shapes(self) -> dict[str, ModuleShape]:
+        return {name: ModuleShape(h.in_features, h.out_features) for name, h in self.hooks.items()}
+
+    def resolve_targets(self, requested: list[str]) -> list[str]:
+        """Target spec ("attn", "mlp", "all-linear", leaf names) -> full module paths."""
+        leaves: set[str] = set()
+        for item in requested or ["all-linear"]:
+            if item == "all-linear":
+                leaves.update(ATTN_MODULES + MLP_MODULES)
+            elif item == "attn":
+                leaves.update(ATTN_MODULES)
+            elif item == "mlp":
+                leaves.update(MLP_MODULES)
+            elif item in ATTN_MODULES + MLP_MODULES:
+                leaves.add(item)
+            else:
+                raise InvalidArgument(
+                    f"unknown LoRA target module {item!r}: use attn, mlp, all-linear or one of "
+                    f"{', '.join(ATTN_MODULES + MLP_MODULES)}",
+                    reason="INVALID_LORA_CONFIG",
+                    field="lora_config.target_modules",
+                )
+        return [name for name in self.hooks if name.rsplit(".", 1)[-1] in leaves]
+
+    @contextlib.contextmanager
+    def activate(self, weights: Mapping[str, LoraWeights], *, training: bool) -> Iterator[None]:
+        """Routes every hooked module to this adapter's weights for the duration of one computation."""
+        for name, hook in self.hooks.items():
+            hook.active = weights.get(name)
+            hook.train(training)
+        try:
+            yield
+        finally:
+            for hook in self.hooks.values():
+                hook.active = None
+                hook.train(False)
+
+    def info(self) -> common_pb2.BaseModelInfo:
+        return common_pb2.BaseModelInfo(
+            model=self.model_path,
+            model_digest=self.digest,
+            architecture=str(self.config.model_type),
+            vocab_size=self.vocab_size,
+            hidden_size=int(self.config.hidden_size),
+            num_layers=int(self.config.num_hidden_layers),
+            max_position_embeddings=self.max_positions,
+            dtype=self.dtype,
+            device=str(self.device),
+            lora_target_modules=sorted({n.rsplit(".", 1)[-1] for n in self.hooks}),
+        )
+
+
+def model_digest(model_dir: Path) -> str:
+    """sha256 over the weight and config files: adapters record it so a mismatched base is refused."""
+    digest = hashlib.sha256()
+    for path in sorted(model_dir.iterdir()):
+        if path.is_file() and (path.suffix in (".safetensors", ".bin") or path.name == "config.json"):
+            digest.update(path.name.encode())
+            with path.open("rb") as handle:
+                for block in iter(lambda: handle.read(1 << 20), b""):
+                    digest.update(block)
+    return digest.hexdigest()
+
+
+def pick_device(requested: str) -> str:
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise InvalidArgument("--device cuda requested but CUDA is not available", reason="NO_CUDA")
+    return requested

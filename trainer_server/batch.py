@@ -1,0 +1,124 @@
+"""Datums (protos) -> validated tensors. Every check runs before any compute, so a rejected request
+changes nothing; errors name the field and the datum index."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from opentinker.rpc.errors import InvalidArgument
+from opentinker.trainer_server.losses import required_inputs
+from opentinker.v1 import common_pb2
+
+MAX_DATUMS = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    input_ids: torch.Tensor  # [B, T] right-padded
+    attention_mask: torch.Tensor  # [B, T]
+    lengths: list[int]  # valid positions per datum
+    targets: torch.Tensor  # [N] target token of every valid position, datums concatenated
+    inputs: dict[str, torch.Tensor]  # loss inputs, each [N] float32
+    digest: str  # sha256 over tokens and loss inputs (the ledger's batch id)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.targets.numel())
+
+
+def tokens_of(model_input: common_pb2.ModelInput) -> list[int]:
+    tokens: list[int] = []
+    for chunk in model_input.chunks:
+        tokens.extend(chunk.encoded_text.tokens)
+    return tokens
+
+
+def _values(datum_index: int, key: str, tensor: common_pb2.TensorData, length: int) -> list[float] | list[int]:
+    field = f"datums[{datum_index}].loss_fn_inputs[{key!r}]"
+    values: list[float] | list[int]
+    if tensor.dtype == common_pb2.D_TYPE_INT64 or (tensor.int64_values and not tensor.float32_values):
+        values = list(tensor.int64_values)
+    else:
+        values = list(tensor.float32_values)
+    shape = list(tensor.shape)
+    if shape and (len(shape) != 1 or shape[0] != len(values)):
+        raise InvalidArgument(f"{field}: shape {shape} does not match its {len(values)} values", reason="INVALID_DATUM",
+                              field=field, datum=datum_index)  # fmt: skip
+    if len(values) != length:
+        raise InvalidArgument(
+            f"{field} has {len(values)} values but model_input has {length} tokens",
+            reason="INVALID_DATUM", field=field, datum=datum_index,
+        )  # fmt: skip
+    if any(not math.isfinite(v) for v in values):
+        raise InvalidArgument(f"{field} contains NaN or inf", reason="INVALID_DATUM", field=field, datum=datum_index)
+    return values
+
+
+def build_batch(
+    datums: Sequence[common_pb2.Datum], loss_fn: str, *, vocab_size: int, max_positions: int, pad_id: int
+) -> Batch:
+    if not datums:
+        raise InvalidArgument("empty batch: send at least one datum", reason="EMPTY_BATCH", field="datums")
+    if len(datums) > MAX_DATUMS:
+        raise InvalidArgument(f"at most {MAX_DATUMS} datums per request", reason="BATCH_TOO_LARGE", field="datums")
+    needed = required_inputs(loss_fn)
+    sequences: list[list[int]] = []
+    targets: list[int] = []
+    inputs: dict[str, list[float]] = {key: [] for key in needed if key != "target_tokens"}
+    digest = hashlib.sha256(loss_fn.encode())
+    for index, datum in enumerate(datums):
+        tokens = tokens_of(datum.model_input)
+        if not tokens:
+            raise InvalidArgument(f"datums[{index}].model_input is empty", reason="INVALID_DATUM",
+                                  field=f"datums[{index}].model_input", datum=index)  # fmt: skip
+        if len(tokens) > max_positions:
+            raise InvalidArgument(
+                f"datums[{index}] has {len(tokens)} tokens; the model's limit is {max_positions}",
+                reason="SEQUENCE_TOO_LONG", field=f"datums[{index}].model_input", datum=index,
+            )  # fmt: skip
+        unknown = sorted(set(datum.loss_fn_inputs) - set(needed) - {"weights", "logprobs", "advantages"})
+        if unknown:
+            raise InvalidArgument(f"datums[{index}].loss_fn_inputs has unknown keys {unknown}", reason="INVALID_DATUM",
+                                  field=f"datums[{index}].loss_fn_inputs", datum=index)  # fmt: skip
+        for key in needed:
+            if key not in datum.loss_fn_inputs:
+                raise InvalidArgument(
+                    f"datums[{index}].loss_fn_inputs lacks {key!r}, required by {loss_fn}",
+                    reason="INVALID_DATUM", field=f"datums[{index}].loss_fn_inputs[{key!r}]", datum=index,
+                )  # fmt: skip
+        datum_targets = [
+            int(t) for t in _values(index, "target_tokens", datum.loss_fn_inputs["target_tokens"], len(tokens))
+        ]
+        for label, ids in (("model_input", tokens), ("loss_fn_inputs['target_tokens']", datum_targets)):
+            bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise InvalidArgument(
+                    f"datums[{index}].{label} has token id {bad} outside the vocabulary [0, {vocab_size})",
+                    reason="TOKEN_OUT_OF_RANGE", field=f"datums[{index}].{label}", datum=index,
+                )  # fmt: skip
+        sequences.append(tokens)
+        targets.extend(datum_targets)
+        digest.update(repr((tokens, datum_targets)).encode())
+        for key, column in inputs.items():
+            values = [float(v) for v in _values(index, key, datum.loss_fn_inputs[key], len(tokens))]
+            column.extend(values)
+            digest.update(f"{key}:{values!r}".encode())
+    width = max(len(s) for s in sequences)
+    input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, tokens in enumerate(sequences):
+        input_ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        attention_mask[row, : len(tokens)] = 1
+    return Batch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        lengths=[len(s) for s in sequences],
+        targets=torch.tensor(targets, dtype=torch.long),
+        inputs={key: torch.tensor(values, dtype=torch.float32) for key, values in inputs.items()},
+        digest=digest.hexdigest(),
+    )

@@ -1,0 +1,80 @@
+"""Compute scheduling: one compute thread; FIFO per adapter; round-robin across adapters.
+
+A request's payload is fully received and validated before it is queued, so a slow client never holds
+the compute thread, and an adapter with a long queue cannot starve the others: after each job its adapter
+goes to the back of the ready ring.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class _Job:
+    fn: Callable[[], Any]
+    future: asyncio.Future[Any]
+
+
+class AdapterScheduler:
+    def __init__(self) -> None:
+        self._queues: dict[str, collections.deque[_Job]] = {}
+        self._ring: collections.deque[str] = collections.deque()
+        self._wakeup = asyncio.Event()
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainer-compute")
+        self._task: asyncio.Task[None] | None = None
+        self.completed = 0
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._dispatch())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        self._executor.shutdown(wait=True)
+
+    @property
+    def queued(self) -> int:
+        return sum(len(q) for q in self._queues.values())
+
+    async def run(self, adapter: str, fn: Callable[[], T]) -> T:
+        """Queue fn behind the adapter's earlier requests; returns its result (or raises its error)."""
+        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        queue = self._queues.setdefault(adapter, collections.deque())
+        queue.append(_Job(fn, future))
+        if len(queue) == 1:
+            self._ring.append(adapter)
+        self._wakeup.set()
+        return await future
+
+    async def _dispatch(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            while self._ring:
+                adapter = self._ring.popleft()
+                queue = self._queues[adapter]
+                job = queue.popleft()
+                if queue:
+                    self._ring.append(adapter)
+                else:
+                    del self._queues[adapter]
+                if job.future.cancelled():  # the client gave up while queued: skip the work
+                    continue
+                try:
+                    result = await loop.run_in_executor(self._executor, job.fn)
+                except Exception as exc:
+                    if not job.future.cancelled():
+                        job.future.set_exception(exc)
+                else:
+                    if not job.future.cancelled():
+                        job.future.set_result(result)
+                self.completed += 1

@@ -1,0 +1,336 @@
+"""TrainerService: validate and authorize in the handler, compute through the scheduler, publish through
+the registry. Handlers read top to bottom: check input -> queue on the adapter's lane -> build the reply."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Iterable
+from typing import Any, TypeVar
+
+import grpc
+
+from opentinker.registry.artifacts import ArtifactStore
+from opentinker.registry.names import check_adapter_name, parse_reference
+from opentinker.rpc.auth import current_principal, require_access
+from opentinker.rpc.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ServiceError,
+    Unavailable,
+    error_info,
+)
+from opentinker.trainer_server.adapter import AdapterState
+from opentinker.trainer_server.batch import build_batch
+from opentinker.trainer_server.losses import LOSS_FNS, resolve_config
+from opentinker.trainer_server.scheduler import AdapterScheduler
+from opentinker.trainer_server.trainer import StepOutput, Trainer, check_adam, check_lora
+from opentinker.v1 import common_pb2, registry_pb2, registry_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+
+Context = Any  # grpc.aio.ServicerContext; untyped in the generated stubs
+T = TypeVar("T")
+UPLOAD_CHUNK = 1 << 20
+
+_BY_CODE: dict[grpc.StatusCode, type[ServiceError]] = {cls.code: cls for cls in ServiceError.__subclasses__()}
+
+
+async def registry_call(call: Awaitable[T]) -> T:
+    """A registry RPC; its failure becomes ours with the same code and reason (UNAVAILABLE if unreachable)."""
+    try:
+        return await call
+    except grpc.aio.AioRpcError as exc:
+        info = error_info(exc)
+        if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            raise Unavailable(f"registry unavailable: {exc.details()}", reason="REGISTRY_UNAVAILABLE") from None
+        error = _BY_CODE.get(exc.code(), Unavailable)
+        raise error(f"registry: {exc.details()}", reason=info.reason if info else None) from None
+
+
+def adapter_message(state: AdapterState) -> trainer_pb2.TrainingAdapter:
+    message = trainer_pb2.TrainingAdapter(
+        name=state.name, lora_config=state.lora, adam_params=state.adam, seed=state.seed, step=state.step,
+        tokens_trained=state.ledger.tokens_trained, datums_trained=state.ledger.datums_trained,
+        pending_batches=len(state.ledger.pending), last_snapshot_version=state.last_snapshot_version,
+        num_parameters=state.num_parameters, resident=state.resident,
+    )  # fmt: skip
+    message.create_time.FromSeconds(int(state.create_time))
+    return message
+
+
+def _outputs(result: StepOutput) -> list[trainer_pb2.LossFnOutput]:
+    return [
+        trainer_pb2.LossFnOutput(
+            tensors={
+                "logprobs": common_pb2.TensorData(dtype=common_pb2.D_TYPE_FLOAT32, shape=[len(row)], float32_values=row)
+            }
+        )
+        for row in result.logprobs
+    ]
+
+
+class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
+    def __init__(
+        self,
+        trainer: Trainer,
+        scheduler: AdapterScheduler,
+        registry: registry_pb2_grpc.RegistryServiceStub,
+        *,
+        registry_metadata: list[tuple[str, str]] | None = None,
+        max_batch_tokens: int = 1 << 20,
+    ) -> None:
+        self.trainer = trainer
+        self.scheduler = scheduler
+        self.registry = registry
+        self.metadata = registry_metadata
+        self.max_batch_tokens = max_batch_tokens
+
+    def _known(self, name: str) -> str:
+        check_adapter_name(name)
+        require_access(name)
+        self.trainer.get(name)
+        return name
+
+    async def GetTrainerInfo(self, request: trainer_pb2.GetTrainerInfoRequest, context: Context) -> Any:
+        return trainer_pb2.GetTrainerInfoResponse(
+            base_model=self.trainer.base.info(),
+            loss_fns=sorted(LOSS_FNS),
+            max_resident_adapters=self.trainer.max_resident,
+        )
+
+    # Adapters
+
+    async def CreateAdapter(self, request: trainer_pb2.TrainerServiceCreateAdapterRequest, context: Context) -> Any:
+        name = check_adapter_name(request.name)
+        require_access(name)
+        check_lora(request.lora_config)
+        self.trainer.base.resolve_targets(list(request.lora_config.target_modules))
+        adam = request.adam_params if request.HasField("adam_params") else None
+        if adam is not None:
+            check_adam(adam)
+        if name in self.trainer.adapters:
+            raise AlreadyExists(f"adapter {name!r} already exists in this trainer", reason="ADAPTER_EXISTS")
+        base_digest = self.trainer.base.digest
+        init_version = await self._resolve_init(request.init_from) if request.init_from else None
+        create = registry_pb2.CreateAdapterRequest(
+            name=name,
+            lora_config=request.lora_config,
+            base_model_digest=base_digest,
+            labels=dict(request.labels),
+        )
+        try:
+            await registry_call(self.registry.CreateAdapter(create, metadata=self.metadata))
+        except AlreadyExists:
+            if not request.attach_existing:
+                raise AlreadyExists(
+                    f"adapter {name!r} exists in the registry; pass attach_existing to train it here",
+                    reason="ADAPTER_EXISTS",
+                ) from None
+            existing = await registry_call(
+                self.registry.GetAdapter(registry_pb2.GetAdapterRequest(name=name), metadata=self.metadata)
+            )
+            if existing.adapter.base_model_digest and existing.adapter.base_model_digest != base_digest:
+                raise FailedPrecondition(f"adapter {name!r} was trained on another base model",
+                                         reason="BASE_MODEL_MISMATCH") from None  # fmt: skip
+        state = await self.scheduler.run(
+            name, lambda: self.trainer.create(name, request.lora_config, adam, request.seed)
+        )
+        try:
+            if init_version is not None:
+                await self._ensure_local(init_version.artifact_uri)
+                await self.scheduler.run(name, lambda: self.trainer.load_snapshot(name, init_version.artifact_uri))
+                if init_version.adapter == name:
+                    state.last_snapshot_version = init_version.version
+            if request.resume_state:
+                await self.scheduler.run(name, lambda: self.trainer.load_state(name, request.resume_state))
+        except BaseException:
+            await self.scheduler.run(name, lambda: self.trainer.delete(name))
+            raise
+        return trainer_pb2.TrainerServiceCreateAdapterResponse(adapter=adapter_message(state))
+
+    async def _resolve_init(self, reference: str) -> registry_pb2.Version:
+        ref = parse_reference(reference)
+        require_access(ref.adapter)
+        response = await registry_call(
+            self.registry.Resolve(registry_pb2.ResolveRequest(reference=reference), metadata=self.metadata)
+        )
+        if response.version.artifact_deleted:
+            raise FailedPrecondition(f"{reference} was garbage-collected", reason="ARTIFACT_DELETED")
+        version: registry_pb2.Version = response.version
+        return version
+
+    async def _ensure_local(self, uri: str) -> None:
+        """Snapshots live in the shared store; a trainer on another host fetches them from the registry."""
+        store: ArtifactStore = self.trainer.artifacts
+        if store.exists(uri):
+            return
+        writer = store.begin()
+        try:
+            headers: list[registry_pb2.ArtifactFileHeader] = []
+            index, remaining = -1, 0
+            stream = self.registry.DownloadArtifact(
+                registry_pb2.DownloadArtifactRequest(artifact_uri=uri), metadata=self.metadata
+            )
+            async for message in _registry_stream(stream):
+                if message.WhichOneof("message") == "manifest":
+                    headers = list(message.manifest.files)
+                    continue
+                data = message.chunk
+                while data or (remaining == 0 and index + 1 < len(headers) and headers[index + 1].size_bytes == 0):
+                    if remaining == 0:
+                        index += 1
+                        writer.add_file(headers[index].path, headers[index].size_bytes, headers[index].sha256)
+                        remaining = headers[index].size_bytes
+                    take = min(remaining, len(data))
+                    writer.write(data[:take])
+                    data, remaining = data[take:], remaining - take
+            await asyncio.to_thread(writer.commit)
+        finally:
+            writer.abort()
+
+    async def GetAdapter(self, request: trainer_pb2.TrainerServiceGetAdapterRequest, context: Context) -> Any:
+        name = self._known(request.name)
+        return trainer_pb2.TrainerServiceGetAdapterResponse(adapter=adapter_message(self.trainer.get(name)))
+
+    async def ListAdapters(self, request: trainer_pb2.TrainerServiceListAdaptersRequest, context: Context) -> Any:
+        principal = current_principal()
+        states = [
+            s
+            for n, s in sorted(self.trainer.adapters.items())
+            if n.startswith(request.prefix) and principal.can_access(n)
+        ]
+        return trainer_pb2.TrainerServiceListAdaptersResponse(adapters=[adapter_message(s) for s in states])
+
+    async def DeleteAdapter(self, request: trainer_pb2.TrainerServiceDeleteAdapterRequest, context: Context) -> Any:
+        name = self._known(request.name)
+        await self.scheduler.run(name, lambda: self.trainer.delete(name))
+        return trainer_pb2.TrainerServiceDeleteAdapterResponse()
+
+    # Training
+
+    def _batch(self, datums: Iterable[common_pb2.Datum], loss_fn: str, config: dict[str, float]) -> Any:
+        base = self.trainer.base
+        batch = build_batch(list(datums), loss_fn, vocab_size=base.vocab_size, max_positions=base.max_positions,
+                            pad_id=self.trainer.pad_id)  # fmt: skip
+        if batch.num_tokens > self.max_batch_tokens:
+            raise InvalidArgument(f"batch has {batch.num_tokens} tokens; the limit is {self.max_batch_tokens}",
+                                  reason="BATCH_TOO_LARGE", field="datums")  # fmt: skip
+        return batch
+
+    async def ForwardBackward(self, request: trainer_pb2.ForwardBackwardRequest, context: Context) -> Any:
+        name = self._known(request.adapter)
+        config = resolve_config(request.loss_fn, dict(request.loss_fn_config))
+        batch = await asyncio.to_thread(self._batch, request.datums, request.loss_fn, config)
+        trace_ids = list(request.trace_ids)
+        result = await self.scheduler.run(
+            name, lambda: self.trainer.forward_backward(name, batch, request.loss_fn, config, trace_ids)
+        )
+        return trainer_pb2.ForwardBackwardResponse(
+            loss_fn_outputs=_outputs(result), metrics=result.metrics, batch_digest=batch.digest,
+            step=self.trainer.get(name).step + 1,
+        )  # fmt: skip
+
+    async def Forward(self, request: trainer_pb2.ForwardRequest, context: Context) -> Any:
+        name = self._known(request.adapter)
+        loss_fn = request.loss_fn or "cross_entropy"
+        config = resolve_config(loss_fn, dict(request.loss_fn_config))
+        batch = await asyncio.to_thread(self._batch, request.datums, loss_fn, config)
+        result = await self.scheduler.run(name, lambda: self.trainer.forward(name, batch, loss_fn, config))
+        return trainer_pb2.ForwardResponse(loss_fn_outputs=_outputs(result), metrics=result.metrics)
+
+    async def OptimStep(self, request: trainer_pb2.OptimStepRequest, context: Context) -> Any:
+        name = self._known(request.adapter)
+        adam = request.adam_params if request.HasField("adam_params") else None
+        if adam is not None:
+            check_adam(adam)
+        step, metrics = await self.scheduler.run(name, lambda: self.trainer.optim_step(name, adam))
+        return trainer_pb2.OptimStepResponse(step=step, metrics=metrics)
+
+    # Snapshots and states
+
+    async def SaveSnapshot(self, request: trainer_pb2.SaveSnapshotRequest, context: Context) -> Any:
+        name = self._known(request.adapter)
+        aliases = list(request.aliases)
+
+        def write() -> tuple[Any, registry_pb2.Lineage]:
+            state = self.trainer.get(name)
+            ref = self.trainer.write_snapshot(name)
+            lineage = registry_pb2.Lineage(
+                parent_version=state.last_snapshot_version, trainer_step=state.step,
+                tokens_trained=state.ledger.tokens_trained, datums_trained=state.ledger.datums_trained,
+                batches=list(state.ledger.batches), metrics=dict(request.metrics),
+                base_model_digest=self.trainer.base.digest,
+            )  # fmt: skip
+            return ref, lineage
+
+        ref, lineage = await self.scheduler.run(name, write)
+        publish = registry_pb2.PublishVersionRequest(
+            adapter=name, artifact_uri=ref.uri, artifact_sha256=ref.sha256, artifact_size_bytes=ref.size_bytes,
+            lora_config=self.trainer.get(name).lora, lineage=lineage, aliases=aliases,
+            skip_latest=request.skip_latest, request_id=request.request_id,
+        )  # fmt: skip
+        try:
+            response = await registry_call(self.registry.PublishVersion(publish, metadata=self.metadata))
+        except NotFound as exc:
+            if exc.reason != "ARTIFACT_NOT_FOUND":
+                raise
+            await self._upload(ref.uri)  # the registry uses another store: send the files
+            response = await registry_call(self.registry.PublishVersion(publish, metadata=self.metadata))
+
+        def record() -> None:
+            state = self.trainer.get(name)
+            del state.ledger.batches[: len(lineage.batches)]  # those now belong to the version's lineage
+            state.last_snapshot_version = response.version.version
+
+        await self.scheduler.run(name, record)
+        return trainer_pb2.SaveSnapshotResponse(version=response.version, event_id=response.event_id)
+
+    async def _upload(self, uri: str) -> None:
+        store = self.trainer.artifacts
+
+        def requests() -> list[registry_pb2.UploadArtifactRequest]:
+            files = store.manifest(uri)
+            out = [
+                registry_pb2.UploadArtifactRequest(
+                    manifest=registry_pb2.ArtifactManifest(
+                        files=[
+                            registry_pb2.ArtifactFileHeader(path=f.path, size_bytes=f.size, sha256=f.sha256)
+                            for f in files
+                        ]
+                    )
+                )
+            ]
+            out.extend(
+                registry_pb2.UploadArtifactRequest(chunk=chunk) for _f, chunk in store.iter_chunks(uri, UPLOAD_CHUNK)
+            )
+            return out  # fmt: skip
+
+        messages = await asyncio.to_thread(requests)
+        await registry_call(self.registry.UploadArtifact(iter(messages), metadata=self.metadata))
+
+    async def SaveState(self, request: trainer_pb2.SaveStateRequest, context: Context) -> Any:
+        name = self._known(request.adapter)
+        label = request.label or "state"
+        ref = await self.scheduler.run(name, lambda: self.trainer.save_state(name, label))
+        return trainer_pb2.SaveStateResponse(
+            state_id=ref.uri, step=self.trainer.get(name).step, size_bytes=ref.size_bytes
+        )
+
+    async def LoadState(self, request: trainer_pb2.LoadStateRequest, context: Context) -> Any:
+        name = self._known(request.adapter)
+        if not request.state_id:
+            raise InvalidArgument("state_id is required", reason="INVALID_STATE_ID", field="state_id")
+        state = await self.scheduler.run(name, lambda: self.trainer.load_state(name, request.state_id))
+        return trainer_pb2.LoadStateResponse(adapter=adapter_message(state))
+
+
+async def _registry_stream(stream: AsyncIterator[T]) -> AsyncIterator[T]:
+    try:
+        async for message in stream:
+            yield message
+    except grpc.aio.AioRpcError as exc:
+        await registry_call(_raise(exc))
+
+
+async def _raise(exc: BaseException) -> None:
+    raise exc

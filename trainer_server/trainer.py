@@ -1,0 +1,332 @@
+"""The trainer's compute core: many adapters on one frozen base. Synchronous; the scheduler runs every
+call on one compute thread, so at most one adapter's weights are routed into the base model at a time.
+
+Path of a training step: build_batch (validation, service) -> forward_backward (this file: activate the
+adapter's LoRA weights, run the base model, gather target logprobs, loss, backward into the adapter's own
+parameters) -> optim_step (AdamW over the adapter's explicit parameter list, then clear its gradients).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from google.protobuf.json_format import MessageToDict, ParseDict
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+from opentinker.registry.artifacts import ArtifactRef, ArtifactStore
+from opentinker.rpc.errors import AlreadyExists, DataLoss, FailedPrecondition, InvalidArgument, NotFound
+from opentinker.trainer_server.adapter import AdapterState, Ledger, adam_or_default, new_adapter
+from opentinker.trainer_server.base_model import BaseModel
+from opentinker.trainer_server.batch import Batch
+from opentinker.trainer_server.losses import compute_loss
+from opentinker.v1 import common_pb2, registry_pb2
+
+MAX_RANK = 512
+STATE_FORMAT = 1
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    logprobs: list[list[float]]  # per datum, one per target token
+    metrics: dict[str, float]
+
+
+def check_lora(lora: common_pb2.LoraConfig) -> None:
+    if lora.rank <= 0 or lora.rank > MAX_RANK:
+        raise InvalidArgument(f"lora_config.rank must be in 1..{MAX_RANK}, got {lora.rank}",
+                              reason="INVALID_LORA_CONFIG", field="lora_config.rank")  # fmt: skip
+    if not math.isfinite(lora.alpha) or lora.alpha < 0:
+        raise InvalidArgument("lora_config.alpha must be >= 0", reason="INVALID_LORA_CONFIG", field="lora_config.alpha")
+    if not 0 <= lora.dropout < 1:
+        raise InvalidArgument("lora_config.dropout must be in [0, 1)", reason="INVALID_LORA_CONFIG",
+                              field="lora_config.dropout")  # fmt: skip
+
+
+def check_adam(adam: common_pb2.AdamParams) -> None:
+    checks = {
+        "learning_rate": adam.learning_rate >= 0, "beta1": 0 <= adam.beta1 < 1, "beta2": 0 <= adam.beta2 < 1,
+        "eps": adam.eps >= 0, "weight_decay": adam.weight_decay >= 0, "grad_clip_norm": adam.grad_clip_norm >= 0,
+    }  # fmt: skip
+    for name, ok in checks.items():
+        value = getattr(adam, name)
+        if not ok or not math.isfinite(value):
+            raise InvalidArgument(f"adam_params.{name} = {value} is out of range", reason="INVALID_ADAM_PARAMS",
+                                  field=f"adam_params.{name}")  # fmt: skip
+
+
+class Trainer:
+    def __init__(
+        self,
+        base: BaseModel,
+        artifacts: ArtifactStore,
+        *,
+        max_resident: int = 0,
+        spill_dir: Path | None = None,
+    ) -> None:
+        self.base = base
+        self.artifacts = artifacts
+        self.max_resident = max_resident
+        self.spill_dir = spill_dir
+        self.adapters: OrderedDict[str, AdapterState] = OrderedDict()  # LRU order: oldest first
+        self.pad_id = int(base.config.pad_token_id or base.config.eos_token_id or 0)
+
+    # Adapters
+
+    def get(self, name: str) -> AdapterState:
+        state = self.adapters.get(name)
+        if state is None:
+            raise NotFound(f"adapter {name!r} is not loaded in this trainer", reason="ADAPTER_NOT_FOUND", adapter=name)
+        return state
+
+    def create(
+        self, name: str, lora: common_pb2.LoraConfig, adam: common_pb2.AdamParams | None, seed: int
+    ) -> AdapterState:
+        if name in self.adapters:
+            raise AlreadyExists(
+                f"adapter {name!r} already exists in this trainer", reason="ADAPTER_EXISTS", adapter=name
+            )
+        check_lora(lora)
+        adam = adam_or_default(adam)
+        check_adam(adam)
+        targets = self.base.resolve_targets(list(lora.target_modules))
+        shapes = self.base.module_shapes()
+        state = new_adapter(name, lora, adam, seed, {t: shapes[t] for t in targets}, self.base.device)
+        self.adapters[name] = state
+        self._make_room(keep=name)
+        return state
+
+    def delete(self, name: str) -> None:
+        self.get(name)
+        del self.adapters[name]
+        if self.spill_dir is not None:
+            (self.spill_dir / f"{_safe(name)}.pt").unlink(missing_ok=True)
+
+    # Compute
+
+    def _target_logprobs(self, state: AdapterState, batch: Batch, *, training: bool) -> torch.Tensor:
+        device = self.base.device
+        with self.base.activate(state.modules, training=training):
+            logits = self.base.model(
+                input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device)
+            ).logits  # [B, T, V]
+        valid = batch.attention_mask.to(device).bool()  # [B, T]
+        flat = logits[valid].float()  # [N, V], datums in order
+        logprobs: torch.Tensor = flat.log_softmax(-1).gather(1, batch.targets.to(device)[:, None]).squeeze(1)  # [N]
+        return logprobs
+
+    def _outputs(self, logprobs: torch.Tensor, batch: Batch) -> list[list[float]]:
+        values = logprobs.detach().cpu().tolist()
+        out, start = [], 0
+        for length in batch.lengths:
+            out.append(values[start : start + length])
+            start += length
+        return out
+
+    def forward_backward(
+        self, name: str, batch: Batch, loss_fn: str, config: dict[str, float], trace_ids: list[str]
+    ) -> StepOutput:
+        state = self._use(name)
+        logprobs = self._target_logprobs(state, batch, training=True)
+        inputs = {key: value.to(logprobs.device) for key, value in batch.inputs.items()}
+        result = compute_loss(loss_fn, logprobs, inputs, config)
+        result.loss.backward()  # type: ignore[no-untyped-call]
+        state.ledger.pending.append(
+            registry_pb2.BatchRecord(
+                digest=batch.digest, trace_ids=trace_ids, step=state.step + 1, num_datums=len(batch.lengths),
+                num_tokens=batch.num_tokens, loss_fn=loss_fn,
+            )
+        )  # fmt: skip
+        state.ledger.pending[-1].time.GetCurrentTime()
+        metrics = {
+            **result.metrics,
+            "tokens:sum": float(batch.num_tokens),
+            "datums:sum": float(len(batch.lengths)),
+        }
+        return StepOutput(self._outputs(logprobs, batch), metrics)
+
+    def forward(self, name: str, batch: Batch, loss_fn: str, config: dict[str, float]) -> StepOutput:
+        state = self._use(name)
+        with torch.no_grad():
+            logprobs = self._target_logprobs(state, batch, training=False)
+            inputs = {key: value.to(logprobs.device) for key, value in batch.inputs.items()}
+            result = compute_loss(loss_fn, logprobs, inputs, config)
+        metrics = {
+            **result.metrics,
+            "tokens:sum": float(batch.num_tokens),
+            "datums:sum": float(len(batch.lengths)),
+        }
+        return StepOutput(self._outputs(logprobs, batch), metrics)
+
+    def optim_step(self, name: str, adam: common_pb2.AdamParams | None) -> tuple[int, dict[str, float]]:
+        state = self._use(name)
+        params = adam_or_default(adam) if adam is not None else state.adam
+        check_adam(params)
+        if not state.ledger.pending or not state.has_gradients():
+            raise FailedPrecondition(
+                f"no gradients accumulated for {name!r} since its last optim_step: call forward_backward first",
+                reason="NO_GRADIENTS", adapter=name,
+            )  # fmt: skip
+        grads = [p.grad for p in state.params if p.grad is not None]
+        grad_norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+        if params.grad_clip_norm > 0:
+            torch.nn.utils.clip_grad_norm_(state.params, params.grad_clip_norm)
+        for group in state.optimizer.param_groups:
+            group.update(lr=params.learning_rate, betas=(params.beta1, params.beta2), eps=params.eps,
+                         weight_decay=params.weight_decay)  # fmt: skip
+        state.optimizer.step()
+        state.optimizer.zero_grad(set_to_none=True)
+        state.step += 1
+        for record in state.ledger.pending:
+            state.ledger.tokens_trained += record.num_tokens
+            state.ledger.datums_trained += record.num_datums
+        state.ledger.batches.extend(state.ledger.pending)
+        state.ledger.pending.clear()
+        return state.step, {"grad_norm:value": grad_norm, "learning_rate:value": params.learning_rate}
+
+    # Snapshots and states
+
+    def write_snapshot(self, name: str) -> ArtifactRef:
+        state = self._use(name)
+        config = json.dumps(state.peft_config(self.base.model_path), indent=2, sort_keys=True) + "\n"
+        files = {
+            "adapter_config.json": config.encode(),
+            "adapter_model.safetensors": save_safetensors(state.peft_state_dict()),
+        }
+        return self.artifacts.commit_files(files)
+
+    def load_snapshot(self, name: str, uri: str) -> None:
+        """Initialise an adapter's weights from a published snapshot (verified by the store)."""
+        state = self._use(name)
+        directory = self.artifacts.path(uri)
+        try:
+            state.load_peft_state_dict(load_safetensors((directory / "adapter_model.safetensors").read_bytes()))
+        except ValueError as exc:
+            raise FailedPrecondition(f"snapshot {uri} does not fit adapter {name!r}: {exc}",
+                                     reason="INCOMPATIBLE_SNAPSHOT") from None  # fmt: skip
+
+    def save_state(self, name: str, label: str) -> ArtifactRef:
+        state = self._use(name)
+        meta = {
+            "format": STATE_FORMAT, "adapter": name, "label": label, "base_model_digest": self.base.digest,
+            "lora": MessageToDict(state.lora), "adam": MessageToDict(state.adam), "seed": state.seed,
+            "step": state.step, "last_snapshot_version": state.last_snapshot_version,
+            "ledger": json.loads(state.ledger.to_json()),
+        }  # fmt: skip
+        grads = {f"{i}": p.grad.detach().cpu() for i, p in enumerate(state.params) if p.grad is not None}
+        files = {
+            "state.json": (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode(),
+            "weights.safetensors": save_safetensors(state.peft_state_dict()),
+            "grads.safetensors": save_safetensors(grads),
+            "optimizer.pt": _torch_bytes(state.optimizer.state_dict()),
+            "rng.pt": _torch_bytes(state.generator.get_state()),
+        }
+        return self.artifacts.commit_files(files)
+
+    def load_state(self, name: str, uri: str) -> AdapterState:
+        state = self._use(name)
+        directory = self.artifacts.path(uri)  # verifies every digest (DATA_LOSS otherwise)
+        meta = json.loads((directory / "state.json").read_text())
+        if meta.get("format") != STATE_FORMAT:
+            raise DataLoss(f"state {uri} has unknown format {meta.get('format')}", reason="INVALID_STATE")
+        if meta["base_model_digest"] != self.base.digest:
+            raise FailedPrecondition("state was saved on another base model", reason="BASE_MODEL_MISMATCH")
+        lora = ParseDict(meta["lora"], common_pb2.LoraConfig())
+        if lora != state.lora:
+            raise FailedPrecondition(
+                f"state was saved with LoRA config {meta['lora']}, adapter {name!r} has {MessageToDict(state.lora)}",
+                reason="INCOMPATIBLE_STATE",
+            )
+        state.load_peft_state_dict(load_safetensors((directory / "weights.safetensors").read_bytes()))
+        grads = load_safetensors((directory / "grads.safetensors").read_bytes())
+        device = self.base.device
+        for index, param in enumerate(state.params):
+            param.grad = grads[str(index)].to(device) if str(index) in grads else None
+        state.optimizer.load_state_dict(torch.load(io.BytesIO((directory / "optimizer.pt").read_bytes()),
+                                                   map_location=device, weights_only=True))  # fmt: skip
+        state.generator.set_state(torch.load(io.BytesIO((directory / "rng.pt").read_bytes()), weights_only=True))
+        state.adam = ParseDict(meta["adam"], common_pb2.AdamParams())
+        state.step = int(meta["step"])
+        state.last_snapshot_version = int(meta["last_snapshot_version"])
+        state.ledger = Ledger.from_json(json.dumps(meta["ledger"]))
+        return state
+
+    # Residency: idle adapters leave the device (to CPU memory, or to disk when the device is the CPU).
+
+    def _use(self, name: str) -> AdapterState:
+        state = self.get(name)
+        self.adapters.move_to_end(name)
+        state.last_used = time.monotonic()
+        if not state.resident:
+            self._restore(state)
+        self._make_room(keep=name)
+        return state
+
+    def _make_room(self, keep: str) -> None:
+        if self.max_resident <= 0:
+            return
+        resident = [n for n, s in self.adapters.items() if s.resident and n != keep]
+        excess = len(resident) + 1 - self.max_resident
+        for name in resident[: max(0, excess)]:
+            self._offload(self.adapters[name])
+
+    def _offload(self, state: AdapterState) -> None:
+        payload = {
+            "params": [p.detach().cpu() for p in state.params],
+            "grads": [None if p.grad is None else p.grad.detach().cpu() for p in state.params],
+            # AdamW moments in parameter order (the state dict is keyed by the parameter objects).
+            "optimizer": [_to(state.optimizer.state.get(p), torch.device("cpu")) for p in state.params],
+        }
+        if self.base.device.type == "cpu":
+            assert self.spill_dir is not None, "offloading on CPU needs a spill directory"
+            self.spill_dir.mkdir(parents=True, exist_ok=True)
+            torch.save(payload, self.spill_dir / f"{_safe(state.name)}.pt")
+            state.offloaded = None
+        else:
+            state.offloaded = payload
+        for param in state.params:
+            param.data = torch.empty(0, device=param.device)
+            param.grad = None
+        state.optimizer.state.clear()
+        state.resident = False
+
+    def _restore(self, state: AdapterState) -> None:
+        device = self.base.device
+        payload: Any = state.offloaded
+        if payload is None:
+            assert self.spill_dir is not None
+            path = self.spill_dir / f"{_safe(state.name)}.pt"
+            payload = torch.load(path, weights_only=False)
+            path.unlink()
+        for param, data, grad in zip(state.params, payload["params"], payload["grads"], strict=True):
+            param.data = data.to(device)
+            param.grad = None if grad is None else grad.to(device)
+        for param, saved in zip(state.params, payload["optimizer"], strict=True):
+            if saved is not None:
+                state.optimizer.state[param] = _to(saved, device)
+        state.offloaded = None
+        state.resident = True
+
+
+def _to(moments: dict[str, object] | None, device: torch.device) -> dict[str, object] | None:
+    if moments is None:
+        return None
+    return {key: value.to(device) if isinstance(value, torch.Tensor) else value for key, value in moments.items()}
+
+
+def _torch_bytes(value: object) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _safe(name: str) -> str:
+    return name.replace("/", "__")
