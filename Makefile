@@ -41,5 +41,9 @@ test: $(STAMP) lint typecheck
 demo: $(STAMP)
 	$(BIN)/opentinker demo
 
+# Benchmarks print ratios measured side by side in one run; QUICK=1 for a short run.
+bench: $(STAMP)
+	$(BIN)/python bench/trainer_overhead.py $(if $(QUICK),--quick)
+
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -43,10 +43,13 @@ def make_tiny_model_command(
 
 def _register_groups() -> None:
     from opentinker.registry.cli import registry_app
+    from opentinker.sampler_server.cli import sample_command, sampler_app
     from opentinker.trainer_server.cli import trainer_app
 
     app.add_typer(registry_app, name="registry", help="Run and administer the adapter registry.")
     app.add_typer(trainer_app, name="trainer", help="Run the trainer server.")
+    app.add_typer(sampler_app, name="sampler", help="Run the sampler server.")
+    app.command("sample")(sample_command)
 
 
 _register_groups()

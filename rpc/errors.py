@@ -86,8 +86,8 @@ def error_info(error: grpc.RpcError) -> error_details_pb2.ErrorInfo | None:
     """Client side: the ErrorInfo detail of a failed call, if it carries one."""
     from grpc_status import rpc_status
 
-    if not isinstance(error, grpc.Call):
-        return None
+    if not hasattr(error, "trailing_metadata") or not hasattr(error, "code"):
+        return None  # neither a sync grpc.Call nor a grpc.aio.AioRpcError
     status = rpc_status.from_call(error)
     if status is None:
         return None

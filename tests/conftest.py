@@ -8,10 +8,10 @@ from pathlib import Path
 
 import grpc
 import pytest
-from serverproc import ServerProcess, start_registry, start_trainer
+from serverproc import ServerProcess, start_registry, start_sampler, start_trainer
 
 from opentinker.registry.embedded_redis import EmbeddedRedis
-from opentinker.v1 import registry_pb2_grpc, trainer_pb2_grpc
+from opentinker.v1 import registry_pb2_grpc, sampler_pb2_grpc, trainer_pb2_grpc
 
 # Nothing in the test suite may reach a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -69,3 +69,19 @@ def trainer_server(
 def trainer(trainer_server: ServerProcess) -> Iterator[trainer_pb2_grpc.TrainerServiceStub]:
     with grpc.insecure_channel(trainer_server.address) as channel:
         yield trainer_pb2_grpc.TrainerServiceStub(channel)
+
+
+@pytest.fixture(scope="session")
+def sampler_server(
+    tiny_model: Path, registry_server: ServerProcess, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    """One sampler process for the session, sharing the registry's artifact store."""
+    server = start_sampler(tmp_path_factory.mktemp("sampler"), tiny_model, registry_server, "--max-slots", "8")
+    yield server
+    assert server.terminate() == 0, server.log()
+
+
+@pytest.fixture(scope="session")
+def sampler(sampler_server: ServerProcess) -> Iterator[sampler_pb2_grpc.SamplerServiceStub]:
+    with grpc.insecure_channel(sampler_server.address) as channel:
+        yield sampler_pb2_grpc.SamplerServiceStub(channel)

@@ -1,91 +1,24 @@
-"""Start OpenTinker servers as real processes and wait until they serve."""
+"""Test access to the process launchers (the package's own, so tests start servers as users do)."""
 
-from __future__ import annotations
-
-import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
+
+from opentinker.client.launch import (
+    ServerProcess,
+    opentinker_command,
+    registry_store,
+    start_registry,
+    start_sampler,
+    start_trainer,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
-
-class ServerProcess:
-    def __init__(self, args: list[str], workdir: Path, *, timeout: float = 60.0, env: dict[str, str] | None = None):
-        workdir.mkdir(parents=True, exist_ok=True)
-        self.ready_file = workdir / "ready.json"
-        self.ready_file.unlink(missing_ok=True)
-        self.log_path = workdir / "server.log"
-        self._log = self.log_path.open("ab")
-        self.process = subprocess.Popen(
-            [*args, "--ready-file", str(self.ready_file)],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"},
-            cwd=ROOT,
-        )
-        deadline = time.monotonic() + timeout
-        while not self.ready_file.exists():
-            if self.process.poll() is not None:
-                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log()}")
-            if time.monotonic() > deadline:
-                self.kill()
-                raise TimeoutError(f"server not ready after {timeout}s:\n{self.log()}")
-            time.sleep(0.05)
-        time.sleep(0.01)  # the file is written in one call; let it land
-        info = json.loads(self.ready_file.read_text())
-        self.address: str = info["address"]
-        self.metrics_address: str | None = info["metrics_address"]
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def terminate(self, timeout: float = 30.0) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        code = self.process.wait(timeout)
-        self._log.close()
-        return code
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
-        self._log.close()
-
-
-def opentinker_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "opentinker.client.cli", *args]
-
-
-def start_registry(workdir: Path, *extra: str, env: dict[str, str] | None = None) -> ServerProcess:
-    """A registry process; without --redis-url in extra it runs its own embedded Redis under workdir."""
-    args = opentinker_command(
-        "registry",
-        "serve",
-        "--port",
-        "0",
-        "--data-dir",
-        str(workdir),
-        "--store",
-        str(workdir / "artifacts"),
-        *extra,
-    )
-    return ServerProcess(args, workdir, env=env)
-
-
-def registry_store(registry: ServerProcess) -> Path:
-    return registry.ready_file.parent / "artifacts"
-
-
-def start_trainer(workdir: Path, model: Path, registry: ServerProcess, *extra: str) -> ServerProcess:
-    """A trainer process on the given model, sharing the registry's artifact store."""
-    args = opentinker_command(
-        "trainer", "serve", "--model", str(model), "--registry", registry.address,
-        "--store", str(registry_store(registry)), "--port", "0", "--device", "cpu",
-        "--spill-dir", str(workdir / "spill"), *extra,
-    )  # fmt: skip
-    return ServerProcess(args, workdir, timeout=120)
+__all__ = [
+    "ROOT",
+    "ServerProcess",
+    "opentinker_command",
+    "registry_store",
+    "start_registry",
+    "start_sampler",
+    "start_trainer",
+]

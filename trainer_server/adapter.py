@@ -80,14 +80,15 @@ class AdapterState:
     # Offloaded weights, gradients and AdamW moments while not resident on a GPU (None: on disk or resident).
     offloaded: dict[str, object] | None = None
     last_used: float = field(default_factory=time.monotonic)
+    # Counted once at creation: offloading empties the tensors, not the adapter.
+    num_parameters: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        self.num_parameters = sum(p.numel() for p in self.params)
 
     @property
     def params(self) -> list[nn.Parameter]:
         return [p for weights in self.modules.values() for p in (weights.a, weights.b)]
-
-    @property
-    def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.params)
 
     def has_gradients(self) -> bool:
         return any(p.grad is not None for p in self.params)
@@ -107,6 +108,11 @@ class AdapterState:
             raise ValueError(
                 f"adapter weights do not match the config: missing {sorted(missing)[:3]}, extra {sorted(extra)[:3]}"
             )
+        for name, weights in self.modules.items():  # every shape checked before anything is copied
+            for key, param in ((f"{PEFT_PREFIX}{name}.lora_A.weight", weights.a),
+                               (f"{PEFT_PREFIX}{name}.lora_B.weight", weights.b)):  # fmt: skip
+                if tensors[key].shape != param.shape:
+                    raise ValueError(f"{key} has shape {list(tensors[key].shape)}, expected {list(param.shape)}")
         with torch.no_grad():
             for name, weights in self.modules.items():
                 weights.a.copy_(tensors[f"{PEFT_PREFIX}{name}.lora_A.weight"])

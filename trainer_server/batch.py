@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from opentinker.rpc.errors import InvalidArgument
+from opentinker.rpc.errors import InvalidArgument, ResourceExhausted
 from opentinker.trainer_server.losses import required_inputs
 from opentinker.v1 import common_pb2
 
@@ -38,11 +38,16 @@ def tokens_of(model_input: common_pb2.ModelInput) -> list[int]:
     return tokens
 
 
-def _values(datum_index: int, key: str, tensor: common_pb2.TensorData, length: int) -> list[float] | list[int]:
+def _values(
+    datum_index: int, key: str, tensor: common_pb2.TensorData, length: int, *, integer: bool = False
+) -> list[float] | list[int]:
     field = f"datums[{datum_index}].loss_fn_inputs[{key!r}]"
     values: list[float] | list[int]
     if tensor.dtype == common_pb2.D_TYPE_INT64 or (tensor.int64_values and not tensor.float32_values):
         values = list(tensor.int64_values)
+    elif integer and (tensor.dtype == common_pb2.D_TYPE_FLOAT32 or tensor.float32_values):
+        raise InvalidArgument(f"{field} must be int64 token ids, got float32 values", reason="INVALID_DATUM",
+                              field=field, datum=datum_index)  # fmt: skip
     else:
         values = list(tensor.float32_values)
     shape = list(tensor.shape)
@@ -65,7 +70,7 @@ def build_batch(
     if not datums:
         raise InvalidArgument("empty batch: send at least one datum", reason="EMPTY_BATCH", field="datums")
     if len(datums) > MAX_DATUMS:
-        raise InvalidArgument(f"at most {MAX_DATUMS} datums per request", reason="BATCH_TOO_LARGE", field="datums")
+        raise ResourceExhausted(f"at most {MAX_DATUMS} datums per request", reason="BATCH_TOO_LARGE", field="datums")
     needed = required_inputs(loss_fn)
     sequences: list[list[int]] = []
     targets: list[int] = []
@@ -92,7 +97,8 @@ def build_batch(
                     reason="INVALID_DATUM", field=f"datums[{index}].loss_fn_inputs[{key!r}]", datum=index,
                 )  # fmt: skip
         datum_targets = [
-            int(t) for t in _values(index, "target_tokens", datum.loss_fn_inputs["target_tokens"], len(tokens))
+            int(t)
+            for t in _values(index, "target_tokens", datum.loss_fn_inputs["target_tokens"], len(tokens), integer=True)
         ]
         for label, ids in (("model_input", tokens), ("loss_fn_inputs['target_tokens']", datum_targets)):
             bad = next((t for t in ids if not 0 <= t < vocab_size), None)

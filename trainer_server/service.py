@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Awaitable, Iterable
 from typing import Any, TypeVar
 
 import grpc
+from google.rpc import error_details_pb2, status_pb2
 
 from opentinker.registry.artifacts import ArtifactStore
 from opentinker.registry.names import check_adapter_name, parse_reference
@@ -17,9 +18,9 @@ from opentinker.rpc.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
+    ResourceExhausted,
     ServiceError,
     Unavailable,
-    error_info,
 )
 from opentinker.trainer_server.adapter import AdapterState
 from opentinker.trainer_server.batch import build_batch
@@ -40,11 +41,23 @@ async def registry_call(call: Awaitable[T]) -> T:
     try:
         return await call
     except grpc.aio.AioRpcError as exc:
-        info = error_info(exc)
+        info = _aio_error_info(exc)
         if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
             raise Unavailable(f"registry unavailable: {exc.details()}", reason="REGISTRY_UNAVAILABLE") from None
         error = _BY_CODE.get(exc.code(), Unavailable)
-        raise error(f"registry: {exc.details()}", reason=info.reason if info else None) from None
+        metadata = {k: v for k, v in info.metadata.items() if k not in ("message", "reason")} if info else {}
+        raise error(f"registry: {exc.details()}", reason=info.reason if info else None, **metadata) from None
+
+
+def _aio_error_info(exc: grpc.aio.AioRpcError) -> error_details_pb2.ErrorInfo | None:
+    """The ErrorInfo of a failed aio call (`error_info` only reads sync calls: AioRpcError is no grpc.Call)."""
+    for key, value in exc.trailing_metadata() or ():
+        if key == "grpc-status-details-bin" and isinstance(value, bytes):
+            for detail in status_pb2.Status.FromString(value).details:
+                info = error_details_pb2.ErrorInfo()
+                if detail.Unpack(info):
+                    return info
+    return None
 
 
 def adapter_message(state: AdapterState) -> trainer_pb2.TrainingAdapter:
@@ -112,6 +125,12 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             raise AlreadyExists(f"adapter {name!r} already exists in this trainer", reason="ADAPTER_EXISTS")
         base_digest = self.trainer.base.digest
         init_version = await self._resolve_init(request.init_from) if request.init_from else None
+        # Before the registry record exists: a snapshot or state that does not fit creates nothing.
+        if init_version is not None:
+            await self._ensure_local(init_version.artifact_uri)
+            await asyncio.to_thread(self.trainer.check_snapshot, init_version.artifact_uri, request.lora_config)
+        if request.resume_state:
+            await asyncio.to_thread(self.trainer.check_state, request.resume_state, request.lora_config)
         create = registry_pb2.CreateAdapterRequest(
             name=name,
             lora_config=request.lora_config,
@@ -137,7 +156,6 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         )
         try:
             if init_version is not None:
-                await self._ensure_local(init_version.artifact_uri)
                 await self.scheduler.run(name, lambda: self.trainer.load_snapshot(name, init_version.artifact_uri))
                 if init_version.adapter == name:
                     state.last_snapshot_version = init_version.version
@@ -213,8 +231,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         batch = build_batch(list(datums), loss_fn, vocab_size=base.vocab_size, max_positions=base.max_positions,
                             pad_id=self.trainer.pad_id)  # fmt: skip
         if batch.num_tokens > self.max_batch_tokens:
-            raise InvalidArgument(f"batch has {batch.num_tokens} tokens; the limit is {self.max_batch_tokens}",
-                                  reason="BATCH_TOO_LARGE", field="datums")  # fmt: skip
+            raise ResourceExhausted(f"batch has {batch.num_tokens} tokens; the limit is {self.max_batch_tokens}",
+                                    reason="BATCH_TOO_LARGE", field="datums")  # fmt: skip
         return batch
 
     async def ForwardBackward(self, request: trainer_pb2.ForwardBackwardRequest, context: Context) -> Any:

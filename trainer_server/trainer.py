@@ -19,12 +19,13 @@ from typing import Any
 
 import torch
 from google.protobuf.json_format import MessageToDict, ParseDict
+from safetensors import safe_open
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from opentinker.registry.artifacts import ArtifactRef, ArtifactStore
 from opentinker.rpc.errors import AlreadyExists, DataLoss, FailedPrecondition, InvalidArgument, NotFound
-from opentinker.trainer_server.adapter import AdapterState, Ledger, adam_or_default, new_adapter
+from opentinker.trainer_server.adapter import PEFT_PREFIX, AdapterState, Ledger, adam_or_default, new_adapter
 from opentinker.trainer_server.base_model import BaseModel
 from opentinker.trainer_server.batch import Batch
 from opentinker.trainer_server.losses import compute_loss
@@ -49,6 +50,14 @@ def check_lora(lora: common_pb2.LoraConfig) -> None:
     if not 0 <= lora.dropout < 1:
         raise InvalidArgument("lora_config.dropout must be in [0, 1)", reason="INVALID_LORA_CONFIG",
                               field="lora_config.dropout")  # fmt: skip
+
+
+def lora_or_default(lora: common_pb2.LoraConfig) -> common_pb2.LoraConfig:
+    """A copy with the documented defaults filled in: alpha 0 means alpha = rank (scaling 1)."""
+    filled = common_pb2.LoraConfig()
+    filled.CopyFrom(lora)
+    filled.alpha = filled.alpha or float(filled.rank)
+    return filled
 
 
 def check_adam(adam: common_pb2.AdamParams) -> None:
@@ -95,6 +104,7 @@ class Trainer:
                 f"adapter {name!r} already exists in this trainer", reason="ADAPTER_EXISTS", adapter=name
             )
         check_lora(lora)
+        lora = lora_or_default(lora)
         adam = adam_or_default(adam)
         check_adam(adam)
         targets = self.base.resolve_targets(list(lora.target_modules))
@@ -203,6 +213,29 @@ class Trainer:
         }
         return self.artifacts.commit_files(files)
 
+    def check_snapshot(self, uri: str, lora: common_pb2.LoraConfig) -> None:
+        """FAILED_PRECONDITION INCOMPATIBLE_SNAPSHOT unless the snapshot holds exactly the LoRA tensors (names
+        and shapes) of an adapter with this config. Reads only: changes nothing."""
+        path = self.artifacts.path(uri) / "adapter_model.safetensors"  # verifies every digest
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                shapes = {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}  # noqa: SIM118
+        except Exception as exc:
+            raise FailedPrecondition(f"snapshot {uri} is not a peft LoRA snapshot: {exc}",
+                                     reason="INCOMPATIBLE_SNAPSHOT") from None  # fmt: skip
+        module_shapes = self.base.module_shapes()
+        expected: dict[str, tuple[int, ...]] = {}
+        for target in self.base.resolve_targets(list(lora.target_modules)):
+            expected[f"{PEFT_PREFIX}{target}.lora_A.weight"] = (lora.rank, module_shapes[target].d_in)
+            expected[f"{PEFT_PREFIX}{target}.lora_B.weight"] = (module_shapes[target].d_out, lora.rank)
+        if shapes != expected:
+            differ = sorted(k for k in shapes.keys() | expected.keys() if shapes.get(k) != expected.get(k))
+            raise FailedPrecondition(
+                f"snapshot {uri} does not fit LoRA config {MessageToDict(lora)}: {len(differ)} tensors differ in "
+                f"name or shape, e.g. {differ[0]} is {shapes.get(differ[0])}, expected {expected.get(differ[0])}",
+                reason="INCOMPATIBLE_SNAPSHOT",
+            )
+
     def load_snapshot(self, name: str, uri: str) -> None:
         """Initialise an adapter's weights from a published snapshot (verified by the store)."""
         state = self._use(name)
@@ -231,20 +264,33 @@ class Trainer:
         }
         return self.artifacts.commit_files(files)
 
-    def load_state(self, name: str, uri: str) -> AdapterState:
-        state = self._use(name)
-        directory = self.artifacts.path(uri)  # verifies every digest (DATA_LOSS otherwise)
-        meta = json.loads((directory / "state.json").read_text())
+    def check_state(self, uri: str, lora: common_pb2.LoraConfig) -> tuple[Path, dict[str, Any]]:
+        """The directory and metadata of a saved state that fits an adapter with this LoRA config.
+
+        NOT_FOUND STATE_NOT_FOUND when no state has this id (a snapshot is not a state); FAILED_PRECONDITION
+        when it was saved on another base model or with another LoRA config. Reads only: changes nothing."""
+        try:
+            directory = self.artifacts.path(uri)  # verifies every digest (DATA_LOSS otherwise)
+        except NotFound:
+            raise NotFound(f"state {uri} not found", reason="STATE_NOT_FOUND", state_id=uri) from None
+        if not (directory / "state.json").is_file():
+            raise NotFound(f"{uri} is not a saved state", reason="STATE_NOT_FOUND", state_id=uri)
+        meta: dict[str, Any] = json.loads((directory / "state.json").read_text())
         if meta.get("format") != STATE_FORMAT:
             raise DataLoss(f"state {uri} has unknown format {meta.get('format')}", reason="INVALID_STATE")
         if meta["base_model_digest"] != self.base.digest:
             raise FailedPrecondition("state was saved on another base model", reason="BASE_MODEL_MISMATCH")
-        lora = ParseDict(meta["lora"], common_pb2.LoraConfig())
-        if lora != state.lora:
+        saved = ParseDict(meta["lora"], common_pb2.LoraConfig())
+        if saved != lora_or_default(lora):
             raise FailedPrecondition(
-                f"state was saved with LoRA config {meta['lora']}, adapter {name!r} has {MessageToDict(state.lora)}",
+                f"state was saved with LoRA config {meta['lora']}, the adapter has {MessageToDict(lora)}",
                 reason="INCOMPATIBLE_STATE",
             )
+        return directory, meta
+
+    def load_state(self, name: str, uri: str) -> AdapterState:
+        state = self._use(name)
+        directory, meta = self.check_state(uri, state.lora)
         state.load_peft_state_dict(load_safetensors((directory / "weights.safetensors").read_bytes()))
         grads = load_safetensors((directory / "grads.safetensors").read_bytes())
         device = self.base.device

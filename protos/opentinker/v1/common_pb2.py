@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aopentinker/v1/common.proto\x12\ropentinker.v1\"R\n\nLoraConfig\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\r\n\x05\x61lpha\x18\x02 \x01(\x02\x12\x0f\n\x07\x64ropout\x18\x03 \x01(\x02\x12\x16\n\x0etarget_modules\x18\x04 \x03(\t\"|\n\nAdamParams\x12\x15\n\rlearning_rate\x18\x01 \x01(\x02\x12\r\n\x05\x62\x65ta1\x18\x02 \x01(\x02\x12\r\n\x05\x62\x65ta2\x18\x03 \x01(\x02\x12\x0b\n\x03\x65ps\x18\x04 \x01(\x02\x12\x14\n\x0cweight_decay\x18\x05 \x01(\x02\x12\x16\n\x0egrad_clip_norm\x18\x06 \x01(\x02\"\"\n\x10\x45ncodedTextChunk\x12\x0e\n\x06tokens\x18\x01 \x03(\x03\"S\n\x0fModelInputChunk\x12\x37\n\x0c\x65ncoded_text\x18\x01 \x01(\x0b\x32\x1f.opentinker.v1.EncodedTextChunkH\x00\x42\x07\n\x05\x63hunk\"<\n\nModelInput\x12.\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x1e.opentinker.v1.ModelInputChunk\"n\n\nTensorData\x12#\n\x05\x64type\x18\x01 \x01(\x0e\x32\x14.opentinker.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x14\n\x0cint64_values\x18\x03 \x03(\x03\x12\x16\n\x0e\x66loat32_values\x18\x04 \x03(\x02\"\xc7\x01\n\x05\x44\x61tum\x12.\n\x0bmodel_input\x18\x01 \x01(\x0b\x32\x19.opentinker.v1.ModelInput\x12>\n\x0eloss_fn_inputs\x18\x02 \x03(\x0b\x32&.opentinker.v1.Datum.LossFnInputsEntry\x1aN\n\x11LossFnInputsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12(\n\x05value\x18\x02 \x01(\x0b\x32\x19.opentinker.v1.TensorData:\x02\x38\x01\"_\n\x0fResolvedVersion\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x11\n\treference\x18\x03 \x01(\t\x12\x17\n\x0f\x61rtifact_sha256\x18\x04 \x01(\t\"\xe4\x01\n\rBaseModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0cmodel_digest\x18\x02 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x13\n\x0bhidden_size\x18\x05 \x01(\r\x12\x12\n\nnum_layers\x18\x06 \x01(\r\x12\x1f\n\x17max_position_embeddings\x18\x07 \x01(\r\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x1b\n\x13lora_target_modules\x18\n \x03(\t*E\n\x05\x44Type\x12\x16\n\x12\x44_TYPE_UNSPECIFIED\x10\x00\x12\x10\n\x0c\x44_TYPE_INT64\x10\x01\x12\x12\n\x0e\x44_TYPE_FLOAT32\x10\x02\x42\x44ZBgithub.com/opentinker/opentinker/gen/go/opentinker/v1;opentinkerv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aopentinker/v1/common.proto\x12\ropentinker.v1\"R\n\nLoraConfig\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\r\n\x05\x61lpha\x18\x02 \x01(\x02\x12\x0f\n\x07\x64ropout\x18\x03 \x01(\x02\x12\x16\n\x0etarget_modules\x18\x04 \x03(\t\"\xec\x01\n\nAdamParams\x12\x1a\n\rlearning_rate\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05\x62\x65ta1\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05\x62\x65ta2\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x10\n\x03\x65ps\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x19\n\x0cweight_decay\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1b\n\x0egrad_clip_norm\x18\x06 \x01(\x02H\x05\x88\x01\x01\x42\x10\n\x0e_learning_rateB\x08\n\x06_beta1B\x08\n\x06_beta2B\x06\n\x04_epsB\x0f\n\r_weight_decayB\x11\n\x0f_grad_clip_norm\"\"\n\x10\x45ncodedTextChunk\x12\x0e\n\x06tokens\x18\x01 \x03(\x03\"S\n\x0fModelInputChunk\x12\x37\n\x0c\x65ncoded_text\x18\x01 \x01(\x0b\x32\x1f.opentinker.v1.EncodedTextChunkH\x00\x42\x07\n\x05\x63hunk\"<\n\nModelInput\x12.\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x1e.opentinker.v1.ModelInputChunk\"n\n\nTensorData\x12#\n\x05\x64type\x18\x01 \x01(\x0e\x32\x14.opentinker.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x14\n\x0cint64_values\x18\x03 \x03(\x03\x12\x16\n\x0e\x66loat32_values\x18\x04 \x03(\x02\"\xc7\x01\n\x05\x44\x61tum\x12.\n\x0bmodel_input\x18\x01 \x01(\x0b\x32\x19.opentinker.v1.ModelInput\x12>\n\x0eloss_fn_inputs\x18\x02 \x03(\x0b\x32&.opentinker.v1.Datum.LossFnInputsEntry\x1aN\n\x11LossFnInputsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12(\n\x05value\x18\x02 \x01(\x0b\x32\x19.opentinker.v1.TensorData:\x02\x38\x01\"_\n\x0fResolvedVersion\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x11\n\treference\x18\x03 \x01(\t\x12\x17\n\x0f\x61rtifact_sha256\x18\x04 \x01(\t\"\xe4\x01\n\rBaseModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0cmodel_digest\x18\x02 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x13\n\x0bhidden_size\x18\x05 \x01(\r\x12\x12\n\nnum_layers\x18\x06 \x01(\r\x12\x1f\n\x17max_position_embeddings\x18\x07 \x01(\r\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x1b\n\x13lora_target_modules\x18\n \x03(\t*E\n\x05\x44Type\x12\x16\n\x12\x44_TYPE_UNSPECIFIED\x10\x00\x12\x10\n\x0c\x44_TYPE_INT64\x10\x01\x12\x12\n\x0e\x44_TYPE_FLOAT32\x10\x02\x42\x44ZBgithub.com/opentinker/opentinker/gen/go/opentinker/v1;opentinkerv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,26 +34,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._serialized_options = b'ZBgithub.com/opentinker/opentinker/gen/go/opentinker/v1;opentinkerv1'
   _globals['_DATUM_LOSSFNINPUTSENTRY']._loaded_options = None
   _globals['_DATUM_LOSSFNINPUTSENTRY']._serialized_options = b'8\001'
-  _globals['_DTYPE']._serialized_start=1080
-  _globals['_DTYPE']._serialized_end=1149
+  _globals['_DTYPE']._serialized_start=1193
+  _globals['_DTYPE']._serialized_end=1262
   _globals['_LORACONFIG']._serialized_start=45
   _globals['_LORACONFIG']._serialized_end=127
-  _globals['_ADAMPARAMS']._serialized_start=129
-  _globals['_ADAMPARAMS']._serialized_end=253
-  _globals['_ENCODEDTEXTCHUNK']._serialized_start=255
-  _globals['_ENCODEDTEXTCHUNK']._serialized_end=289
-  _globals['_MODELINPUTCHUNK']._serialized_start=291
-  _globals['_MODELINPUTCHUNK']._serialized_end=374
-  _globals['_MODELINPUT']._serialized_start=376
-  _globals['_MODELINPUT']._serialized_end=436
-  _globals['_TENSORDATA']._serialized_start=438
-  _globals['_TENSORDATA']._serialized_end=548
-  _globals['_DATUM']._serialized_start=551
-  _globals['_DATUM']._serialized_end=750
-  _globals['_DATUM_LOSSFNINPUTSENTRY']._serialized_start=672
-  _globals['_DATUM_LOSSFNINPUTSENTRY']._serialized_end=750
-  _globals['_RESOLVEDVERSION']._serialized_start=752
-  _globals['_RESOLVEDVERSION']._serialized_end=847
-  _globals['_BASEMODELINFO']._serialized_start=850
-  _globals['_BASEMODELINFO']._serialized_end=1078
+  _globals['_ADAMPARAMS']._serialized_start=130
+  _globals['_ADAMPARAMS']._serialized_end=366
+  _globals['_ENCODEDTEXTCHUNK']._serialized_start=368
+  _globals['_ENCODEDTEXTCHUNK']._serialized_end=402
+  _globals['_MODELINPUTCHUNK']._serialized_start=404
+  _globals['_MODELINPUTCHUNK']._serialized_end=487
+  _globals['_MODELINPUT']._serialized_start=489
+  _globals['_MODELINPUT']._serialized_end=549
+  _globals['_TENSORDATA']._serialized_start=551
+  _globals['_TENSORDATA']._serialized_end=661
+  _globals['_DATUM']._serialized_start=664
+  _globals['_DATUM']._serialized_end=863
+  _globals['_DATUM_LOSSFNINPUTSENTRY']._serialized_start=785
+  _globals['_DATUM_LOSSFNINPUTSENTRY']._serialized_end=863
+  _globals['_RESOLVEDVERSION']._serialized_start=865
+  _globals['_RESOLVEDVERSION']._serialized_end=960
+  _globals['_BASEMODELINFO']._serialized_start=963
+  _globals['_BASEMODELINFO']._serialized_end=1191
 # @@protoc_insertion_point(module_scope)

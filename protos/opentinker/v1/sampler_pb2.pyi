@@ -65,23 +65,25 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop_strings: _Optional[_Iterable[str]] = ..., logprobs: _Optional[bool] = ...) -> None: ...
 
 class SampleRequest(_message.Message):
-    __slots__ = ("model", "prompt", "sampling_params", "num_samples", "prompt_logprobs", "request_id")
+    __slots__ = ("model", "prompt", "sampling_params", "num_samples", "prompt_logprobs", "request_id", "prompt_text")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
     model: str
     prompt: _common_pb2.ModelInput
     sampling_params: SamplingParams
     num_samples: int
     prompt_logprobs: bool
     request_id: str
-    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[_Union[_common_pb2.ModelInput, _Mapping]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_samples: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., request_id: _Optional[str] = ...) -> None: ...
+    prompt_text: str
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[_Union[_common_pb2.ModelInput, _Mapping]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_samples: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., request_id: _Optional[str] = ..., prompt_text: _Optional[str] = ...) -> None: ...
 
 class SampleResponse(_message.Message):
-    __slots__ = ("sample_index", "tokens", "logprobs", "stop_reason", "version", "prompt_logprobs", "prompt_tokens")
+    __slots__ = ("sample_index", "tokens", "logprobs", "stop_reason", "version", "prompt_logprobs", "prompt_tokens", "text")
     SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +91,7 @@ class SampleResponse(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
     sample_index: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
@@ -96,7 +99,8 @@ class SampleResponse(_message.Message):
     version: _common_pb2.ResolvedVersion
     prompt_logprobs: _containers.RepeatedScalarFieldContainer[float]
     prompt_tokens: int
-    def __init__(self, sample_index: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., stop_reason: _Optional[_Union[StopReason, str]] = ..., version: _Optional[_Union[_common_pb2.ResolvedVersion, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+    text: str
+    def __init__(self, sample_index: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., stop_reason: _Optional[_Union[StopReason, str]] = ..., version: _Optional[_Union[_common_pb2.ResolvedVersion, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_tokens: _Optional[int] = ..., text: _Optional[str] = ...) -> None: ...
 
 class ComputeLogprobsRequest(_message.Message):
     __slots__ = ("model", "inputs")

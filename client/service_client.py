@@ -1,0 +1,207 @@
+"""ServiceClient: the SDK's entry point, holding the addresses of the OpenTinker services.
+
+    from opentinker.client import LoraConfig, ServiceClient
+
+    with ServiceClient(trainer="127.0.0.1:7071", registry="127.0.0.1:7070", token="s3cret") as service:
+        service.get_trainer_info().vocab_size
+        training = service.create_training_client("team-a/agent", LoraConfig(rank=16))
+        ...  # training.forward_backward / optim_step / save_snapshot (see TrainingClient)
+        service.registry_client().resolve("team-a/agent@latest")
+
+Each service is optional: a method that needs one the client was not given an address for raises
+ValueError. The sampler's address is accepted and kept (``sampler_address``) for the sampling client,
+which lands with the sampler.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from types import TracebackType
+
+from opentinker.client.registry_client import RegistryClient
+from opentinker.client.training_client import TrainerConnection, TrainingClient
+from opentinker.client.types import (
+    AdamParams,
+    LoraConfig,
+    TrainerInfo,
+    TrainingAdapterInfo,
+    adam_params_to_proto,
+    lora_config_to_proto,
+    trainer_info_from_proto,
+    training_adapter_from_proto,
+)
+from opentinker.v1 import trainer_pb2
+
+__all__ = ["ServiceClient"]
+
+
+def _create_request(
+    adapter: str,
+    lora: LoraConfig | None,
+    adam: AdamParams | None,
+    seed: int,
+    init_from: str,
+    resume_state: str,
+    attach_existing: bool,
+    labels: Mapping[str, str] | None,
+) -> trainer_pb2.TrainerServiceCreateAdapterRequest:
+    return trainer_pb2.TrainerServiceCreateAdapterRequest(
+        name=adapter,
+        lora_config=lora_config_to_proto(lora or LoraConfig()),
+        adam_params=adam_params_to_proto(adam) if adam is not None else None,
+        seed=seed,
+        init_from=init_from,
+        resume_state=resume_state,
+        attach_existing=attach_existing,
+        labels=dict(labels or {}),
+    )
+
+
+class ServiceClient:
+    """Connections to a trainer, a sampler and a registry (each optional), authenticated by one token.
+
+    ``token`` is sent as ``authorization: Bearer <token>`` to every service. ``timeout`` (seconds) bounds
+    each trainer call; None (the default) sets no deadline, since a training step can take long. Channels
+    connect lazily. Thread-safe. Use as a context manager (``with`` or ``async with``), or call close()
+    (aclose() from async code, which also closes the running loop's async channel cleanly).
+    """
+
+    def __init__(
+        self,
+        trainer: str | None = None,
+        sampler: str | None = None,
+        registry: str | None = None,
+        token: str | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> None:
+        self.trainer_address = trainer
+        self.sampler_address = sampler
+        self.registry_address = registry
+        self.timeout = timeout
+        self._token = token
+        self._trainer = TrainerConnection(trainer, token, timeout=timeout) if trainer else None
+        self._registry: RegistryClient | None = None
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return (
+            f"ServiceClient(trainer={self.trainer_address!r}, sampler={self.sampler_address!r}, "
+            f"registry={self.registry_address!r})"
+        )
+
+    def _trainer_connection(self) -> TrainerConnection:
+        if self._trainer is None:
+            raise ValueError("this ServiceClient has no trainer address: pass trainer=HOST:PORT")
+        return self._trainer
+
+    # Training
+
+    def create_training_client(
+        self,
+        adapter: str,
+        lora: LoraConfig | None = None,
+        *,
+        adam: AdamParams | None = None,
+        seed: int = 0,
+        init_from: str = "",
+        resume_state: str = "",
+        attach_existing: bool = False,
+        labels: Mapping[str, str] | None = None,
+    ) -> TrainingClient:
+        """Creates ``adapter`` on the trainer (which registers it in the registry) and returns its client.
+
+        lora None: LoraConfig() (rank 32, all linear modules). adam: the defaults optim_step uses when
+        called without AdamParams (None: Tinker's). seed: LoRA initialisation and dropout. init_from: start
+        from a registry version's weights ("name@N", "name@stable"); resume_state: resume exactly from a
+        save_state id. attach_existing: train a name the registry already has instead of ALREADY_EXISTS.
+        """
+        connection = self._trainer_connection()
+        request = _create_request(adapter, lora, adam, seed, init_from, resume_state, attach_existing, labels)
+        connection.unary("CreateAdapter", request, trainer_pb2.TrainerServiceCreateAdapterResponse)
+        return TrainingClient(adapter, connection)
+
+    async def create_training_client_async(
+        self,
+        adapter: str,
+        lora: LoraConfig | None = None,
+        *,
+        adam: AdamParams | None = None,
+        seed: int = 0,
+        init_from: str = "",
+        resume_state: str = "",
+        attach_existing: bool = False,
+        labels: Mapping[str, str] | None = None,
+    ) -> TrainingClient:
+        """create_training_client on the async channel."""
+        connection = self._trainer_connection()
+        request = _create_request(adapter, lora, adam, seed, init_from, resume_state, attach_existing, labels)
+        await connection.unary_async("CreateAdapter", request, trainer_pb2.TrainerServiceCreateAdapterResponse)
+        return TrainingClient(adapter, connection)
+
+    def training_client(self, adapter: str) -> TrainingClient:
+        """A client of an adapter the trainer already holds (NOT_FOUND otherwise)."""
+        connection = self._trainer_connection()
+        request = trainer_pb2.TrainerServiceGetAdapterRequest(name=adapter)
+        connection.unary("GetAdapter", request, trainer_pb2.TrainerServiceGetAdapterResponse)
+        return TrainingClient(adapter, connection)
+
+    def get_trainer_info(self) -> TrainerInfo:
+        """The trainer's base model and the loss functions it offers."""
+        response = self._trainer_connection().unary(
+            "GetTrainerInfo", trainer_pb2.GetTrainerInfoRequest(), trainer_pb2.GetTrainerInfoResponse
+        )
+        return trainer_info_from_proto(response)
+
+    def list_training_adapters(self, prefix: str = "") -> list[TrainingAdapterInfo]:
+        """The adapters the trainer holds (that this token may access) whose names start with ``prefix``."""
+        request = trainer_pb2.TrainerServiceListAdaptersRequest(prefix=prefix)
+        response = self._trainer_connection().unary(
+            "ListAdapters", request, trainer_pb2.TrainerServiceListAdaptersResponse
+        )
+        return [training_adapter_from_proto(a) for a in response.adapters]
+
+    # Registry
+
+    def registry_client(self) -> RegistryClient:
+        """The registry's client (created on first use, with this client's token; closed with it)."""
+        if self.registry_address is None:
+            raise ValueError("this ServiceClient has no registry address: pass registry=HOST:PORT")
+        with self._lock:
+            if self._registry is None:
+                self._registry = RegistryClient(self.registry_address, token=self._token)
+            return self._registry
+
+    # Lifetime
+
+    def close(self) -> None:
+        """Closes every channel; TrainingClients made by this client stop working."""
+        if self._trainer is not None:
+            self._trainer.close()
+        with self._lock:
+            registry, self._registry = self._registry, None
+        if registry is not None:
+            registry.close()
+
+    async def aclose(self) -> None:
+        """close(), awaiting the close of the running event loop's async channel."""
+        if self._trainer is not None:
+            await self._trainer.aclose()
+        self.close()
+
+    def __enter__(self) -> ServiceClient:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    async def __aenter__(self) -> ServiceClient:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()

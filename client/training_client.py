@@ -1,0 +1,385 @@
+"""TrainingClient: train one LoRA adapter on a trainer server (Tinker-style).
+
+    from opentinker.client import AdamParams, Datum, LoraConfig, ModelInput, ServiceClient
+
+    with ServiceClient(trainer="127.0.0.1:7071") as service:
+        training = service.create_training_client("team-a/agent", LoraConfig(rank=16))
+        datum = Datum(
+            model_input=ModelInput.from_ints(tokens[:-1]),
+            loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights},
+        )
+        out = training.forward_backward([datum], trace_ids=["episode-17"])
+        training.optim_step(AdamParams(learning_rate=1e-4))
+        version = training.save_snapshot(aliases=["canary"])  # a registry Version
+
+Each method is one RPC. The plain methods use a synchronous gRPC channel; each has an ``*_async`` twin
+on a grpc.aio channel (one per event loop, opened on first use). Requests of one adapter run on the
+trainer in arrival order. Every failure is an `OpenTinkerError` with the gRPC status code and the
+server's ErrorInfo reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Final, TypeVar
+
+import grpc
+import grpc.aio
+from google.protobuf.message import Message
+from google.rpc import error_details_pb2, status_pb2
+
+from opentinker.client.errors import OpenTinkerError, from_rpc_error
+from opentinker.client.registry_client import Version, _version
+from opentinker.client.types import (
+    AdamParams,
+    Datum,
+    ForwardBackwardOutput,
+    OptimStepResult,
+    SavedState,
+    TrainingAdapterInfo,
+    adam_params_to_proto,
+    datum_to_proto,
+    forward_output_from_proto,
+    training_adapter_from_proto,
+)
+from opentinker.v1 import trainer_pb2, trainer_pb2_grpc
+
+__all__ = ["TrainingClient"]
+
+# Batches and their per-token outputs can be large; the servers accept up to 64 MiB messages.
+_MAX_MESSAGE_BYTES: Final = 64 << 20
+_CHANNEL_OPTIONS: Final = (
+    ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+)
+_STATUS_DETAILS_KEY: Final = "grpc-status-details-bin"
+
+_M = TypeVar("_M", bound=Message)
+
+
+# Errors
+
+
+def _from_aio_error(err: grpc.aio.AioRpcError) -> OpenTinkerError:
+    """`from_rpc_error` for grpc.aio: an AioRpcError is no grpc.Call, so its ErrorInfo is read here."""
+    code = err.code()
+    message = err.details() or ""
+    try:
+        for key, value in err.trailing_metadata() or ():
+            if key == _STATUS_DETAILS_KEY and isinstance(value, bytes):
+                status = status_pb2.Status.FromString(value)
+                for detail in status.details:
+                    info = error_details_pb2.ErrorInfo()
+                    if detail.Unpack(info):
+                        return OpenTinkerError(code, message, info.reason, dict(info.metadata))
+    except Exception:
+        pass  # a malformed trailer (a proxy, a foreign server) must not hide the status
+    return OpenTinkerError(code, message)
+
+
+@contextmanager
+def _translated() -> Iterator[None]:
+    try:
+        yield
+    except grpc.aio.AioRpcError as err:
+        raise _from_aio_error(err) from err
+    except grpc.RpcError as err:
+        raise from_rpc_error(err) from err
+
+
+def _checked(response: object, response_type: type[_M]) -> _M:
+    # The generated stubs are untyped; checking the type here keeps the rest of the module typed.
+    if not isinstance(response, response_type):
+        raise TypeError(f"expected {response_type.__name__}, got {type(response).__name__}")
+    return response
+
+
+def _strings(values: Iterable[str], what: str) -> list[str]:
+    if isinstance(values, str):
+        raise TypeError(f"{what} must be a sequence of strings, not a single string")
+    return list(values)
+
+
+# Connection
+
+
+class TrainerConnection:
+    """The channels to one trainer server, shared by the ServiceClient and its TrainingClients.
+
+    One synchronous channel, plus one grpc.aio channel per event loop (an aio channel is bound to the
+    loop it was opened on; those of loops that have since closed are dropped).
+    """
+
+    def __init__(self, address: str, token: str | None = None, *, timeout: float | None = None) -> None:
+        self.address = address
+        self.timeout = timeout
+        self.metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
+        self._channel = grpc.insecure_channel(address, options=list(_CHANNEL_OPTIONS))
+        self.stub = trainer_pb2_grpc.TrainerServiceStub(self._channel)
+        self._lock = threading.Lock()
+        self._aio: dict[asyncio.AbstractEventLoop, tuple[grpc.aio.Channel, trainer_pb2_grpc.TrainerServiceStub]] = {}
+        self._closed = False
+
+    def aio_stub(self) -> trainer_pb2_grpc.TrainerServiceStub:
+        """The stub on the running event loop's aio channel (opened on first use)."""
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            self._check_open()
+            for old in [old for old in self._aio if old.is_closed()]:
+                del self._aio[old]  # its loop is gone: nothing can await its close any more
+            entry = self._aio.get(loop)
+            if entry is None:
+                channel = grpc.aio.insecure_channel(self.address, options=list(_CHANNEL_OPTIONS))
+                entry = (channel, trainer_pb2_grpc.TrainerServiceStub(channel))
+                self._aio[loop] = entry
+            return entry[1]
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise OpenTinkerError(grpc.StatusCode.CANCELLED, "the client is closed", "CLIENT_CLOSED")
+
+    def unary(self, method: str, request: Message, response_type: type[_M]) -> _M:
+        self._check_open()
+        with _translated():
+            response = getattr(self.stub, method)(request, timeout=self.timeout, metadata=self.metadata)
+        return _checked(response, response_type)
+
+    async def unary_async(self, method: str, request: Message, response_type: type[_M]) -> _M:
+        stub = self.aio_stub()
+        with _translated():
+            response = await getattr(stub, method)(request, timeout=self.timeout, metadata=self.metadata)
+        return _checked(response, response_type)
+
+    async def aclose(self) -> None:
+        """Closes the running loop's aio channel (awaiting it), then everything else (see close)."""
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            entry = self._aio.pop(loop, None)
+        if entry is not None:
+            await entry[0].close()
+        self.close()
+
+    def close(self) -> None:
+        """Closes the sync channel and asks every live event loop to close its aio channel."""
+        with self._lock:
+            self._closed = True
+            entries, self._aio = list(self._aio.items()), {}
+        self._channel.close()
+        for loop, (channel, _stub) in entries:
+            if loop.is_running() and not loop.is_closed():
+                asyncio.run_coroutine_threadsafe(channel.close(), loop)
+
+
+# Requests and replies, shared by the sync and async methods
+
+
+def _forward_backward_request(
+    adapter: str,
+    data: Sequence[Datum],
+    loss_fn: str,
+    loss_fn_config: Mapping[str, float] | None,
+    trace_ids: Iterable[str],
+) -> trainer_pb2.ForwardBackwardRequest:
+    return trainer_pb2.ForwardBackwardRequest(
+        adapter=adapter,
+        datums=[datum_to_proto(d) for d in data],
+        loss_fn=loss_fn,
+        loss_fn_config=dict(loss_fn_config or {}),
+        trace_ids=_strings(trace_ids, "trace_ids"),
+    )
+
+
+def _forward_backward_output(response: trainer_pb2.ForwardBackwardResponse) -> ForwardBackwardOutput:
+    return forward_output_from_proto(response.loss_fn_outputs, response.metrics, response.batch_digest, response.step)
+
+
+def _forward_request(
+    adapter: str, data: Sequence[Datum], loss_fn: str, loss_fn_config: Mapping[str, float] | None
+) -> trainer_pb2.ForwardRequest:
+    return trainer_pb2.ForwardRequest(
+        adapter=adapter,
+        datums=[datum_to_proto(d) for d in data],
+        loss_fn=loss_fn,
+        loss_fn_config=dict(loss_fn_config or {}),
+    )
+
+
+def _forward_output(response: trainer_pb2.ForwardResponse) -> ForwardBackwardOutput:
+    return forward_output_from_proto(response.loss_fn_outputs, response.metrics)
+
+
+def _optim_step_request(adapter: str, adam_params: AdamParams | None) -> trainer_pb2.OptimStepRequest:
+    return trainer_pb2.OptimStepRequest(
+        adapter=adapter, adam_params=adam_params_to_proto(adam_params) if adam_params is not None else None
+    )
+
+
+def _optim_step_result(response: trainer_pb2.OptimStepResponse) -> OptimStepResult:
+    return OptimStepResult(step=response.step, metrics=dict(response.metrics))
+
+
+def _save_snapshot_request(
+    adapter: str,
+    aliases: Iterable[str] | None,
+    skip_latest: bool,
+    metrics: Mapping[str, float] | None,
+    request_id: str,
+) -> trainer_pb2.SaveSnapshotRequest:
+    return trainer_pb2.SaveSnapshotRequest(
+        adapter=adapter,
+        aliases=_strings(aliases or (), "aliases"),
+        skip_latest=skip_latest,
+        metrics=dict(metrics or {}),
+        request_id=request_id,
+    )
+
+
+def _saved_state(response: trainer_pb2.SaveStateResponse) -> SavedState:
+    return SavedState(state_id=response.state_id, step=response.step, size_bytes=response.size_bytes)
+
+
+_Reply = TypeVar("_Reply")
+
+
+class TrainingClient:
+    """Trains one adapter on one trainer. Obtain it from `ServiceClient.create_training_client` (or
+    `ServiceClient.training_client` for an adapter the trainer already holds); it shares the
+    ServiceClient's channels, so closing the ServiceClient ends it too. Thread-safe.
+    """
+
+    def __init__(self, adapter: str, connection: TrainerConnection) -> None:
+        self.adapter = adapter
+        self._connection = connection
+
+    def __repr__(self) -> str:
+        return f"TrainingClient({self.adapter!r}, trainer={self._connection.address!r})"
+
+    def _call(self, method: str, request: Message, response_type: type[_M], convert: Callable[[_M], _Reply]) -> _Reply:
+        return convert(self._connection.unary(method, request, response_type))
+
+    async def _call_async(
+        self, method: str, request: Message, response_type: type[_M], convert: Callable[[_M], _Reply]
+    ) -> _Reply:
+        return convert(await self._connection.unary_async(method, request, response_type))
+
+    # Training
+
+    def forward_backward(
+        self,
+        data: Sequence[Datum],
+        loss_fn: str = "cross_entropy",
+        loss_fn_config: Mapping[str, float] | None = None,
+        trace_ids: Iterable[str] = (),
+    ) -> ForwardBackwardOutput:
+        """Computes the loss over ``data`` and adds its gradients to the adapter's gradient buffers.
+
+        loss_fn: "cross_entropy", "importance_sampling", "ppo", "cispo" or "dro"; loss_fn_config e.g.
+        {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2} for ppo. ``trace_ids`` are recorded in
+        the adapter's data ledger and in the lineage of the next snapshot.
+        """
+        request = _forward_backward_request(self.adapter, data, loss_fn, loss_fn_config, trace_ids)
+        return self._call("ForwardBackward", request, trainer_pb2.ForwardBackwardResponse, _forward_backward_output)
+
+    async def forward_backward_async(
+        self,
+        data: Sequence[Datum],
+        loss_fn: str = "cross_entropy",
+        loss_fn_config: Mapping[str, float] | None = None,
+        trace_ids: Iterable[str] = (),
+    ) -> ForwardBackwardOutput:
+        request = _forward_backward_request(self.adapter, data, loss_fn, loss_fn_config, trace_ids)
+        return await self._call_async(
+            "ForwardBackward", request, trainer_pb2.ForwardBackwardResponse, _forward_backward_output
+        )
+
+    def forward(
+        self, data: Sequence[Datum], loss_fn: str = "cross_entropy", loss_fn_config: Mapping[str, float] | None = None
+    ) -> ForwardBackwardOutput:
+        """Logprobs and loss without gradients (dropout off); batch_digest and step are unset."""
+        request = _forward_request(self.adapter, data, loss_fn, loss_fn_config)
+        return self._call("Forward", request, trainer_pb2.ForwardResponse, _forward_output)
+
+    async def forward_async(
+        self, data: Sequence[Datum], loss_fn: str = "cross_entropy", loss_fn_config: Mapping[str, float] | None = None
+    ) -> ForwardBackwardOutput:
+        request = _forward_request(self.adapter, data, loss_fn, loss_fn_config)
+        return await self._call_async("Forward", request, trainer_pb2.ForwardResponse, _forward_output)
+
+    def optim_step(self, adam_params: AdamParams | None = None) -> OptimStepResult:
+        """One AdamW step with the accumulated gradients, then zeroes them. adam_params None: the
+        adapter's defaults (set at creation). FAILED_PRECONDITION / NO_GRADIENTS without gradients."""
+        request = _optim_step_request(self.adapter, adam_params)
+        return self._call("OptimStep", request, trainer_pb2.OptimStepResponse, _optim_step_result)
+
+    async def optim_step_async(self, adam_params: AdamParams | None = None) -> OptimStepResult:
+        request = _optim_step_request(self.adapter, adam_params)
+        return await self._call_async("OptimStep", request, trainer_pb2.OptimStepResponse, _optim_step_result)
+
+    # Snapshots and states
+
+    def save_snapshot(
+        self,
+        aliases: Iterable[str] | None = None,
+        *,
+        skip_latest: bool = False,
+        metrics: Mapping[str, float] | None = None,
+        request_id: str = "",
+    ) -> Version:
+        """Publishes the adapter's current weights as its next registry version, with its lineage (the
+        batches trained since the last snapshot), and moves "latest" (unless skip_latest) and ``aliases``
+        to it. ``metrics`` (e.g. eval scores) go into the lineage; a retry with the same ``request_id``
+        publishes nothing new."""
+        request = _save_snapshot_request(self.adapter, aliases, skip_latest, metrics, request_id)
+        return self._call("SaveSnapshot", request, trainer_pb2.SaveSnapshotResponse, _snapshot_version)
+
+    async def save_snapshot_async(
+        self,
+        aliases: Iterable[str] | None = None,
+        *,
+        skip_latest: bool = False,
+        metrics: Mapping[str, float] | None = None,
+        request_id: str = "",
+    ) -> Version:
+        request = _save_snapshot_request(self.adapter, aliases, skip_latest, metrics, request_id)
+        return await self._call_async("SaveSnapshot", request, trainer_pb2.SaveSnapshotResponse, _snapshot_version)
+
+    def save_state(self, label: str = "") -> SavedState:
+        """Saves weights, optimizer state, pending gradients, step, RNG and data ledger for an exact resume."""
+        request = trainer_pb2.SaveStateRequest(adapter=self.adapter, label=label)
+        return self._call("SaveState", request, trainer_pb2.SaveStateResponse, _saved_state)
+
+    async def save_state_async(self, label: str = "") -> SavedState:
+        request = trainer_pb2.SaveStateRequest(adapter=self.adapter, label=label)
+        return await self._call_async("SaveState", request, trainer_pb2.SaveStateResponse, _saved_state)
+
+    def load_state(self, state_id: str) -> TrainingAdapterInfo:
+        """Restores a state saved by save_state (of an adapter with the same LoRA config)."""
+        request = trainer_pb2.LoadStateRequest(adapter=self.adapter, state_id=state_id)
+        return self._call("LoadState", request, trainer_pb2.LoadStateResponse, _adapter_of)
+
+    async def load_state_async(self, state_id: str) -> TrainingAdapterInfo:
+        request = trainer_pb2.LoadStateRequest(adapter=self.adapter, state_id=state_id)
+        return await self._call_async("LoadState", request, trainer_pb2.LoadStateResponse, _adapter_of)
+
+    def get_info(self) -> TrainingAdapterInfo:
+        request = trainer_pb2.TrainerServiceGetAdapterRequest(name=self.adapter)
+        return self._call("GetAdapter", request, trainer_pb2.TrainerServiceGetAdapterResponse, _adapter_of)
+
+    async def get_info_async(self) -> TrainingAdapterInfo:
+        request = trainer_pb2.TrainerServiceGetAdapterRequest(name=self.adapter)
+        return await self._call_async("GetAdapter", request, trainer_pb2.TrainerServiceGetAdapterResponse, _adapter_of)
+
+
+def _snapshot_version(response: trainer_pb2.SaveSnapshotResponse) -> Version:
+    return _version(response.version)
+
+
+def _adapter_of(
+    response: trainer_pb2.LoadStateResponse
+    | trainer_pb2.TrainerServiceGetAdapterResponse
+    | trainer_pb2.TrainerServiceCreateAdapterResponse,
+) -> TrainingAdapterInfo:
+    return training_adapter_from_proto(response.adapter)

@@ -1,0 +1,68 @@
+"""Move artifacts between a process's local ArtifactStore and the registry, in 1 MiB chunks.
+
+The trainer and the sampler normally share the registry's store directory; when they run elsewhere they
+fetch snapshots with `fetch_artifact` and send new ones with `push_artifact`. Both verify digests on the
+receiving side (the store refuses bytes that do not match the manifest).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+from opentinker.registry.artifacts import ArtifactStore
+from opentinker.v1 import registry_pb2, registry_pb2_grpc
+
+CHUNK = 1 << 20
+Metadata = list[tuple[str, str]] | None
+
+
+async def fetch_artifact(
+    registry: registry_pb2_grpc.RegistryServiceStub, store: ArtifactStore, uri: str, metadata: Metadata
+) -> None:
+    """Downloads uri into store unless it is already there (then nothing moves)."""
+    if await asyncio.to_thread(store.exists, uri):
+        return
+    writer = store.begin()
+    try:
+        headers: list[registry_pb2.ArtifactFileHeader] = []
+        index, remaining = -1, 0
+        stream: AsyncIterator[Any] = registry.DownloadArtifact(
+            registry_pb2.DownloadArtifactRequest(artifact_uri=uri), metadata=metadata
+        )
+        async for message in stream:
+            if message.WhichOneof("message") == "manifest":
+                headers = list(message.manifest.files)
+                continue
+            data: bytes = message.chunk
+            while data:
+                while remaining == 0:  # next file (skipping empty ones)
+                    index += 1
+                    writer.add_file(headers[index].path, headers[index].size_bytes, headers[index].sha256)
+                    remaining = headers[index].size_bytes
+                take = min(remaining, len(data))
+                writer.write(data[:take])
+                data, remaining = data[take:], remaining - take
+        for header in headers[index + 1 :]:  # trailing empty files carry no chunk
+            writer.add_file(header.path, header.size_bytes, header.sha256)
+        await asyncio.to_thread(writer.commit)
+    finally:
+        writer.abort()
+
+
+def upload_messages(store: ArtifactStore, uri: str) -> Iterator[registry_pb2.UploadArtifactRequest]:
+    files = store.manifest(uri)
+    headers = [registry_pb2.ArtifactFileHeader(path=f.path, size_bytes=f.size, sha256=f.sha256) for f in files]
+    yield registry_pb2.UploadArtifactRequest(manifest=registry_pb2.ArtifactManifest(files=headers))
+    for _file, chunk in store.iter_chunks(uri, CHUNK):
+        if chunk:
+            yield registry_pb2.UploadArtifactRequest(chunk=chunk)
+
+
+async def push_artifact(
+    registry: registry_pb2_grpc.RegistryServiceStub, store: ArtifactStore, uri: str, metadata: Metadata
+) -> None:
+    """Uploads uri from store to the registry's store."""
+    messages = await asyncio.to_thread(lambda: list(upload_messages(store, uri)))
+    await registry.UploadArtifact(iter(messages), metadata=metadata)

@@ -1,0 +1,168 @@
+"""`opentinker sampler serve` (the server) and `opentinker sample` (stream from it to the terminal)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from opentinker.rpc import cli_options as opt
+
+DEFAULT_PORT = 7072
+sampler_app = typer.Typer(no_args_is_help=True)
+
+
+@sampler_app.command("serve")
+def serve(
+    model: Annotated[str, typer.Option(help="Base model: a local HF directory (or a cached HF id).")],
+    registry: Annotated[str, typer.Option(envvar="OPENTINKER_REGISTRY", help="Registry address host:port.")],
+    store: Annotated[Path, typer.Option(help="Artifact store root (share it with the registry when possible).")],
+    registry_token: Annotated[
+        str | None, typer.Option(envvar="OPENTINKER_REGISTRY_TOKEN", help="Token the sampler uses with the registry.")
+    ] = None,
+    device: Annotated[str, typer.Option(help="auto (CUDA when present), cpu or cuda.")] = "auto",
+    dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "float32",
+    max_slots: Annotated[int, typer.Option(help="Adapter versions resident at once.")] = 32,
+    max_rank: Annotated[int, typer.Option(help="Largest LoRA rank served (smaller ranks are zero-padded).")] = 64,
+    max_seqs: Annotated[int, typer.Option(help="Sequences in a batch (KV-cache slots).")] = 64,
+    max_batch_tokens: Annotated[int, typer.Option(help="Prompt tokens per prefill step.")] = 4096,
+    max_len: Annotated[int, typer.Option(help="Context per sequence (0: the model's, capped at 4096).")] = 0,
+    max_waiting: Annotated[int, typer.Option(help="Queued sequences before RESOURCE_EXHAUSTED.")] = 256,
+    kernel: Annotated[str, typer.Option(help="LoRA kernel: auto, segments, reference or triton.")] = "auto",
+    host: opt.Host = "127.0.0.1",
+    port: opt.Port = DEFAULT_PORT,
+    metrics_port: opt.MetricsPort = 0,
+    tokens_file: opt.TokensFile = None,
+    insecure_public: opt.InsecurePublic = False,
+    tls_cert: opt.TlsCert = None,
+    tls_key: opt.TlsKey = None,
+    ready_file: opt.ReadyFile = None,
+    log_level: opt.LogLevel = "INFO",
+) -> None:
+    """Run the sampler gRPC server."""
+    import grpc
+    import torch
+
+    from opentinker.registry.artifacts import ArtifactStore
+    from opentinker.rpc.server import ServiceBinding, configure_logging, serve_forever
+    from opentinker.sampler_server.adapters import AdapterLoader
+    from opentinker.sampler_server.engine import Engine
+    from opentinker.sampler_server.kernels import TRITON_AVAILABLE, Backend
+    from opentinker.sampler_server.model.config import resolve_model_dir
+    from opentinker.sampler_server.model.kv_cache import KVCache
+    from opentinker.sampler_server.model.llama import LlamaForCausalLM
+    from opentinker.sampler_server.scheduler import Scheduler
+    from opentinker.sampler_server.service import SamplerServicer
+    from opentinker.sampler_server.slot_pool import SlotPool
+    from opentinker.trainer_server.base_model import model_digest, pick_device
+    from opentinker.v1 import common_pb2, registry_pb2_grpc, sampler_pb2, sampler_pb2_grpc
+
+    configure_logging(log_level)
+    if dtype not in ("float32", "bfloat16"):
+        raise typer.BadParameter("dtype must be float32 or bfloat16", param_hint="--dtype")
+    backends: dict[str, Backend] = {
+        "auto": "auto",
+        "segments": "segments",
+        "reference": "reference",
+        "triton": "triton",
+    }
+    if kernel not in backends:
+        raise typer.BadParameter("kernel must be auto, segments, reference or triton", param_hint="--kernel")
+    torch_device = torch.device(pick_device(device))
+    torch_dtype = torch.float32 if dtype == "float32" else torch.bfloat16
+    model_dir = resolve_model_dir(model)
+    runner = LlamaForCausalLM.from_pretrained(model_dir, device=torch_device, dtype=torch_dtype)
+    config = runner.config
+    context = max_len or min(config.max_position_embeddings, 4096)
+    cache = KVCache(config, max_seqs + 1, context, torch_device, torch_dtype)  # + one slot for ComputeLogprobs
+    shapes = runner.linear_shapes()
+    pool = SlotPool(shapes, max_slots=max_slots, max_rank=max_rank, device=torch_device)
+    tokenizer = None
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError):
+        tokenizer = None  # token-only serving
+    engine = Engine(runner, cache, pool, Scheduler(max_seqs=max_seqs, max_batch_tokens=max_batch_tokens),
+                    max_len=context, eos_token_ids=config.eos_token_ids, tokenizer=tokenizer, kernel=backends[kernel],
+                    score_slot=max_seqs)  # fmt: skip
+    artifacts = ArtifactStore(store)
+    artifacts.cleanup_temp()
+    digest = model_digest(model_dir)
+    info = common_pb2.BaseModelInfo(
+        model=model, model_digest=digest, architecture=config.arch, vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size, num_layers=config.num_layers, max_position_embeddings=context, dtype=dtype,
+        device=str(torch_device), lora_target_modules=sorted({m.rsplit(".", 1)[-1] for m in shapes}),
+    )  # fmt: skip
+    metadata = [("authorization", f"Bearer {registry_token}")] if registry_token else None
+    used_kernel = (
+        kernel if kernel != "auto" else ("triton" if torch_device.type == "cuda" and TRITON_AVAILABLE else "segments")
+    )
+    state: dict[str, object] = {}
+
+    def add(server: grpc.aio.Server) -> None:
+        channel = grpc.aio.insecure_channel(registry)  # inside the server's event loop
+        state["channel"] = channel
+        loader = AdapterLoader(pool, artifacts, registry_pb2_grpc.RegistryServiceStub(channel), metadata=metadata,
+                               model_digest=digest)  # fmt: skip
+        servicer = SamplerServicer(engine, loader, info=info, tokenizer=tokenizer, max_waiting=max_waiting,
+                                   lora_kernel=used_kernel)  # fmt: skip
+        sampler_pb2_grpc.add_SamplerServiceServicer_to_server(servicer, server)
+        engine.start()
+
+    async def on_stop() -> None:
+        engine.stop()
+        channel = state.get("channel")
+        if isinstance(channel, grpc.aio.Channel):
+            await channel.close()
+
+    binding = ServiceBinding(sampler_pb2.DESCRIPTOR.services_by_name["SamplerService"].full_name, add)
+    options = opt.server_options(host, port, metrics_port, tokens_file, insecure_public, tls_cert, tls_key, ready_file)
+    serve_forever("sampler", [binding], options, on_stop=on_stop)
+
+
+def sample_command(
+    reference: Annotated[str, typer.Argument(help="base, name, name@alias or name@N.")],
+    prompt: Annotated[str, typer.Argument(help="Prompt text (tokenized by the sampler, no chat template).")],
+    max_tokens: Annotated[int, typer.Option(help="Tokens to generate.")] = 32,
+    temperature: Annotated[float, typer.Option(help="0: greedy.")] = 1.0,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass.")] = 1.0,
+    top_k: Annotated[int, typer.Option(help="0: off.")] = 0,
+    seed: Annotated[int | None, typer.Option(help="Same seed, same output.")] = None,
+    stop: Annotated[list[str] | None, typer.Option(help="Stop strings.")] = None,
+    sampler: Annotated[
+        str, typer.Option(envvar="OPENTINKER_SAMPLER", help="Sampler address.")
+    ] = f"127.0.0.1:{DEFAULT_PORT}",
+    token: Annotated[str | None, typer.Option(envvar="OPENTINKER_TOKEN", help="Bearer token.")] = None,
+) -> None:
+    """Stream a completion from a sampler to the terminal."""
+    import sys
+
+    import grpc
+
+    from opentinker.rpc.errors import error_info
+    from opentinker.v1 import sampler_pb2, sampler_pb2_grpc
+
+    params = sampler_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                                        max_tokens=max_tokens, stop_strings=stop or [])  # fmt: skip
+    request = sampler_pb2.SampleRequest(model=reference, prompt_text=prompt, sampling_params=params)
+    metadata = [("authorization", f"Bearer {token}")] if token else None
+    stop_reason = "?"
+    version = ""
+    with grpc.insecure_channel(sampler) as channel:
+        try:
+            for message in sampler_pb2_grpc.SamplerServiceStub(channel).Sample(request, metadata=metadata):
+                version = f"{message.version.adapter}@{message.version.version}" if message.version.adapter else "base"
+                sys.stdout.write(message.text)
+                sys.stdout.flush()
+                if message.stop_reason:
+                    stop_reason = sampler_pb2.StopReason.Name(message.stop_reason).removeprefix("STOP_REASON_").lower()
+        except grpc.RpcError as exc:
+            info = error_info(exc)
+            code = exc.code().name if isinstance(exc, grpc.Call) else "UNKNOWN"
+            details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+            print(f"error: {code}: {details}" + (f" [{info.reason}]" if info else ""), file=sys.stderr)
+            raise typer.Exit(1) from None
+    print(f"\n[{version}, stop: {stop_reason}]", file=sys.stderr)

@@ -1,0 +1,321 @@
+"""The serving engine: one thread runs `step()` over a continuously changing batch.
+
+    step: schedule (prefill new sequences | decode all running)
+          -> prepare flat tokens, positions, KV slots and each token's adapter slot
+          -> one model forward; every projection adds each token's own LoRA delta (slot pool + kernels)
+          -> sample one token per sequence -> stop checks, detokenize, emit -> free finished sequences
+
+Other threads talk to the engine only through its inbox (submit, abort, score); it answers through the
+callbacks given at submission, on the engine thread.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from opentinker.sampler_server.kernels import Backend, add_lora
+from opentinker.sampler_server.model.kv_cache import KVCache
+from opentinker.sampler_server.model.llama import ForwardBatch, LlamaForCausalLM
+from opentinker.sampler_server.sampling import sample
+from opentinker.sampler_server.scheduler import ScheduledBatch, Scheduler
+from opentinker.sampler_server.sequence import Sequence
+from opentinker.sampler_server.slot_pool import SlotPool
+from opentinker.v1 import sampler_pb2
+
+log = logging.getLogger("opentinker.sampler")
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceUpdate:
+    seq: Sequence
+    tokens: list[int]
+    logprobs: list[float]
+    text: str
+    finished: bool
+    error: str = ""  # set when the engine failed this sequence (the request ends with INTERNAL)
+
+
+UpdateCallback = Callable[[SequenceUpdate], None]
+
+
+@dataclass(slots=True)
+class _Submit:
+    sequences: list[Sequence]
+    on_update: UpdateCallback
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(slots=True)
+class _Score:
+    tokens: list[int]
+    lora_slot: int
+    future: concurrent.futures.Future[list[float]]
+
+
+@dataclass(slots=True)
+class EngineStats:
+    tokens_generated: int = 0
+    steps: int = 0
+    recent: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens) of recent decode steps
+
+    def tokens_per_second(self, window: float = 5.0) -> float:
+        now = time.monotonic()
+        points = [(t, n) for t, n in self.recent if now - t <= window]
+        if len(points) < 2:
+            return 0.0
+        return sum(n for _, n in points[1:]) / max(points[-1][0] - points[0][0], 1e-9)
+
+
+class Engine:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        cache: KVCache,
+        pool: SlotPool,
+        scheduler: Scheduler,
+        *,
+        max_len: int,
+        eos_token_ids: tuple[int, ...],
+        tokenizer: Any | None = None,
+        kernel: Backend = "auto",
+        score_slot: int,
+    ) -> None:
+        self.model = model
+        self.cache = cache
+        self.pool = pool
+        self.scheduler = scheduler
+        self.max_len = max_len
+        self.eos_token_ids = set(eos_token_ids)
+        self.tokenizer = tokenizer
+        self.kernel = kernel
+        self.score_slot = score_slot  # a KV slot kept for ComputeLogprobs
+        self.device = cache.device
+        self.stats = EngineStats()
+        self._inbox: queue.SimpleQueue[_Submit | _Abort | _Score | None] = queue.SimpleQueue()
+        self._callbacks: dict[str, UpdateCallback] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    # Thread-safe entry points
+
+    def submit(self, sequences: list[Sequence], on_update: UpdateCallback) -> None:
+        self._inbox.put(_Submit(sequences, on_update))
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(_Abort(request_id))
+
+    def score(self, tokens: list[int], lora_slot: int) -> concurrent.futures.Future[list[float]]:
+        future: concurrent.futures.Future[list[float]] = concurrent.futures.Future()
+        self._inbox.put(_Score(tokens, lora_slot, future))
+        return future
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting) + self._inbox.qsize()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="sampler-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._inbox.put(None)
+        if self._thread is not None:
+            self._thread.join(30)
+
+    # Engine thread
+
+    def _run(self) -> None:
+        while not self._stopping:
+            self._drain(block=not self.scheduler.has_work())
+            if self.scheduler.has_work():
+                try:
+                    self.step()
+                except Exception:
+                    # A bug must not kill the engine thread and hang every stream: fail what was in flight.
+                    log.exception("engine step failed; failing the sequences in flight")
+                    self._fail_all("the sampler engine failed; see the server log")
+        for seq in [*self.scheduler.waiting, *self.scheduler.running]:
+            self._retire(seq)
+
+    def _fail_all(self, error: str) -> None:
+        for seq in [*self.scheduler.waiting, *self.scheduler.running]:
+            self._retire(seq)
+            callback = self._callbacks.pop(seq.request_id, None)
+            if callback is not None:
+                callback(SequenceUpdate(seq, [], [], "", finished=True, error=error))
+
+    def _drain(self, *, block: bool) -> None:
+        try:
+            message = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while message is not None:
+            if isinstance(message, _Submit):
+                for seq in message.sequences:
+                    self._callbacks[seq.request_id] = message.on_update
+                    self.scheduler.add(seq)
+            elif isinstance(message, _Abort):
+                self._abort(message.request_id)
+            else:
+                self._score(message)
+            try:
+                message = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _abort(self, request_id: str) -> None:
+        for seq in [*self.scheduler.waiting, *self.scheduler.running]:
+            if seq.request_id == request_id:
+                self._retire(seq)
+        self._callbacks.pop(request_id, None)
+
+    def _retire(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        self.pool.release(seq.lora_slot)  # the request's pin on its adapter version ends with it
+
+    def step(self) -> None:
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return
+        forward, token_slots = self._prepare(batch)
+        logits = self.model.forward(forward, self.cache, self._lora_hook(token_slots))  # [M, V]
+        last = self._last_logits(batch, logits)  # [B, V]
+        tokens, logprobs = sample(last, batch.sequences)
+        for seq, token, logprob in zip(batch.sequences, tokens, logprobs, strict=True):
+            seq.num_cached = seq.num_tokens
+            self._append(seq, token, logprob)
+        self.stats.steps += 1
+        self.stats.tokens_generated += len(tokens)
+        self.stats.recent = [*self.stats.recent[-63:], (time.monotonic(), len(tokens))]
+
+    def _prepare(self, batch: ScheduledBatch) -> tuple[ForwardBatch, torch.Tensor]:
+        tokens: list[int] = []
+        positions: list[int] = []
+        token_slots: list[int] = []
+        new_lens: list[int] = []
+        logits_indices: list[int] = []
+        for seq in batch.sequences:
+            new = seq.tokens[seq.num_cached :]  # prefill: the prompt; decode: the last sampled token
+            start = len(tokens)
+            tokens.extend(new)
+            positions.extend(range(seq.num_cached, seq.num_cached + len(new)))
+            token_slots.extend([seq.lora_slot] * len(new))
+            new_lens.append(len(new))
+            if batch.is_prefill and seq.want_prompt_logprobs:
+                logits_indices.extend(range(start, start + len(new)))
+            else:
+                logits_indices.append(start + len(new) - 1)
+        device = self.device
+        forward = ForwardBatch(
+            tokens=torch.tensor(tokens, dtype=torch.long, device=device),
+            positions=torch.tensor(positions, dtype=torch.long, device=device),
+            kv_slots=[seq.kv_slot for seq in batch.sequences],
+            new_lens=new_lens,
+            context_lens=[seq.num_tokens for seq in batch.sequences],
+            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=device),
+        )
+        return forward, torch.tensor(token_slots, dtype=torch.long, device=device)
+
+    def _last_logits(self, batch: ScheduledBatch, logits: torch.Tensor) -> torch.Tensor:
+        """Picks each sequence's last-position row; records prompt logprobs where they were asked for."""
+        rows: list[int] = []
+        offset = 0
+        for seq in batch.sequences:
+            if batch.is_prefill and seq.want_prompt_logprobs:
+                count = len(seq.prompt)
+                prompt_logits = logits[offset : offset + count - 1]  # position i predicts token i+1
+                targets = torch.tensor(seq.prompt[1:], dtype=torch.long, device=logits.device)
+                seq.prompt_logprobs = prompt_logits.log_softmax(-1).gather(1, targets[:, None]).squeeze(1).tolist()
+                offset += count
+            else:
+                offset += 1
+            rows.append(offset - 1)
+        return logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
+
+    def _lora_hook(self, token_slots: torch.Tensor) -> Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor] | None:
+        if not bool((token_slots != 0).any()):
+            return None  # base-model-only batch: no LoRA work at all
+        pool, ranks, kernel = self.pool, self.pool.ranks(), self.kernel
+
+        def hook(module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            if module in pool.a:
+                add_lora(y, x, pool.a[module], pool.b[module], pool.scaling, token_slots, ranks=ranks, backend=kernel)
+            return y
+
+        return hook
+
+    def _append(self, seq: Sequence, token: int, logprob: float) -> None:
+        seq.output.append(token)
+        seq.output_logprobs.append(logprob)
+        params = seq.params
+        if token in params.stop_token_ids or token in self.eos_token_ids:
+            seq.stop_reason = sampler_pb2.STOP_REASON_STOP_TOKEN
+        text_delta = self._detokenize(seq)
+        if seq.stop_reason == sampler_pb2.STOP_REASON_UNSPECIFIED:
+            if params.stop_strings and any(stop in seq.text for stop in params.stop_strings):
+                seq.stop_reason = sampler_pb2.STOP_REASON_STOP_STRING
+            elif len(seq.output) >= params.max_tokens:
+                seq.stop_reason = sampler_pb2.STOP_REASON_LENGTH
+            elif seq.num_tokens >= self.max_len:
+                seq.stop_reason = sampler_pb2.STOP_REASON_CONTEXT_LENGTH
+        finished = seq.stop_reason != sampler_pb2.STOP_REASON_UNSPECIFIED
+        new_tokens = seq.output[seq.emitted_tokens :]
+        new_logprobs = seq.output_logprobs[seq.emitted_tokens :]
+        seq.emitted_tokens = len(seq.output)
+        callback = self._callbacks.get(seq.request_id)
+        if finished:
+            self._retire(seq)
+            if all(s.request_id != seq.request_id for s in [*self.scheduler.waiting, *self.scheduler.running]):
+                self._callbacks.pop(seq.request_id, None)
+        if callback is not None:
+            callback(SequenceUpdate(seq, new_tokens, new_logprobs, text_delta, finished))
+
+    def _detokenize(self, seq: Sequence) -> str:
+        if self.tokenizer is None:
+            return ""
+        text: str = self.tokenizer.decode(seq.output, skip_special_tokens=True)
+        stable = text[:-1] if text.endswith("\ufffd") else text  # an incomplete multi-byte character waits
+        seq.text = stable
+        delta = stable[seq.emitted_text :]
+        seq.emitted_text = len(stable)
+        return delta
+
+    def _score(self, job: _Score) -> None:
+        if job.future.set_running_or_notify_cancel() is False:
+            return
+        try:
+            tokens = job.tokens
+            forward = ForwardBatch(
+                tokens=torch.tensor(tokens, dtype=torch.long, device=self.device),
+                positions=torch.arange(len(tokens), device=self.device),
+                kv_slots=[self.score_slot],
+                new_lens=[len(tokens)],
+                context_lens=[len(tokens)],
+                logits_indices=torch.arange(len(tokens) - 1, device=self.device),
+            )
+            slots = torch.full((len(tokens),), job.lora_slot, dtype=torch.long, device=self.device)
+            logits = self.model.forward(forward, self.cache, self._lora_hook(slots))  # [L-1, V]
+            targets = torch.tensor(tokens[1:], dtype=torch.long, device=self.device)
+            job.future.set_result(logits.log_softmax(-1).gather(1, targets[:, None]).squeeze(1).tolist())
+        except Exception as exc:
+            job.future.set_exception(exc)
+        finally:
+            self.pool.release(job.lora_slot)

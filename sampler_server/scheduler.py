@@ -1,0 +1,63 @@
+"""Continuous batching: sequences join between steps, leave when finished.
+
+Each step is either a prefill of newly admitted sequences (prompts, within a token budget) or one decode
+token for every running sequence; prefill goes first so new requests start quickly (nano-vllm's policy).
+A sequence owns one KV-cache slot from admission to finish.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+
+from opentinker.sampler_server.sequence import Sequence, Status
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledBatch:
+    sequences: list[Sequence]
+    is_prefill: bool
+
+
+class Scheduler:
+    def __init__(self, *, max_seqs: int, max_batch_tokens: int) -> None:
+        self.max_seqs = max_seqs
+        self.max_batch_tokens = max_batch_tokens
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []
+        self.free_kv_slots = list(range(max_seqs - 1, -1, -1))
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch | None:
+        admitted: list[Sequence] = []
+        budget = self.max_batch_tokens
+        while self.waiting and self.free_kv_slots:
+            seq = self.waiting[0]
+            if admitted and len(seq.prompt) > budget:
+                break  # the next prefill gets it; a single prompt may exceed the budget on its own
+            self.waiting.popleft()
+            seq.kv_slot = self.free_kv_slots.pop()
+            seq.status = Status.RUNNING
+            admitted.append(seq)
+            budget -= len(seq.prompt)
+        if admitted:
+            self.running.extend(admitted)
+            return ScheduledBatch(admitted, is_prefill=True)
+        if self.running:
+            return ScheduledBatch(list(self.running), is_prefill=False)
+        return None
+
+    def finish(self, seq: Sequence) -> None:
+        """Removes a finished or aborted sequence and frees its KV slot."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+            self.free_kv_slots.append(seq.kv_slot)
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        seq.status = Status.FINISHED
+        seq.kv_slot = -1

@@ -1,0 +1,71 @@
+"""One generated sequence: its prompt, sampling parameters, pinned adapter slot, KV slot and output."""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from opentinker.v1 import sampler_pb2
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+    logprobs: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(slots=True)
+class Sequence:
+    seq_id: int
+    request_id: str
+    sample_index: int
+    prompt: list[int]
+    params: SamplingParams
+    lora_slot: int  # 0 = base model
+    want_prompt_logprobs: bool = False
+    status: Status = Status.WAITING
+    kv_slot: int = -1
+    num_cached: int = 0  # tokens whose K/V are in the cache
+    output: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    prompt_logprobs: list[float] | None = None
+    stop_reason: int = sampler_pb2.STOP_REASON_UNSPECIFIED
+    generator: torch.Generator | None = None
+    text: str = ""  # detokenized output so far (held back at an incomplete character)
+    emitted_tokens: int = 0  # tokens already sent to the client
+    emitted_text: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+
+def is_finite(value: float) -> bool:
+    return math.isfinite(value)

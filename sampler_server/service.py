@@ -1,0 +1,220 @@
+"""SamplerService. A Sample request: validate -> resolve the reference ONCE to an exact version -> pin its
+slot (loading it on demand) -> n sequences into the engine -> stream their tokens as they come. The version
+each message names is the one that produced its tokens, whatever aliases do meanwhile."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from opentinker.rpc.errors import Internal, InvalidArgument, NotFound, ResourceExhausted
+from opentinker.sampler_server.adapters import AdapterLoader
+from opentinker.sampler_server.engine import Engine, SequenceUpdate
+from opentinker.sampler_server.sequence import SamplingParams, Sequence
+from opentinker.trainer_server.batch import tokens_of
+from opentinker.v1 import common_pb2, sampler_pb2, sampler_pb2_grpc
+
+Context = Any  # grpc.aio.ServicerContext; untyped in the generated stubs
+MAX_SAMPLES = 64
+MAX_STOP_STRINGS = 16
+
+
+def sampling_params(message: sampler_pb2.SamplingParams, *, vocab_size: int) -> SamplingParams:
+    temperature = message.temperature if message.HasField("temperature") else 1.0
+    if not math.isfinite(temperature) or temperature < 0:
+        raise InvalidArgument("sampling_params.temperature must be >= 0", reason="INVALID_SAMPLING_PARAMS",
+                              field="sampling_params.temperature")  # fmt: skip
+    top_p = message.top_p or 1.0
+    if not 0.0 < top_p <= 1.0:
+        raise InvalidArgument("sampling_params.top_p must be in (0, 1]", reason="INVALID_SAMPLING_PARAMS",
+                              field="sampling_params.top_p")  # fmt: skip
+    max_tokens = message.max_tokens or 16
+    stop_ids = tuple(int(t) for t in message.stop_token_ids)
+    if any(not 0 <= t < vocab_size for t in stop_ids):
+        raise InvalidArgument("sampling_params.stop_token_ids has ids outside the vocabulary",
+                              reason="INVALID_SAMPLING_PARAMS", field="sampling_params.stop_token_ids")  # fmt: skip
+    if len(message.stop_strings) > MAX_STOP_STRINGS or any(not s for s in message.stop_strings):
+        raise InvalidArgument(f"at most {MAX_STOP_STRINGS} non-empty stop strings", reason="INVALID_SAMPLING_PARAMS",
+                              field="sampling_params.stop_strings")  # fmt: skip
+    return SamplingParams(
+        temperature=temperature, top_k=message.top_k, top_p=top_p,
+        seed=message.seed if message.HasField("seed") else None, max_tokens=max_tokens,
+        stop_token_ids=stop_ids, stop_strings=tuple(message.stop_strings), logprobs=message.logprobs,
+    )  # fmt: skip
+
+
+class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
+    def __init__(
+        self,
+        engine: Engine,
+        loader: AdapterLoader,
+        *,
+        info: common_pb2.BaseModelInfo,
+        tokenizer: Any | None,
+        max_waiting: int,
+        lora_kernel: str,
+    ) -> None:
+        self.engine = engine
+        self.loader = loader
+        self.info = info
+        self.tokenizer = tokenizer
+        self.max_waiting = max_waiting
+        self.lora_kernel = lora_kernel
+        self._seq_ids = iter(range(1, 1 << 62))
+
+    def _prompt(self, request: sampler_pb2.SampleRequest) -> list[int]:
+        tokens = tokens_of(request.prompt)
+        if not tokens and request.prompt_text:
+            if self.tokenizer is None:
+                raise InvalidArgument("this sampler has no tokenizer: send prompt tokens", reason="INVALID_PROMPT")
+            tokens = list(self.tokenizer.encode(request.prompt_text, add_special_tokens=False))
+        return self._check_tokens(tokens, "prompt")
+
+    def _check_tokens(self, tokens: list[int], field: str) -> list[int]:
+        if not tokens:
+            raise InvalidArgument(f"{field} is empty", reason="INVALID_PROMPT", field=field)
+        bad = next((t for t in tokens if not 0 <= t < self.info.vocab_size), None)
+        if bad is not None:
+            raise InvalidArgument(f"{field} has token id {bad} outside the vocabulary [0, {self.info.vocab_size})",
+                                  reason="TOKEN_OUT_OF_RANGE", field=field)  # fmt: skip
+        if len(tokens) >= self.engine.max_len:
+            raise InvalidArgument(f"{field} has {len(tokens)} tokens; the context holds {self.engine.max_len}",
+                                  reason="PROMPT_TOO_LONG", field=field)  # fmt: skip
+        return tokens
+
+    async def GetSamplerInfo(self, request: sampler_pb2.GetSamplerInfoRequest, context: Context) -> Any:
+        pool = self.engine.pool
+        return sampler_pb2.GetSamplerInfoResponse(
+            base_model=self.info, max_slots=pool.capacity, max_rank=pool.max_rank,
+            max_seqs=self.engine.scheduler.max_seqs, max_batch_tokens=self.engine.scheduler.max_batch_tokens,
+            lora_kernel=self.lora_kernel,
+        )  # fmt: skip
+
+    async def Sample(self, request: sampler_pb2.SampleRequest, context: Context) -> AsyncIterator[Any]:
+        prompt = self._prompt(request)
+        params = sampling_params(request.sampling_params, vocab_size=self.info.vocab_size)
+        if len(prompt) + params.max_tokens > self.engine.max_len:
+            raise InvalidArgument(
+                f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) exceeds the context "
+                f"of {self.engine.max_len}",
+                reason="INVALID_SAMPLING_PARAMS", field="sampling_params.max_tokens",
+            )  # fmt: skip
+        count = request.num_samples or 1
+        if count > MAX_SAMPLES:
+            raise InvalidArgument(f"num_samples is at most {MAX_SAMPLES}", reason="INVALID_SAMPLING_PARAMS",
+                                  field="num_samples")  # fmt: skip
+        if self.engine.num_waiting + count > self.max_waiting:
+            raise ResourceExhausted(f"the waiting queue is full ({self.max_waiting} sequences)", reason="QUEUE_FULL")
+        resolved = await self.loader.resolve(request.model or "base")
+        slot = await self.loader.acquire(resolved, count)  # refs released by the engine as sequences end
+        request_id = f"{request.request_id or 'req'}-{uuid.uuid4().hex[:12]}"
+        sequences = [self._sequence(request_id, i, prompt, params, slot, request.prompt_logprobs) for i in range(count)]
+        updates: asyncio.Queue[SequenceUpdate] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+
+        def deliver(update: SequenceUpdate) -> None:  # on the engine thread
+            loop.call_soon_threadsafe(updates.put_nowait, update)
+
+        self.engine.submit(sequences, deliver)
+        remaining = count
+        first = [True] * count
+        try:
+            while remaining:
+                update = await updates.get()
+                if update.error:
+                    remaining = 0
+                    raise Internal(update.error, reason="ENGINE_FAILED")
+                index = update.seq.sample_index
+                message = sampler_pb2.SampleResponse(
+                    sample_index=index, tokens=update.tokens, version=resolved.message,
+                    stop_reason=update.seq.stop_reason if update.finished else sampler_pb2.STOP_REASON_UNSPECIFIED,  # type: ignore[arg-type]
+                    text=update.text,
+                )  # fmt: skip
+                if params.logprobs:
+                    message.logprobs.extend(update.logprobs)
+                if first[index]:
+                    message.prompt_tokens = len(prompt)
+                    if update.seq.prompt_logprobs is not None:
+                        message.prompt_logprobs.extend(update.seq.prompt_logprobs)
+                    first[index] = False
+                if update.finished:
+                    remaining -= 1
+                yield message
+        finally:
+            if remaining:  # the client went away or the server is stopping: free the sequences now
+                self.engine.abort(request_id)
+
+    def _sequence(
+        self, request_id: str, index: int, prompt: list[int], params: SamplingParams, slot: int, prompt_logprobs: bool
+    ) -> Sequence:
+        import torch
+
+        generator = None
+        if not params.greedy:
+            generator = torch.Generator(device=self.engine.device)
+            seed = params.seed + index if params.seed is not None else int.from_bytes(os.urandom(7), "little")
+            generator.manual_seed(seed)
+        return Sequence(
+            seq_id=next(self._seq_ids), request_id=request_id, sample_index=index, prompt=list(prompt), params=params,
+            lora_slot=slot, want_prompt_logprobs=prompt_logprobs, generator=generator,
+        )  # fmt: skip
+
+    async def ComputeLogprobs(self, request: sampler_pb2.ComputeLogprobsRequest, context: Context) -> Any:
+        if not request.inputs:
+            raise InvalidArgument("inputs is empty", reason="INVALID_PROMPT", field="inputs")
+        sequences = [self._check_tokens(tokens_of(m), f"inputs[{i}]") for i, m in enumerate(request.inputs)]
+        resolved = await self.loader.resolve(request.model or "base")
+        response = sampler_pb2.ComputeLogprobsResponse(version=resolved.message)
+        for tokens in sequences:
+            slot = await self.loader.acquire(resolved)  # released by the engine after scoring
+            logprobs = await asyncio.wrap_future(self.engine.score(tokens, slot))
+            response.results.append(sampler_pb2.TokenLogprobs(logprobs=logprobs))
+        return response
+
+    def _loaded(self, index: int) -> sampler_pb2.LoadedAdapter:
+        slot = self.engine.pool.slots[index]
+        adapter, version = slot.key or ("", 0)
+        message = sampler_pb2.LoadedAdapter(
+            version=common_pb2.ResolvedVersion(adapter=adapter, version=version, reference=f"{adapter}@{version}",
+                                               artifact_sha256=slot.artifact_sha256),
+            slot=index, rank=slot.rank, pinned=slot.pinned, active_requests=slot.refs,
+        )  # fmt: skip
+        message.load_time.FromNanoseconds(int(slot.load_time * 1e9))
+        return message
+
+    async def LoadAdapter(self, request: sampler_pb2.LoadAdapterRequest, context: Context) -> Any:
+        resolved = await self.loader.resolve(request.reference)
+        if resolved.version is None:
+            raise InvalidArgument("the base model is always loaded", reason="INVALID_REFERENCE")
+        index = await self.loader.acquire(resolved)
+        if request.pin:
+            self.engine.pool.set_pinned(index, True)
+        self.engine.pool.release(index)
+        return sampler_pb2.LoadAdapterResponse(adapter=self._loaded(index))
+
+    async def UnloadAdapter(self, request: sampler_pb2.UnloadAdapterRequest, context: Context) -> Any:
+        resolved = await self.loader.resolve(request.reference)
+        freed = self.engine.pool.unload(resolved.key)
+        if freed is None:
+            raise NotFound(f"{resolved.key[0]}@{resolved.key[1]} is not loaded", reason="ADAPTER_NOT_LOADED")
+        return sampler_pb2.UnloadAdapterResponse(freed_now=freed)
+
+    async def ListLoaded(self, request: sampler_pb2.ListLoadedRequest, context: Context) -> Any:
+        pool = self.engine.pool
+        loaded = [self._loaded(s.index) for s in pool.slots[1:] if s.key is not None and not s.loading]
+        return sampler_pb2.ListLoadedResponse(adapters=loaded, slots_total=pool.capacity)
+
+    async def GetStats(self, request: sampler_pb2.GetStatsRequest, context: Context) -> Any:
+        engine = self.engine
+        return sampler_pb2.GetStatsResponse(
+            running_requests=engine.num_running, waiting_requests=engine.num_waiting, max_waiting=self.max_waiting,
+            slots_used=engine.pool.used(), slots_total=engine.pool.capacity,
+            tokens_generated=engine.stats.tokens_generated,
+            decode_tokens_per_second=engine.stats.tokens_per_second(),
+            kv_cache_usage=engine.num_running / max(engine.scheduler.max_seqs, 1),
+            reloads_total=self.loader.loads, reload_failures_total=self.loader.load_failures,
+        )  # fmt: skip

@@ -1,0 +1,180 @@
+"""Resident adapter versions in stacked tensors, one pair per target module:
+A[n_slots, r_max, d_in], B[n_slots, d_out, r_max], scaling[n_slots]. Slot 0 is "no adapter" (zeros).
+
+Every token of a batch carries a slot index, so one forward serves any mix of versions. Smaller ranks are
+zero-padded to r_max (exact). A slot is keyed by an exact (adapter, version): reloading a name never
+reuses stale weights. Requests hold a reference on their slot from admission to finish; idle slots are
+evicted LRU when a new version needs room; pinned slots are never evicted; an unloaded slot with running
+requests is freed when its last request ends.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from opentinker.rpc.errors import ResourceExhausted
+
+VersionKey = tuple[str, int]  # (adapter, version)
+
+
+@dataclass(slots=True)
+class Slot:
+    index: int
+    key: VersionKey | None = None
+    rank: int = 0
+    scaling: float = 0.0
+    refs: int = 0
+    pinned: bool = False
+    retiring: bool = False  # unloaded while in use: freed when refs reach 0
+    loading: bool = False  # reserved, tensors being written: invisible to lookups
+    load_time: float = 0.0
+    last_used: float = field(default_factory=time.monotonic)
+    artifact_sha256: str = ""
+
+
+class SlotPool:
+    def __init__(
+        self,
+        shapes: dict[str, tuple[int, int]],
+        *,
+        max_slots: int,
+        max_rank: int,
+        device: torch.device,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        count = max_slots + 1  # + slot 0
+        self.max_rank = max_rank
+        self.a = {m: torch.zeros(count, max_rank, d_in, device=device, dtype=dtype) for m, (d_in, _) in shapes.items()}
+        self.b = {
+            m: torch.zeros(count, d_out, max_rank, device=device, dtype=dtype) for m, (_, d_out) in shapes.items()
+        }
+        self.scaling = torch.zeros(count, device=device, dtype=torch.float32)
+        self.slots = [Slot(i) for i in range(count)]
+        self.by_key: dict[VersionKey, int] = {}
+        self._lock = threading.Lock()
+        self.evictions = 0
+
+    @property
+    def modules(self) -> list[str]:
+        return list(self.a)
+
+    @property
+    def capacity(self) -> int:
+        return len(self.slots) - 1
+
+    def used(self) -> int:
+        return sum(1 for s in self.slots[1:] if s.key is not None)
+
+    def ranks(self) -> list[int]:
+        return [s.rank for s in self.slots]
+
+    def lookup(self, key: VersionKey) -> int | None:
+        with self._lock:
+            index = self.by_key.get(key)
+            if index is None or self.slots[index].retiring or self.slots[index].loading:
+                return None
+            return index
+
+    def reserve(self, key: VersionKey) -> int:
+        """Claims a free slot (or the least recently used idle one) for key; raises if every slot is busy."""
+        with self._lock:
+            free = [s for s in self.slots[1:] if s.key is None]
+            if free:
+                slot = free[0]
+            else:
+                idle = [s for s in self.slots[1:] if s.refs == 0 and not s.pinned and not s.loading]
+                if not idle:
+                    raise ResourceExhausted(
+                        f"all {self.capacity} adapter slots are pinned or serving requests", reason="NO_FREE_SLOT"
+                    )
+                slot = min(idle, key=lambda s: s.last_used)
+                assert slot.key is not None
+                del self.by_key[slot.key]
+                self.evictions += 1
+            slot.key, slot.rank, slot.refs, slot.pinned, slot.retiring, slot.loading = key, 0, 0, False, False, True
+            slot.scaling = 0.0
+            self.scaling[slot.index] = 0.0
+            return slot.index
+
+    def fill(
+        self,
+        index: int,
+        weights: dict[str, tuple[torch.Tensor, torch.Tensor]],
+        *,
+        rank: int,
+        scaling: float,
+        artifact_sha256: str,
+    ) -> None:
+        """Copies one version's tensors into a reserved slot, then makes it visible to lookups."""
+        with torch.no_grad():
+            for module in self.a:
+                self.a[module][index].zero_()
+                self.b[module][index].zero_()
+            for module, (a, b) in weights.items():
+                self.a[module][index, :rank].copy_(a)  # a: [r, d_in]
+                self.b[module][index, :, :rank].copy_(b)  # b: [d_out, r]
+            self.scaling[index] = scaling
+        with self._lock:
+            slot = self.slots[index]
+            assert slot.key is not None
+            slot.rank, slot.scaling, slot.loading = rank, scaling, False
+            slot.load_time = time.time()
+            slot.artifact_sha256 = artifact_sha256
+            self.by_key[slot.key] = index
+
+    def abandon(self, index: int) -> None:
+        """A reserved slot whose load failed goes back to the free list."""
+        with self._lock:
+            self._free(self.slots[index])
+
+    def acquire(self, index: int) -> None:
+        if index == 0:
+            return  # the base model needs no pin
+        with self._lock:
+            slot = self.slots[index]
+            slot.refs += 1
+            slot.last_used = time.monotonic()
+
+    def release(self, index: int) -> None:
+        if index == 0:
+            return
+        with self._lock:
+            slot = self.slots[index]
+            slot.refs -= 1
+            assert slot.refs >= 0, f"slot {index} released more often than acquired"
+            slot.last_used = time.monotonic()
+            if slot.refs == 0 and slot.retiring:
+                self._free(slot)
+
+    def set_pinned(self, index: int, pinned: bool) -> None:
+        with self._lock:
+            self.slots[index].pinned = pinned
+
+    def unload(self, key: VersionKey) -> bool | None:
+        """None if not resident; True if freed now; False if freed when its running requests end."""
+        with self._lock:
+            index = self.by_key.get(key)
+            if index is None:
+                return None
+            slot = self.slots[index]
+            slot.pinned = False
+            if slot.refs == 0:
+                self._free(slot)
+                return True
+            slot.retiring = True
+            return False
+
+    def _free(self, slot: Slot) -> None:
+        if slot.key is not None and self.by_key.get(slot.key) == slot.index:
+            del self.by_key[slot.key]
+        slot.key, slot.rank, slot.refs, slot.pinned, slot.scaling = None, 0, 0, False, 0.0
+        slot.retiring = slot.loading = False
+        self.scaling[slot.index] = 0.0  # rows that still point here add nothing
+
+    def total_refs(self) -> int:
+        with self._lock:
+            return sum(s.refs for s in self.slots)
