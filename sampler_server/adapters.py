@@ -13,11 +13,10 @@ from safetensors.torch import load_file
 
 from opentinker.registry.artifacts import ArtifactStore
 from opentinker.registry.names import BASE, parse_reference
-from opentinker.registry.transfer import Metadata, fetch_artifact
+from opentinker.registry.remote import Metadata, fetch_artifact, registry_call
 from opentinker.rpc.auth import require_access
 from opentinker.rpc.errors import FailedPrecondition
 from opentinker.sampler_server.slot_pool import SlotPool, VersionKey
-from opentinker.trainer_server.service import registry_call
 from opentinker.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
 PEFT_PREFIX = "base_model.model."

@@ -4,14 +4,11 @@ the registry. Handlers read top to bottom: check input -> queue on the adapter's
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Iterable
-from typing import Any, TypeVar
+from collections.abc import Iterable
+from typing import Any
 
-import grpc
-from google.rpc import error_details_pb2, status_pb2
-
-from opentinker.registry.artifacts import ArtifactStore
 from opentinker.registry.names import check_adapter_name, parse_reference
+from opentinker.registry.remote import fetch_artifact, push_artifact, registry_call
 from opentinker.rpc.auth import current_principal, require_access
 from opentinker.rpc.errors import (
     AlreadyExists,
@@ -19,8 +16,6 @@ from opentinker.rpc.errors import (
     InvalidArgument,
     NotFound,
     ResourceExhausted,
-    ServiceError,
-    Unavailable,
 )
 from opentinker.trainer_server.adapter import AdapterState
 from opentinker.trainer_server.batch import build_batch
@@ -30,34 +25,6 @@ from opentinker.trainer_server.trainer import StepOutput, Trainer, check_adam, c
 from opentinker.v1 import common_pb2, registry_pb2, registry_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 
 Context = Any  # grpc.aio.ServicerContext; untyped in the generated stubs
-T = TypeVar("T")
-UPLOAD_CHUNK = 1 << 20
-
-_BY_CODE: dict[grpc.StatusCode, type[ServiceError]] = {cls.code: cls for cls in ServiceError.__subclasses__()}
-
-
-async def registry_call(call: Awaitable[T]) -> T:
-    """A registry RPC; its failure becomes ours with the same code and reason (UNAVAILABLE if unreachable)."""
-    try:
-        return await call
-    except grpc.aio.AioRpcError as exc:
-        info = _aio_error_info(exc)
-        if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-            raise Unavailable(f"registry unavailable: {exc.details()}", reason="REGISTRY_UNAVAILABLE") from None
-        error = _BY_CODE.get(exc.code(), Unavailable)
-        metadata = {k: v for k, v in info.metadata.items() if k not in ("message", "reason")} if info else {}
-        raise error(f"registry: {exc.details()}", reason=info.reason if info else None, **metadata) from None
-
-
-def _aio_error_info(exc: grpc.aio.AioRpcError) -> error_details_pb2.ErrorInfo | None:
-    """The ErrorInfo of a failed aio call (`error_info` only reads sync calls: AioRpcError is no grpc.Call)."""
-    for key, value in exc.trailing_metadata() or ():
-        if key == "grpc-status-details-bin" and isinstance(value, bytes):
-            for detail in status_pb2.Status.FromString(value).details:
-                info = error_details_pb2.ErrorInfo()
-                if detail.Unpack(info):
-                    return info
-    return None
 
 
 def adapter_message(state: AdapterState) -> trainer_pb2.TrainingAdapter:
@@ -127,7 +94,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         init_version = await self._resolve_init(request.init_from) if request.init_from else None
         # Before the registry record exists: a snapshot or state that does not fit creates nothing.
         if init_version is not None:
-            await self._ensure_local(init_version.artifact_uri)
+            await fetch_artifact(self.registry, self.trainer.artifacts, init_version.artifact_uri, self.metadata)
             await asyncio.to_thread(self.trainer.check_snapshot, init_version.artifact_uri, request.lora_config)
         if request.resume_state:
             await asyncio.to_thread(self.trainer.check_state, request.resume_state, request.lora_config)
@@ -176,35 +143,6 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             raise FailedPrecondition(f"{reference} was garbage-collected", reason="ARTIFACT_DELETED")
         version: registry_pb2.Version = response.version
         return version
-
-    async def _ensure_local(self, uri: str) -> None:
-        """Snapshots live in the shared store; a trainer on another host fetches them from the registry."""
-        store: ArtifactStore = self.trainer.artifacts
-        if store.exists(uri):
-            return
-        writer = store.begin()
-        try:
-            headers: list[registry_pb2.ArtifactFileHeader] = []
-            index, remaining = -1, 0
-            stream = self.registry.DownloadArtifact(
-                registry_pb2.DownloadArtifactRequest(artifact_uri=uri), metadata=self.metadata
-            )
-            async for message in _registry_stream(stream):
-                if message.WhichOneof("message") == "manifest":
-                    headers = list(message.manifest.files)
-                    continue
-                data = message.chunk
-                while data or (remaining == 0 and index + 1 < len(headers) and headers[index + 1].size_bytes == 0):
-                    if remaining == 0:
-                        index += 1
-                        writer.add_file(headers[index].path, headers[index].size_bytes, headers[index].sha256)
-                        remaining = headers[index].size_bytes
-                    take = min(remaining, len(data))
-                    writer.write(data[:take])
-                    data, remaining = data[take:], remaining - take
-            await asyncio.to_thread(writer.commit)
-        finally:
-            writer.abort()
 
     async def GetAdapter(self, request: trainer_pb2.TrainerServiceGetAdapterRequest, context: Context) -> Any:
         name = self._known(request.name)
@@ -292,7 +230,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         except NotFound as exc:
             if exc.reason != "ARTIFACT_NOT_FOUND":
                 raise
-            await self._upload(ref.uri)  # the registry uses another store: send the files
+            await push_artifact(self.registry, self.trainer.artifacts, ref.uri, self.metadata)  # another store
             response = await registry_call(self.registry.PublishVersion(publish, metadata=self.metadata))
 
         def record() -> None:
@@ -302,29 +240,6 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
 
         await self.scheduler.run(name, record)
         return trainer_pb2.SaveSnapshotResponse(version=response.version, event_id=response.event_id)
-
-    async def _upload(self, uri: str) -> None:
-        store = self.trainer.artifacts
-
-        def requests() -> list[registry_pb2.UploadArtifactRequest]:
-            files = store.manifest(uri)
-            out = [
-                registry_pb2.UploadArtifactRequest(
-                    manifest=registry_pb2.ArtifactManifest(
-                        files=[
-                            registry_pb2.ArtifactFileHeader(path=f.path, size_bytes=f.size, sha256=f.sha256)
-                            for f in files
-                        ]
-                    )
-                )
-            ]
-            out.extend(
-                registry_pb2.UploadArtifactRequest(chunk=chunk) for _f, chunk in store.iter_chunks(uri, UPLOAD_CHUNK)
-            )
-            return out  # fmt: skip
-
-        messages = await asyncio.to_thread(requests)
-        await registry_call(self.registry.UploadArtifact(iter(messages), metadata=self.metadata))
 
     async def SaveState(self, request: trainer_pb2.SaveStateRequest, context: Context) -> Any:
         name = self._known(request.adapter)
@@ -340,15 +255,3 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             raise InvalidArgument("state_id is required", reason="INVALID_STATE_ID", field="state_id")
         state = await self.scheduler.run(name, lambda: self.trainer.load_state(name, request.state_id))
         return trainer_pb2.LoadStateResponse(adapter=adapter_message(state))
-
-
-async def _registry_stream(stream: AsyncIterator[T]) -> AsyncIterator[T]:
-    try:
-        async for message in stream:
-            yield message
-    except grpc.aio.AioRpcError as exc:
-        await registry_call(_raise(exc))
-
-
-async def _raise(exc: BaseException) -> None:
-    raise exc

@@ -1,21 +1,46 @@
-"""Move artifacts between a process's local ArtifactStore and the registry, in 1 MiB chunks.
+"""The registry as seen from the trainer and the sampler: calls whose failures keep their status and
+reason, and artifact moves between a local ArtifactStore and the registry's, in 1 MiB chunks.
 
 The trainer and the sampler normally share the registry's store directory; when they run elsewhere they
-fetch snapshots with `fetch_artifact` and send new ones with `push_artifact`. Both verify digests on the
-receiving side (the store refuses bytes that do not match the manifest).
+fetch snapshots with `fetch_artifact` and send new ones with `push_artifact`. The receiving store verifies
+every digest.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Iterator
+from typing import Any, TypeVar
+
+import grpc
 
 from opentinker.registry.artifacts import ArtifactStore
+from opentinker.rpc.errors import ServiceError, Unavailable, error_info
 from opentinker.v1 import registry_pb2, registry_pb2_grpc
 
 CHUNK = 1 << 20
 Metadata = list[tuple[str, str]] | None
+T = TypeVar("T")
+
+_BY_CODE: dict[grpc.StatusCode, type[ServiceError]] = {cls.code: cls for cls in ServiceError.__subclasses__()}
+
+
+def registry_error(exc: grpc.aio.AioRpcError) -> ServiceError:
+    """A failed registry call as our own error: same code, reason and metadata; UNAVAILABLE if unreachable."""
+    if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return Unavailable(f"registry unavailable: {exc.details()}", reason="REGISTRY_UNAVAILABLE")
+    info = error_info(exc)
+    metadata = dict(info.metadata) if info else {}
+    return _BY_CODE.get(exc.code(), Unavailable)(
+        f"registry: {exc.details()}", reason=info.reason if info else None, **metadata
+    )
+
+
+async def registry_call(call: Awaitable[T]) -> T:
+    try:
+        return await call
+    except grpc.aio.AioRpcError as exc:
+        raise registry_error(exc) from None
 
 
 async def fetch_artifact(
@@ -31,7 +56,7 @@ async def fetch_artifact(
         stream: AsyncIterator[Any] = registry.DownloadArtifact(
             registry_pb2.DownloadArtifactRequest(artifact_uri=uri), metadata=metadata
         )
-        async for message in stream:
+        async for message in _stream(stream):
             if message.WhichOneof("message") == "manifest":
                 headers = list(message.manifest.files)
                 continue
@@ -65,4 +90,12 @@ async def push_artifact(
 ) -> None:
     """Uploads uri from store to the registry's store."""
     messages = await asyncio.to_thread(lambda: list(upload_messages(store, uri)))
-    await registry.UploadArtifact(iter(messages), metadata=metadata)
+    await registry_call(registry.UploadArtifact(iter(messages), metadata=metadata))
+
+
+async def _stream(stream: AsyncIterator[T]) -> AsyncIterator[T]:
+    try:
+        async for message in stream:
+            yield message
+    except grpc.aio.AioRpcError as exc:
+        raise registry_error(exc) from None
