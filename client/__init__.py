@@ -1,5 +1,6 @@
-"""OpenTinker Python SDK: `ServiceClient` (entry point) and `TrainingClient` for training adapters,
-`RegistryClient` for the adapter registry, their data types and the one error type."""
+"""OpenTinker Python SDK: `ServiceClient` (entry point), `TrainingClient` for training adapters,
+`SamplingClient` for sampling from them, `RegistryClient` for the adapter registry, their data types and
+the one error type."""
 
 from opentinker.client.errors import OpenTinkerError, from_rpc_error
 from opentinker.client.registry_client import (
@@ -14,17 +15,34 @@ from opentinker.client.registry_client import (
     RegistryClient,
     Version,
 )
+from opentinker.client.renderer import MaskMethod, RenderedConversation, Renderer, TrainOn
+from opentinker.client.sampling_client import SamplingClient
 from opentinker.client.service_client import ServiceClient
 from opentinker.client.training_client import TrainingClient
+from opentinker.client.trajectory import (
+    Trajectory,
+    Transition,
+    datums_for_group,
+    group_advantages,
+    trajectory_to_datums,
+)
 from opentinker.client.types import (
     AdamParams,
     Datum,
     EncodedTextChunk,
     ForwardBackwardOutput,
+    LoadedAdapter,
     LoraConfig,
     ModelInput,
     OptimStepResult,
+    SampleChunk,
+    SampledSequence,
+    SampledVersion,
+    SampleResult,
+    SamplerStats,
+    SamplingParams,
     SavedState,
+    StopReason,
     TensorData,
     TrainerInfo,
     TrainingAdapterInfo,
@@ -42,18 +60,36 @@ __all__ = [
     "ForwardBackwardOutput",
     "GarbageCollection",
     "Lineage",
+    "LoadedAdapter",
     "LoraConfig",
+    "MaskMethod",
     "ModelInput",
     "OpenTinkerError",
     "OptimStepResult",
     "Reconcile",
     "RegistryClient",
+    "RenderedConversation",
+    "Renderer",
+    "SampleChunk",
+    "SampleResult",
+    "SampledSequence",
+    "SampledVersion",
+    "SamplerStats",
+    "SamplingClient",
+    "SamplingParams",
     "SavedState",
     "ServiceClient",
+    "StopReason",
     "TensorData",
+    "TrainOn",
     "TrainerInfo",
     "TrainingAdapterInfo",
     "TrainingClient",
+    "Trajectory",
+    "Transition",
     "Version",
+    "datums_for_group",
     "from_rpc_error",
+    "group_advantages",
+    "trajectory_to_datums",
 ]

@@ -7,10 +7,11 @@
         training = service.create_training_client("team-a/agent", LoraConfig(rank=16))
         ...  # training.forward_backward / optim_step / save_snapshot (see TrainingClient)
         service.registry_client().resolve("team-a/agent@latest")
+        sampling = service.create_sampling_client("team-a/agent@latest")  # needs sampler=HOST:PORT
+        sampling.sample("Hello", SamplingParams(max_tokens=16)).sequences[0].text
 
 Each service is optional: a method that needs one the client was not given an address for raises
-ValueError. The sampler's address is accepted and kept (``sampler_address``) for the sampling client,
-which lands with the sampler.
+ValueError.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from collections.abc import Mapping
 from types import TracebackType
 
 from opentinker.client.registry_client import RegistryClient
+from opentinker.client.sampling_client import SamplerConnection, SamplingClient
 from opentinker.client.training_client import TrainerConnection, TrainingClient
 from opentinker.client.types import (
     AdamParams,
@@ -62,7 +64,8 @@ class ServiceClient:
     """Connections to a trainer, a sampler and a registry (each optional), authenticated by one token.
 
     ``token`` is sent as ``authorization: Bearer <token>`` to every service. ``timeout`` (seconds) bounds
-    each trainer call; None (the default) sets no deadline, since a training step can take long. Channels
+    each trainer and sampler call (a whole Sample stream included); None (the default) sets no deadline,
+    since a training step or a long generation can take long. Channels
     connect lazily. Thread-safe. Use as a context manager (``with`` or ``async with``), or call close()
     (aclose() from async code, which also closes the running loop's async channel cleanly).
     """
@@ -82,6 +85,7 @@ class ServiceClient:
         self.timeout = timeout
         self._token = token
         self._trainer = TrainerConnection(trainer, token, timeout=timeout) if trainer else None
+        self._sampler = SamplerConnection(sampler, token, timeout=timeout) if sampler else None
         self._registry: RegistryClient | None = None
         self._lock = threading.Lock()
 
@@ -162,6 +166,16 @@ class ServiceClient:
         )
         return [training_adapter_from_proto(a) for a in response.adapters]
 
+    # Sampling
+
+    def create_sampling_client(self, reference: str) -> SamplingClient:
+        """A client sampling from ``reference`` ("base", "name", "name@alias" or "name@N") on this client's
+        sampler, sharing its channels. No call is made: an unknown reference fails at the first request
+        (NOT_FOUND)."""
+        if self._sampler is None:
+            raise ValueError("this ServiceClient has no sampler address: pass sampler=HOST:PORT")
+        return SamplingClient._on(reference, self._sampler)
+
     # Registry
 
     def registry_client(self) -> RegistryClient:
@@ -176,9 +190,11 @@ class ServiceClient:
     # Lifetime
 
     def close(self) -> None:
-        """Closes every channel; TrainingClients made by this client stop working."""
+        """Closes every channel; Training- and SamplingClients made by this client stop working."""
         if self._trainer is not None:
             self._trainer.close()
+        if self._sampler is not None:
+            self._sampler.close()
         with self._lock:
             registry, self._registry = self._registry, None
         if registry is not None:
@@ -188,6 +204,8 @@ class ServiceClient:
         """close(), awaiting the close of the running event loop's async channel."""
         if self._trainer is not None:
             await self._trainer.aclose()
+        if self._sampler is not None:
+            await self._sampler.aclose()
         self.close()
 
     def __enter__(self) -> ServiceClient:

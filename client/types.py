@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias, cast
 
-from opentinker.v1 import common_pb2, trainer_pb2
+from opentinker.v1 import common_pb2, sampler_pb2, trainer_pb2
 
 if TYPE_CHECKING:
     import torch
@@ -38,17 +38,28 @@ __all__ = [
     "Datum",
     "EncodedTextChunk",
     "ForwardBackwardOutput",
+    "LoadedAdapter",
     "LoraConfig",
     "LossFnInput",
     "ModelInput",
     "OptimStepResult",
+    "SampleChunk",
+    "SampleResult",
+    "SampledSequence",
+    "SampledVersion",
+    "SamplerStats",
+    "SamplingParams",
     "SavedState",
+    "StopReason",
     "TensorData",
     "TrainerInfo",
     "TrainingAdapterInfo",
 ]
 
 DType: TypeAlias = Literal["int64", "float32"]
+StopReason: TypeAlias = Literal["length", "stop_token", "stop_string", "context_length"]
+"""Why a sample ended: max_tokens reached, an end-of-sequence / stop token sampled (and included), a stop
+string appeared in the text, or the model's context was full."""
 _DTYPES: tuple[DType, ...] = ("int64", "float32")
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 _ALL_LINEAR = "all-linear"
@@ -404,6 +415,142 @@ class TrainerInfo:
     max_resident_adapters: int = 0
 
 
+# Sampling
+
+
+@dataclass(frozen=True, slots=True, init=False)
+class SamplingParams:
+    """How a sampler generates. temperature 0: greedy; top_k 0 and top_p 1: off.
+
+    ``SamplingParams(max_tokens=16, temperature=1.0, top_k=0, top_p=1.0, seed=None, stop=(),
+    stop_token_ids=(), logprobs=True)``. ``seed``: same seed, prompt and version, same output (sample i of a
+    request uses seed + i); None draws a fresh one. ``stop``: stop strings (a single string is one stop
+    string); ``stop_token_ids``: tokens that end a sample (besides the model's end-of-sequence tokens),
+    included in its output. ``logprobs``: return the logprob of every sampled token. The sampler checks the
+    values (INVALID_ARGUMENT), except max_tokens, checked here: at least 1 (the wire reads 0 as "default").
+    """
+
+    max_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int | None
+    stop: tuple[str, ...]
+    stop_token_ids: tuple[int, ...]
+    logprobs: bool
+
+    def __init__(
+        self,
+        max_tokens: int = 16,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: str | Iterable[str] = (),
+        stop_token_ids: Iterable[int] = (),
+        logprobs: bool = True,
+    ) -> None:
+        max_tokens = _token(max_tokens)
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+        object.__setattr__(self, "max_tokens", max_tokens)
+        object.__setattr__(self, "temperature", float(temperature))
+        object.__setattr__(self, "top_k", _token(top_k))
+        object.__setattr__(self, "top_p", float(top_p))
+        object.__setattr__(self, "seed", None if seed is None else _token(seed))
+        object.__setattr__(self, "stop", (stop,) if isinstance(stop, str) else tuple(stop))
+        object.__setattr__(self, "stop_token_ids", _ints(stop_token_ids))
+        object.__setattr__(self, "logprobs", bool(logprobs))
+
+
+@dataclass(frozen=True, slots=True)
+class SampledVersion:
+    """The exact adapter version that produced a sample: ``adapter`` "" and ``version`` 0 for the base model.
+
+    ``reference`` is the reference the request named ("name@stable"); ``sha256`` the artifact's manifest
+    digest ("" for the base model).
+    """
+
+    adapter: str
+    version: int
+    reference: str
+    sha256: str
+
+    @property
+    def exact(self) -> str:
+        """ "name@N", or "base" for the base model."""
+        return f"{self.adapter}@{self.version}" if self.adapter else "base"
+
+
+@dataclass(frozen=True, slots=True)
+class SampledSequence:
+    """One completed sample: its tokens (a stop token included), their logprobs (empty unless
+    SamplingParams.logprobs), its text and why it ended."""
+
+    tokens: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    text: str
+    stop_reason: StopReason
+    version: SampledVersion
+
+
+@dataclass(frozen=True, slots=True)
+class SampleChunk:
+    """A streamed piece of sample ``sample_index``: the tokens produced since its previous chunk.
+
+    ``stop_reason`` is set on the sample's last chunk only. ``text`` may lag behind ``tokens`` while a
+    multi-byte character is incomplete; the concatenated texts are the sample's text.
+    """
+
+    sample_index: int
+    tokens: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    text: str
+    stop_reason: StopReason | None
+    version: SampledVersion
+
+
+@dataclass(frozen=True, slots=True)
+class SampleResult:
+    """The samples of one request, in sample order. ``prompt_logprobs``: logprobs of prompt tokens 1..n-1
+    (None unless requested); ``prompt_tokens``: the prompt's length in tokens."""
+
+    sequences: tuple[SampledSequence, ...]
+    prompt_logprobs: tuple[float, ...] | None
+    prompt_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedAdapter:
+    """A version resident in one of the sampler's slots. ``active_requests``: requests holding it now."""
+
+    version: SampledVersion
+    slot: int
+    rank: int
+    pinned: bool
+    active_requests: int
+    serving_aliases: tuple[str, ...]
+    load_time: datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class SamplerStats:
+    """A sampler's load: requests, adapter slots, throughput (decode tokens/s over the last seconds) and
+    hot reloads."""
+
+    running_requests: int
+    waiting_requests: int
+    max_waiting: int
+    slots_used: int
+    slots_total: int
+    tokens_generated: int
+    decode_tokens_per_second: float
+    kv_cache_usage: float
+    reloads_total: int
+    reload_failures_total: int
+    last_event_id: str
+
+
 # Wire conversion (internal)
 
 
@@ -536,4 +683,77 @@ def trainer_info_from_proto(proto: trainer_pb2.GetTrainerInfoResponse) -> Traine
         loss_fns=tuple(proto.loss_fns),
         lora_target_modules=tuple(base.lora_target_modules),
         max_resident_adapters=proto.max_resident_adapters,
+    )
+
+
+_STOP_REASONS: dict[int, StopReason] = {
+    sampler_pb2.STOP_REASON_LENGTH: "length",
+    sampler_pb2.STOP_REASON_STOP_TOKEN: "stop_token",
+    sampler_pb2.STOP_REASON_STOP_STRING: "stop_string",
+    sampler_pb2.STOP_REASON_CONTEXT_LENGTH: "context_length",
+}
+
+
+def sampling_params_to_proto(params: SamplingParams) -> sampler_pb2.SamplingParams:
+    return sampler_pb2.SamplingParams(
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p,
+        seed=params.seed,
+        max_tokens=params.max_tokens,
+        stop_token_ids=params.stop_token_ids,
+        stop_strings=params.stop,
+        logprobs=params.logprobs,
+    )
+
+
+def stop_reason_from_proto(value: int) -> StopReason | None:
+    """None while the sample continues (STOP_REASON_UNSPECIFIED); an unknown value reads as "length"."""
+    if value == sampler_pb2.STOP_REASON_UNSPECIFIED:
+        return None
+    return _STOP_REASONS.get(value, "length")
+
+
+def sampled_version_from_proto(proto: common_pb2.ResolvedVersion) -> SampledVersion:
+    return SampledVersion(
+        adapter=proto.adapter, version=proto.version, reference=proto.reference, sha256=proto.artifact_sha256
+    )
+
+
+def sample_chunk_from_proto(proto: sampler_pb2.SampleResponse) -> SampleChunk:
+    return SampleChunk(
+        sample_index=proto.sample_index,
+        tokens=tuple(proto.tokens),
+        logprobs=tuple(proto.logprobs),
+        text=proto.text,
+        stop_reason=stop_reason_from_proto(proto.stop_reason),
+        version=sampled_version_from_proto(proto.version),
+    )
+
+
+def loaded_adapter_from_proto(proto: sampler_pb2.LoadedAdapter) -> LoadedAdapter:
+    return LoadedAdapter(
+        version=sampled_version_from_proto(proto.version),
+        slot=proto.slot,
+        rank=proto.rank,
+        pinned=proto.pinned,
+        active_requests=proto.active_requests,
+        serving_aliases=tuple(proto.serving_aliases),
+        load_time=proto.load_time.ToDatetime(tzinfo=UTC) if proto.HasField("load_time") else None,
+    )
+
+
+def sampler_stats_from_proto(proto: sampler_pb2.GetStatsResponse) -> SamplerStats:
+    return SamplerStats(
+        running_requests=proto.running_requests,
+        waiting_requests=proto.waiting_requests,
+        max_waiting=proto.max_waiting,
+        slots_used=proto.slots_used,
+        slots_total=proto.slots_total,
+        tokens_generated=proto.tokens_generated,
+        decode_tokens_per_second=proto.decode_tokens_per_second,
+        kv_cache_usage=proto.kv_cache_usage,
+        reloads_total=proto.reloads_total,
+        reload_failures_total=proto.reload_failures_total,
+        last_event_id=proto.last_event_id,
     )

@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from opentinker.registry.artifacts import ArtifactStore
@@ -91,13 +92,17 @@ class AdapterLoader:
             weights, rank, scaling = await asyncio.to_thread(self._read, version)
             key = (version.adapter, version.version)
             index = self.pool.reserve(key)
-            try:
-                await asyncio.to_thread(
-                    self.pool.fill, index, weights, rank=rank, scaling=scaling, artifact_sha256=version.artifact_sha256
-                )
-            except BaseException:
-                self.pool.abandon(index)
-                raise
+
+            def fill() -> None:
+                try:
+                    self.pool.fill(index, weights, rank=rank, scaling=scaling, artifact_sha256=version.artifact_sha256)
+                except BaseException:
+                    self.pool.abandon(index)
+                    raise
+
+            # Shielded: a cancelled request must not free the slot while the copy into it is still running (another
+            # version could take the slot and be served this one's weights); the copy ends as a cached version.
+            await asyncio.shield(asyncio.to_thread(fill))
         except BaseException:
             self.load_failures += 1
             raise
@@ -107,27 +112,54 @@ class AdapterLoader:
     def _read(self, version: registry_pb2.Version) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], int, float]:
         directory = self.store.path(version.artifact_uri)  # verifies every digest: DATA_LOSS on mismatch
         name = f"{version.adapter}@{version.version}"
-        config = json.loads((directory / "adapter_config.json").read_text())
-        rank = int(config["r"])
-        alpha = float(config.get("lora_alpha", rank))
-        scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+
+        def unusable(why: str) -> FailedPrecondition:
+            return FailedPrecondition(f"{name} is not a LoRA adapter this sampler can serve: {why}",
+                                      reason="INCOMPATIBLE_ADAPTER")  # fmt: skip
+
+        try:
+            config = json.loads((directory / "adapter_config.json").read_text())
+            rank = int(config["r"])
+            alpha = float(config.get("lora_alpha", rank))
+            tensors = load_file(str(directory / "adapter_model.safetensors"))
+        except (OSError, ValueError, TypeError, KeyError, SafetensorError) as error:
+            # Digests verified, so these are the publisher's bytes: not a readable peft LoRA adapter.
+            raise unusable(f"{type(error).__name__}: {error}") from None
+        if rank < 1:
+            raise unusable(f"rank {rank}")
         if rank > self.pool.max_rank:
             raise FailedPrecondition(
                 f"{name} has rank {rank}; this sampler serves ranks up to {self.pool.max_rank} (--max-rank)",
                 reason="INCOMPATIBLE_ADAPTER",
             )
-        tensors = load_file(str(directory / "adapter_model.safetensors"))
+        # Features that change the math; ignoring them would serve other weights than the trainer's.
+        if config.get("peft_type", "LORA") != "LORA" or config.get("use_dora"):
+            raise unusable("only plain LoRA is supported (no DoRA or other peft types)")
+        if config.get("rank_pattern") or config.get("alpha_pattern"):
+            raise unusable("per-module ranks or alphas (rank_pattern / alpha_pattern) are not supported")
+        scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
         weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        for key, tensor in tensors.items():
-            if not key.endswith(".lora_A.weight"):
+        for key in tensors:
+            if key.endswith(".lora_B.weight") and key.replace(".lora_B.", ".lora_A.") in tensors:
                 continue
+            if not key.endswith(".lora_A.weight"):
+                # Full weights (modules_to_save), biases, DoRA magnitudes: silently dropping them changes outputs.
+                raise unusable(f"unexpected tensor {key!r}")
             module = key.removeprefix(PEFT_PREFIX).removesuffix(".lora_A.weight")
             if module not in self.pool.a:
                 raise FailedPrecondition(
                     f"{name} targets {module!r}, which this base model does not have", reason="INCOMPATIBLE_ADAPTER"
                 )
-            b = tensors[key.replace(".lora_A.", ".lora_B.")]
-            weights[module] = (tensor.float(), b.float())
+            a, b = tensors[key], tensors.get(key.replace(".lora_A.", ".lora_B."))
+            d_in, d_out = self.pool.a[module].shape[2], self.pool.b[module].shape[1]
+            if b is None:
+                raise unusable(f"{module} has lora_A but no lora_B")
+            if tuple(a.shape) != (rank, d_in) or tuple(b.shape) != (d_out, rank):
+                raise unusable(f"{module}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)}, want "
+                               f"({rank}, {d_in}) / ({d_out}, {rank})")  # fmt: skip
+            if not (bool(a.isfinite().all()) and bool(b.isfinite().all())):
+                raise unusable(f"{module} has non-finite weights")  # NaN logits would fail every batch it joins
+            weights[module] = (a.float(), b.float())
         if not weights:
             # An adapter that changes nothing must not silently serve the base model.
             raise FailedPrecondition(f"{name} targets no module of this base model", reason="INCOMPATIBLE_ADAPTER")

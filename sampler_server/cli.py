@@ -126,11 +126,11 @@ def serve(
 def sample_command(
     reference: Annotated[str, typer.Argument(help="base, name, name@alias or name@N.")],
     prompt: Annotated[str, typer.Argument(help="Prompt text (tokenized by the sampler, no chat template).")],
-    max_tokens: Annotated[int, typer.Option(help="Tokens to generate.")] = 32,
+    max_tokens: Annotated[int, typer.Option(min=1, max=(1 << 32) - 1, help="Tokens to generate.")] = 32,
     temperature: Annotated[float, typer.Option(help="0: greedy.")] = 1.0,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling mass.")] = 1.0,
-    top_k: Annotated[int, typer.Option(help="0: off.")] = 0,
-    seed: Annotated[int | None, typer.Option(help="Same seed, same output.")] = None,
+    top_k: Annotated[int, typer.Option(min=0, max=(1 << 32) - 1, help="0: off.")] = 0,
+    seed: Annotated[int | None, typer.Option(min=0, max=(1 << 64) - 1, help="Same seed, same output.")] = None,
     stop: Annotated[list[str] | None, typer.Option(help="Stop strings.")] = None,
     sampler: Annotated[
         str, typer.Option(envvar="OPENTINKER_SAMPLER", help="Sampler address.")

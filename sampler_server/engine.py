@@ -277,6 +277,8 @@ class Engine:
             elif seq.num_tokens >= self.max_len:
                 seq.stop_reason = sampler_pb2.STOP_REASON_CONTEXT_LENGTH
         finished = seq.stop_reason != sampler_pb2.STOP_REASON_UNSPECIFIED
+        if finished:
+            text_delta += self._detokenize(seq, final=True)  # nothing more will complete a held-back character
         new_tokens = seq.output[seq.emitted_tokens :]
         new_logprobs = seq.output_logprobs[seq.emitted_tokens :]
         seq.emitted_tokens = len(seq.output)
@@ -288,11 +290,13 @@ class Engine:
         if callback is not None:
             callback(SequenceUpdate(seq, new_tokens, new_logprobs, text_delta, finished))
 
-    def _detokenize(self, seq: Sequence) -> str:
+    def _detokenize(self, seq: Sequence, *, final: bool = False) -> str:
         if self.tokenizer is None:
             return ""
         text: str = self.tokenizer.decode(seq.output, skip_special_tokens=True)
-        stable = text[:-1] if text.endswith("\ufffd") else text  # an incomplete multi-byte character waits
+        # The bytes of an incomplete multi-byte character decode to U+FFFD (one or more) until the rest arrives, and
+        # then to other text: hold back the whole trailing run, so that emitted text is never taken back.
+        stable = text if final else text.rstrip("\ufffd")
         seq.text = stable
         delta = stable[seq.emitted_text :]
         seq.emitted_text = len(stable)
@@ -300,6 +304,7 @@ class Engine:
 
     def _score(self, job: _Score) -> None:
         if job.future.set_running_or_notify_cancel() is False:
+            self.pool.release(job.lora_slot)  # cancelled before it ran: its pin still ends here
             return
         try:
             tokens = job.tokens

@@ -10,6 +10,8 @@ import torch
 
 from opentinker.v1 import sampler_pb2
 
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
 
 class Status(enum.Enum):
     WAITING = "waiting"
@@ -30,7 +32,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below this, logits / temperature can overflow float32 (inf -> NaN probabilities, a failed step for the
+        # whole batch); the distribution is the argmax to within float precision anyway.
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
 
 @dataclass(slots=True)

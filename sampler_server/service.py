@@ -11,6 +11,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+from opentinker.rpc.auth import current_principal
 from opentinker.rpc.errors import Internal, InvalidArgument, NotFound, ResourceExhausted
 from opentinker.sampler_server.adapters import AdapterLoader
 from opentinker.sampler_server.engine import Engine, SequenceUpdate
@@ -156,7 +157,7 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
         generator = None
         if not params.greedy:
             generator = torch.Generator(device=self.engine.device)
-            seed = params.seed + index if params.seed is not None else int.from_bytes(os.urandom(7), "little")
+            seed = int.from_bytes(os.urandom(7), "little") if params.seed is None else (params.seed + index) % 2**64
             generator.manual_seed(seed)
         return Sequence(
             seq_id=next(self._seq_ids), request_id=request_id, sample_index=index, prompt=list(prompt), params=params,
@@ -198,14 +199,20 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
 
     async def UnloadAdapter(self, request: sampler_pb2.UnloadAdapterRequest, context: Context) -> Any:
         resolved = await self.loader.resolve(request.reference)
+        if resolved.version is None:
+            raise InvalidArgument("the base model cannot be unloaded", reason="INVALID_REFERENCE")
         freed = self.engine.pool.unload(resolved.key)
         if freed is None:
             raise NotFound(f"{resolved.key[0]}@{resolved.key[1]} is not loaded", reason="ADAPTER_NOT_LOADED")
         return sampler_pb2.UnloadAdapterResponse(freed_now=freed)
 
     async def ListLoaded(self, request: sampler_pb2.ListLoadedRequest, context: Context) -> Any:
-        pool = self.engine.pool
-        loaded = [self._loaded(s.index) for s in pool.slots[1:] if s.key is not None and not s.loading]
+        pool, principal = self.engine.pool, current_principal()
+        loaded = [
+            self._loaded(s.index)
+            for s in pool.slots[1:]
+            if s.key is not None and not s.loading and principal.can_access(s.key[0])  # other tenants' stay unseen
+        ]
         return sampler_pb2.ListLoadedResponse(adapters=loaded, slots_total=pool.capacity)
 
     async def GetStats(self, request: sampler_pb2.GetStatsRequest, context: Context) -> Any:

@@ -93,10 +93,12 @@ class SlotPool:
                     )
                 slot = min(idle, key=lambda s: s.last_used)
                 assert slot.key is not None
-                del self.by_key[slot.key]
+                if self.by_key.get(slot.key) == slot.index:  # a duplicate load of the key may own the entry
+                    del self.by_key[slot.key]
                 self.evictions += 1
             slot.key, slot.rank, slot.refs, slot.pinned, slot.retiring, slot.loading = key, 0, 0, False, False, True
             slot.scaling = 0.0
+            slot.last_used = time.monotonic()  # LRU age starts at load, not at the previous occupant's last use
             self.scaling[slot.index] = 0.0
             return slot.index
 

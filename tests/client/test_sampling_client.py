@@ -1,0 +1,260 @@
+"""The sampling SDK (SamplingClient, ServiceClient.create_sampling_client and the sampling types) against the
+session sampler, with a snapshot trained on the session trainer."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import aclosing, closing
+from dataclasses import dataclass, replace
+
+import grpc
+import pytest
+from registryutil import unique_name
+from serverproc import ServerProcess
+from trainerutil import Trainer, create, lora, sft_batch, train_step
+
+from opentinker.client import (
+    ModelInput,
+    OpenTinkerError,
+    SampleChunk,
+    SampledVersion,
+    SampleResult,
+    SamplingClient,
+    SamplingParams,
+    ServiceClient,
+)
+from opentinker.client.types import sampling_params_to_proto
+from opentinker.v1 import trainer_pb2
+
+PROMPT = (17, 3, 250, 99, 41, 7)
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
+TOL = 1e-4
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    name: str
+    version: int
+    sha256: str
+
+
+@pytest.fixture(scope="module")
+def snapshot(trainer: Trainer) -> Snapshot:
+    """A fresh adapter, trained 2 steps (so its output differs from the base model's) and published."""
+    name = unique_name("sdk-sample")
+    create(trainer, name, config=lora(rank=4), seed=3)
+    for seed in range(2):
+        train_step(trainer, name, sft_batch(seed))
+    response: trainer_pb2.SaveSnapshotResponse = trainer.SaveSnapshot(trainer_pb2.SaveSnapshotRequest(adapter=name))
+    return Snapshot(name, response.version.version, response.version.artifact_sha256)
+
+
+@pytest.fixture(scope="module")
+def service(sampler_server: ServerProcess) -> Iterator[ServiceClient]:
+    # No tokens file on the session servers: any token is accepted (and must not disturb the calls).
+    with ServiceClient(sampler=sampler_server.address, token="unused-token") as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def base(service: ServiceClient) -> SamplingClient:
+    return service.create_sampling_client("base")
+
+
+@pytest.fixture(scope="module")
+def tuned(service: ServiceClient, snapshot: Snapshot) -> SamplingClient:
+    return service.create_sampling_client(snapshot.name)
+
+
+def expect_error(code: grpc.StatusCode, reason: str | None, fn: object, *args: object, **kwargs: object) -> None:
+    with pytest.raises(OpenTinkerError) as caught:
+        fn(*args, **kwargs)  # type: ignore[operator]
+    assert caught.value.code == code, str(caught.value)
+    if reason is not None:
+        assert caught.value.reason == reason, str(caught.value)
+
+
+def max_diff(a: Sequence[float], b: Sequence[float]) -> float:
+    assert len(a) == len(b), (len(a), len(b))
+    return max((abs(x - y) for x, y in zip(a, b, strict=True)), default=0.0)
+
+
+# Types (no server)
+
+
+def test_sampling_params_defaults_and_wire() -> None:
+    params = SamplingParams()
+    assert (params.max_tokens, params.temperature, params.top_k, params.top_p) == (16, 1.0, 0, 1.0)
+    assert (params.seed, params.stop, params.stop_token_ids, params.logprobs) == (None, (), (), True)
+    wire = sampling_params_to_proto(params)
+    assert wire.HasField("temperature") and not wire.HasField("seed") and wire.logprobs
+    custom = SamplingParams(max_tokens=3, temperature=0.0, seed=7, stop=["\n", "END"], stop_token_ids=[5])
+    wire = sampling_params_to_proto(custom)
+    assert wire.HasField("temperature") and wire.temperature == 0.0  # greedy survives proto3's zero default
+    assert (wire.seed, list(wire.stop_strings), list(wire.stop_token_ids)) == (7, ["\n", "END"], [5])
+    assert custom.stop == ("\n", "END") and custom.stop_token_ids == (5,)
+    assert SamplingParams(stop="\n").stop == ("\n",)  # a single string is one stop string
+    assert replace(custom, max_tokens=5) == SamplingParams(5, 0.0, seed=7, stop=("\n", "END"), stop_token_ids=(5,))
+    with pytest.raises(ValueError):
+        SamplingParams(max_tokens=0)  # the wire would read 0 as "default"
+    with pytest.raises(TypeError):
+        SamplingParams(stop_token_ids=[1.5])  # type: ignore[list-item]
+    assert SampledVersion("a/b", 3, "a/b@stable", "ab").exact == "a/b@3"
+    assert SampledVersion("", 0, "base", "").exact == "base"
+
+
+def test_create_sampling_client_needs_a_sampler_address() -> None:
+    with ServiceClient(trainer="127.0.0.1:1") as service, pytest.raises(ValueError, match="sampler"):
+        service.create_sampling_client("base")
+
+
+# Sampling
+
+
+def check_result(result: SampleResult, count: int, max_tokens: int, version: str, reference: str) -> None:
+    assert len(result.sequences) == count
+    assert result.prompt_tokens == len(PROMPT) and result.prompt_logprobs is None
+    for seq in result.sequences:
+        assert len(seq.tokens) == len(seq.logprobs) == max_tokens
+        assert seq.stop_reason == "length"
+        assert all(lp <= 0.0 for lp in seq.logprobs)
+        assert isinstance(seq.text, str)
+        assert seq.version.exact == version and seq.version.reference == reference
+
+
+def test_sample_base_and_adapter(base: SamplingClient, tuned: SamplingClient, snapshot: Snapshot) -> None:
+    params = SamplingParams(max_tokens=6, temperature=0.9, seed=11)
+    check_result(base.sample(PROMPT, params, num_samples=2), 2, 6, "base", "base")
+    result = tuned.sample(list(PROMPT), params, num_samples=3)
+    check_result(result, 3, 6, f"{snapshot.name}@{snapshot.version}", snapshot.name)
+    assert result.sequences[0].version == SampledVersion(
+        snapshot.name, snapshot.version, snapshot.name, snapshot.sha256
+    )
+    # The exact-version reference names the same version; the adapter changed the output.
+    exact = SamplingClient(base.address, f"{snapshot.name}@{snapshot.version}")
+    with exact:
+        pinned = exact.sample(ModelInput.from_ints(PROMPT), GREEDY).sequences[0]
+    assert pinned.version.exact == f"{snapshot.name}@{snapshot.version}"
+    assert pinned.tokens == tuned.sample(PROMPT, GREEDY).sequences[0].tokens
+    assert pinned.tokens != base.sample(PROMPT, GREEDY).sequences[0].tokens
+
+
+def test_text_prompt(base: SamplingClient) -> None:
+    result = base.sample("hello world", SamplingParams(max_tokens=4, temperature=0.0, logprobs=False))
+    (seq,) = result.sequences
+    assert result.prompt_tokens > 0 and len(seq.tokens) == 4 and seq.logprobs == ()
+    assert seq.stop_reason == "length"
+
+
+def test_greedy_sample_equals_its_stream(tuned: SamplingClient) -> None:
+    (seq,) = tuned.sample(PROMPT, GREEDY).sequences
+    chunks = list(tuned.stream(PROMPT, GREEDY))
+    assert len(chunks) >= 2  # tokens arrive as they are generated
+    assert all(isinstance(c, SampleChunk) and c.sample_index == 0 for c in chunks)
+    assert [c.stop_reason for c in chunks] == [None] * (len(chunks) - 1) + ["length"]
+    assert tuple(t for c in chunks for t in c.tokens) == seq.tokens
+    assert max_diff([lp for c in chunks for lp in c.logprobs], seq.logprobs) <= TOL
+    assert "".join(c.text for c in chunks) == seq.text
+    assert {c.version for c in chunks} == {seq.version}
+
+
+def test_closing_a_stream_cancels_it(tuned: SamplingClient, service: ServiceClient) -> None:
+    long = SamplingParams(max_tokens=512, temperature=0.0)
+    with closing(tuned.stream(PROMPT, long, num_samples=2)) as stream:
+        first = next(stream)
+        assert first.tokens and first.stop_reason is None
+    deadline = time.monotonic() + 5
+    while tuned.stats().running_requests and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert tuned.stats().running_requests == 0  # the generation stopped with the stream
+    # Breaking out of a plain for loop (the generator is dropped) does the same; the client stays usable.
+    for _chunk in tuned.stream(PROMPT, long):
+        break
+    assert len(tuned.sample(PROMPT, GREEDY).sequences[0].tokens) == GREEDY.max_tokens
+
+
+def test_async_twins(base: SamplingClient, tuned: SamplingClient) -> None:
+    (expected,) = tuned.sample(PROMPT, GREEDY).sequences
+
+    async def run() -> tuple[list[SampleChunk], SampleResult, tuple[float, ...], list[SampleChunk]]:
+        chunks = [chunk async for chunk in tuned.stream_async(PROMPT, GREEDY)]
+        result = await tuned.sample_async(PROMPT, GREEDY)
+        logprobs = await tuned.compute_logprobs_async([*PROMPT, *expected.tokens])
+        early: list[SampleChunk] = []
+        async with aclosing(base.stream_async(PROMPT, SamplingParams(max_tokens=512))) as stream:
+            async for chunk in stream:
+                early.append(chunk)
+                break
+        return chunks, result, logprobs, early
+
+    chunks, result, logprobs, early = asyncio.run(run())
+    assert tuple(t for c in chunks for t in c.tokens) == expected.tokens
+    assert result.sequences[0].tokens == expected.tokens
+    assert max_diff(logprobs[len(PROMPT) - 1 :], expected.logprobs) <= TOL
+    assert len(early) == 1 and early[0].stop_reason is None
+
+
+def test_seeds_reproduce(tuned: SamplingClient) -> None:
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=1234)
+    first = tuned.sample(PROMPT, params, num_samples=2)
+    again = tuned.sample(PROMPT, params, num_samples=2)
+    assert [s.tokens for s in first.sequences] == [s.tokens for s in again.sequences]
+    assert first.sequences[0].tokens != first.sequences[1].tokens  # sample i uses seed + i
+    other = tuned.sample(PROMPT, SamplingParams(max_tokens=8, temperature=1.0, seed=99))
+    assert other.sequences[0].tokens != first.sequences[0].tokens
+
+
+@pytest.mark.parametrize("which", ["base", "tuned"])
+def test_compute_logprobs_match_greedy_sampling(which: str, base: SamplingClient, tuned: SamplingClient) -> None:
+    client = base if which == "base" else tuned
+    (seq,) = client.sample(PROMPT, GREEDY).sequences
+    tokens = [*PROMPT, *seq.tokens]
+    logprobs = client.compute_logprobs(tokens)
+    assert len(logprobs) == len(tokens) - 1
+    assert max_diff(logprobs[len(PROMPT) - 1 :], seq.logprobs) <= TOL
+    assert max_diff(client.compute_logprobs(ModelInput.from_ints(tokens)), logprobs) <= TOL
+
+
+def test_prompt_logprobs(tuned: SamplingClient) -> None:
+    result = tuned.sample(PROMPT, SamplingParams(max_tokens=2, temperature=0.0), num_samples=2, prompt_logprobs=True)
+    assert result.prompt_tokens == len(PROMPT)
+    assert result.prompt_logprobs is not None and len(result.prompt_logprobs) == len(PROMPT) - 1
+    assert max_diff(result.prompt_logprobs, tuned.compute_logprobs(PROMPT)) <= TOL
+
+
+def test_load_unload_and_stats(service: ServiceClient, snapshot: Snapshot) -> None:
+    client = service.create_sampling_client(f"{snapshot.name}@{snapshot.version}")
+    loaded = client.load(pin=True)
+    assert loaded.version.exact == f"{snapshot.name}@{snapshot.version}" and loaded.pinned and loaded.slot > 0
+    assert client.unload() is True
+    stats = client.stats()
+    assert stats.slots_total >= 1 and stats.tokens_generated > 0
+    expect_error(grpc.StatusCode.INVALID_ARGUMENT, "INVALID_REFERENCE", service.create_sampling_client("base").load)
+
+
+# Errors
+
+
+def test_errors(service: ServiceClient, base: SamplingClient) -> None:
+    missing = service.create_sampling_client(unique_name("missing"))
+    not_found = grpc.StatusCode.NOT_FOUND
+    expect_error(not_found, "ADAPTER_NOT_FOUND", missing.sample, PROMPT, GREEDY)
+    expect_error(not_found, "ADAPTER_NOT_FOUND", lambda: list(missing.stream(PROMPT, GREEDY)))
+    expect_error(not_found, "ADAPTER_NOT_FOUND", missing.compute_logprobs, PROMPT)
+    expect_error(not_found, "ADAPTER_NOT_FOUND", asyncio.run, missing.sample_async(PROMPT, GREEDY))
+    invalid = grpc.StatusCode.INVALID_ARGUMENT
+    bad_top_p = SamplingParams(top_p=1.5)
+    expect_error(invalid, "INVALID_SAMPLING_PARAMS", base.sample, PROMPT, bad_top_p)
+    expect_error(invalid, "INVALID_SAMPLING_PARAMS", asyncio.run, base.sample_async(PROMPT, bad_top_p))
+    expect_error(invalid, None, base.sample, [], GREEDY)  # empty prompt
+    expect_error(invalid, "TOKEN_OUT_OF_RANGE", base.compute_logprobs, [1, 10**6])
+    with pytest.raises(ValueError):
+        base.sample(PROMPT, GREEDY, num_samples=0)
+
+
+def test_closed_client_refuses_calls(sampler_server: ServerProcess) -> None:
+    client = SamplingClient(sampler_server.address, "base")
+    client.close()
+    expect_error(grpc.StatusCode.CANCELLED, "CLIENT_CLOSED", client.sample, PROMPT, GREEDY)

@@ -1,0 +1,566 @@
+"""Bad input to a real sampler: precise status codes with ErrorInfo reasons, nothing loaded from a corrupt or
+unusable artifact, good requests undisturbed by bad ones next to them, adapter management RPCs, and the
+limits (waiting queue, adapter slots) of a small second sampler."""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import contextlib
+import hashlib
+import json
+import math
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from registryutil import create_adapter, unique_name, upload
+from safetensors.torch import save
+from samplerutil import (
+    Sampler,
+    artifact_path,
+    greedy,
+    loaded,
+    params,
+    prompt,
+    request,
+    run,
+    score,
+    snapshot,
+    stats,
+    train,
+    trained_adapter,
+    wait_until,
+)
+from serverproc import ServerProcess, registry_store, start_sampler
+from trainerutil import Trainer, assert_status, create, model_input, rpc_error
+
+from opentinker.v1 import registry_pb2, registry_pb2_grpc, sampler_pb2, sampler_pb2_grpc
+
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+VOCAB = 512
+CONTEXT = 2048  # the tiny model's max_position_embeddings
+
+
+@dataclass(frozen=True)
+class Published:
+    name: str
+    version: registry_pb2.Version
+    prompt: list[int]
+    tokens: list[int]  # greedy 12 tokens for `prompt`, sampled alone
+
+    @property
+    def ref(self) -> str:
+        return f"{self.name}@{self.version.version}"
+
+
+@pytest.fixture(scope="module")
+def good(trainer: Trainer, sampler: Sampler) -> Published:
+    name, version = trained_adapter(trainer, seed=300)
+    p = prompt(300)
+    return Published(name, version, p, greedy(sampler, f"{name}@1", p))
+
+
+def sample_error(sampler: Sampler, req: sampler_pb2.SampleRequest) -> grpc.RpcError:
+    def call() -> None:
+        for _ in sampler.Sample(req, timeout=30):
+            pass
+
+    return rpc_error(call)
+
+
+def test_unknown_adapter_or_version_is_not_found(sampler: Sampler, good: Published) -> None:
+    cases = [
+        (unique_name("nobody"), "ADAPTER_NOT_FOUND"),
+        (f"{unique_name('nobody')}@3", "ADAPTER_NOT_FOUND"),
+        (f"{good.name}@99", "VERSION_NOT_FOUND"),
+        (f"{good.name}@no-such-alias", "ALIAS_NOT_FOUND"),
+    ]
+    for model, reason in cases:
+        assert_status(sample_error(sampler, request(model, [1, 2, 3])), grpc.StatusCode.NOT_FOUND, reason)
+        error = rpc_error(score, sampler, model, [1, 2, 3])
+        assert_status(error, grpc.StatusCode.NOT_FOUND, reason)
+        error = rpc_error(sampler.LoadAdapter, sampler_pb2.LoadAdapterRequest(reference=model))
+        assert_status(error, grpc.StatusCode.NOT_FOUND, reason)
+    assert not any(key.startswith("nobody") for key in loaded(sampler))
+
+
+def _sampling(**kw: object) -> sampler_pb2.SamplingParams:
+    return sampler_pb2.SamplingParams(**kw)  # type: ignore[arg-type]
+
+
+BAD_SAMPLES: dict[str, tuple[Callable[[str], sampler_pb2.SampleRequest], str, str]] = {
+    # case: (request for a model reference, reason, words the message must contain)
+    "empty prompt": (lambda m: request(m, []), "INVALID_PROMPT", "prompt is empty"),
+    "token id = vocab": (lambda m: request(m, [1, VOCAB, 2]), "TOKEN_OUT_OF_RANGE", f"token id {VOCAB}"),
+    "negative token id": (lambda m: request(m, [1, -1]), "TOKEN_OUT_OF_RANGE", "token id -1"),
+    "max_tokens beyond context": (
+        lambda m: request(m, [1, 2, 3], params(max_tokens=CONTEXT)),
+        "INVALID_SAMPLING_PARAMS",
+        "max_tokens",
+    ),
+    "prompt fills the context": (lambda m: request(m, [5] * CONTEXT), "PROMPT_TOO_LONG", "context"),
+    "temperature < 0": (
+        lambda m: request(m, [1], _sampling(temperature=-0.5)),
+        "INVALID_SAMPLING_PARAMS",
+        "temperature",
+    ),
+    "temperature nan": (
+        lambda m: request(m, [1], _sampling(temperature=math.nan)),
+        "INVALID_SAMPLING_PARAMS",
+        "temperature",
+    ),
+    "top_p > 1": (lambda m: request(m, [1], _sampling(top_p=1.5)), "INVALID_SAMPLING_PARAMS", "top_p"),
+    "top_p < 0": (lambda m: request(m, [1], _sampling(top_p=-0.2)), "INVALID_SAMPLING_PARAMS", "top_p"),
+    "stop token outside vocab": (
+        lambda m: request(m, [1], _sampling(stop_token_ids=[VOCAB + 5])),
+        "INVALID_SAMPLING_PARAMS",
+        "stop_token_ids",
+    ),
+    "empty stop string": (
+        lambda m: request(m, [1], _sampling(stop_strings=[""])),
+        "INVALID_SAMPLING_PARAMS",
+        "stop strings",
+    ),
+    "num_samples > 64": (lambda m: request(m, [1, 2], num_samples=65), "INVALID_SAMPLING_PARAMS", "num_samples"),
+    "bad adapter name": (
+        lambda m: sampler_pb2.SampleRequest(model="Not A Name!", prompt=model_input([1])),
+        "INVALID_ADAPTER_NAME",
+        "invalid adapter name",
+    ),
+    "version 0": (
+        lambda m: sampler_pb2.SampleRequest(model="some-adapter@0", prompt=model_input([1])),
+        "INVALID_REFERENCE",
+        "versions start at 1",
+    ),
+    "bad alias": (
+        lambda m: sampler_pb2.SampleRequest(model="some-adapter@Bad!", prompt=model_input([1])),
+        "INVALID_REFERENCE",
+        "expected name, name@alias or name@N",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_SAMPLES))
+def test_invalid_sample_requests(sampler: Sampler, good: Published, case: str) -> None:
+    make, reason, words = BAD_SAMPLES[case]
+    for model in ("base", good.ref):
+        error = sample_error(sampler, make(model))
+        assert_status(error, INVALID, reason)
+        assert words in str(error.details()), error.details()
+
+
+def test_invalid_compute_logprobs_requests(sampler: Sampler, good: Published) -> None:
+    def compute(*inputs: list[int]) -> sampler_pb2.ComputeLogprobsResponse:
+        response: sampler_pb2.ComputeLogprobsResponse = sampler.ComputeLogprobs(
+            sampler_pb2.ComputeLogprobsRequest(model=good.ref, inputs=[model_input(t) for t in inputs])
+        )
+        return response
+
+    assert_status(rpc_error(compute), INVALID, "INVALID_PROMPT")
+    assert_status(rpc_error(compute, [1, 2], []), INVALID, "INVALID_PROMPT")
+    error = rpc_error(compute, [1, 2], [3, VOCAB])
+    assert_status(error, INVALID, "TOKEN_OUT_OF_RANGE")
+    assert "inputs[1]" in str(error.details())
+    assert_status(rpc_error(compute, [7] * CONTEXT), INVALID, "PROMPT_TOO_LONG")
+    # A one-token input has nothing to score; several inputs are scored independently.
+    single, pair = compute([5], [5, 6]).results
+    assert list(single.logprobs) == [] and len(pair.logprobs) == 1
+    # ...and the engine is fine afterwards.
+    assert greedy(sampler, good.ref, good.prompt) == good.tokens
+
+
+def test_prompt_text_is_tokenized(sampler: Sampler, tiny_model: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tokens = AutoTokenizer.from_pretrained(tiny_model).encode("The capital of France is", add_special_tokens=False)
+    by_text = run(
+        sampler,
+        sampler_pb2.SampleRequest(model="base", prompt_text="The capital of France is", sampling_params=params()),
+    )
+    assert by_text.only.tokens == greedy(sampler, "base", tokens)
+    error = sample_error(sampler, sampler_pb2.SampleRequest(model="base", prompt_text=""))
+    assert_status(error, INVALID, "INVALID_PROMPT")
+
+
+# --- artifacts that must never be served ----------------------------------------------------------------------
+
+
+def flip_byte(path: Path) -> None:
+    os.chmod(path, 0o644)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_corrupted_artifact_is_data_loss_and_nothing_is_loaded(
+    trainer: Trainer, sampler: Sampler, registry_server: ServerProcess
+) -> None:
+    name, _ = trained_adapter(trainer, seed=310)
+    p = prompt(310)
+    served = greedy(sampler, name, p)  # latest = v1, now resident
+    train(trainer, name, seed=311, steps=2)
+    v2 = snapshot(trainer, name)
+    flip_byte(artifact_path(registry_store(registry_server), v2) / "adapter_model.safetensors")
+    failures = stats(sampler).reload_failures_total
+    assert_status(sample_error(sampler, request(f"{name}@2", p)), grpc.StatusCode.DATA_LOSS, "DIGEST_MISMATCH")
+    assert_status(rpc_error(score, sampler, f"{name}@2", p), grpc.StatusCode.DATA_LOSS, "DIGEST_MISMATCH")
+    error = rpc_error(sampler.LoadAdapter, sampler_pb2.LoadAdapterRequest(reference=f"{name}@2", pin=True))
+    assert_status(error, grpc.StatusCode.DATA_LOSS, "DIGEST_MISMATCH")
+    assert stats(sampler).reload_failures_total >= failures + 3
+    resident = loaded(sampler)
+    assert f"{name}@2" not in resident and f"{name}@1" in resident
+    assert all(a.version.artifact_sha256 != v2.artifact_sha256 for a in resident.values())
+    # The version that loaded keeps being served, unchanged.
+    assert greedy(sampler, f"{name}@1", p) == served
+
+
+def _tensors_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
+    return bytes(save({k: v.contiguous() for k, v in tensors.items()}))
+
+
+def _lora_tensors(rank: int, modules: dict[str, tuple[int, int]], seed: int = 0) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    out = {}
+    for module, (d_in, d_out) in modules.items():
+        out[f"base_model.model.{module}.lora_A.weight"] = torch.randn(rank, d_in, generator=generator) * 0.1
+        out[f"base_model.model.{module}.lora_B.weight"] = torch.randn(d_out, rank, generator=generator) * 0.1
+    return out
+
+
+Q0 = "model.layers.0.self_attn.q_proj"  # tiny qwen2: d_in 64, d_out 64
+
+
+def _artifact(config: dict[str, object], tensors: bytes | dict[str, torch.Tensor]) -> dict[str, bytes]:
+    payload = tensors if isinstance(tensors, bytes) else _tensors_bytes(tensors)
+    return {"adapter_config.json": json.dumps(config).encode(), "adapter_model.safetensors": payload}
+
+
+LORA_CONFIG = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}
+UNUSABLE: dict[str, dict[str, bytes]] = {
+    "not safetensors": _artifact(LORA_CONFIG, hashlib.sha256(b"x").digest() * 64),
+    "config not json": {
+        "adapter_config.json": b"{not json",
+        "adapter_model.safetensors": _tensors_bytes(_lora_tensors(4, {Q0: (64, 64)})),
+    },
+    "config without r": _artifact({"lora_alpha": 8}, _lora_tensors(4, {Q0: (64, 64)})),
+    "no config file": {"adapter_model.safetensors": _tensors_bytes(_lora_tensors(4, {Q0: (64, 64)}))},
+    "wrong d_in": _artifact(LORA_CONFIG, _lora_tensors(4, {Q0: (32, 64)})),
+    "rank differs from config": _artifact(LORA_CONFIG, _lora_tensors(2, {Q0: (64, 64)})),
+    "lora_A without lora_B": _artifact(LORA_CONFIG, {f"base_model.model.{Q0}.lora_A.weight": torch.zeros(4, 64)}),
+    "unknown module": _artifact(LORA_CONFIG, _lora_tensors(4, {"model.layers.0.self_attn.qkv_proj": (64, 64)})),
+    "no lora tensors": _artifact(LORA_CONFIG, {"base_model.model.lm_head.weight": torch.zeros(VOCAB, 64)}),
+    "extra full weights": _artifact(
+        LORA_CONFIG, {**_lora_tensors(4, {Q0: (64, 64)}), "base_model.model.lm_head.weight": torch.zeros(VOCAB, 64)}
+    ),
+    "rank above max": _artifact({**LORA_CONFIG, "r": 128}, _lora_tensors(128, {Q0: (64, 64)})),
+    "dora": _artifact({**LORA_CONFIG, "use_dora": True}, _lora_tensors(4, {Q0: (64, 64)})),
+    "non-finite weights": _artifact(
+        LORA_CONFIG,
+        {**_lora_tensors(4, {Q0: (64, 64)}), f"base_model.model.{Q0}.lora_B.weight": torch.full((64, 4), math.nan)},
+    ),
+    "per-module alpha": _artifact({**LORA_CONFIG, "alpha_pattern": {"q_proj": 64}}, _lora_tensors(4, {Q0: (64, 64)})),
+}
+
+
+def publish_files(
+    registry: registry_pb2_grpc.RegistryServiceStub, files: dict[str, bytes], base_model_digest: str = ""
+) -> registry_pb2.Version:
+    name = unique_name("bad")
+    create_adapter(registry, name)
+    uri = upload(registry, files)
+    lineage = registry_pb2.Lineage(base_model_digest=base_model_digest)
+    response: registry_pb2.PublishVersionResponse = registry.PublishVersion(
+        registry_pb2.PublishVersionRequest(adapter=name, artifact_uri=uri, lineage=lineage)
+    )
+    return response.version
+
+
+@pytest.fixture(scope="module")
+def unusable(registry: registry_pb2_grpc.RegistryServiceStub) -> dict[str, registry_pb2.Version]:
+    versions = {case: publish_files(registry, files) for case, files in UNUSABLE.items()}
+    versions["other base model"] = publish_files(
+        registry, _artifact(LORA_CONFIG, _lora_tensors(4, {Q0: (64, 64)})), base_model_digest="sha256:" + "0" * 64
+    )
+    return versions
+
+
+@pytest.mark.parametrize("case", [*UNUSABLE, "other base model"])
+def test_unusable_artifact_is_rejected_and_nothing_is_loaded(
+    sampler: Sampler, good: Published, unusable: dict[str, registry_pb2.Version], case: str
+) -> None:
+    version = unusable[case]
+    ref = f"{version.adapter}@{version.version}"
+    error = sample_error(sampler, request(ref, [1, 2, 3]))
+    assert_status(error, grpc.StatusCode.FAILED_PRECONDITION, "INCOMPATIBLE_ADAPTER")
+    assert ref in str(error.details())
+    assert not any(key.startswith(version.adapter) for key in loaded(sampler))
+    assert stats(sampler).running_requests == 0
+    assert greedy(sampler, good.ref, good.prompt) == good.tokens
+
+
+def test_a_valid_synthetic_artifact_loads(sampler: Sampler, registry: registry_pb2_grpc.RegistryServiceStub) -> None:
+    """The same construction as the unusable cases, done right, is served (so the cases above fail for their one
+    defect) and changes the output."""
+    version = publish_files(registry, _artifact(LORA_CONFIG, _lora_tensors(4, {Q0: (64, 64)}, seed=1)))
+    ref = f"{version.adapter}@{version.version}"
+    (with_adapter,) = score(sampler, ref, prompt(5, 16))
+    (base,) = score(sampler, "base", prompt(5, 16))
+    assert with_adapter != base
+    assert loaded(sampler)[ref].rank == 4
+    sampler.UnloadAdapter(sampler_pb2.UnloadAdapterRequest(reference=ref))
+
+
+# --- bad requests next to good ones -----------------------------------------------------------------------------
+
+
+def test_bad_requests_do_not_disturb_good_ones(
+    sampler: Sampler, good: Published, unusable: dict[str, registry_pb2.Version]
+) -> None:
+    goods = [
+        request(good.ref, good.prompt),
+        request("base", prompt(1)),
+        request(good.ref, prompt(2), params(max_tokens=40)),
+    ]
+    expected = [run(sampler, r).only.tokens for r in goods]
+    bad_version = unusable["wrong d_in"]
+    bads = [
+        request(good.ref, [1, VOCAB]),
+        request(unique_name("nobody"), [1, 2]),
+        request(good.ref, [1, 2], num_samples=100),
+        request(f"{bad_version.adapter}@{bad_version.version}", [1, 2]),
+        request(good.ref, [1], _sampling(top_p=2.0)),
+    ]
+    mixed = [(True, r) for r in goods * 3] + [(False, r) for r in bads * 2]
+    mixed = mixed[::2] + mixed[1::2]
+
+    def one(item: tuple[bool, sampler_pb2.SampleRequest]) -> list[int] | grpc.StatusCode:
+        _, req = item
+        try:
+            return run(sampler, req).only.tokens
+        except grpc.RpcError as error:
+            return error.code()
+
+    with concurrent.futures.ThreadPoolExecutor(len(mixed)) as pool:
+        outcomes = list(pool.map(one, mixed))
+    for (ok, req), outcome in zip(mixed, outcomes, strict=True):
+        if ok:
+            assert outcome == expected[goods.index(req)], req.model
+        else:
+            assert isinstance(outcome, grpc.StatusCode) and outcome not in (
+                grpc.StatusCode.INTERNAL,
+                grpc.StatusCode.UNKNOWN,
+            ), (req.model, outcome)
+    assert wait_until(lambda: stats(sampler).running_requests == 0)
+
+
+def test_edge_values_are_served_and_release_their_slot(sampler: Sampler, good: Published) -> None:
+    """Values at the edge of what is valid: served, and nothing stays held afterwards."""
+    top_seed = 2**64 - 1  # seed + sample index must not overflow
+    sampling = params(temperature=1.0, seed=top_seed, max_tokens=6)
+    first = run(sampler, request(good.ref, good.prompt, sampling, num_samples=3))
+    again = run(sampler, request(good.ref, good.prompt, sampling, num_samples=3))
+    assert {i: s.tokens for i, s in first.samples.items()} == {i: s.tokens for i, s in again.samples.items()}
+    # A temperature so small that logits / temperature overflow float32: the argmax, not a failed engine step.
+    tiny = run(sampler, request(good.ref, good.prompt, params(temperature=1e-45, seed=1)))
+    assert tiny.only.tokens == good.tokens
+    # The whole context: a prompt of context - 1 tokens and one new token.
+    edge = run(sampler, request(good.ref, [5] * (CONTEXT - 1), params(max_tokens=1))).only
+    assert len(edge.tokens) == 1 and edge.stop_reason == sampler_pb2.STOP_REASON_LENGTH
+    # top_k above the vocabulary means no top-k.
+    wide = run(sampler, request(good.ref, good.prompt, params(temperature=1.0, seed=3, top_k=10 * VOCAB)))
+    assert wide.only.tokens == run(sampler, request(good.ref, good.prompt, params(temperature=1.0, seed=3))).only.tokens
+    assert wait_until(lambda: all(a.active_requests == 0 for a in loaded(sampler).values()))
+
+
+def test_overflowing_temperature_does_not_fail_the_batch(sampler: Sampler, good: Published) -> None:
+    """Other sequences in the same steps as a tiny-temperature one complete with their own tokens."""
+    long_req = request("base", prompt(1), params(max_tokens=300))
+    solo = run(sampler, long_req).only.tokens
+    stream = sampler.Sample(long_req, timeout=60)
+    first = next(stream)
+    tiny = [run(sampler, request(good.ref, good.prompt, params(temperature=1e-45, seed=s))) for s in range(3)]
+    assert all(t.only.tokens == good.tokens for t in tiny)
+    assert [t for m in [first, *stream] for t in m.tokens] == solo
+
+
+# --- adapter management ----------------------------------------------------------------------------------------
+
+
+def test_load_unload_list(sampler: Sampler, good: Published) -> None:
+    response: sampler_pb2.LoadAdapterResponse = sampler.LoadAdapter(
+        sampler_pb2.LoadAdapterRequest(reference=good.ref, pin=True)
+    )
+    adapter = response.adapter
+    assert adapter.pinned and adapter.slot > 0 and adapter.rank == 4 and adapter.active_requests == 0
+    assert (adapter.version.adapter, adapter.version.version) == (good.name, 1)
+    assert adapter.version.artifact_sha256 == good.version.artifact_sha256
+    listing: sampler_pb2.ListLoadedResponse = sampler.ListLoaded(sampler_pb2.ListLoadedRequest())
+    assert listing.slots_total == 8
+    assert {a.slot for a in listing.adapters} == {a.slot for a in loaded(sampler).values()}  # one slot each
+    assert loaded(sampler)[good.ref].pinned
+    # Loading again (by alias, without pin) finds the same slot and keeps the pin.
+    again: sampler_pb2.LoadAdapterResponse = sampler.LoadAdapter(sampler_pb2.LoadAdapterRequest(reference=good.name))
+    assert again.adapter.slot == adapter.slot and again.adapter.pinned
+    assert_status(
+        rpc_error(sampler.LoadAdapter, sampler_pb2.LoadAdapterRequest(reference="base")), INVALID, "INVALID_REFERENCE"
+    )
+    assert greedy(sampler, good.ref, good.prompt) == good.tokens  # a pinned version serves like any other
+
+    unloaded: sampler_pb2.UnloadAdapterResponse = sampler.UnloadAdapter(
+        sampler_pb2.UnloadAdapterRequest(reference=good.ref)
+    )
+    assert unloaded.freed_now and good.ref not in loaded(sampler)
+    error = rpc_error(sampler.UnloadAdapter, sampler_pb2.UnloadAdapterRequest(reference=good.ref))
+    assert_status(error, grpc.StatusCode.NOT_FOUND, "ADAPTER_NOT_LOADED")
+    error = rpc_error(sampler.UnloadAdapter, sampler_pb2.UnloadAdapterRequest(reference=unique_name("nobody")))
+    assert_status(error, grpc.StatusCode.NOT_FOUND, "ADAPTER_NOT_FOUND")
+    error = rpc_error(sampler.UnloadAdapter, sampler_pb2.UnloadAdapterRequest(reference="base"))
+    assert_status(error, INVALID, "INVALID_REFERENCE")
+    # Sampling loads it again on demand.
+    assert greedy(sampler, good.ref, good.prompt) == good.tokens and good.ref in loaded(sampler)
+
+
+def test_unload_while_in_use_frees_after_the_last_request(sampler: Sampler, good: Published) -> None:
+    long_req = request(good.ref, good.prompt, params(max_tokens=1500))
+    solo = run(sampler, long_req).only.tokens
+    stream = sampler.Sample(long_req, timeout=60)
+    chunks = [next(stream)]
+    response: sampler_pb2.UnloadAdapterResponse = sampler.UnloadAdapter(
+        sampler_pb2.UnloadAdapterRequest(reference=good.ref)
+    )
+    assert not response.freed_now
+    still = loaded(sampler)[good.ref]
+    assert still.active_requests == 1
+    chunks.extend(stream)
+    assert [t for c in chunks for t in c.tokens] == solo  # the running request kept its weights to the end
+    assert wait_until(lambda: good.ref not in loaded(sampler))
+
+
+# --- a small sampler: 1 sequence at a time, 2 waiting, 2 adapter slots, bearer tokens for two tenants ----------
+
+TOKENS = {"admin": "tok-admin", "team-a": "tok-a", "team-b": "tok-b"}
+
+
+class _Details(
+    collections.namedtuple(
+        "_Details", ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")
+    ),
+    grpc.ClientCallDetails,
+):
+    pass
+
+
+class Bearer(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Adds one token to every call of a channel."""
+
+    def __init__(self, token: str) -> None:
+        self.header = ("authorization", f"Bearer {token}")
+
+    def _with_token(self, details: grpc.ClientCallDetails) -> _Details:
+        metadata = [*(details.metadata or ()), self.header]
+        return _Details(details.method, details.timeout, metadata, details.credentials, details.wait_for_ready,
+                        details.compression)  # fmt: skip
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._with_token(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._with_token(details), request)
+
+
+@pytest.fixture(scope="module")
+def small_server(
+    tiny_model: Path, registry_server: ServerProcess, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    workdir = tmp_path_factory.mktemp("small-sampler")
+    tokens = workdir / "tokens.json"
+    entries = [{"token": t, "tenant": n, "role": "admin" if n == "admin" else "user"} for n, t in TOKENS.items()]
+    tokens.write_text(json.dumps({"tokens": entries}))
+    server = start_sampler(
+        workdir, tiny_model, registry_server,
+        "--max-waiting", "2", "--max-seqs", "1", "--max-slots", "2", "--tokens-file", str(tokens),
+    )  # fmt: skip
+    yield server
+    assert server.terminate() == 0, server.log()
+
+
+@contextlib.contextmanager
+def stub_as(server: ServerProcess, who: str) -> Iterator[Sampler]:
+    with grpc.insecure_channel(server.address) as channel:
+        yield sampler_pb2_grpc.SamplerServiceStub(grpc.intercept_channel(channel, Bearer(TOKENS[who])))
+
+
+@pytest.fixture(scope="module")
+def small(small_server: ServerProcess) -> Iterator[Sampler]:
+    with stub_as(small_server, "admin") as stub:
+        yield stub
+
+
+def test_full_waiting_queue_is_resource_exhausted(small: Sampler, good: Published) -> None:
+    running = small.Sample(request("base", prompt(1), params(max_tokens=CONTEXT - 10)), timeout=60)
+    next(running)
+    waiting = [small.Sample(request(good.ref, good.prompt), timeout=60) for _ in range(2)]
+    assert wait_until(lambda: stats(small).waiting_requests == 2), stats(small)
+    error = sample_error(small, request("base", [1, 2, 3]))
+    assert_status(error, grpc.StatusCode.RESOURCE_EXHAUSTED, "QUEUE_FULL")
+    running.cancel()
+    for stream in waiting:  # they run once the long one is gone, with the right tokens
+        assert [t for m in stream for t in m.tokens] == good.tokens
+    # More samples in one request than the queue holds: refused at once, even when idle.
+    assert wait_until(lambda: stats(small).running_requests == 0)
+    error = sample_error(small, request("base", [1, 2, 3], num_samples=3))
+    assert_status(error, grpc.StatusCode.RESOURCE_EXHAUSTED, "QUEUE_FULL")
+    assert greedy(small, good.ref, good.prompt) == good.tokens
+
+
+def test_no_free_slot_when_every_slot_is_pinned(small: Sampler, trainer: Trainer, good: Published) -> None:
+    others = [trained_adapter(trainer, seed=320 + i)[0] for i in range(2)]
+    for name in others:
+        small.LoadAdapter(sampler_pb2.LoadAdapterRequest(reference=f"{name}@1", pin=True))
+    assert {a.pinned for a in loaded(small).values()} == {True} and len(loaded(small)) == 2
+    failures = stats(small).reload_failures_total
+    error = sample_error(small, request(good.ref, good.prompt))
+    assert_status(error, grpc.StatusCode.RESOURCE_EXHAUSTED, "NO_FREE_SLOT")
+    error = rpc_error(small.LoadAdapter, sampler_pb2.LoadAdapterRequest(reference=good.ref))
+    assert_status(error, grpc.StatusCode.RESOURCE_EXHAUSTED, "NO_FREE_SLOT")
+    assert stats(small).reload_failures_total == failures + 2
+    assert set(loaded(small)) == {f"{n}@1" for n in others}
+    # The base model needs no slot.
+    assert run(small, request("base", [1, 2, 3])).only.stop_reason == sampler_pb2.STOP_REASON_LENGTH
+    # Unpinning (unload) one makes room; the idle unpinned one is then evicted for the next version.
+    small.UnloadAdapter(sampler_pb2.UnloadAdapterRequest(reference=f"{others[0]}@1"))
+    assert greedy(small, good.ref, good.prompt) == good.tokens
+    assert set(loaded(small)) == {f"{others[1]}@1", good.ref}
+    small.UnloadAdapter(sampler_pb2.UnloadAdapterRequest(reference=f"{others[1]}@1"))
+    assert all(a.active_requests == 0 for a in loaded(small).values())
+
+
+def test_tenants_see_and_touch_only_their_own_adapters(
+    small_server: ServerProcess, small: Sampler, trainer: Trainer
+) -> None:
+    own = create(trainer, f"team-a/{unique_name('own')}", seed=330).name
+    snapshot(trainer, own)
+    p = prompt(330)
+    with stub_as(small_server, "team-a") as team_a, stub_as(small_server, "team-b") as team_b:
+        assert len(greedy(team_a, f"{own}@1", p)) == 12
+        team_a.LoadAdapter(sampler_pb2.LoadAdapterRequest(reference=f"{own}@1"))
+        for call in (
+            lambda: greedy(team_b, f"{own}@1", p),
+            lambda: score(team_b, f"{own}@1", p),
+            lambda: team_b.LoadAdapter(sampler_pb2.LoadAdapterRequest(reference=f"{own}@1", pin=True)),
+            lambda: team_b.UnloadAdapter(sampler_pb2.UnloadAdapterRequest(reference=f"{own}@1")),
+        ):
+            assert_status(rpc_error(call), grpc.StatusCode.PERMISSION_DENIED, "PERMISSION_DENIED")
+        assert f"{own}@1" in loaded(team_a) and f"{own}@1" in loaded(small)  # the owner and the admin see it
+        assert f"{own}@1" not in loaded(team_b)  # another tenant does not learn it exists
+        assert len(greedy(team_b, "base", p)) == 12  # the base model is everyone's
+    with grpc.insecure_channel(small_server.address) as channel:
+        anonymous = sampler_pb2_grpc.SamplerServiceStub(channel)
+        error = rpc_error(anonymous.ListLoaded, sampler_pb2.ListLoadedRequest())
+        assert_status(error, grpc.StatusCode.UNAUTHENTICATED, "UNAUTHENTICATED")
+    small.UnloadAdapter(sampler_pb2.UnloadAdapterRequest(reference=f"{own}@1"))

@@ -1,0 +1,109 @@
+"""The trainer's compute scheduler: FIFO per adapter, round-robin across adapters, one compute thread."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import threading
+import time
+
+import pytest
+
+from opentinker.trainer_server.scheduler import AdapterScheduler
+
+
+def run(coro: object) -> object:
+    return asyncio.run(coro)  # type: ignore[arg-type]
+
+
+def test_fifo_per_adapter_and_round_robin_across_adapters() -> None:
+    order: list[str] = []
+
+    async def main() -> None:
+        scheduler = AdapterScheduler()
+        scheduler.start()
+        gate = threading.Event()
+
+        # The first job blocks the compute thread until every other request is queued.
+        def record(label: str, wait: bool = False) -> None:
+            if wait:
+                gate.wait(5)
+            order.append(label)
+
+        first = asyncio.ensure_future(scheduler.run("a", functools.partial(record, "a0", wait=True)))
+        await asyncio.sleep(0.05)
+        jobs = [asyncio.ensure_future(scheduler.run("a", functools.partial(record, f"a{i}"))) for i in range(1, 4)]
+        jobs += [asyncio.ensure_future(scheduler.run("b", functools.partial(record, f"b{i}"))) for i in range(2)]
+        jobs += [asyncio.ensure_future(scheduler.run("c", functools.partial(record, "c0")))]
+        await asyncio.sleep(0.05)
+        gate.set()
+        await asyncio.gather(first, *jobs)
+        await scheduler.stop()
+
+    run(main())
+    assert order[0] == "a0"
+    # Each adapter's own requests keep their arrival order...
+    for adapter in "abc":
+        mine = [x for x in order if x[0] == adapter]
+        assert mine == sorted(mine)
+    # ...and a long queue for "a" does not make "b" and "c" wait behind all of it.
+    assert order.index("b0") < order.index("a3") and order.index("c0") < order.index("a3")
+
+
+def test_one_compute_thread_and_errors_reach_their_caller() -> None:
+    active = 0
+    peak = 0
+    lock = threading.Lock()
+
+    def work() -> int:
+        nonlocal active, peak
+        with lock:
+            active += 1
+            peak = max(peak, active)
+        time.sleep(0.01)
+        with lock:
+            active -= 1
+        return 1
+
+    def fail() -> int:
+        raise ValueError("bad batch")
+
+    async def main() -> list[object]:
+        scheduler = AdapterScheduler()
+        scheduler.start()
+        results = await asyncio.gather(
+            *(scheduler.run(name, work) for name in ("a", "b", "c", "d") for _ in range(3)),
+            scheduler.run("e", fail),
+            return_exceptions=True,
+        )
+        await scheduler.stop()
+        return list(results)
+
+    results = run(main())
+    assert isinstance(results, list)
+    assert results[:-1] == [1] * 12
+    assert isinstance(results[-1], ValueError)
+    assert peak == 1
+
+
+def test_cancelled_request_is_skipped() -> None:
+    ran: list[str] = []
+
+    async def main() -> None:
+        scheduler = AdapterScheduler()
+        scheduler.start()
+        gate = threading.Event()
+        blocker = asyncio.ensure_future(scheduler.run("a", lambda: gate.wait(5)))
+        await asyncio.sleep(0.05)
+        doomed = asyncio.ensure_future(scheduler.run("a", lambda: ran.append("doomed")))
+        await asyncio.sleep(0.01)
+        doomed.cancel()  # the client gave up (deadline) while queued
+        gate.set()
+        await blocker
+        await scheduler.run("a", lambda: ran.append("after"))
+        await scheduler.stop()
+        with pytest.raises(asyncio.CancelledError):
+            await doomed
+
+    run(main())
+    assert ran == ["after"]
