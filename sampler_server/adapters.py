@@ -7,6 +7,7 @@ import asyncio
 import json
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from safetensors import SafetensorError
@@ -21,6 +22,12 @@ from opentinker.sampler_server.slot_pool import SlotPool, VersionKey
 from opentinker.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
 PEFT_PREFIX = "base_model.model."
+
+
+class AliasFollowerLike(Protocol):
+    def note_traffic(self, adapter: str) -> None: ...
+    def served_version(self, adapter: str, alias: str) -> int | None: ...
+    def adopt(self, adapter: str, alias: str, version: int) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +56,8 @@ class AdapterLoader:
         self.metadata = metadata
         self.model_digest = model_digest
         self._loading: dict[VersionKey, asyncio.Lock] = {}
+        self._versions: dict[VersionKey, registry_pb2.Version] = {}  # registry records of versions seen
+        self.follower: AliasFollowerLike | None = None  # set when the sampler follows registry events
         self.loads = 0
         self.load_failures = 0
 
@@ -57,10 +66,25 @@ class AdapterLoader:
         if ref.is_base:
             return BASE_RESOLVED
         require_access(ref.adapter)
+        follower = self.follower
+        if follower is not None:
+            follower.note_traffic(ref.adapter)
+            if ref.alias is not None:
+                number = follower.served_version(ref.adapter, ref.alias)
+                cached = self._versions.get((ref.adapter, number)) if number is not None else None
+                if cached is not None:  # the alias as this sampler serves it: no registry round trip
+                    message = common_pb2.ResolvedVersion(
+                        adapter=cached.adapter, version=cached.version, reference=reference,
+                        artifact_sha256=cached.artifact_sha256,
+                    )  # fmt: skip
+                    return Resolved((cached.adapter, cached.version), message, cached)
         response = await registry_call(
             self.registry.Resolve(registry_pb2.ResolveRequest(reference=reference), metadata=self.metadata)
         )
         version: registry_pb2.Version = response.version
+        self._versions[(version.adapter, version.version)] = version
+        if follower is not None and ref.alias is not None:
+            follower.adopt(ref.adapter, ref.alias, version.version)
         return Resolved((version.adapter, version.version), response.resolved, version)
 
     async def acquire(self, resolved: Resolved, count: int = 1) -> int:

@@ -30,6 +30,12 @@ def serve(
     max_len: Annotated[int, typer.Option(help="Context per sequence (0: the model's, capped at 4096).")] = 0,
     max_waiting: Annotated[int, typer.Option(help="Queued sequences before RESOURCE_EXHAUSTED.")] = 256,
     kernel: Annotated[str, typer.Option(help="LoRA kernel: auto, segments, reference or triton.")] = "auto",
+    follow: Annotated[
+        list[str] | None, typer.Option(help="Adapters (fnmatch patterns) whose alias moves are always preloaded.")
+    ] = None,
+    follow_window: Annotated[
+        float, typer.Option(help="Also preload adapters that had requests in the last N seconds.")
+    ] = 300.0,
     host: opt.Host = "127.0.0.1",
     port: opt.Port = DEFAULT_PORT,
     metrics_port: opt.MetricsPort = 0,
@@ -48,6 +54,7 @@ def serve(
     from opentinker.rpc.server import ServiceBinding, configure_logging, serve_forever
     from opentinker.sampler_server.adapters import AdapterLoader
     from opentinker.sampler_server.engine import Engine
+    from opentinker.sampler_server.follower import AliasFollower
     from opentinker.sampler_server.kernels import TRITON_AVAILABLE, Backend
     from opentinker.sampler_server.model.config import resolve_model_dir
     from opentinker.sampler_server.model.kv_cache import KVCache
@@ -107,12 +114,20 @@ def serve(
         state["channel"] = channel
         loader = AdapterLoader(pool, artifacts, registry_pb2_grpc.RegistryServiceStub(channel), metadata=metadata,
                                model_digest=digest)  # fmt: skip
+        follower = AliasFollower(registry_pb2_grpc.RegistryServiceStub(channel), loader, follow=follow or [],
+                                 follow_window=follow_window, metadata=metadata)  # fmt: skip
+        loader.follower = follower
+        state["follower"] = follower
+        follower.start()
         servicer = SamplerServicer(engine, loader, info=info, tokenizer=tokenizer, max_waiting=max_waiting,
-                                   lora_kernel=used_kernel)  # fmt: skip
+                                   lora_kernel=used_kernel, follower=follower)  # fmt: skip
         sampler_pb2_grpc.add_SamplerServiceServicer_to_server(servicer, server)
         engine.start()
 
     async def on_stop() -> None:
+        follower = state.get("follower")
+        if isinstance(follower, AliasFollower):
+            await follower.stop()
         engine.stop()
         channel = state.get("channel")
         if isinstance(channel, grpc.aio.Channel):

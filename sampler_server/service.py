@@ -15,6 +15,7 @@ from opentinker.rpc.auth import current_principal
 from opentinker.rpc.errors import Internal, InvalidArgument, NotFound, ResourceExhausted
 from opentinker.sampler_server.adapters import AdapterLoader
 from opentinker.sampler_server.engine import Engine, SequenceUpdate
+from opentinker.sampler_server.follower import AliasFollower
 from opentinker.sampler_server.sequence import SamplingParams, Sequence
 from opentinker.trainer_server.batch import tokens_of
 from opentinker.v1 import common_pb2, sampler_pb2, sampler_pb2_grpc
@@ -58,6 +59,7 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
         tokenizer: Any | None,
         max_waiting: int,
         lora_kernel: str,
+        follower: AliasFollower | None = None,
     ) -> None:
         self.engine = engine
         self.loader = loader
@@ -65,6 +67,7 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
         self.tokenizer = tokenizer
         self.max_waiting = max_waiting
         self.lora_kernel = lora_kernel
+        self.follower = follower
         self._seq_ids = iter(range(1, 1 << 62))
 
     def _prompt(self, request: sampler_pb2.SampleRequest) -> list[int]:
@@ -184,6 +187,8 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
                                                artifact_sha256=slot.artifact_sha256),
             slot=index, rank=slot.rank, pinned=slot.pinned, active_requests=slot.refs,
         )  # fmt: skip
+        if self.follower is not None and slot.key is not None:
+            message.serving_aliases.extend(self.follower.serving_aliases(adapter, version))
         message.load_time.FromNanoseconds(int(slot.load_time * 1e9))
         return message
 
@@ -216,8 +221,8 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
         return sampler_pb2.ListLoadedResponse(adapters=loaded, slots_total=pool.capacity)
 
     async def GetStats(self, request: sampler_pb2.GetStatsRequest, context: Context) -> Any:
-        engine = self.engine
-        return sampler_pb2.GetStatsResponse(
+        engine, follower = self.engine, self.follower
+        stats = sampler_pb2.GetStatsResponse(
             running_requests=engine.num_running, waiting_requests=engine.num_waiting, max_waiting=self.max_waiting,
             slots_used=engine.pool.used(), slots_total=engine.pool.capacity,
             tokens_generated=engine.stats.tokens_generated,
@@ -225,3 +230,7 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
             kv_cache_usage=engine.num_running / max(engine.scheduler.max_seqs, 1),
             reloads_total=self.loader.loads, reload_failures_total=self.loader.load_failures,
         )  # fmt: skip
+        if follower is not None:
+            stats.last_event_id = follower.last_event_id
+            stats.recent_reloads.extend(r for r in follower.recent if current_principal().can_access(r.adapter))
+        return stats

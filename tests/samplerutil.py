@@ -120,8 +120,9 @@ def prompt(seed: int, length: int = 8) -> list[int]:
     return random_tokens(10_000 + seed, length)
 
 
-def snapshot(trainer: Trainer, name: str) -> registry_pb2.Version:
-    response: trainer_pb2.SaveSnapshotResponse = trainer.SaveSnapshot(trainer_pb2.SaveSnapshotRequest(adapter=name))
+def snapshot(trainer: Trainer, name: str, *, skip_latest: bool = False) -> registry_pb2.Version:
+    request = trainer_pb2.SaveSnapshotRequest(adapter=name, skip_latest=skip_latest)
+    response: trainer_pb2.SaveSnapshotResponse = trainer.SaveSnapshot(request)
     return response.version
 
 

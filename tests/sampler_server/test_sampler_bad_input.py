@@ -204,7 +204,7 @@ def test_corrupted_artifact_is_data_loss_and_nothing_is_loaded(
     p = prompt(310)
     served = greedy(sampler, name, p)  # latest = v1, now resident
     train(trainer, name, seed=311, steps=2)
-    v2 = snapshot(trainer, name)
+    v2 = snapshot(trainer, name, skip_latest=True)  # no alias moves: the hot-reload follower must not preload it
     flip_byte(artifact_path(registry_store(registry_server), v2) / "adapter_model.safetensors")
     failures = stats(sampler).reload_failures_total
     assert_status(sample_error(sampler, request(f"{name}@2", p)), grpc.StatusCode.DATA_LOSS, "DIGEST_MISMATCH")
