@@ -44,6 +44,7 @@ demo: $(STAMP)
 # Benchmarks print ratios measured side by side in one run; QUICK=1 for a short run.
 bench: $(STAMP)
 	$(BIN)/python bench/trainer_overhead.py $(if $(QUICK),--quick)
+	$(BIN)/python bench/sampler_multilora.py $(if $(QUICK),--quick)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
