@@ -1,6 +1,7 @@
 """RL environments and rollouts: an `Env` gives token observations and rewards, a sampler plays it.
 
-    from opentinker.client import EnvGroup, SamplingParams, rollout
+    from opentinker.client import SamplingParams
+    from opentinker.client.envs import EnvGroup, rollout
     from opentinker.client.tasks import DigitsTask
 
     env = DigitsTask(renderer, seed=0)
@@ -202,7 +203,9 @@ class EnvGroup:
         max_turns: int = DEFAULT_MAX_TURNS,
     ) -> list[SampledTrajectory]:
         """Plays the group of task instance ``seed``; trace ids ``{trace_prefix}/{i}``."""
-        return rollout_group(self.make(seed), sampling_client, params, self.trace_ids(trace_prefix), max_turns=max_turns)
+        return rollout_group(
+            self.make(seed), sampling_client, params, self.trace_ids(trace_prefix), max_turns=max_turns
+        )
 
     async def rollout_async(
         self,
@@ -271,7 +274,7 @@ class _Record:
         )
 
 
-_Engine: TypeAlias = Generator[list[_Request], list[Sequence[SampledSequence]], list[_Record]]
+_Engine: TypeAlias = Generator[list[_Request], Sequence[Sequence[SampledSequence]], list[_Record]]
 
 
 def _play(envs: Sequence[MultiAgentEnv], max_turns: int) -> _Engine:
@@ -343,9 +346,7 @@ def _drive(
         requests = next(engine)
         while True:
             results = [
-                _client_for(clients, r.role)
-                .sample(r.observation, _params_for(params, r.role), r.num_samples)
-                .sequences
+                _client_for(clients, r.role).sample(r.observation, _params_for(params, r.role), r.num_samples).sequences
                 for r in requests
             ]
             requests = engine.send(results)

@@ -40,7 +40,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from rich.progress import (
     BarColumn,
@@ -591,7 +591,9 @@ async def train_multi_agent_rl_async(
 # Supervised fine-tuning
 
 
-def _sft_datums(data: Sequence[Conversation] | Sequence[Datum], renderer: Renderer | None, train_on: TrainOn) -> list[Datum]:
+def _sft_datums(
+    data: Sequence[Conversation] | Sequence[Datum], renderer: Renderer | None, train_on: TrainOn
+) -> list[Datum]:
     datums: list[Datum] = []
     for i, item in enumerate(data):
         if isinstance(item, Datum):
@@ -599,7 +601,7 @@ def _sft_datums(data: Sequence[Conversation] | Sequence[Datum], renderer: Render
             continue
         if renderer is None:
             raise ValueError(f"data[{i}] is a conversation: pass renderer= to render it")
-        datums.append(renderer.sft_datum(item, train_on))
+        datums.append(renderer.sft_datum(cast("Conversation", item), train_on))
     return datums
 
 

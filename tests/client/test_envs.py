@@ -1,0 +1,351 @@
+"""Envs, tasks and rollouts (opentinker.client.envs / tasks): reward functions by hand, the rollout engine on a
+scripted sampler, and single- and multi-agent rollouts against the session trainer, sampler and registry."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import cast
+
+import pytest
+from registryutil import unique_name
+from serverproc import ServerProcess
+
+from opentinker.client import (
+    AdamParams,
+    LoraConfig,
+    Renderer,
+    SampledSequence,
+    SampledVersion,
+    SampleResult,
+    SamplingClient,
+    SamplingParams,
+    ServiceClient,
+    Trajectory,
+    Transition,
+    datums_for_group,
+    trajectory_to_datums,
+)
+from opentinker.client.envs import (
+    Env,
+    EnvGroup,
+    MultiAgentEnv,
+    MultiStepResult,
+    SampledTrajectory,
+    StepResult,
+    rollout,
+    rollout_group,
+    rollout_group_async,
+    rollout_multi_agent,
+    rollout_multi_agent_group,
+)
+from opentinker.client.tasks import (
+    TINY_MODEL_SAMPLING,
+    DigitsTask,
+    EchoGame,
+    ShortAnswerTask,
+    VowelsTask,
+    digits_reward,
+    echo_reward,
+    short_answer_reward,
+    vowels_reward,
+)
+
+BASE = SampledVersion(adapter="", version=0, reference="base", sha256="")
+
+
+@pytest.fixture(scope="module")
+def renderer(tiny_model: Path) -> Renderer:
+    return Renderer.from_pretrained(tiny_model)
+
+
+@pytest.fixture(scope="module")
+def service(
+    trainer_server: ServerProcess, sampler_server: ServerProcess, registry_server: ServerProcess
+) -> Iterator[ServiceClient]:
+    with ServiceClient(
+        trainer=trainer_server.address, sampler=sampler_server.address, registry=registry_server.address
+    ) as client:
+        yield client
+
+
+# Reward functions and tasks (no server)
+
+
+def test_reward_functions_exact_values() -> None:
+    assert digits_reward("a1b2") == 0.5
+    assert digits_reward("2024") == 1.0
+    assert digits_reward("") == 0.0
+    assert digits_reward("x 7") == pytest.approx(1 / 3)
+    assert vowels_reward("hello") == 2 / 5
+    assert vowels_reward("AEIOU xyz!") == 5 / 8  # letters only: '!' and ' ' are not counted
+    assert vowels_reward("1234 ?") == 0.0
+    assert short_answer_reward(0, True, 16) == 1.0
+    assert short_answer_reward(4, True, 16) == 0.75
+    assert short_answer_reward(4, False, 16) == 0.0
+    assert short_answer_reward(40, True, 16) == 0.0
+    with pytest.raises(ValueError):
+        short_answer_reward(1, True, 0)
+    assert echo_reward("abcd", "xxab", 4) == 0.5
+    assert echo_reward("abcdefgh", "hgfedcba", 8) == 1.0  # order-free
+    assert echo_reward("aab", "a", 8) == 1 / 3  # multiplicity counts
+    assert echo_reward("abcdefghij", "ij", 8) == 0.0  # only the speaker's first 8 characters count
+    assert echo_reward("", "anything") == 0.0
+
+
+def test_tasks_score_hand_written_responses(renderer: Renderer) -> None:
+    digits = DigitsTask(renderer, seed=1)
+    assert digits.prompt == DigitsTask.PROMPTS[1]
+    observation = digits.initial_observation()
+    assert list(observation) == renderer.prompt_tokens([{"role": "user", "content": digits.prompt}])
+    assert digits.reward_of("ab12") == 0.5
+    assert digits.response == "ab12"
+    assert digits.reward_of("ab12", ended=False) == 0.5  # a cut-off response is scored on its text too
+    assert DigitsTask(renderer, prompt="Count!").initial_observation() != observation
+
+    # Only the text before the first stop token counts.
+    stop = renderer.stop_token_ids[0]
+    tokens = renderer.tokenizer.encode("12ab", add_special_tokens=False)
+    result = DigitsTask(renderer).step((*tokens, stop, *renderer.tokenizer.encode("zz", add_special_tokens=False)))
+    assert result == StepResult(reward=0.5, done=True, next_observation=None)
+
+    assert VowelsTask(renderer).reward_of("banana") == 0.5
+    assert VowelsTask(renderer).reward_of("...") == 0.0
+
+    short = ShortAnswerTask(renderer, budget=16)
+    n = len(renderer.tokenizer.encode("Yes it is", add_special_tokens=False))
+    assert short.reward_of("Yes it is") == 1 - n / 16
+    assert short.reward_of("Yes it is", ended=False) == 0.0
+    assert short.reward_of("") == 1.0  # stopping at once
+
+    factory = DigitsTask.factory(renderer)
+    assert isinstance(factory(3), DigitsTask) and factory(3).seed == 3
+    assert isinstance(factory(0), Env)
+
+
+def test_echo_game_turns_and_rewards(renderer: Renderer) -> None:
+    game = EchoGame(renderer, seed=0)
+    assert isinstance(game, MultiAgentEnv)
+    assert game.roles == ("speaker", "listener")
+    assert game.current_role() == "speaker"
+    with pytest.raises(ValueError):
+        game.observation("listener")  # nothing to listen to yet
+    with pytest.raises(ValueError):
+        game.step("listener", (1,))
+    encode = renderer.tokenizer.encode
+    stop = renderer.stop_token_ids[0]
+    first = game.step("speaker", (*encode("abcd", add_special_tokens=False), stop))
+    assert first == MultiStepResult({}, done=False)
+    assert game.current_role() == "listener"
+    heard = renderer.prompt_tokens([{"role": "user", "content": "Repeat: abcd"}])
+    assert list(game.observation("listener")) == heard
+    last = game.step("listener", (*encode("cdxx", add_special_tokens=False), stop))
+    assert last.done and dict(last.rewards) == {"speaker": 0.5, "listener": 0.5}
+    assert game.rewards == {"speaker": 0.5, "listener": 0.5}
+
+
+# EnvGroup and the rollout engine on a scripted sampler (no server)
+
+
+def _trajectory(reward: float, trace_id: str) -> Trajectory:
+    return Trajectory((Transition((1, 2), (3, 4), (-1.0, -1.0), reward),), trace_id)
+
+
+def test_env_group_advantages_and_datums(renderer: Renderer) -> None:
+    group = EnvGroup(DigitsTask.factory(renderer), group_size=4)
+    envs = group.make(seed=2)
+    assert len(envs) == 4 and len({id(e) for e in envs}) == 4
+    assert len({e.initial_observation() for e in envs}) == 1  # copies of one task instance
+    assert group.trace_ids("s1/g0") == ["s1/g0/0", "s1/g0/1", "s1/g0/2", "s1/g0/3"]
+
+    trajectories = [_trajectory(r, f"t{i}") for i, r in enumerate([1.0, 0.0, 0.5, 0.5])]
+    assert group.advantages(trajectories) == [0.5, -0.5, 0.0, 0.0]
+    datums, trace_ids = group.datums(trajectories)
+    assert trace_ids == ["t0", "t1", "t2", "t3"]  # every trajectory is traced, zero advantage or not
+    assert [d.loss_fn_inputs["advantages"].tolist()[-1] for d in datums] == [0.5, -0.5]
+
+    normalized = EnvGroup(DigitsTask.factory(renderer), group_size=4, normalize_std=True)
+    std = math.sqrt((0.25 + 0.25) / 4)
+    assert normalized.advantages(trajectories) == pytest.approx([0.5 / std, -0.5 / std, 0.0, 0.0], rel=1e-5)
+    assert EnvGroup(DigitsTask.factory(renderer), 2).advantages([_trajectory(1, "a"), _trajectory(1, "b")]) == [0, 0]
+    with pytest.raises(ValueError):
+        EnvGroup(DigitsTask.factory(renderer), 0)
+
+
+class ScriptedSampler:
+    """Stands in for a SamplingClient: answers each request with ``num_samples`` scripted sequences and
+    records the requests."""
+
+    def __init__(self, version: SampledVersion = BASE) -> None:
+        self.version = version
+        self.requests: list[tuple[tuple[int, ...], int]] = []
+
+    def sample(self, prompt: Sequence[int], params: SamplingParams | None = None, num_samples: int = 1) -> SampleResult:
+        assert params is not None and params.logprobs  # rollouts always ask for logprobs
+        self.requests.append((tuple(prompt), num_samples))
+        sequences = tuple(
+            SampledSequence(
+                tokens=(100 + i, 200 + len(prompt)),
+                logprobs=(-0.5, -0.25),
+                text=f"s{i}",
+                stop_reason="length",
+                version=self.version,
+            )
+            for i in range(num_samples)
+        )
+        return SampleResult(sequences=sequences, prompt_logprobs=None, prompt_tokens=len(prompt))
+
+    async def sample_async(
+        self, prompt: Sequence[int], params: SamplingParams | None = None, num_samples: int = 1
+    ) -> SampleResult:
+        return self.sample(prompt, params, num_samples)
+
+
+class Conversation:
+    """A multi-turn Env: each turn appends the action and a 2-token environment reply; reward = turn index;
+    the episode ends after ``turns`` turns."""
+
+    def __init__(self, turns: int) -> None:
+        self.turns = turns
+        self.context: tuple[int, ...] = (1, 2, 3)
+        self.played = 0
+
+    def initial_observation(self) -> tuple[int, ...]:
+        return self.context
+
+    def step(self, action: tuple[int, ...]) -> StepResult:
+        self.played += 1
+        self.context = (*self.context, *action, 7, 8)
+        if self.played == self.turns:
+            return StepResult(float(self.played), True)
+        return StepResult(float(self.played), False, self.context)
+
+
+def _client(fake: ScriptedSampler) -> SamplingClient:
+    return cast("SamplingClient", fake)
+
+
+def test_multi_turn_rollout_records_full_contexts() -> None:
+    sampler = ScriptedSampler(SampledVersion("team/a", 3, "team/a@3", "abc"))
+    trajectory = rollout(Conversation(3), _client(sampler), SamplingParams(logprobs=False), "ep")
+    assert isinstance(trajectory, SampledTrajectory) and isinstance(trajectory, Trajectory)
+    assert trajectory.trace_id == "ep" and trajectory.done
+    assert [t.reward for t in trajectory.transitions] == [1.0, 2.0, 3.0]
+    assert trajectory.version_numbers == (3, 3, 3) and trajectory.versions[0].exact == "team/a@3"
+    first, second, third = trajectory.transitions
+    assert first.observation == (1, 2, 3) and first.action == (100, 203)
+    assert second.observation == (1, 2, 3, 100, 203, 7, 8)  # full context: previous + action + new tokens
+    assert third.observation == (*second.observation, 100, 207, 7, 8)
+    assert first.action_logprobs == (-0.5, -0.25)
+    (datum,) = trajectory_to_datums(trajectory, 1.0)  # the turns merge into one datum
+    assert datum.model_input.to_ints() == [*third.observation, 100]
+
+    # max_turns cuts the episode off.
+    cut = rollout(Conversation(5), _client(ScriptedSampler()), SamplingParams(), "cut", max_turns=2)
+    assert len(cut.transitions) == 2 and not cut.done
+
+
+def test_group_rollout_batches_shared_observations() -> None:
+    sampler = ScriptedSampler()
+    envs: list[Env] = [Conversation(2) for _ in range(4)]
+    trajectories = rollout_group(envs, _client(sampler), SamplingParams(), ["a", "b", "c", "d"])
+    # Turn 1: one request for the 4 identical prompts; turn 2: contexts differ (sample i answered 100 + i).
+    assert [n for _, n in sampler.requests] == [4, 1, 1, 1, 1]
+    assert [t.transitions[0].action[0] for t in trajectories] == [100, 101, 102, 103]
+    assert [t.total_reward for t in trajectories] == [3.0] * 4
+    with pytest.raises(ValueError):
+        rollout_group(envs, _client(sampler), SamplingParams(), ["only-one"])
+
+    again = asyncio.run(rollout_group_async([Conversation(2)], _client(ScriptedSampler()), SamplingParams(), ["x"]))
+    assert len(again[0].transitions) == 2
+
+
+class TwoRoles:
+    """A scripted game: "a" acts, then "b", then "a" again; rewards go to the *other* role as well."""
+
+    roles = ("a", "b")
+
+    def __init__(self) -> None:
+        self.turn = 0
+        self.contexts: dict[str, tuple[int, ...]] = {"a": (1,), "b": (2,)}
+
+    def current_role(self) -> str:
+        return "ab"[self.turn % 2]
+
+    def observation(self, role: str) -> tuple[int, ...]:
+        return self.contexts[role]
+
+    def step(self, role: str, action: tuple[int, ...]) -> MultiStepResult:
+        self.turn += 1
+        self.contexts[role] = (*self.contexts[role], *action, 9)
+        if self.turn == 1:
+            return MultiStepResult({"b": 0.25}, done=False)  # before b has acted: lands on b's first turn
+        if self.turn == 2:
+            return MultiStepResult({"a": 1.0, "b": 2.0}, done=False)
+        return MultiStepResult({"a": 4.0}, done=True)
+
+
+def test_multi_agent_rewards_land_on_each_roles_turns() -> None:
+    clients = {"a": _client(ScriptedSampler()), "b": _client(ScriptedSampler())}
+    trajectories = rollout_multi_agent(TwoRoles(), clients, SamplingParams(), "game")
+    a, b = trajectories["a"], trajectories["b"]
+    assert (a.trace_id, b.trace_id) == ("game/a", "game/b")
+    assert [t.reward for t in a.transitions] == [1.0, 4.0]
+    assert [t.reward for t in b.transitions] == [2.25]
+    assert a.transitions[1].observation == (1, 100, 201, 9)  # a's own full context
+    with pytest.raises(ValueError, match="no SamplingClient"):
+        rollout_multi_agent(TwoRoles(), {"a": clients["a"]}, SamplingParams())
+
+
+# Against the session servers
+
+
+def test_rollout_against_the_sampler(service: ServiceClient, renderer: Renderer) -> None:
+    base = service.create_sampling_client("base")
+    group = EnvGroup(DigitsTask.factory(renderer), group_size=4)
+    trajectories = group.rollout(base, TINY_MODEL_SAMPLING, seed=0, trace_prefix="digits")
+    assert [t.trace_id for t in trajectories] == group.trace_ids("digits")
+    for trajectory in trajectories:
+        (step,) = trajectory.transitions
+        assert step.observation == DigitsTask(renderer, 0).initial_observation()
+        assert 1 <= len(step.action) <= TINY_MODEL_SAMPLING.max_tokens
+        assert len(step.action_logprobs) == len(step.action) and all(lp <= 0 for lp in step.action_logprobs)
+        text, _ended = renderer.parse_response(step.action)
+        assert step.reward == digits_reward(text)
+        assert trajectory.versions == (BASE,)
+
+
+def test_echo_game_with_an_adapter_per_role(service: ServiceClient, renderer: Renderer) -> None:
+    names = {"speaker": unique_name("echo-speaker"), "listener": unique_name("echo-listener")}
+    training = {role: service.create_training_client(name, LoraConfig(rank=4), seed=1) for role, name in names.items()}
+    versions = {role: client.save_snapshot().number for role, client in training.items()}
+    clients = {role: service.create_sampling_client(f"{names[role]}@{versions[role]}") for role in names}
+
+    game = EchoGame(renderer, seed=1)
+    episode = rollout_multi_agent(game, clients, TINY_MODEL_SAMPLING, "echo")
+    assert set(episode) == {"speaker", "listener"}
+    expected = echo_reward(game.speaker_text or "", game.listener_text or "")
+    for role, trajectory in episode.items():
+        assert len(trajectory.transitions) == 1 and trajectory.done
+        assert trajectory.total_reward == pytest.approx(expected)
+        (version,) = trajectory.versions
+        assert (version.adapter, version.version) == (names[role], versions[role])  # each role's own adapter
+    assert episode["listener"].transitions[0].observation == game.observation("listener")
+
+    # A group of episodes trains each role's adapter on that role's trajectories only.
+    episodes = rollout_multi_agent_group(
+        [EchoGame(renderer, seed=1) for _ in range(4)], clients, TINY_MODEL_SAMPLING, [f"g/{i}" for i in range(4)]
+    )
+    registry = service.registry_client()
+    for role, client in training.items():
+        datums, trace_ids = datums_for_group([e[role] for e in episodes])
+        assert trace_ids == [f"g/{i}/{role}" for i in range(4)]
+        if not datums:  # all four rewards equal: nothing to learn from this group
+            continue
+        client.forward_backward(datums, "importance_sampling", trace_ids=trace_ids)
+        client.optim_step(AdamParams(learning_rate=1e-2))
+        saved = client.save_snapshot()
+        (lineage, *_) = registry.get_lineage(saved.reference, max_depth=1)
+        assert [t for b in lineage.lineage.batches for t in b.trace_ids] == trace_ids
