@@ -60,11 +60,13 @@ def demo_command(
     workdir: Annotated[Path, typer.Option(help="Where the demo writes models, Redis data and logs.")] = Path(
         "demo-data"
     ),
+    out: Annotated[Path, typer.Option(help="Where curves.png and metrics.jsonl go.")] = Path("demo_out"),
+    steps: Annotated[int, typer.Option(help="Training steps per adapter.")] = 20,
 ) -> None:
     """Run the end-to-end demo on a locally generated tiny model."""
     from opentinker.client.demo import run_demo
 
-    run_demo(workdir)
+    run_demo(workdir, out, steps)
 
 
 def main() -> None:

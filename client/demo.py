@@ -1,137 +1,199 @@
-"""`make demo`: the stack as it runs in production, on a locally generated model.
+"""`make demo`: the whole system as it runs in production, on a locally generated tiny model.
 
-Starts a registry (with its embedded Redis) and a trainer as real processes, trains two teams' adapters
-on one frozen base with supervised fine-tuning, publishes snapshots as registry versions, moves and rolls
-back aliases, shows lineage and the event log, then shuts everything down cleanly.
+Starts a registry (embedded Redis), a trainer and a sampler as real processes on free ports. Then, all at
+once on the one frozen base model: three tenants' adapters learn different tasks by RL, a fourth adapter is
+trained by SFT on conversations, and two adapters learn against each other in a two-agent game. Every step
+samples from the exact version the previous step saved; the sampler hot-reloads each new version as the
+registry announces it. At the end: a summary table, one adapter's lineage, a rollback taking effect,
+`demo_out/curves.png` and `demo_out/metrics.jsonl`.
 """
 
 from __future__ import annotations
 
-import random
+import asyncio
+import json
 import shutil
 import time
+import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.progress import Progress
 from rich.table import Table
 
-from opentinker.client.launch import ServerProcess, start_registry, start_trainer
-from opentinker.client.types import Datum, ModelInput
+from opentinker.client.launch import ServerProcess, start_registry, start_sampler, start_trainer
 
 console = Console()
 
-
-def arithmetic_examples(count: int, seed: int, op: str) -> list[tuple[str, str]]:
-    rng = random.Random(seed)
-    examples = []
-    for _ in range(count):
-        a, b = rng.randint(0, 49), rng.randint(0, 49)
-        answer = a + b if op == "+" else a * b
-        examples.append((f"What is {a}{op}{b}?", f"{a}{op}{b}={answer}"))
-    return examples
+RL_TASKS = {  # adapter -> (task name, task class name in opentinker.client.tasks)
+    "team-a/digits": ("answer with digits", "DigitsTask"),
+    "team-b/short": ("answer briefly, then stop", "ShortAnswerTask"),
+    "team-c/vowels": ("use many vowels", "VowelsTask"),
+}
+SFT_ADAPTER = "team-d/chat"
+GAME = {"speaker": "team-e/speaker", "listener": "team-e/listener"}
 
 
-def sft_datum(tokenizer: Any, prompt: str, answer: str) -> Datum:
-    """Chat-rendered prompt + answer; only the answer tokens (and its end marker) carry weight 1."""
-    prompt_ids: list[int] = tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
-    )
-    answer_ids: list[int] = tokenizer.encode(answer + "<|im_end|>\n", add_special_tokens=False)
-    full = list(prompt_ids) + list(answer_ids)
-    weights = [0.0] * (len(prompt_ids) - 1) + [1.0] * len(answer_ids)
-    return Datum(
-        model_input=ModelInput.from_ints(full[:-1]), loss_fn_inputs={"target_tokens": full[1:], "weights": weights}
-    )
+def sft_conversations() -> list[list[dict[str, str]]]:
+    pairs = [(f"What is {a}+{b}?", f"{a + b}") for a in range(2, 9) for b in (3, 5)]
+    return [[{"role": "user", "content": q}, {"role": "assistant", "content": a}] for q, a in pairs]
 
 
-def run_demo(workdir: Path) -> None:
-    from transformers import AutoTokenizer
+def mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
 
-    from opentinker.client import AdamParams, Event, LoraConfig, RegistryClient, ServiceClient
+
+def scrape(metrics_address: str | None, name: str) -> float:
+    if metrics_address is None:
+        return 0.0
+    body = urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=10).read().decode()
+    for line in body.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def plot(curves: dict[str, tuple[str, list[float]]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (rewards, losses) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for adapter, (kind, values) in curves.items():
+        axis = losses if kind == "loss" else rewards
+        axis.plot(range(1, len(values) + 1), values, marker="o", markersize=3, label=adapter)
+    rewards.set(title="RL: mean reward per step", xlabel="step", ylabel="reward")
+    losses.set(title="SFT: loss per trained token", xlabel="step", ylabel="loss")
+    for axis in (rewards, losses):
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+async def train_everything(service: Any, renderer: Any, steps: int, progress: Progress) -> dict[str, list[Any]]:
+    from opentinker.client import AdamParams, LoraConfig, train_multi_agent_rl_async, train_rl_async, train_sft
+    from opentinker.client import tasks as task_module
+
+    sampling = task_module.TINY_MODEL_SAMPLING
+    lora = LoraConfig(rank=8, alpha=16)
+    rl_jobs = [
+        train_rl_async(
+            service, adapter, getattr(task_module, task_class).factory(renderer), steps=steps, group_size=8,
+            groups_per_step=4, sampling=sampling, adam=AdamParams(learning_rate=3e-2), lora=lora, seed=i,
+            progress=progress,
+        )
+        for i, (adapter, (_task, task_class)) in enumerate(RL_TASKS.items())
+    ]  # fmt: skip
+    game = train_multi_agent_rl_async(
+        service, GAME, task_module.EchoGame.factory(renderer), steps=steps, group_size=8, groups_per_step=4,
+        sampling=sampling, adam=AdamParams(learning_rate=3e-2), lora=lora, progress=progress,
+    )  # fmt: skip
+    sft = asyncio.to_thread(
+        train_sft, service, SFT_ADAPTER, sft_conversations(), steps=steps, batch_size=7, renderer=renderer,
+        adam=AdamParams(learning_rate=1e-2), lora=lora, save_every=5, progress=progress,
+    )  # fmt: skip
+    *rl_results, game_results, sft_results = await asyncio.gather(*rl_jobs, game, sft)
+    results: dict[str, list[Any]] = dict(zip(RL_TASKS, rl_results, strict=True))
+    results.update({GAME[role]: records for role, records in game_results.items()})
+    results[SFT_ADAPTER] = sft_results
+    return results
+
+
+def run_demo(workdir: Path, out_dir: Path = Path("demo_out"), steps: int = 20) -> None:
+    from opentinker.client import RegistryClient, Renderer, ServiceClient
     from opentinker.client.tiny_model import TinyModelSpec, make_tiny_model
 
-    if workdir.exists():
-        shutil.rmtree(workdir)
-    workdir.mkdir(parents=True)
+    started = time.perf_counter()
+    for directory in (workdir, out_dir):
+        if directory.exists():
+            shutil.rmtree(directory)
+        directory.mkdir(parents=True)
     model_dir = workdir / "tiny-qwen2"
     with console.status("writing a tiny qwen2 model (random weights, BPE tokenizer, chat template)"):
-        make_tiny_model(model_dir, TinyModelSpec(arch="qwen2", seed=0, hidden_size=128, intermediate_size=256))
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-
+        make_tiny_model(model_dir, TinyModelSpec(arch="qwen2", seed=0))
     processes: list[ServerProcess] = []
     try:
-        with console.status("starting registry (embedded Redis) and trainer"):
+        with console.status("starting registry (embedded Redis), trainer and sampler"):
             registry_proc = start_registry(workdir / "registry")
             processes.append(registry_proc)
             trainer_proc = start_trainer(workdir / "trainer", model_dir, registry_proc)
             processes.append(trainer_proc)
-        console.print(f"[green]registry[/] {registry_proc.address}   [green]trainer[/] {trainer_proc.address}")
-
-        service = ServiceClient(trainer=trainer_proc.address, registry=registry_proc.address)
+            # --follow '*': hot-reload every version of every adapter as soon as the registry announces it.
+            sampler_proc = start_sampler(workdir / "sampler", model_dir, registry_proc, "--follow", "*")
+            processes.append(sampler_proc)
+        console.print(
+            f"registry {registry_proc.address}   trainer {trainer_proc.address}   sampler {sampler_proc.address}"
+        )
+        service = ServiceClient(trainer=trainer_proc.address, sampler=sampler_proc.address,
+                                registry=registry_proc.address)  # fmt: skip
         registry = RegistryClient(registry_proc.address)
-        info = service.get_trainer_info()
-        console.print(f"base model {info.architecture}, {info.num_layers} layers, vocab {info.vocab_size}, "
-                      f"digest {info.model_digest[:12]}")  # fmt: skip
+        renderer = Renderer.from_pretrained(model_dir)
 
-        # Two teams, two adapters, one frozen base; different ranks and tasks.
-        teams = {
-            "team-a/adder": (LoraConfig(rank=8, alpha=16), arithmetic_examples(16, 1, "+")),
-            "team-b/multiplier": (
-                LoraConfig(rank=4, alpha=8, target_modules=("attn",)),
-                arithmetic_examples(16, 2, "*"),
-            ),
-        }
-        clients = {name: service.create_training_client(name, lora, seed=7) for name, (lora, _) in teams.items()}
-        batches = {name: [sft_datum(tokenizer, q, a) for q, a in examples] for name, (_, examples) in teams.items()}
-        table = Table("step", *teams, title="SFT loss (sum over answer tokens), adapters trained interleaved")
-        adam = AdamParams(learning_rate=5e-3)
-        started = time.perf_counter()
-        for step in range(1, 31):
-            losses = []
-            for name, client in clients.items():
-                result = client.forward_backward(batches[name], trace_ids=[f"{name}-batch-{step}"])
-                client.optim_step(adam)
-                losses.append(f"{result.loss:.2f}")
-            if step in (1, 2, 5, 10, 20, 30):
-                table.add_row(str(step), *losses)
-            if step == 10:
-                first = clients["team-a/adder"].save_snapshot(aliases=["stable"])
+        with Progress(console=console, transient=False) as progress:
+            results = asyncio.run(train_everything(service, renderer, steps, progress))
+
+        # metrics.jsonl and the curves
+        curves: dict[str, tuple[str, list[float]]] = {}
+        with (out_dir / "metrics.jsonl").open("w") as handle:
+            for adapter, records in results.items():
+                for record in records:
+                    handle.write(json.dumps({"adapter": adapter, **record.as_dict()}) + "\n")
+                if adapter == SFT_ADAPTER:
+                    curves[adapter] = ("loss", [r.loss for r in records])
+                else:
+                    curves[adapter] = ("reward", [r.mean_reward for r in records])
+        plot(curves, out_dir / "curves.png")
+
+        reload_count = scrape(sampler_proc.metrics_address, "opentinker_sampler_reload_seconds_count")
+        reload_sum = scrape(sampler_proc.metrics_address, "opentinker_sampler_reload_seconds_sum")
+        mean_reload_ms = 1000 * reload_sum / reload_count if reload_count else 0.0
+        table = Table("adapter", "task", "metric", "start", "end", "versions", title="what the adapters learned")
+        tasks = {**{a: t for a, (t, _) in RL_TASKS.items()}, SFT_ADAPTER: "SFT on arithmetic chats"}
+        tasks.update({adapter: f"echo game ({role})" for role, adapter in GAME.items()})
+        for adapter, (kind, values) in curves.items():
+            versions = len(registry.list_versions(adapter))
+            start, end = mean(values[:3]), mean(values[-3:])
+            table.add_row(adapter, tasks[adapter], kind, f"{start:.3f}", f"{end:.3f}", str(versions))
         console.print(table)
-        console.print(f"60 training steps in {time.perf_counter() - started:.1f} s")
+        console.print(
+            f"sampler hot reloads: {int(reload_count)}, mean publish -> served latency {mean_reload_ms:.1f} ms "
+            "(start/end: means of the first and last 3 steps)"
+        )
 
-        second = clients["team-a/adder"].save_snapshot()
-        console.print(f"[green]published[/] team-a/adder v{first.number} (stable) and v{second.number} (latest), "
-                      f"sha256 {second.sha256[:12]}")  # fmt: skip
-        clients["team-b/multiplier"].save_snapshot()
-
-        lineage = registry.get_lineage("team-a/adder")
-        for version in lineage:
+        adapter = "team-a/digits"
+        chain = registry.get_lineage(adapter, max_depth=3)
+        console.print(f"lineage of {adapter} (newest 3 of {len(registry.list_versions(adapter))} versions):")
+        for version in chain:
             traces = [t for b in version.lineage.batches for t in b.trace_ids]
-            console.print(
-                f"  lineage v{version.number}: parent {version.lineage.parent_version or '-'}, "
-                f"step {version.lineage.trainer_step}, {len(traces)} batches ({traces[0]} .. {traces[-1]})"
-            )
+            console.print(f"  v{version.number}: parent v{version.lineage.parent_version}, step "
+                          f"{version.lineage.trainer_step}, {len(traces)} rollouts, e.g. {traces[:2]}")  # fmt: skip
 
-        move = registry.rollback("team-a/adder")
-        console.print(f"[yellow]rollback[/] team-a/adder@latest: v{move.previous_version} -> v{move.version}")
-        console.print(f"resolve team-a/adder -> v{registry.resolve('team-a/adder').number}")
+        sampler = service.create_sampling_client(adapter)
+        prompt = renderer.prompt_tokens([{"role": "user", "content": "Give me a number."}])
+        from opentinker.client.tasks import TINY_MODEL_SAMPLING
 
-        console.print("the registry's event log (what samplers follow to hot-reload):")
-        events = registry.watch_events(after_id="0", adapters=("team-a/adder",))
-        for shown, event in enumerate(events):
-            if isinstance(event, Event):
-                console.print(f"  {event.event_id} {event.type} {event.adapter} aliases={event.aliases}")
-            if shown == 5:
-                break
-        events.close()
-
-        gc = registry.garbage_collect(keep_last=1, dry_run=True)
-        console.print(f"gc --keep 1 (dry run) would collect {len(gc.collected)} versions")
+        before = sampler.sample(prompt, TINY_MODEL_SAMPLING).sequences[0]
+        move = registry.rollback(adapter, to_version=1)
+        sampler_version = 0
+        deadline = time.monotonic() + 20
+        while sampler_version != 1 and time.monotonic() < deadline:  # the sampler follows the registry's event
+            time.sleep(0.1)
+            sampler_version = sampler.sample(prompt, TINY_MODEL_SAMPLING).sequences[0].version.version
+        after = sampler.sample(prompt, TINY_MODEL_SAMPLING).sequences[0]
+        console.print(
+            f"rollback {adapter}@latest v{move.previous_version} -> v{move.version}: the sampler served "
+            f"v{before.version.version} {before.text!r}, now v{after.version.version} {after.text!r}"
+        )
         service.close()
         registry.close()
     finally:
         for process in reversed(processes):
             code = process.terminate()
-            console.print(f"stopped {Path(process.ready_file).parent.name} (exit {code})")
-    console.print("[bold green]demo finished[/]")
+            console.print(f"stopped {process.ready_file.parent.name} (exit {code})")
+    console.print(f"wrote {out_dir / 'curves.png'} and {out_dir / 'metrics.jsonl'}")
+    console.print(f"[bold green]demo finished in {time.perf_counter() - started:.0f} s[/]")
