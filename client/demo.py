@@ -97,10 +97,13 @@ async def train_everything(service: Any, renderer: Any, steps: int, progress: Pr
         train_sft, service, SFT_ADAPTER, sft_conversations(), steps=steps, batch_size=7, renderer=renderer,
         adam=AdamParams(learning_rate=1e-2), lora=lora, save_every=5, progress=progress,
     )  # fmt: skip
-    *rl_results, game_results, sft_results = await asyncio.gather(*rl_jobs, game, sft)
+    # Everything trains at once: start all runs, then collect their results.
+    game_task, sft_task = asyncio.ensure_future(game), asyncio.ensure_future(sft)
+    rl_results = await asyncio.gather(*rl_jobs)
+    game_results, sft_results = await game_task, await sft_task
     results: dict[str, list[Any]] = dict(zip(RL_TASKS, rl_results, strict=True))
-    results.update({GAME[role]: records for role, records in game_results.items()})
-    results[SFT_ADAPTER] = sft_results
+    results.update({GAME[role]: list(records) for role, records in game_results.items()})
+    results[SFT_ADAPTER] = list(sft_results)
     return results
 
 
