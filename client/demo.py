@@ -155,17 +155,30 @@ def run_demo(workdir: Path, out_dir: Path = Path("demo_out"), steps: int = 20) -
         reload_count = scrape(sampler_proc.metrics_address, "opentinker_sampler_reload_seconds_count")
         reload_sum = scrape(sampler_proc.metrics_address, "opentinker_sampler_reload_seconds_sum")
         mean_reload_ms = 1000 * reload_sum / reload_count if reload_count else 0.0
-        table = Table("adapter", "task", "metric", "start", "end", "versions", title="what the adapters learned")
+        import grpc
+
+        from opentinker.v1 import sampler_pb2, sampler_pb2_grpc
+
+        with grpc.insecure_channel(sampler_proc.address) as channel:
+            stats = sampler_pb2_grpc.SamplerServiceStub(channel).GetStats(sampler_pb2.GetStatsRequest())
+        latencies: dict[str, list[float]] = {}
+        for record in stats.recent_reloads:
+            if record.ok and record.latency_seconds > 0:
+                latencies.setdefault(record.adapter, []).append(record.latency_seconds * 1000)
+        table = Table(
+            "adapter", "task", "metric", "start", "end", "versions", "reload ms", title="what the adapters learned"
+        )
         tasks = {**{a: t for a, (t, _) in RL_TASKS.items()}, SFT_ADAPTER: "SFT on arithmetic chats"}
         tasks.update({adapter: f"echo game ({role})" for role, adapter in GAME.items()})
         for adapter, (kind, values) in curves.items():
             versions = len(registry.list_versions(adapter))
             start, end = mean(values[:3]), mean(values[-3:])
-            table.add_row(adapter, tasks[adapter], kind, f"{start:.3f}", f"{end:.3f}", str(versions))
+            reload_ms = f"{mean(latencies[adapter]):.1f}" if adapter in latencies else "-"
+            table.add_row(adapter, tasks[adapter], kind, f"{start:.3f}", f"{end:.3f}", str(versions), reload_ms)
         console.print(table)
         console.print(
             f"sampler hot reloads: {int(reload_count)}, mean publish -> served latency {mean_reload_ms:.1f} ms "
-            "(start/end: means of the first and last 3 steps)"
+            "(start/end: means of the first and last 3 steps; reload ms: mean publish -> served per adapter)"
         )
 
         adapter = "team-a/digits"

@@ -73,7 +73,7 @@ class AliasFollower:
         self.wanted: dict[str, dict[str, int]] = {}  # adapter -> alias -> version the registry says
         self.last_event_id = ""
         self.traffic: dict[str, float] = {}  # adapter -> monotonic time of its last request
-        self.recent: collections.deque[sampler_pb2.ReloadRecord] = collections.deque(maxlen=32)
+        self.recent: collections.deque[sampler_pb2.ReloadRecord] = collections.deque(maxlen=256)
         self.reloads_total = 0
         self.reload_failures = 0
         self.connected = asyncio.Event()
