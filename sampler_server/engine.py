@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from opentinker.sampler_server.kernels import Backend, add_lora
+from opentinker.sampler_server.kernels.segments import add_lora_planned, plan_segments
 from opentinker.sampler_server.model.kv_cache import KVCache
 from opentinker.sampler_server.model.llama import ForwardBatch, LlamaForCausalLM
 from opentinker.sampler_server.sampling import sample
@@ -195,6 +196,8 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch is None:
             return
+        # Rows of one adapter side by side: one contiguous segment per adapter for the LoRA kernels.
+        batch = ScheduledBatch(sorted(batch.sequences, key=lambda s: s.lora_slot), batch.is_prefill)
         forward, token_slots = self._prepare(batch)
         logits = self.model.forward(forward, self.cache, self._lora_hook(token_slots))  # [M, V]
         last = self._last_logits(batch, logits)  # [B, V]
@@ -206,7 +209,7 @@ class Engine:
         self.stats.tokens_generated += len(tokens)
         self.stats.recent = [*self.stats.recent[-63:], (time.monotonic(), len(tokens))]
 
-    def _prepare(self, batch: ScheduledBatch) -> tuple[ForwardBatch, torch.Tensor]:
+    def _prepare(self, batch: ScheduledBatch) -> tuple[ForwardBatch, list[int]]:
         tokens: list[int] = []
         positions: list[int] = []
         token_slots: list[int] = []
@@ -232,7 +235,7 @@ class Engine:
             context_lens=[seq.num_tokens for seq in batch.sequences],
             logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=device),
         )
-        return forward, torch.tensor(token_slots, dtype=torch.long, device=device)
+        return forward, token_slots
 
     def _last_logits(self, batch: ScheduledBatch, logits: torch.Tensor) -> torch.Tensor:
         """Picks each sequence's last-position row; records prompt logprobs where they were asked for."""
@@ -250,14 +253,25 @@ class Engine:
             rows.append(offset - 1)
         return logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
 
-    def _lora_hook(self, token_slots: torch.Tensor) -> Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor] | None:
-        if not bool((token_slots != 0).any()):
+    def _lora_hook(self, token_slots: list[int]) -> Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor] | None:
+        """Each token's LoRA delta, added after every projection; planned once per step."""
+        if not any(token_slots):
             return None  # base-model-only batch: no LoRA work at all
         pool, ranks, kernel = self.pool, self.pool.ranks(), self.kernel
+        if kernel == "segments" or (kernel == "auto" and self.device.type != "cuda"):
+            plan = plan_segments(token_slots, ranks, [slot.scaling for slot in pool.slots])
+
+            def planned(module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+                if module in pool.a:
+                    add_lora_planned(y, x, pool.a[module], pool.b[module], plan)
+                return y
+
+            return planned
+        slot_ids = torch.tensor(token_slots, dtype=torch.long, device=self.device)
 
         def hook(module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             if module in pool.a:
-                add_lora(y, x, pool.a[module], pool.b[module], pool.scaling, token_slots, ranks=ranks, backend=kernel)
+                add_lora(y, x, pool.a[module], pool.b[module], pool.scaling, slot_ids, ranks=ranks, backend=kernel)
             return y
 
         return hook
@@ -316,8 +330,7 @@ class Engine:
                 context_lens=[len(tokens)],
                 logits_indices=torch.arange(len(tokens) - 1, device=self.device),
             )
-            slots = torch.full((len(tokens),), job.lora_slot, dtype=torch.long, device=self.device)
-            logits = self.model.forward(forward, self.cache, self._lora_hook(slots))  # [L-1, V]
+            logits = self.model.forward(forward, self.cache, self._lora_hook([job.lora_slot] * len(tokens)))  # [L-1, V]
             targets = torch.tensor(tokens[1:], dtype=torch.long, device=self.device)
             job.future.set_result(logits.log_softmax(-1).gather(1, targets[:, None]).squeeze(1).tolist())
         except Exception as exc:

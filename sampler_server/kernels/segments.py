@@ -9,6 +9,7 @@ per-row copy of the weights: the work is two small GEMMs per resident slot in th
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -76,3 +77,46 @@ def add_lora_segments(
         r = rank_of(slot)
         delta = _segment_delta(x.index_select(0, rows), a[slot, :r], b[slot, :, :r], scales[slot])  # [M, d_out]
         y.index_add_(0, rows, delta)
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    slot: int
+    start: int
+    end: int
+    rank: int
+    scale: float
+
+
+def plan_segments(token_slots: Sequence[int], ranks: Sequence[int], scales: Sequence[float]) -> list[Segment]:
+    """Contiguous runs of rows on the same active slot, computed once per engine step on the host.
+
+    The engine orders a batch's sequences by slot, so each adapter's rows form one run; the plan then serves
+    all projections of all layers without sorting, gathering or a device-to-host sync per projection.
+    """
+    plan: list[Segment] = []
+    start = 0
+    for index in range(1, len(token_slots) + 1):
+        if index == len(token_slots) or token_slots[index] != token_slots[start]:
+            slot = token_slots[start]
+            if slot != 0 and ranks[slot] > 0 and scales[slot] != 0.0:
+                plan.append(Segment(slot, start, index, ranks[slot], scales[slot]))
+            start = index
+    return plan
+
+
+def add_lora_planned(
+    y: torch.Tensor,  # [N, d_out]; updated in place
+    x: torch.Tensor,  # [N, d_in]
+    a: torch.Tensor,  # [S, R, d_in]
+    b: torch.Tensor,  # [S, d_out, R]
+    plan: Sequence[Segment],
+) -> None:
+    """y[s:e] += scale * (x[s:e] @ A[slot, :r]^T) @ B[slot, :, :r]^T for every planned segment: two ops per
+    segment on contiguous slices, the rank-sized intermediate in float32."""
+    for seg in plan:
+        h = x[seg.start : seg.end].float() @ a[seg.slot, : seg.rank].float().T  # [M, r]
+        if y.dtype == torch.float32:
+            y[seg.start : seg.end].addmm_(h, b[seg.slot, :, : seg.rank].T, alpha=seg.scale)
+        else:
+            y[seg.start : seg.end] += ((h @ b[seg.slot, :, : seg.rank].float().T) * seg.scale).to(y.dtype)
