@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from opentinker.rpc import cli_options as opt
-from opentinker.rpc.errors import error_info
+from opentinker.rpc.errors import describe
 from opentinker.v1 import registry_pb2, registry_pb2_grpc
 
 DEFAULT_PORT = 7070
@@ -103,11 +103,7 @@ def _call(fn: Callable[[], T]) -> T:
     try:
         return fn()
     except grpc.RpcError as exc:
-        info = error_info(exc)
-        reason = f" [{info.reason}]" if info is not None else ""
-        code = exc.code().name if isinstance(exc, grpc.Call) else "UNKNOWN"
-        details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
-        print(f"error: {code}: {details}{reason}", file=sys.stderr)
+        print(f"error: {describe(exc)}", file=sys.stderr)
         raise typer.Exit(1) from None
 
 

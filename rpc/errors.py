@@ -96,3 +96,11 @@ def error_info(error: grpc.RpcError) -> error_details_pb2.ErrorInfo | None:
         if detail.Unpack(info):
             return info
     return None
+
+
+def describe(error: grpc.RpcError) -> str:
+    """One line for people: "CODE: message [REASON]" (what the CLIs print after "error: ")."""
+    info = error_info(error)
+    code = error.code().name if isinstance(error, grpc.Call) else "UNKNOWN"
+    details = error.details() if isinstance(error, grpc.Call) else str(error)
+    return f"{code}: {details}" + (f" [{info.reason}]" if info is not None else "")

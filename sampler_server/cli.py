@@ -157,7 +157,7 @@ def sample_command(
 
     import grpc
 
-    from opentinker.rpc.errors import error_info
+    from opentinker.rpc.errors import describe
     from opentinker.v1 import sampler_pb2, sampler_pb2_grpc
 
     params = sampler_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
@@ -175,9 +175,6 @@ def sample_command(
                 if message.stop_reason:
                     stop_reason = sampler_pb2.StopReason.Name(message.stop_reason).removeprefix("STOP_REASON_").lower()
         except grpc.RpcError as exc:
-            info = error_info(exc)
-            code = exc.code().name if isinstance(exc, grpc.Call) else "UNKNOWN"
-            details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
-            print(f"error: {code}: {details}" + (f" [{info.reason}]" if info else ""), file=sys.stderr)
+            print(f"error: {describe(exc)}", file=sys.stderr)
             raise typer.Exit(1) from None
     print(f"\n[{version}, stop: {stop_reason}]", file=sys.stderr)
