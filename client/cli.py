@@ -55,6 +55,22 @@ def _register_groups() -> None:
 _register_groups()
 
 
+@app.command("status")
+def status_command(
+    registry: Annotated[str | None, typer.Option(envvar="OPENTINKER_REGISTRY", help="Registry address.")] = None,
+    trainer: Annotated[str | None, typer.Option(envvar="OPENTINKER_TRAINER", help="Trainer address.")] = None,
+    sampler: Annotated[str | None, typer.Option(envvar="OPENTINKER_SAMPLER", help="Sampler address.")] = None,
+    token: Annotated[str | None, typer.Option(envvar="OPENTINKER_TOKEN", help="Bearer token.")] = None,
+) -> None:
+    """One screen on the running stack; exits 1 when a named server is not serving."""
+    from opentinker.client.status import show_status
+
+    if not (registry or trainer or sampler):
+        raise typer.BadParameter("name at least one of --registry, --trainer, --sampler")
+    if not show_status(registry, trainer, sampler, token):
+        raise typer.Exit(1)
+
+
 @app.command("demo")
 def demo_command(
     workdir: Annotated[Path, typer.Option(help="Where the demo writes models, Redis data and logs.")] = Path(
