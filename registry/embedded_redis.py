@@ -51,7 +51,7 @@ def _free_port() -> int:
 
 class EmbeddedRedis:
     def __init__(self, data_dir: Path, *, port: int = 0, appendonly: bool = True) -> None:
-        self.data_dir = data_dir
+        self.data_dir = data_dir.resolve()  # redis chdirs into --dir before opening --logfile
         self.port = port
         self.appendonly = appendonly
         self.process: subprocess.Popen[bytes] | None = None

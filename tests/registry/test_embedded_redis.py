@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import redis
 
 from opentinker.registry.embedded_redis import EmbeddedRedis
@@ -68,3 +69,13 @@ def test_dies_with_its_parent(tmp_path: Path) -> None:
     while pid_alive(redis_pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not pid_alive(redis_pid)
+
+
+def test_relative_data_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`registry serve --data-dir registry-data` (a relative path) must work: redis changes directory first."""
+    monkeypatch.chdir(tmp_path)
+    with EmbeddedRedis(Path("relative") / "redis") as server:
+        client = redis.Redis.from_url(server.url)
+        assert client.ping()
+        client.close()
+    assert (tmp_path / "relative" / "redis" / "redis.log").exists()
