@@ -11,6 +11,7 @@ registry announces it. At the end: a summary table, one adapter's lineage, a rol
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import shutil
 import time
@@ -79,7 +80,8 @@ async def train_everything(service: Any, renderer: Any, steps: int, progress: Pr
     from opentinker.client import AdamParams, LoraConfig, train_multi_agent_rl_async, train_rl_async, train_sft
     from opentinker.client import tasks as task_module
 
-    sampling = task_module.TINY_MODEL_SAMPLING
+    # Seeded sampling makes a run repeatable.
+    sampling = dataclasses.replace(task_module.TINY_MODEL_SAMPLING, seed=7)
     lora = LoraConfig(rank=8, alpha=16)
     rl_jobs = [
         train_rl_async(

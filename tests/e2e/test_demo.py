@@ -30,5 +30,15 @@ def test_demo_runs_end_to_end(tmp_path: Path) -> None:
         for before, after in itertools.pairwise(steps):
             if before["version_saved"]:
                 assert after["version_sampled"] == before["version_saved"]
+
+    # Every single-agent RL adapter's reward rises and the SFT loss falls (the demo's sampling is seeded).
+    def series(adapter: str, key: str) -> list[float]:
+        return [r[key] for r in records if r["adapter"] == adapter]
+
+    for adapter in ("team-a/digits", "team-b/short", "team-c/vowels"):
+        rewards = series(adapter, "mean_reward")
+        assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1, (adapter, rewards)
+    losses = series("team-d/chat", "loss")
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3, losses
     # The servers shut down cleanly.
     assert result.stdout.count("(exit 0)") == 3
