@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import grpc
+import grpc.aio
 
 from opentinker.rpc.errors import error_info
 
@@ -54,7 +55,7 @@ class OpenTinkerError(Exception):
 
 def from_rpc_error(err: grpc.RpcError) -> OpenTinkerError:
     """Converts a failed gRPC call (unary or streaming) into an `OpenTinkerError`."""
-    if not isinstance(err, grpc.Call):
+    if not isinstance(err, grpc.Call | grpc.aio.AioRpcError):
         # Raised by gRPC before any call existed (e.g. a closed channel): no status to read.
         return OpenTinkerError(grpc.StatusCode.UNKNOWN, str(err) or type(err).__name__)
     code = err.code()
@@ -62,7 +63,7 @@ def from_rpc_error(err: grpc.RpcError) -> OpenTinkerError:
     if code is None:  # not finished; cannot happen for an error that was raised, but the type allows it
         code = grpc.StatusCode.UNKNOWN
     try:
-        info = error_info(err)
+        info = error_info(err)  # sync calls and grpc.aio errors alike
     except Exception:
         # A malformed grpc-status-details-bin trailer (a proxy, a foreign server) must not hide the status.
         info = None

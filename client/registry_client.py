@@ -21,7 +21,6 @@ import os
 import stat
 import tempfile
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
@@ -32,6 +31,7 @@ import grpc
 from google.protobuf.message import Message
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from opentinker.client.connection import translated
 from opentinker.client.errors import OpenTinkerError, from_rpc_error
 from opentinker.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
@@ -539,15 +539,6 @@ class _DownloadSink:
 # The client
 
 
-@contextmanager
-def _translated() -> Iterator[None]:
-    """Turns any grpc.RpcError raised inside the block into an OpenTinkerError."""
-    try:
-        yield
-    except grpc.RpcError as err:
-        raise from_rpc_error(err) from err
-
-
 class RegistryClient:
     """Synchronous client of one registry server over one gRPC channel. Thread-safe (gRPC channels are).
 
@@ -577,7 +568,7 @@ class RegistryClient:
         self.close()
 
     def _unary(self, method: Callable[..., object], request: Message, response_type: type[_M]) -> _M:
-        with _translated():
+        with translated():
             response = method(request, timeout=self.timeout, metadata=self._metadata)
         # The generated stubs are untyped; checking the type here keeps the rest of the module typed.
         if not isinstance(response, response_type):
@@ -758,11 +749,11 @@ class RegistryClient:
             adapters=_strings(adapters, "adapters"),
             send_snapshot=send_snapshot,
         )
-        with _translated():
+        with translated():
             # No deadline: a watch is meant to stay open.
             call = self._stub.WatchEvents(request, metadata=self._metadata)
         try:
-            with _translated():
+            with translated():
                 for message in call:
                     kind = message.WhichOneof("message")
                     if kind == "event":
@@ -820,11 +811,11 @@ class RegistryClient:
         and leaves no file with wrong content under its real name."""
         directory = Path(directory)
         request = registry_pb2.DownloadArtifactRequest(artifact_uri=artifact_uri)
-        with _translated():
+        with translated():
             call = self._stub.DownloadArtifact(request, metadata=self._metadata)
         sink: _DownloadSink | None = None
         try:
-            with _translated():
+            with translated():
                 messages = iter(call)
                 first = next(messages, None)
                 if first is None or first.WhichOneof("message") != "manifest":

@@ -21,8 +21,6 @@ Every failure is an `OpenTinkerError` with the gRPC status code and the server's
 
 from __future__ import annotations
 
-import asyncio
-import threading
 from collections.abc import AsyncGenerator, Generator, Sequence
 from contextlib import aclosing, closing
 from types import TracebackType
@@ -32,8 +30,8 @@ import grpc
 import grpc.aio
 from google.protobuf.message import Message
 
+from opentinker.client.connection import Connection, checked, translated
 from opentinker.client.errors import OpenTinkerError
-from opentinker.client.training_client import _CHANNEL_OPTIONS, _checked, _translated
 from opentinker.client.types import (
     LoadedAdapter,
     ModelInput,
@@ -61,60 +59,22 @@ _STREAM_INCOMPLETE: Final = "INCOMPLETE_STREAM"
 _M = TypeVar("_M", bound=Message)
 
 
-class SamplerConnection:
-    """The channels to one sampler server: one synchronous channel, plus one grpc.aio channel per event loop
-    (an aio channel is bound to the loop it was opened on; those of loops that have since closed are dropped).
-    Shared by the SamplingClients of one ServiceClient."""
+class SamplerConnection(Connection[sampler_pb2_grpc.SamplerServiceStub]):
+    """The channels to one sampler server, shared by the SamplingClients of one ServiceClient; adds the
+    streaming Sample call to the unary ones."""
 
     def __init__(self, address: str, token: str | None = None, *, timeout: float | None = None) -> None:
-        self.address = address
-        self.timeout = timeout
-        self.metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
-        self._channel = grpc.insecure_channel(address, options=list(_CHANNEL_OPTIONS))
-        self.stub = sampler_pb2_grpc.SamplerServiceStub(self._channel)
-        self._lock = threading.Lock()
-        self._aio: dict[asyncio.AbstractEventLoop, tuple[grpc.aio.Channel, sampler_pb2_grpc.SamplerServiceStub]] = {}
-        self._closed = False
-
-    def check_open(self) -> None:
-        if self._closed:
-            raise OpenTinkerError(grpc.StatusCode.CANCELLED, "the client is closed", "CLIENT_CLOSED")
-
-    def aio_stub(self) -> sampler_pb2_grpc.SamplerServiceStub:
-        """The stub on the running event loop's aio channel (opened on first use)."""
-        loop = asyncio.get_running_loop()
-        with self._lock:
-            self.check_open()
-            for old in [old for old in self._aio if old.is_closed()]:
-                del self._aio[old]  # its loop is gone: nothing can await its close any more
-            entry = self._aio.get(loop)
-            if entry is None:
-                channel = grpc.aio.insecure_channel(self.address, options=list(_CHANNEL_OPTIONS))
-                entry = (channel, sampler_pb2_grpc.SamplerServiceStub(channel))
-                self._aio[loop] = entry
-            return entry[1]
-
-    def unary(self, method: str, request: Message, response_type: type[_M]) -> _M:
-        self.check_open()
-        with _translated():
-            response = getattr(self.stub, method)(request, timeout=self.timeout, metadata=self.metadata)
-        return _checked(response, response_type)
-
-    async def unary_async(self, method: str, request: Message, response_type: type[_M]) -> _M:
-        stub = self.aio_stub()
-        with _translated():
-            response = await getattr(stub, method)(request, timeout=self.timeout, metadata=self.metadata)
-        return _checked(response, response_type)
+        super().__init__(address, sampler_pb2_grpc.SamplerServiceStub, token, timeout=timeout)
 
     def sample(self, request: sampler_pb2.SampleRequest) -> Generator[sampler_pb2.SampleResponse, None, None]:
         """The Sample stream's messages; closing the generator cancels the call."""
         self.check_open()
         call: Any = None
         try:
-            with _translated():
+            with translated():
                 call = self.stub.Sample(request, timeout=self.timeout, metadata=self.metadata)
                 for message in call:
-                    yield _checked(message, sampler_pb2.SampleResponse)
+                    yield checked(message, sampler_pb2.SampleResponse)
         finally:
             if call is not None:
                 call.cancel()  # a no-op once the stream has ended
@@ -125,32 +85,13 @@ class SamplerConnection:
         stub = self.aio_stub()
         call: Any = None
         try:
-            with _translated():
+            with translated():
                 call = stub.Sample(request, timeout=self.timeout, metadata=self.metadata)
                 async for message in call:
-                    yield _checked(message, sampler_pb2.SampleResponse)
+                    yield checked(message, sampler_pb2.SampleResponse)
         finally:
             if call is not None:
                 call.cancel()
-
-    async def aclose(self) -> None:
-        """Closes the running loop's aio channel (awaiting it), then everything else (see close)."""
-        loop = asyncio.get_running_loop()
-        with self._lock:
-            entry = self._aio.pop(loop, None)
-        if entry is not None:
-            await entry[0].close()
-        self.close()
-
-    def close(self) -> None:
-        """Closes the sync channel and asks every live event loop to close its aio channel."""
-        with self._lock:
-            self._closed = True
-            entries, self._aio = list(self._aio.items()), {}
-        self._channel.close()
-        for loop, (channel, _stub) in entries:
-            if loop.is_running() and not loop.is_closed():
-                asyncio.run_coroutine_threadsafe(channel.close(), loop)
 
 
 # Requests and replies, shared by the sync and async methods

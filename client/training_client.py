@@ -20,18 +20,12 @@ server's ErrorInfo reason.
 
 from __future__ import annotations
 
-import asyncio
-import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
-from typing import Final, TypeVar
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TypeVar
 
-import grpc
-import grpc.aio
 from google.protobuf.message import Message
-from google.rpc import error_details_pb2, status_pb2
 
-from opentinker.client.errors import OpenTinkerError, from_rpc_error
+from opentinker.client.connection import Connection
 from opentinker.client.registry_client import Version, _version
 from opentinker.client.types import (
     AdamParams,
@@ -49,53 +43,6 @@ from opentinker.v1 import trainer_pb2, trainer_pb2_grpc
 
 __all__ = ["TrainingClient"]
 
-# Batches and their per-token outputs can be large; the servers accept up to 64 MiB messages.
-_MAX_MESSAGE_BYTES: Final = 64 << 20
-_CHANNEL_OPTIONS: Final = (
-    ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
-)
-_STATUS_DETAILS_KEY: Final = "grpc-status-details-bin"
-
-_M = TypeVar("_M", bound=Message)
-
-
-# Errors
-
-
-def _from_aio_error(err: grpc.aio.AioRpcError) -> OpenTinkerError:
-    """`from_rpc_error` for grpc.aio: an AioRpcError is no grpc.Call, so its ErrorInfo is read here."""
-    code = err.code()
-    message = err.details() or ""
-    try:
-        for key, value in err.trailing_metadata() or ():
-            if key == _STATUS_DETAILS_KEY and isinstance(value, bytes):
-                status = status_pb2.Status.FromString(value)
-                for detail in status.details:
-                    info = error_details_pb2.ErrorInfo()
-                    if detail.Unpack(info):
-                        return OpenTinkerError(code, message, info.reason, dict(info.metadata))
-    except Exception:
-        pass  # a malformed trailer (a proxy, a foreign server) must not hide the status
-    return OpenTinkerError(code, message)
-
-
-@contextmanager
-def _translated() -> Iterator[None]:
-    try:
-        yield
-    except grpc.aio.AioRpcError as err:
-        raise _from_aio_error(err) from err
-    except grpc.RpcError as err:
-        raise from_rpc_error(err) from err
-
-
-def _checked(response: object, response_type: type[_M]) -> _M:
-    # The generated stubs are untyped; checking the type here keeps the rest of the module typed.
-    if not isinstance(response, response_type):
-        raise TypeError(f"expected {response_type.__name__}, got {type(response).__name__}")
-    return response
-
 
 def _strings(values: Iterable[str], what: str) -> list[str]:
     if isinstance(values, str):
@@ -106,71 +53,11 @@ def _strings(values: Iterable[str], what: str) -> list[str]:
 # Connection
 
 
-class TrainerConnection:
-    """The channels to one trainer server, shared by the ServiceClient and its TrainingClients.
-
-    One synchronous channel, plus one grpc.aio channel per event loop (an aio channel is bound to the
-    loop it was opened on; those of loops that have since closed are dropped).
-    """
+class TrainerConnection(Connection[trainer_pb2_grpc.TrainerServiceStub]):
+    """The channels to one trainer server, shared by the ServiceClient and its TrainingClients."""
 
     def __init__(self, address: str, token: str | None = None, *, timeout: float | None = None) -> None:
-        self.address = address
-        self.timeout = timeout
-        self.metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
-        self._channel = grpc.insecure_channel(address, options=list(_CHANNEL_OPTIONS))
-        self.stub = trainer_pb2_grpc.TrainerServiceStub(self._channel)
-        self._lock = threading.Lock()
-        self._aio: dict[asyncio.AbstractEventLoop, tuple[grpc.aio.Channel, trainer_pb2_grpc.TrainerServiceStub]] = {}
-        self._closed = False
-
-    def aio_stub(self) -> trainer_pb2_grpc.TrainerServiceStub:
-        """The stub on the running event loop's aio channel (opened on first use)."""
-        loop = asyncio.get_running_loop()
-        with self._lock:
-            self._check_open()
-            for old in [old for old in self._aio if old.is_closed()]:
-                del self._aio[old]  # its loop is gone: nothing can await its close any more
-            entry = self._aio.get(loop)
-            if entry is None:
-                channel = grpc.aio.insecure_channel(self.address, options=list(_CHANNEL_OPTIONS))
-                entry = (channel, trainer_pb2_grpc.TrainerServiceStub(channel))
-                self._aio[loop] = entry
-            return entry[1]
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise OpenTinkerError(grpc.StatusCode.CANCELLED, "the client is closed", "CLIENT_CLOSED")
-
-    def unary(self, method: str, request: Message, response_type: type[_M]) -> _M:
-        self._check_open()
-        with _translated():
-            response = getattr(self.stub, method)(request, timeout=self.timeout, metadata=self.metadata)
-        return _checked(response, response_type)
-
-    async def unary_async(self, method: str, request: Message, response_type: type[_M]) -> _M:
-        stub = self.aio_stub()
-        with _translated():
-            response = await getattr(stub, method)(request, timeout=self.timeout, metadata=self.metadata)
-        return _checked(response, response_type)
-
-    async def aclose(self) -> None:
-        """Closes the running loop's aio channel (awaiting it), then everything else (see close)."""
-        loop = asyncio.get_running_loop()
-        with self._lock:
-            entry = self._aio.pop(loop, None)
-        if entry is not None:
-            await entry[0].close()
-        self.close()
-
-    def close(self) -> None:
-        """Closes the sync channel and asks every live event loop to close its aio channel."""
-        with self._lock:
-            self._closed = True
-            entries, self._aio = list(self._aio.items()), {}
-        self._channel.close()
-        for loop, (channel, _stub) in entries:
-            if loop.is_running() and not loop.is_closed():
-                asyncio.run_coroutine_threadsafe(channel.close(), loop)
+        super().__init__(address, trainer_pb2_grpc.TrainerServiceStub, token, timeout=timeout)
 
 
 # Requests and replies, shared by the sync and async methods
@@ -241,6 +128,7 @@ def _saved_state(response: trainer_pb2.SaveStateResponse) -> SavedState:
     return SavedState(state_id=response.state_id, step=response.step, size_bytes=response.size_bytes)
 
 
+_M = TypeVar("_M", bound=Message)
 _Reply = TypeVar("_Reply")
 
 
