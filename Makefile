@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.stamp-$(shell cat pyproject.toml | sha256sum | cut -c1-16)-$(shell echo '$(TORCH_SPEC)' | sha256sum | cut -c1-8)
 
-.PHONY: venv test lint typecheck protos protos-check demo bench soak clean
+.PHONY: venv test lint typecheck protos protos-check go-check demo bench soak clean
 
 venv: $(STAMP)
 
@@ -22,6 +22,10 @@ protos: $(STAMP)
 	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=protos --pyi_out=protos \
 		--grpc_python_out=protos protos/opentinker/v1/*.proto
 
+# buf lint + buf breaking against main (PROTOS_BASE=...; protos/buf-check.sh says how it finds the base).
+protos-check: $(STAMP)
+	BUF=$(BIN)/buf protos/buf-check.sh
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -33,18 +37,32 @@ typecheck: $(STAMP)
 	@ln -sfn ../../../protos/opentinker/v1 build/typecheck/opentinker/v1
 	$(BIN)/mypy $(addprefix -p opentinker.,$(PACKAGES))
 	@# tests and bench: plain files with unique basenames; untyped fixtures tolerated
-	$(BIN)/mypy --no-explicit-package-bases --allow-untyped-defs --allow-incomplete-defs $$(find tests bench -name '*.py')
+	$(BIN)/mypy --no-explicit-package-bases --allow-untyped-defs --allow-incomplete-defs \
+		$$(find tests bench -name '*.py' ! -path 'tests/*/conftest.py')
+	@# conftest.py files in subfolders all map to the module name "conftest": one run each
+	@for f in $$(find tests -mindepth 2 -name conftest.py); do \
+		$(BIN)/mypy --no-explicit-package-bases --allow-untyped-defs --allow-incomplete-defs $$f || exit 1; done
 
-test: $(STAMP) lint typecheck
+test: $(STAMP) lint typecheck protos-check
 	$(BIN)/python -m pytest tests
 
 demo: $(STAMP)
 	$(BIN)/opentinker demo
 
-# Benchmarks print ratios measured side by side in one run; QUICK=1 for a short run.
+# The Go client example (examples/go) against real servers; installs Debian's Go packages if missing.
+go-check: $(STAMP)
+	examples/go/install-deps.sh
+	examples/go/build.sh
+	$(BIN)/python examples/go/run_example.py
+
+# Benchmarks print ratios measured side by side in one run, write bench/results.json and print the table of all
+# figures; QUICK=1 for a short run (small model).
 bench: $(STAMP)
-	$(BIN)/python bench/trainer_overhead.py $(if $(QUICK),--quick)
-	$(BIN)/python bench/sampler_multilora.py $(if $(QUICK),--quick)
+	$(BIN)/python bench/run_all.py $(if $(QUICK),--quick)
+
+# The reliability suite with its load test at 60 s instead of 10 s.
+soak: $(STAMP)
+	OPENTINKER_SOAK=1 $(BIN)/python -m pytest tests/reliability -q
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from results import record
 
 from opentinker.client.tiny_model import TinyModelSpec, make_tiny_model
 from opentinker.sampler_server.engine import Engine, SequenceUpdate
@@ -326,6 +327,21 @@ def profile_decode(ours: OurSampler, engine: Engine, prompts: list[list[int]], s
     return out.getvalue()
 
 
+def record_figures(figures: dict[str, Any]) -> None:
+    """P1, P2 and P3 into bench/results.json (results.py), with the configuration they were measured in."""
+    keys = ("model", "lora", "adapters", "decode_steps_per_rep", "decode_reps", "new_tokens", "e2e_reps")
+    config = {key: figures[key] for key in keys}
+    agree = f"{figures['agree_peft_mixed_requests']}/{figures['adapters']}"
+    record("P1 mixed-adapter decode tokens/s, distinct adapters / one adapter", figures["p1_mixed_over_single"],
+           target=0.95, config={**config, "by_cpu_time": figures["p1_cpu_time"]})  # fmt: skip
+    record("P2a peft generate(adapter_names) wall / ours", figures["p2a_peft_mixed_over_ours"], target=3.0,
+           config={**config, "by_cpu_time": figures["p2a_cpu_time"], "greedy_tokens_equal": agree})  # fmt: skip
+    record("P2b peft one adapter at a time wall / ours", figures["p2b_peft_sequential_over_ours"], target=10.0,
+           config={**config, "by_cpu_time": figures["p2b_cpu_time"]})  # fmt: skip
+    record("P3 one adapter / base model decode tokens/s", figures["p3_single_over_base"], target=0.90,
+           config={**config, "by_cpu_time": figures["p3_cpu_time"]})  # fmt: skip
+
+
 def load() -> str:
     return " ".join(f"{x:.1f}" for x in os.getloadavg())
 
@@ -512,6 +528,7 @@ def main() -> None:
     if profile:
         print("\ncProfile of mixed-adapter decode steps (by own time):")
         print(profile)
+    record_figures(figures)
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2))
 

@@ -21,6 +21,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
+from results import record  # noqa: E402
 from serverproc import start_registry, start_trainer  # noqa: E402
 
 from opentinker.client.tiny_model import TinyModelSpec, make_tiny_model  # noqa: E402
@@ -147,6 +148,11 @@ def main() -> None:
         f"({with_adam / raw:.1f}x raw); saved state (weights+grads+moments) {saved.size_bytes / 2**20:.2f} MiB"
     )
     print(f"  same batches, same loss: max |loss_a - loss_b| = {figures['max_abs_loss_diff']:.4g}")
+    config: dict[str, str | int | float | None] = {"model": str(figures["model"]), "batch": str(figures["batch"]),
+                                                   "steps": len(peft_times)}  # fmt: skip
+    record("P5 trainer step, gRPC / in-process peft + AdamW", b / a, target=1.10, comparison="<=",
+           config={**config, "max_abs_loss_diff": max(abs(x - y) for x, y in losses)})  # fmt: skip
+    record("P5 trainer memory, LoRA weights + AdamW / raw LoRA", with_adam / raw, config={**config, "raw_bytes": raw})
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2))
 

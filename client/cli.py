@@ -42,6 +42,7 @@ def make_tiny_model_command(
 
 
 def _register_groups() -> None:
+    from opentinker.gateway.cli import app as gateway_app
     from opentinker.registry.cli import registry_app
     from opentinker.sampler_server.cli import sample_command, sampler_app
     from opentinker.trainer_server.cli import trainer_app
@@ -49,6 +50,7 @@ def _register_groups() -> None:
     app.add_typer(registry_app, name="registry", help="Run and administer the adapter registry.")
     app.add_typer(trainer_app, name="trainer", help="Run the trainer server.")
     app.add_typer(sampler_app, name="sampler", help="Run the sampler server.")
+    app.add_typer(gateway_app, name="gateway", help="Run the Tinker-compatible HTTP gateway.")
     app.command("sample")(sample_command)
 
 
@@ -69,6 +71,27 @@ def status_command(
         raise typer.BadParameter("name at least one of --registry, --trainer, --sampler")
     if not show_status(registry, trainer, sampler, token):
         raise typer.Exit(1)
+
+
+@app.command("up")
+def up_command(
+    config: Annotated[
+        Path, typer.Option(exists=True, dir_okay=False, help="TOML file: server sections, shared keys and [up].")
+    ],
+    workdir: Annotated[
+        Path | None, typer.Option(help="Logs and ready files (default: [up] workdir, else ./opentinker-up).")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON line when serving and one when stopped.")] = False,
+) -> None:
+    """Start registry, trainer and sampler from one config file; Ctrl-C or SIGTERM stops them all."""
+    from opentinker.client.stack import run_up
+    from opentinker.rpc.config import ConfigError
+
+    try:
+        code = run_up(config, workdir, as_json)
+    except ConfigError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--config") from None
+    raise typer.Exit(code)
 
 
 @app.command("demo")

@@ -3,6 +3,7 @@ benchmarks and the tests). Each server writes its address to --ready-file once i
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -14,8 +15,18 @@ from pathlib import Path
 
 class ServerProcess:
     def __init__(
-        self, args: list[str], workdir: Path, *, timeout: float = 60.0, env: dict[str, str] | None = None
+        self,
+        args: list[str],
+        workdir: Path,
+        *,
+        timeout: float = 60.0,
+        env: dict[str, str] | None = None,
+        own_session: bool = False,
+        wait: bool = True,
     ) -> None:
+        """own_session: the child gets its own session (a terminal's Ctrl-C or a signal to our process group
+        does not reach it, so only we stop it, in order) and dies with us even on SIGKILL (with the thread that
+        started it: start it from a thread that outlives it). wait=False: call wait_ready() before use."""
         workdir.mkdir(parents=True, exist_ok=True)
         self.ready_file = workdir / "ready.json"
         self.ready_file.unlink(missing_ok=True)
@@ -26,7 +37,14 @@ class ServerProcess:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"},
+            start_new_session=own_session,
+            preexec_fn=_die_with_parent if own_session else None,  # noqa: PLW1509 -- only prctl
         )
+        if wait:
+            self.wait_ready(timeout)
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        """Until the server writes its ready file; sets address and metrics_address."""
         deadline = time.monotonic() + timeout
         while not self.ready_file.exists():
             if self.process.poll() is not None:
@@ -55,6 +73,11 @@ class ServerProcess:
             self.process.kill()
             self.process.wait()
         self._log.close()
+
+
+def _die_with_parent() -> None:
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def opentinker_command(*args: str) -> list[str]:

@@ -7,7 +7,7 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, NoReturn, TypeVar
 
 import grpc
 import typer
@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from opentinker.rpc import cli_options as opt
+from opentinker.rpc.config import serve_command
 from opentinker.rpc.errors import describe
 from opentinker.v1 import registry_pb2, registry_pb2_grpc
 
@@ -34,7 +35,7 @@ DEFAULT_ADDR = f"127.0.0.1:{DEFAULT_PORT}"
 T = TypeVar("T")
 
 
-@registry_app.command("serve")
+@registry_app.command("serve", cls=serve_command("registry"))
 def serve(
     redis_url: Annotated[
         str | None, typer.Option(help="Redis URL; default: a private embedded Redis under --data-dir.")
@@ -53,6 +54,9 @@ def serve(
     tls_key: opt.TlsKey = None,
     ready_file: opt.ReadyFile = None,
     log_level: opt.LogLevel = "INFO",
+    max_message_mb: opt.MaxMessageMb = 64,
+    config_file: opt.Config = None,
+    print_config: opt.PrintConfig = False,
 ) -> None:
     """Run the registry gRPC server (embedded Redis unless --redis-url)."""
     from opentinker.registry.artifacts import ArtifactStore
@@ -80,7 +84,8 @@ def serve(
         registry_pb2.DESCRIPTOR.services_by_name["RegistryService"].full_name,
         lambda server: registry_pb2_grpc.add_RegistryServiceServicer_to_server(servicer, server),
     )
-    options = opt.server_options(host, port, metrics_port, tokens_file, insecure_public, tls_cert, tls_key, ready_file)
+    options = opt.server_options(host, port, metrics_port, tokens_file, insecure_public, tls_cert, tls_key, ready_file,
+                                 max_message_mb)  # fmt: skip
     try:
         serve_forever("registry", [binding], options, on_stop=on_stop)
     finally:
@@ -376,3 +381,156 @@ def delete(name: str, registry: RegistryAddr = DEFAULT_ADDR, token: Token = None
     with _stub(registry, token) as (stub, md):
         response = _call(lambda: stub.DeleteAdapter(registry_pb2.DeleteAdapterRequest(name=name), metadata=md))
     console.print(f"deleted {name} (event {response.event_id})")
+
+
+# Peft interop
+
+
+def _fail(message: str) -> NoReturn:
+    print(f"error: {message}", file=sys.stderr)
+    raise typer.Exit(1)
+
+
+@registry_app.command("import")
+def import_adapter(
+    directory: Annotated[
+        Path, typer.Argument(help="A peft LoRA folder (adapter_config.json, adapter_model.safetensors).")
+    ],
+    name: Annotated[str, typer.Argument(help="Adapter to publish it to (created if missing).")],
+    base_model: Annotated[
+        Path | None, typer.Option(help="Local base model folder to check shapes against and record (its digest).")
+    ] = None,
+    alias: Annotated[list[str] | None, typer.Option(help="Also point these aliases at the new version.")] = None,
+    registry: RegistryAddr = DEFAULT_ADDR,
+    token: Token = None,
+    as_json: AsJson = False,
+) -> None:
+    """Publish a peft LoRA adapter trained elsewhere as a new version (validated first; lineage says where from)."""
+    from opentinker.registry.peft_io import PeftFolderError, inspect_peft_folder
+    from opentinker.rpc.progress import spinner
+
+    try:
+        with spinner(f"checking {directory}", quiet=as_json):
+            adapter = inspect_peft_folder(directory, base_model)
+    except PeftFolderError as exc:
+        _fail(str(exc))
+    with _stub(registry, token) as (stub, md):
+        version = _call(lambda: _publish_import(stub, md, adapter, name, alias or [], quiet=as_json))
+    if as_json:
+        _print_json(_dump(version))
+        return
+    console.print(f"imported {directory} as {version.adapter}@{version.version} (rank {adapter.rank}, "
+                  f"{len(adapter.modules)} modules: {', '.join(adapter.target_modules)})")  # fmt: skip
+    for note in adapter.notes:
+        console.print(f"  note: {note}")
+
+
+def _publish_import(
+    stub: registry_pb2_grpc.RegistryServiceStub, md: Any, adapter: Any, name: str, aliases: list[str], *, quiet: bool
+) -> registry_pb2.Version:
+    import tempfile
+    import uuid
+
+    from google.protobuf.timestamp_pb2 import Timestamp
+
+    from opentinker.registry.artifacts import ArtifactStore
+    from opentinker.registry.peft_io import PEFT_FILES
+    from opentinker.registry.remote import upload_messages
+    from opentinker.rpc.progress import byte_progress
+
+    source = str(adapter.directory.resolve())
+    try:
+        existing = stub.GetAdapter(registry_pb2.GetAdapterRequest(name=name), metadata=md).adapter
+    except grpc.RpcError as exc:
+        if not isinstance(exc, grpc.Call) or exc.code() != grpc.StatusCode.NOT_FOUND:
+            raise
+        existing = None
+    if existing is not None:
+        theirs, ours = existing.base_model_digest, adapter.base_model_digest
+        if theirs and ours and theirs != ours:
+            _fail(f"{name} belongs to base model {theirs[:12]}..., but {source} was checked against "
+                  f"{adapter.base_model_checked} ({ours[:12]}...)")  # fmt: skip
+        base_digest = ours or theirs
+    else:
+        base_digest = adapter.base_model_digest
+        stub.CreateAdapter(registry_pb2.CreateAdapterRequest(
+            name=name, lora_config=adapter.lora_config(), base_model_digest=base_digest,
+            labels={"origin": "peft-import"}, description=f"imported from {source}"[:1000],
+        ), metadata=md)  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="opentinker-import-") as tmp:
+        store = ArtifactStore(Path(tmp))
+        ref = store.commit_files({f: (adapter.directory / f).read_bytes() for f in PEFT_FILES})
+        with byte_progress(f"uploading {name}", ref.size_bytes, quiet=quiet) as advance:
+
+            def counted() -> Iterator[registry_pb2.UploadArtifactRequest]:
+                for message in upload_messages(store, ref.uri):
+                    advance(len(message.chunk))
+                    yield message
+
+            uploaded = stub.UploadArtifact(counted(), metadata=md)
+    now = Timestamp()
+    now.GetCurrentTime()
+    # Imported weights were not trained from any earlier version: no parent, one record naming the source.
+    record = registry_pb2.BatchRecord(digest=adapter.weights_sha256, trace_ids=[f"import:{source}"],
+                                      loss_fn="peft-import", time=now)  # fmt: skip
+    lineage = registry_pb2.Lineage(base_model_digest=base_digest, batches=[record])
+    request = registry_pb2.PublishVersionRequest(
+        adapter=name, artifact_uri=uploaded.artifact_uri, artifact_sha256=uploaded.artifact_sha256,
+        artifact_size_bytes=uploaded.artifact_size_bytes, lora_config=adapter.lora_config(), lineage=lineage,
+        aliases=aliases, request_id=f"import-{uuid.uuid4().hex}",
+    )  # fmt: skip
+    version: registry_pb2.Version = stub.PublishVersion(request, metadata=md).version
+    return version
+
+
+@registry_app.command("export")
+def export_adapter(
+    reference: Annotated[str, typer.Argument(help="name, name@alias or name@N.")],
+    directory: Annotated[Path, typer.Argument(help="New or empty folder to write the peft adapter into.")],
+    base_model_name: Annotated[
+        str | None,
+        typer.Option("--base-model-name", help="Write this as base_model_name_or_path in adapter_config.json."),
+    ] = None,
+    registry: RegistryAddr = DEFAULT_ADDR,
+    token: Token = None,
+    as_json: AsJson = False,
+) -> None:
+    """Write a version as a plain peft folder (PeftModel.from_pretrained loads it)."""
+    import asyncio
+    import tempfile
+
+    from opentinker.registry.artifacts import ArtifactStore
+    from opentinker.registry.peft_io import PeftFolderError, write_peft_folder
+    from opentinker.registry.remote import fetch_artifact
+    from opentinker.rpc.errors import ServiceError
+    from opentinker.rpc.progress import spinner
+
+    if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
+        _fail(f"{directory}: exists and is not an empty directory")
+    with _stub(registry, token) as (stub, md):
+        version = _call(lambda: stub.Resolve(registry_pb2.ResolveRequest(reference=reference), metadata=md).version)
+    if version.artifact_deleted:
+        _fail(f"{version.adapter}@{version.version} was garbage-collected; its weights are gone")
+
+    async def download(store: ArtifactStore) -> None:
+        async with grpc.aio.insecure_channel(registry) as channel:
+            await fetch_artifact(registry_pb2_grpc.RegistryServiceStub(channel), store, version.artifact_uri, md)
+
+    with tempfile.TemporaryDirectory(prefix="opentinker-export-") as tmp:
+        store = ArtifactStore(Path(tmp))
+        try:
+            with spinner(f"downloading {version.adapter}@{version.version}", quiet=as_json):
+                asyncio.run(download(store))
+            written = write_peft_folder(store.path(version.artifact_uri), directory,
+                                        base_model_name_or_path=base_model_name)  # fmt: skip
+        except ServiceError as exc:
+            _fail(f"{exc.code.name}: {exc.message} [{exc.reason}]")
+        except PeftFolderError as exc:
+            _fail(str(exc))
+    if as_json:
+        _print_json({"adapter": version.adapter, "version": str(version.version), "directory": str(directory),
+                     "files": [p.name for p in written], "artifact_sha256": version.artifact_sha256})  # fmt: skip
+    else:
+        console.print(
+            f"wrote {version.adapter}@{version.version} to {directory} ({', '.join(p.name for p in written)})"
+        )

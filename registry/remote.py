@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
@@ -34,6 +35,13 @@ def registry_error(exc: grpc.aio.AioRpcError) -> ServiceError:
     return _BY_CODE.get(exc.code(), Unavailable)(
         f"registry: {exc.details()}", reason=info.reason if info else None, **metadata
     )
+
+
+def registry_channel(address: str, ca: Path | None) -> grpc.aio.Channel:
+    """A channel to the registry (open it inside the server's event loop): TLS verified against `ca` when given."""
+    if ca is None:
+        return grpc.aio.insecure_channel(address)
+    return grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=ca.read_bytes()))
 
 
 async def registry_call(call: Awaitable[T]) -> T:

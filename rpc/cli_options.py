@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from opentinker.rpc.config import load_config_file
 from opentinker.rpc.server import ServerOptions
 
 Host = Annotated[str, typer.Option(help="Address to bind; non-loopback needs tokens or --insecure-public.")]
@@ -18,8 +19,28 @@ TokensFile = Annotated[
 InsecurePublic = Annotated[bool, typer.Option(help="Allow binding a public address without authentication.")]
 TlsCert = Annotated[Path | None, typer.Option(help="PEM certificate chain for TLS.", exists=True)]
 TlsKey = Annotated[Path | None, typer.Option(help="PEM private key for TLS.", exists=True)]
+RegistryCa = Annotated[
+    Path | None,
+    typer.Option(
+        envvar="OPENTINKER_REGISTRY_CA", exists=True,
+        help="PEM root certificate(s) verifying the registry's TLS certificate; when set, TLS to the registry.",
+    ),
+]  # fmt: skip
 ReadyFile = Annotated[Path | None, typer.Option(help="Write {address, metrics_address} JSON here once serving.")]
 LogLevel = Annotated[str, typer.Option(help="Logging level.")]
+MaxMessageMb = Annotated[
+    int, typer.Option(min=1, max=2047, help="Largest gRPC message this server sends or receives, in MiB.")
+]
+Config = Annotated[
+    Path | None,
+    typer.Option(
+        "--config", is_eager=True, callback=load_config_file, dir_okay=False,
+        help="TOML file with flag values (shared keys, then this server's [section]); flags and env vars win.",
+    ),
+]  # fmt: skip
+PrintConfig = Annotated[
+    bool, typer.Option(help="Print the resolved flags and where each came from as JSON, then exit.")
+]
 
 
 def server_options(
@@ -31,6 +52,7 @@ def server_options(
     tls_cert: Path | None,
     tls_key: Path | None,
     ready_file: Path | None,
+    max_message_mb: int = 64,
 ) -> ServerOptions:
     return ServerOptions(
         host=host,
@@ -41,4 +63,5 @@ def server_options(
         tls_cert=tls_cert,
         tls_key=tls_key,
         ready_file=ready_file,
+        max_message_bytes=max_message_mb << 20,
     )

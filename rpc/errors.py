@@ -11,6 +11,18 @@ from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2
 
 ERROR_DOMAIN = "opentinker"
+# A status travels in HTTP/2 trailers, which clients cap at 8 KiB: text echoing the input (a 10 MB name) is
+# clipped, or the client would get a transport error instead of ours.
+MAX_MESSAGE_BYTES = 1024
+MAX_METADATA_VALUE_BYTES = 256
+
+
+def clip(text: str, limit: int) -> str:
+    """`text` cut to at most about `limit` UTF-8 bytes, saying how long it was."""
+    data = text.encode("utf-8", "backslashreplace")
+    if len(data) <= limit:
+        return data.decode()
+    return data[: limit - 32].decode("utf-8", "ignore") + f"... ({len(data)} bytes)"
 
 
 class ServiceError(Exception):
@@ -20,10 +32,11 @@ class ServiceError(Exception):
     default_reason: str = "INTERNAL"
 
     def __init__(self, message: str, *, reason: str | None = None, **metadata: str | int) -> None:
+        message = clip(message, MAX_MESSAGE_BYTES)
         super().__init__(message)
         self.message = message
         self.reason = reason or self.default_reason
-        self.metadata = {key: str(value) for key, value in metadata.items()}
+        self.metadata = {key: clip(str(value), MAX_METADATA_VALUE_BYTES) for key, value in metadata.items()}
 
     def to_status(self) -> status_pb2.Status:
         info = error_details_pb2.ErrorInfo(reason=self.reason, domain=ERROR_DOMAIN, metadata=self.metadata)

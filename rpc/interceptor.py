@@ -15,11 +15,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc import aio
 from prometheus_client import Counter, Histogram
 
 from opentinker.rpc.auth import LOCAL_PRINCIPAL, Principal, TokenTable, reset_principal, set_principal
-from opentinker.rpc.errors import Internal, ServiceError, Unauthenticated
+from opentinker.rpc.errors import Internal, InvalidArgument, ServiceError, Unauthenticated
 
 log = logging.getLogger("opentinker.rpc")
 
@@ -125,25 +126,61 @@ def _wrap(handler: Handler, method: str, principal: Principal | ServiceError) ->
     if handler.request_streaming and handler.response_streaming:
         raise NotImplementedError("bidirectional streaming RPCs are not used by OpenTinker")
 
+    deserializer = _lenient(handler.request_deserializer)
     if handler.response_streaming:
         stream_behavior: Any = handler.unary_stream
 
         async def streaming(request: Any, context: _Context) -> AsyncIterator[Any]:
             async with _rpc_scope(method, principal, context):
-                async for response in stream_behavior(request, context):
+                async for response in stream_behavior(_decoded(request), context):
                     yield response
 
-        return grpc.unary_stream_rpc_method_handler(
-            streaming, handler.request_deserializer, handler.response_serializer
-        )
+        return grpc.unary_stream_rpc_method_handler(streaming, deserializer, handler.response_serializer)
 
     unary_behavior: Any = handler.stream_unary if handler.request_streaming else handler.unary_unary
 
     async def unary(request: Any, context: _Context) -> Any:
         async with _rpc_scope(method, principal, context):
-            return await unary_behavior(request, context)
+            if handler.request_streaming:
+                return await unary_behavior(_decoded_stream(request), context)
+            return await unary_behavior(_decoded(request), context)
         raise AssertionError("unreachable: the scope aborts on error")
 
     if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(unary, handler.request_deserializer, handler.response_serializer)
-    return grpc.unary_unary_rpc_method_handler(unary, handler.request_deserializer, handler.response_serializer)
+        return grpc.stream_unary_rpc_method_handler(unary, deserializer, handler.response_serializer)
+    return grpc.unary_unary_rpc_method_handler(unary, deserializer, handler.response_serializer)
+
+
+class _Undecodable:
+    """A request message that did not parse (corrupt wire format, invalid UTF-8 in a string field)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+def _lenient(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    # gRPC answers a deserializer's exception with UNKNOWN (INTERNAL in streams); we want INVALID_ARGUMENT.
+    if deserializer is None:
+        return None
+    parse = deserializer
+
+    def lenient(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except DecodeError as error:
+            return _Undecodable(str(error))
+
+    return lenient
+
+
+def _decoded(request: Any) -> Any:
+    if isinstance(request, _Undecodable):
+        raise InvalidArgument(f"malformed request: {request.error}", reason="MALFORMED_REQUEST")
+    return request
+
+
+async def _decoded_stream(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    async for request in requests:
+        yield _decoded(request)

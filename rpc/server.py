@@ -48,6 +48,8 @@ class ServerOptions:
     grace_seconds: float = 10.0
     # Written as JSON {"address", "metrics_address", "pid"} once serving (for supervisors and tests).
     ready_file: Path | None = None
+    # gRPC max send/receive message length (--max-message-mb).
+    max_message_bytes: int = MAX_MESSAGE_BYTES
 
 
 @dataclass(slots=True)
@@ -107,8 +109,8 @@ async def start_server(component: str, bindings: Sequence[ServiceBinding], optio
     server = aio.server(
         interceptors=[ServiceInterceptor(tokens)],
         options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", options.max_message_bytes),
+            ("grpc.max_send_message_length", options.max_message_bytes),
             ("grpc.so_reuseport", 0),
         ],
     )
@@ -148,7 +150,10 @@ async def start_server(component: str, bindings: Sequence[ServiceBinding], optio
         flush=True,
     )
     if options.ready_file is not None:
-        options.ready_file.write_text(json.dumps({"address": address, "metrics_address": metrics_address}))
+        # Written aside and renamed: a supervisor polling for the file never reads it half-written.
+        partial = options.ready_file.with_name(options.ready_file.name + ".partial")
+        partial.write_text(json.dumps({"address": address, "metrics_address": metrics_address}))
+        partial.replace(options.ready_file)
     return running
 
 
@@ -184,6 +189,15 @@ def configure_logging(level: str = "INFO") -> None:
     logging.basicConfig(
         level=level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+
+
+def exit_if_unsafe(component: str, options: ServerOptions) -> None:
+    """The exposure checks of start_server, run before a slow startup (loading a model): exit 2 at once."""
+    try:
+        _check_exposure(options, TokenTable.load(options.tokens_file))
+    except ServerConfigError as exc:
+        print(f"opentinker {component}: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
 
 
 def serve_forever(

@@ -8,12 +8,13 @@ from typing import Annotated
 import typer
 
 from opentinker.rpc import cli_options as opt
+from opentinker.rpc.config import serve_command
 
 DEFAULT_PORT = 7072
 sampler_app = typer.Typer(no_args_is_help=True)
 
 
-@sampler_app.command("serve")
+@sampler_app.command("serve", cls=serve_command("sampler"))
 def serve(
     model: Annotated[str, typer.Option(help="Base model: a local HF directory (or a cached HF id).")],
     registry: Annotated[str, typer.Option(envvar="OPENTINKER_REGISTRY", help="Registry address host:port.")],
@@ -36,6 +37,7 @@ def serve(
     follow_window: Annotated[
         float, typer.Option(help="Also preload adapters that had requests in the last N seconds.")
     ] = 300.0,
+    registry_ca: opt.RegistryCa = None,
     host: opt.Host = "127.0.0.1",
     port: opt.Port = DEFAULT_PORT,
     metrics_port: opt.MetricsPort = 0,
@@ -45,17 +47,24 @@ def serve(
     tls_key: opt.TlsKey = None,
     ready_file: opt.ReadyFile = None,
     log_level: opt.LogLevel = "INFO",
+    max_message_mb: opt.MaxMessageMb = 64,
+    config_file: opt.Config = None,
+    print_config: opt.PrintConfig = False,
 ) -> None:
     """Run the sampler gRPC server."""
     import grpc
     import torch
+    from prometheus_client import REGISTRY
 
     from opentinker.registry.artifacts import ArtifactStore
-    from opentinker.rpc.server import ServiceBinding, configure_logging, serve_forever
+    from opentinker.registry.remote import registry_channel
+    from opentinker.rpc.progress import spinner
+    from opentinker.rpc.server import ServiceBinding, configure_logging, exit_if_unsafe, serve_forever
     from opentinker.sampler_server.adapters import AdapterLoader
     from opentinker.sampler_server.engine import Engine
     from opentinker.sampler_server.follower import AliasFollower
     from opentinker.sampler_server.kernels import TRITON_AVAILABLE, Backend
+    from opentinker.sampler_server.metrics import SamplerCollector
     from opentinker.sampler_server.model.config import resolve_model_dir
     from opentinker.sampler_server.model.kv_cache import KVCache
     from opentinker.sampler_server.model.llama import LlamaForCausalLM
@@ -66,6 +75,9 @@ def serve(
     from opentinker.v1 import common_pb2, registry_pb2_grpc, sampler_pb2, sampler_pb2_grpc
 
     configure_logging(log_level)
+    # Refuse an unsafe exposure before loading the model, not after.
+    exposure = opt.server_options(host, port, metrics_port, tokens_file, insecure_public, tls_cert, tls_key, ready_file)
+    exit_if_unsafe("sampler", exposure)
     if dtype not in ("float32", "bfloat16"):
         raise typer.BadParameter("dtype must be float32 or bfloat16", param_hint="--dtype")
     backends: dict[str, Backend] = {
@@ -79,7 +91,8 @@ def serve(
     torch_device = torch.device(pick_device(device))
     torch_dtype = torch.float32 if dtype == "float32" else torch.bfloat16
     model_dir = resolve_model_dir(model)
-    runner = LlamaForCausalLM.from_pretrained(model_dir, device=torch_device, dtype=torch_dtype)
+    with spinner(f"loading {model} on {torch_device}"):
+        runner = LlamaForCausalLM.from_pretrained(model_dir, device=torch_device, dtype=torch_dtype)
     config = runner.config
     context = max_len or min(config.max_position_embeddings, 4096)
     cache = KVCache(config, max_seqs + 1, context, torch_device, torch_dtype)  # + one slot for ComputeLogprobs
@@ -110,7 +123,7 @@ def serve(
     state: dict[str, object] = {}
 
     def add(server: grpc.aio.Server) -> None:
-        channel = grpc.aio.insecure_channel(registry)  # inside the server's event loop
+        channel = registry_channel(registry, registry_ca)  # inside the server's event loop
         state["channel"] = channel
         loader = AdapterLoader(pool, artifacts, registry_pb2_grpc.RegistryServiceStub(channel), metadata=metadata,
                                model_digest=digest)  # fmt: skip
@@ -123,6 +136,7 @@ def serve(
                                    lora_kernel=used_kernel, follower=follower)  # fmt: skip
         sampler_pb2_grpc.add_SamplerServiceServicer_to_server(servicer, server)
         engine.start()
+        REGISTRY.register(SamplerCollector(engine, loader))
 
     async def on_stop() -> None:
         follower = state.get("follower")
@@ -134,7 +148,8 @@ def serve(
             await channel.close()
 
     binding = ServiceBinding(sampler_pb2.DESCRIPTOR.services_by_name["SamplerService"].full_name, add)
-    options = opt.server_options(host, port, metrics_port, tokens_file, insecure_public, tls_cert, tls_key, ready_file)
+    options = opt.server_options(host, port, metrics_port, tokens_file, insecure_public, tls_cert, tls_key, ready_file,
+                                 max_message_mb)  # fmt: skip
     serve_forever("sampler", [binding], options, on_stop=on_stop)
 
 

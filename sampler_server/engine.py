@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from opentinker.sampler_server.kernels import Backend, add_lora
-from opentinker.sampler_server.kernels.segments import add_lora_planned, plan_segments
+from opentinker.sampler_server.kernels.segments import add_lora_runs, plan_runs, plan_segments
 from opentinker.sampler_server.model.kv_cache import KVCache
 from opentinker.sampler_server.model.llama import ForwardBatch, LlamaForCausalLM
 from opentinker.sampler_server.sampling import sample
@@ -259,11 +259,12 @@ class Engine:
             return None  # base-model-only batch: no LoRA work at all
         pool, ranks, kernel = self.pool, self.pool.ranks(), self.kernel
         if kernel == "segments" or (kernel == "auto" and self.device.type != "cuda"):
-            plan = plan_segments(token_slots, ranks, [slot.scaling for slot in pool.slots])
+            segments = plan_segments(token_slots, ranks, [slot.scaling for slot in pool.slots])
+            runs = plan_runs(segments, pool.scaling)
 
             def planned(module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
                 if module in pool.a:
-                    add_lora_planned(y, x, pool.a[module], pool.b[module], plan)
+                    add_lora_runs(y, x, pool.a[module], pool.b[module], runs)
                 return y
 
             return planned

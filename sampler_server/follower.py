@@ -40,6 +40,10 @@ RELOAD_SECONDS = Histogram(
     buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
 )
 RELOADS = Counter("opentinker_sampler_reloads_total", "Hot reloads by result", ["result"])
+# Why loads failed (e.g. DATA_LOSS/DIGEST_MISMATCH for a corrupt artifact), so operators can alert on it.
+RELOAD_FAILURES = Counter(
+    "opentinker_sampler_reload_failures_total", "Hot reloads that failed, by status code and reason", ["code", "reason"]
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +186,7 @@ class AliasFollower:
             except (ServiceError, grpc.aio.AioRpcError) as exc:
                 error = exc if isinstance(exc, ServiceError) else registry_error(exc)
                 self._record(target, ok=False, error=f"{error.code.name}: {error.message}")
+                RELOAD_FAILURES.labels(error.code.name, error.reason).inc()
                 log.warning("loading %s@%s failed (%s); still serving the previous version", target.adapter,
                             target.version, error.message)  # fmt: skip
                 await asyncio.sleep(backoff)

@@ -13,7 +13,7 @@ from typing import Any
 
 from opentinker.rpc.auth import current_principal
 from opentinker.rpc.errors import Internal, InvalidArgument, NotFound, ResourceExhausted
-from opentinker.sampler_server.adapters import AdapterLoader
+from opentinker.sampler_server.adapters import AdapterLoader, Resolved
 from opentinker.sampler_server.engine import Engine, SequenceUpdate
 from opentinker.sampler_server.follower import AliasFollower
 from opentinker.sampler_server.sequence import SamplingParams, Sequence
@@ -47,6 +47,21 @@ def sampling_params(message: sampler_pb2.SamplingParams, *, vocab_size: int) -> 
         seed=message.seed if message.HasField("seed") else None, max_tokens=max_tokens,
         stop_token_ids=stop_ids, stop_strings=tuple(message.stop_strings), logprobs=message.logprobs,
     )  # fmt: skip
+
+
+def coalesce(updates: list[SequenceUpdate]) -> list[SequenceUpdate]:
+    """Updates that queued up while the client was reading, merged into one per sample (in the order each sample
+    first appears), so a lagging client gets one message with several tokens instead of a backlog of one-token
+    messages. A sample's tokens, logprobs and text stay in order; an error is kept."""
+    merged: dict[int, SequenceUpdate] = {}
+    for new in updates:
+        index = new.seq.sample_index
+        old = merged.get(index)
+        merged[index] = new if old is None else SequenceUpdate(
+            new.seq, old.tokens + new.tokens, old.logprobs + new.logprobs, old.text + new.text, new.finished,
+            new.error or old.error,
+        )  # fmt: skip
+    return list(merged.values())
 
 
 class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
@@ -128,29 +143,38 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
         first = [True] * count
         try:
             while remaining:
-                update = await updates.get()
-                if update.error:
-                    remaining = 0
-                    raise Internal(update.error, reason="ENGINE_FAILED")
-                index = update.seq.sample_index
-                message = sampler_pb2.SampleResponse(
-                    sample_index=index, tokens=update.tokens, version=resolved.message,
-                    stop_reason=update.seq.stop_reason if update.finished else sampler_pb2.STOP_REASON_UNSPECIFIED,  # type: ignore[arg-type]
-                    text=update.text,
-                )  # fmt: skip
-                if params.logprobs:
-                    message.logprobs.extend(update.logprobs)
-                if first[index]:
-                    message.prompt_tokens = len(prompt)
-                    if update.seq.prompt_logprobs is not None:
-                        message.prompt_logprobs.extend(update.seq.prompt_logprobs)
-                    first[index] = False
-                if update.finished:
-                    remaining -= 1
-                yield message
+                pending = [await updates.get()]
+                while not updates.empty():  # the client read slower than we generate: one message per sample
+                    pending.append(updates.get_nowait())
+                for update in coalesce(pending):
+                    if update.error:
+                        remaining = 0
+                        raise Internal(update.error, reason="ENGINE_FAILED")
+                    if update.finished:
+                        remaining -= 1
+                    yield self._response(update, resolved, params, prompt, first)
         finally:
             if remaining:  # the client went away or the server is stopping: free the sequences now
                 self.engine.abort(request_id)
+
+    @staticmethod
+    def _response(
+        update: SequenceUpdate, resolved: Resolved, params: SamplingParams, prompt: list[int], first: list[bool]
+    ) -> sampler_pb2.SampleResponse:
+        index = update.seq.sample_index
+        message = sampler_pb2.SampleResponse(
+            sample_index=index, tokens=update.tokens, version=resolved.message,
+            stop_reason=update.seq.stop_reason if update.finished else sampler_pb2.STOP_REASON_UNSPECIFIED,  # type: ignore[arg-type]
+            text=update.text,
+        )  # fmt: skip
+        if params.logprobs:
+            message.logprobs.extend(update.logprobs)
+        if first[index]:
+            message.prompt_tokens = len(prompt)
+            if update.seq.prompt_logprobs is not None:
+                message.prompt_logprobs.extend(update.seq.prompt_logprobs)
+            first[index] = False
+        return message
 
     def _sequence(
         self, request_id: str, index: int, prompt: list[int], params: SamplingParams, slot: int, prompt_logprobs: bool

@@ -8,12 +8,13 @@ from typing import Annotated
 import typer
 
 from opentinker.rpc import cli_options as opt
+from opentinker.rpc.config import serve_command
 
 DEFAULT_PORT = 7071
 trainer_app = typer.Typer(no_args_is_help=True)
 
 
-@trainer_app.command("serve")
+@trainer_app.command("serve", cls=serve_command("trainer"))
 def serve(
     model: Annotated[str, typer.Option(help="Base model: a local HF directory (or a cached HF id).")],
     registry: Annotated[str, typer.Option(envvar="OPENTINKER_REGISTRY", help="Registry address host:port.")],
@@ -31,6 +32,7 @@ def serve(
         Path | None, typer.Option(help="Where offloaded adapters go when the device is the CPU.")
     ] = None,
     max_batch_tokens: Annotated[int, typer.Option(help="Largest ForwardBackward batch, in tokens.")] = 1 << 20,
+    registry_ca: opt.RegistryCa = None,
     host: opt.Host = "127.0.0.1",
     port: opt.Port = DEFAULT_PORT,
     metrics_port: opt.MetricsPort = 0,
@@ -40,33 +42,46 @@ def serve(
     tls_key: opt.TlsKey = None,
     ready_file: opt.ReadyFile = None,
     log_level: opt.LogLevel = "INFO",
+    max_message_mb: opt.MaxMessageMb = 64,
+    config_file: opt.Config = None,
+    print_config: opt.PrintConfig = False,
 ) -> None:
     """Run the trainer gRPC server."""
     import grpc
+    from prometheus_client import REGISTRY
 
     from opentinker.registry.artifacts import ArtifactStore
-    from opentinker.rpc.server import ServiceBinding, configure_logging, serve_forever
+    from opentinker.registry.remote import registry_channel
+    from opentinker.rpc import faults
+    from opentinker.rpc.progress import spinner
+    from opentinker.rpc.server import ServiceBinding, configure_logging, exit_if_unsafe, serve_forever
     from opentinker.trainer_server.base_model import BaseModel, pick_device
+    from opentinker.trainer_server.metrics import TrainerCollector
     from opentinker.trainer_server.scheduler import AdapterScheduler
     from opentinker.trainer_server.service import TrainerServicer
     from opentinker.trainer_server.trainer import Trainer
     from opentinker.v1 import registry_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 
     configure_logging(log_level)
+    # Refuse an unsafe exposure before loading the model, not after.
+    exposure = opt.server_options(host, port, metrics_port, tokens_file, insecure_public, tls_cert, tls_key, ready_file)
+    exit_if_unsafe("trainer", exposure)
     if dtype not in ("float32", "bfloat16"):
         raise typer.BadParameter("dtype must be float32 or bfloat16", param_hint="--dtype")
-    artifacts = ArtifactStore(store)
+    artifacts = ArtifactStore(store, fault_hook=faults.configure())  # no hook unless a test arms one
     artifacts.cleanup_temp()
-    base = BaseModel(model, device=pick_device(device), dtype=dtype)
+    with spinner(f"loading {model}"):
+        base = BaseModel(model, device=pick_device(device), dtype=dtype)
     trainer = Trainer(base, artifacts, max_resident=max_resident_adapters,
                       spill_dir=spill_dir or store.parent / "trainer-spill")  # fmt: skip
     scheduler = AdapterScheduler()
+    REGISTRY.register(TrainerCollector(trainer))
     metadata = [("authorization", f"Bearer {registry_token}")] if registry_token else None
     state: dict[str, object] = {}
 
     def add(server: grpc.aio.Server) -> None:
         # The aio channel must be created inside the server's event loop.
-        channel = grpc.aio.insecure_channel(registry)
+        channel = registry_channel(registry, registry_ca)
         state["channel"] = channel
         scheduler.start()
         servicer = TrainerServicer(trainer, scheduler, registry_pb2_grpc.RegistryServiceStub(channel),
@@ -80,5 +95,6 @@ def serve(
             await channel.close()
 
     binding = ServiceBinding(trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"].full_name, add)
-    options = opt.server_options(host, port, metrics_port, tokens_file, insecure_public, tls_cert, tls_key, ready_file)
+    options = opt.server_options(host, port, metrics_port, tokens_file, insecure_public, tls_cert, tls_key, ready_file,
+                                 max_message_mb)  # fmt: skip
     serve_forever("trainer", [binding], options, on_stop=on_stop)

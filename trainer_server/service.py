@@ -17,6 +17,7 @@ from opentinker.rpc.errors import (
     NotFound,
     ResourceExhausted,
 )
+from opentinker.rpc.faults import fault_point
 from opentinker.trainer_server.adapter import AdapterState
 from opentinker.trainer_server.batch import build_batch
 from opentinker.trainer_server.losses import LOSS_FNS, resolve_config
@@ -220,6 +221,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             return ref, lineage
 
         ref, lineage = await self.scheduler.run(name, write)
+        fault_point("save_snapshot/before_publish")
         publish = registry_pb2.PublishVersionRequest(
             adapter=name, artifact_uri=ref.uri, artifact_sha256=ref.sha256, artifact_size_bytes=ref.size_bytes,
             lora_config=self.trainer.get(name).lora, lineage=lineage, aliases=aliases,
@@ -232,6 +234,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
                 raise
             await push_artifact(self.registry, self.trainer.artifacts, ref.uri, self.metadata)  # another store
             response = await registry_call(self.registry.PublishVersion(publish, metadata=self.metadata))
+        fault_point("save_snapshot/after_publish")
 
         def record() -> None:
             state = self.trainer.get(name)
@@ -245,6 +248,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         name = self._known(request.adapter)
         label = request.label or "state"
         ref = await self.scheduler.run(name, lambda: self.trainer.save_state(name, label))
+        fault_point("save_state/before_reply")
         return trainer_pb2.SaveStateResponse(
             state_id=ref.uri, step=self.trainer.get(name).step, size_bytes=ref.size_bytes
         )

@@ -24,6 +24,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from opentinker.registry.artifacts import ArtifactRef, ArtifactStore
+from opentinker.rpc import faults
 from opentinker.rpc.errors import AlreadyExists, DataLoss, FailedPrecondition, InvalidArgument, NotFound
 from opentinker.trainer_server.adapter import PEFT_PREFIX, AdapterState, Ledger, adam_or_default, new_adapter
 from opentinker.trainer_server.base_model import BaseModel
@@ -211,7 +212,8 @@ class Trainer:
             "adapter_config.json": config.encode(),
             "adapter_model.safetensors": save_safetensors(state.peft_state_dict()),
         }
-        return self.artifacts.commit_files(files)
+        with faults.scope("save_snapshot"):
+            return self.artifacts.commit_files(files)
 
     def check_snapshot(self, uri: str, lora: common_pb2.LoraConfig) -> None:
         """FAILED_PRECONDITION INCOMPATIBLE_SNAPSHOT unless the snapshot holds exactly the LoRA tensors (names
@@ -262,7 +264,8 @@ class Trainer:
             "optimizer.pt": _torch_bytes(state.optimizer.state_dict()),
             "rng.pt": _torch_bytes(state.generator.get_state()),
         }
-        return self.artifacts.commit_files(files)
+        with faults.scope("save_state"):
+            return self.artifacts.commit_files(files)
 
     def check_state(self, uri: str, lora: common_pb2.LoraConfig) -> tuple[Path, dict[str, Any]]:
         """The directory and metadata of a saved state that fits an adapter with this LoRA config.

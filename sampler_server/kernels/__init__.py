@@ -13,7 +13,9 @@ Three paths compute the same thing:
 - "segments" (`add_lora_segments`): the CPU production path. Rows stably sorted by slot form one contiguous
   segment per slot; each segment is two small GEMMs sliced to the slot's real rank, scattered back with
   index_add_. Cost scales with distinct slots, not rows, and slot 0 costs nothing. It reads the segment
-  boundaries on the host, which is free on CPU but would sync a GPU stream.
+  boundaries on the host, which is free on CPU but would sync a GPU stream. The engine uses its planned form
+  (`segments.plan_runs` + `add_lora_runs`): rows already ordered by slot, one batched matmul pair per run of
+  consecutive slots.
 - "triton" (`add_lora_triton`): shrink and expand kernels indexed by slot into the one stacked tensor, with
   segment metadata computed on the device, so there is no host sync and no per-row weight copy. Used on CUDA;
   also runs on CPU under TRITON_INTERPRET=1 for correctness tests on tiny shapes.

@@ -1,9 +1,15 @@
 """CPU production path for the multi-LoRA delta: rows grouped into one contiguous segment per slot (SGMV in torch).
 
-Stable-sort the rows by slot, count each run (unique_consecutive), then per segment one shrink matmul
-(x_seg @ A_s^T, float32, sliced to the slot's real rank) and one expand matmul (h @ B_s^T), and index_add the
-result back into y. Slot 0 ("no adapter") is skipped entirely. Unlike the reference it never materialises a
-per-row copy of the weights: the work is two small GEMMs per resident slot in the batch.
+`add_lora_segments` (any row order): stable-sort the rows by slot, count each segment (unique_consecutive), then
+per segment one shrink matmul (x_seg @ A_s^T, float32, sliced to the slot's real rank) and one expand matmul
+(h @ B_s^T), index_added back into y. Slot 0 ("no adapter") is skipped entirely. Unlike the reference it never
+materialises a per-row copy of the weights.
+
+The engine's path plans once per step instead: its rows are already ordered by slot, `plan_segments` finds the
+segments and `plan_runs` merges segments of consecutive slots with equal row counts into runs, and
+`add_lora_runs` gives each run one batched matmul pair over a strided view of the stacked weights. In decode
+with one row per adapter that is two ops per projection for the whole batch, instead of two per adapter: the
+per-op overhead goes and what is left is streaming the adapters' weights from memory.
 """
 
 from __future__ import annotations
@@ -91,8 +97,9 @@ class Segment:
 def plan_segments(token_slots: Sequence[int], ranks: Sequence[int], scales: Sequence[float]) -> list[Segment]:
     """Contiguous runs of rows on the same active slot, computed once per engine step on the host.
 
-    The engine orders a batch's sequences by slot, so each adapter's rows form one run; the plan then serves
-    all projections of all layers without sorting, gathering or a device-to-host sync per projection.
+    The engine orders a batch's sequences by slot, so each adapter's rows form one segment; the plan (merged into
+    runs by `plan_runs`) then serves all projections of all layers without sorting, gathering or a device-to-host
+    sync per projection.
     """
     plan: list[Segment] = []
     start = 0
@@ -105,18 +112,74 @@ def plan_segments(token_slots: Sequence[int], ranks: Sequence[int], scales: Sequ
     return plan
 
 
-def add_lora_planned(
+@dataclass(frozen=True, slots=True)
+class Run:
+    """Planned segments of the consecutive slots `first .. first + count - 1`, `rows` rows each, stored one after
+    another from row `start`. The pool stacks slots along dim 0, so their weights are one strided view and a
+    single batched matmul pair serves the whole run: in decode (one row per sequence, each adapter in its own
+    slot) a whole batch is typically one run instead of one op pair per adapter."""
+
+    first: int
+    count: int
+    start: int
+    rows: int
+    rank: int  # the largest real rank in the run; the zero padding of smaller ranks adds exactly nothing
+    scale: float  # the slot's scaling when count == 1
+    scales: torch.Tensor | None  # [count, 1, 1] float32 scaling per slot (a view of the pool's); None if count == 1
+
+    @property
+    def end(self) -> int:
+        return self.start + self.count * self.rows
+
+
+def plan_runs(plan: Sequence[Segment], scaling: torch.Tensor) -> list[Run]:
+    """Merges planned segments into runs of consecutive slots with equal row counts; scaling: [S] float32."""
+    runs: list[Run] = []
+    i = 0
+    while i < len(plan):
+        head = plan[i]
+        rows = head.end - head.start
+        j = i + 1
+        while (
+            j < len(plan)
+            and plan[j].slot == plan[j - 1].slot + 1
+            and plan[j].start == plan[j - 1].end
+            and plan[j].end - plan[j].start == rows
+        ):
+            j += 1
+        count = j - i
+        rank = max(seg.rank for seg in plan[i:j])
+        scales = scaling[head.slot : head.slot + count].view(count, 1, 1) if count > 1 else None
+        runs.append(Run(head.slot, count, head.start, rows, rank, head.scale, scales))
+        i = j
+    return runs
+
+
+def add_lora_runs(
     y: torch.Tensor,  # [N, d_out]; updated in place
     x: torch.Tensor,  # [N, d_in]
     a: torch.Tensor,  # [S, R, d_in]
     b: torch.Tensor,  # [S, d_out, R]
-    plan: Sequence[Segment],
+    runs: Sequence[Run],
 ) -> None:
-    """y[s:e] += scale * (x[s:e] @ A[slot, :r]^T) @ B[slot, :, :r]^T for every planned segment: two ops per
-    segment on contiguous slices, the rank-sized intermediate in float32."""
-    for seg in plan:
-        h = x[seg.start : seg.end].float() @ a[seg.slot, : seg.rank].float().T  # [M, r]
+    """y[rows of slot s] += scale_s * (x[rows] @ A[s, :r]^T) @ B[s, :, :r]^T for every planned run: per run one shrink
+    bmm, one scale and one expand bmm on contiguous row ranges and weight views (two ops for a one-slot run); the
+    rank-sized intermediate in float32."""
+    for run in runs:
+        k, m, r = run.count, run.rows, run.rank
+        xs, ys = x[run.start : run.end], y[run.start : run.end]  # [k * m, d_in], [k * m, d_out]
+        a_run = a[run.first : run.first + k, :r].transpose(1, 2)  # [k, d_in, r]
+        b_run = b[run.first : run.first + k, :, :r].transpose(1, 2)  # [k, r, d_out]
+        if run.scales is None:
+            h = xs.float() @ a_run[0].float()  # [m, r]
+            if y.dtype == torch.float32:
+                ys.addmm_(h, b_run[0], alpha=run.scale)
+            else:
+                ys += ((h @ b_run[0].float()) * run.scale).to(y.dtype)
+            continue
+        hk = torch.bmm(xs.reshape(k, m, -1).float(), a_run.float())  # [k, m, r]
+        hk.mul_(run.scales)
         if y.dtype == torch.float32:
-            y[seg.start : seg.end].addmm_(h, b[seg.slot, :, : seg.rank].T, alpha=seg.scale)
+            ys.view(k, m, -1).baddbmm_(hk, b_run)
         else:
-            y[seg.start : seg.end] += ((h @ b[seg.slot, :, : seg.rank].float().T) * seg.scale).to(y.dtype)
+            ys += torch.bmm(hk, b_run.float()).to(y.dtype).view(k * m, -1)

@@ -120,14 +120,18 @@ class RegistryServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def CreateAdapter(self, request, context):
-        """Registers an adapter name. ALREADY_EXISTS if it exists.
+        """Registers an adapter name. A tenant's names must start with "<tenant>/".
+        Errors: INVALID_ARGUMENT (INVALID_ADAPTER_NAME, INVALID_LORA_CONFIG), ALREADY_EXISTS (ADAPTER_EXISTS),
+        PERMISSION_DENIED (PERMISSION_DENIED).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetAdapter(self, request, context):
-        """NOT_FOUND if the adapter does not exist (or was deleted).
+        """The adapter, unless it does not exist (or was deleted).
+        Errors: INVALID_ARGUMENT (INVALID_ADAPTER_NAME), NOT_FOUND (ADAPTER_NOT_FOUND),
+        PERMISSION_DENIED (PERMISSION_DENIED).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -135,13 +139,16 @@ class RegistryServiceServicer:
 
     def ListAdapters(self, request, context):
         """Adapters visible to the caller, ordered by name, paged.
+        Errors: INVALID_ARGUMENT (INVALID_PAGE_SIZE, INVALID_PAGE_TOKEN).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def DeleteAdapter(self, request, context):
-        """Deletes the adapter record and its aliases; versions stay until garbage collection. Admin or owner.
+        """Deletes the adapter record and its aliases; versions stay until garbage collection. Admin only.
+        Errors: INVALID_ARGUMENT (INVALID_ADAPTER_NAME), NOT_FOUND (ADAPTER_NOT_FOUND),
+        PERMISSION_DENIED (PERMISSION_DENIED).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -149,20 +156,28 @@ class RegistryServiceServicer:
 
     def PublishVersion(self, request, context):
         """Records a new version (number from Redis INCR) and, unless skip_latest, moves "latest" to it.
-        Idempotent by request_id. The artifact must already be committed to the store.
+        Idempotent by request_id. The artifact must already be committed to the store; it is verified first.
+        Errors: INVALID_ARGUMENT (INVALID_ADAPTER_NAME, INVALID_ARTIFACT_URI, INVALID_ALIAS, INVALID_REQUEST_ID,
+        INVALID_LORA_CONFIG), NOT_FOUND (ADAPTER_NOT_FOUND, VERSION_NOT_FOUND, ARTIFACT_NOT_FOUND),
+        FAILED_PRECONDITION (VERSION_CONFLICT), DATA_LOSS (DIGEST_MISMATCH), PERMISSION_DENIED (PERMISSION_DENIED).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetVersion(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """One version of an adapter, collected or not.
+        Errors: INVALID_ARGUMENT (INVALID_ADAPTER_NAME, INVALID_VERSION), NOT_FOUND (ADAPTER_NOT_FOUND,
+        VERSION_NOT_FOUND), PERMISSION_DENIED (PERMISSION_DENIED).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ListVersions(self, request, context):
         """Versions newest first, paged.
+        Errors: INVALID_ARGUMENT (INVALID_ADAPTER_NAME, INVALID_PAGE_SIZE, INVALID_PAGE_TOKEN),
+        NOT_FOUND (ADAPTER_NOT_FOUND), PERMISSION_DENIED (PERMISSION_DENIED).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -170,26 +185,37 @@ class RegistryServiceServicer:
 
     def Resolve(self, request, context):
         """Reference string ("name", "name@alias", "name@N") -> exact version.
+        Errors: INVALID_ARGUMENT (INVALID_REFERENCE, INVALID_ADAPTER_NAME), NOT_FOUND (ADAPTER_NOT_FOUND,
+        ALIAS_NOT_FOUND, VERSION_NOT_FOUND), PERMISSION_DENIED (PERMISSION_DENIED).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def SetAlias(self, request, context):
-        """Moves an alias; compare-and-set when expected_version is given (FAILED_PRECONDITION VERSION_CONFLICT).
+        """Moves an alias; compare-and-set when expected_version is given.
+        Errors: INVALID_ARGUMENT (INVALID_ADAPTER_NAME, INVALID_ALIAS, INVALID_VERSION), NOT_FOUND (ADAPTER_NOT_FOUND,
+        VERSION_NOT_FOUND), FAILED_PRECONDITION (VERSION_CONFLICT, ARTIFACT_DELETED),
+        PERMISSION_DENIED (PERMISSION_DENIED).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def DeleteAlias(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Removes an alias; "latest" cannot be removed.
+        Errors: INVALID_ARGUMENT (INVALID_ADAPTER_NAME, INVALID_ALIAS), NOT_FOUND (ADAPTER_NOT_FOUND, ALIAS_NOT_FOUND),
+        FAILED_PRECONDITION (ALIAS_MANAGED, VERSION_CONFLICT), PERMISSION_DENIED (PERMISSION_DENIED).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Rollback(self, request, context):
         """Moves an alias to an older version: the given one, or the one it pointed to before its last move.
+        Errors: INVALID_ARGUMENT (INVALID_ADAPTER_NAME, INVALID_ALIAS, INVALID_VERSION), NOT_FOUND (ADAPTER_NOT_FOUND,
+        ALIAS_NOT_FOUND, VERSION_NOT_FOUND), FAILED_PRECONDITION (NO_PREVIOUS_VERSION, NOT_OLDER, VERSION_CONFLICT,
+        ARTIFACT_DELETED), PERMISSION_DENIED (PERMISSION_DENIED).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -197,6 +223,8 @@ class RegistryServiceServicer:
 
     def GetLineage(self, request, context):
         """The chain of versions from the given one back to the first, with the batches each was trained on.
+        Errors: INVALID_ARGUMENT (INVALID_REFERENCE, INVALID_ADAPTER_NAME), NOT_FOUND (ADAPTER_NOT_FOUND,
+        ALIAS_NOT_FOUND, VERSION_NOT_FOUND), PERMISSION_DENIED (PERMISSION_DENIED).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -204,7 +232,9 @@ class RegistryServiceServicer:
 
     def WatchEvents(self, request, context):
         """Streams change events after after_event_id. If that id was trimmed from the log, the first message
-        is a Reconcile with the full alias map instead of a silent gap.
+        is a Reconcile with the full alias map instead of a silent gap. Other tenants' events are left out.
+        Errors: INVALID_ARGUMENT (INVALID_EVENT_ID, INVALID_ADAPTER_NAME); an open watch ends with
+        UNAVAILABLE (STORE_UNAVAILABLE) when Redis goes away: resume from the last event id.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -213,20 +243,26 @@ class RegistryServiceServicer:
     def GarbageCollect(self, request, context):
         """Deletes artifacts of versions outside the retention policy (last K per adapter + every aliased
         version). Admin only.
+        Errors: INVALID_ARGUMENT (INVALID_ADAPTER_NAME), PERMISSION_DENIED (PERMISSION_DENIED).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def UploadArtifact(self, request_iterator, context):
-        """Stores an artifact sent in chunks (first message carries the header). DATA_LOSS on digest mismatch.
+        """Stores an artifact sent in chunks (first message carries the header); nothing is stored on error.
+        Errors: INVALID_ARGUMENT (INVALID_UPLOAD, ARTIFACT_TOO_LARGE, INVALID_ARTIFACT_PATH, INVALID_ARTIFACT_FILE,
+        EMPTY_ARTIFACT), DATA_LOSS (DIGEST_MISMATCH), RESOURCE_EXHAUSTED (STORAGE_FULL),
+        UNAVAILABLE (ARTIFACT_COMMIT_CONFLICT).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def DownloadArtifact(self, request, context):
-        """Streams the files of a committed artifact in chunks.
+        """Streams the files of a committed artifact in chunks, each file verified against its digest.
+        Errors: INVALID_ARGUMENT (INVALID_ARTIFACT_URI), NOT_FOUND (ARTIFACT_NOT_FOUND), DATA_LOSS (DIGEST_MISMATCH),
+        PERMISSION_DENIED (PERMISSION_DENIED).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -75,7 +75,9 @@ class SamplerServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def GetSamplerInfo(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The base model and the limits this sampler runs with.
+        Errors: none beyond those of every RPC.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -83,6 +85,11 @@ class SamplerServiceServicer:
     def Sample(self, request, context):
         """Streams generated tokens of num_samples samples as they are produced. The reference is resolved
         once, at admission, and every message names the exact version used.
+        Errors: INVALID_ARGUMENT (INVALID_REFERENCE, INVALID_ADAPTER_NAME, INVALID_PROMPT, TOKEN_OUT_OF_RANGE,
+        PROMPT_TOO_LONG, INVALID_SAMPLING_PARAMS), NOT_FOUND (ADAPTER_NOT_FOUND, ALIAS_NOT_FOUND, VERSION_NOT_FOUND),
+        FAILED_PRECONDITION (INCOMPATIBLE_ADAPTER, ARTIFACT_DELETED), RESOURCE_EXHAUSTED (QUEUE_FULL, NO_FREE_SLOT),
+        DATA_LOSS (DIGEST_MISMATCH), PERMISSION_DENIED (PERMISSION_DENIED), UNAVAILABLE (REGISTRY_UNAVAILABLE),
+        INTERNAL (ENGINE_FAILED).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -90,6 +97,10 @@ class SamplerServiceServicer:
 
     def ComputeLogprobs(self, request, context):
         """Logprob of every token given its prefix, under the referenced version.
+        Errors: INVALID_ARGUMENT (INVALID_REFERENCE, INVALID_ADAPTER_NAME, INVALID_PROMPT, TOKEN_OUT_OF_RANGE,
+        PROMPT_TOO_LONG), NOT_FOUND (ADAPTER_NOT_FOUND, ALIAS_NOT_FOUND, VERSION_NOT_FOUND),
+        FAILED_PRECONDITION (INCOMPATIBLE_ADAPTER, ARTIFACT_DELETED), RESOURCE_EXHAUSTED (NO_FREE_SLOT),
+        DATA_LOSS (DIGEST_MISMATCH), PERMISSION_DENIED (PERMISSION_DENIED), UNAVAILABLE (REGISTRY_UNAVAILABLE).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -97,26 +108,37 @@ class SamplerServiceServicer:
 
     def LoadAdapter(self, request, context):
         """Makes a version resident in a slot (optionally pinned against eviction).
+        Errors: INVALID_ARGUMENT (INVALID_REFERENCE, INVALID_ADAPTER_NAME), NOT_FOUND (ADAPTER_NOT_FOUND,
+        ALIAS_NOT_FOUND, VERSION_NOT_FOUND), FAILED_PRECONDITION (INCOMPATIBLE_ADAPTER, ARTIFACT_DELETED),
+        RESOURCE_EXHAUSTED (NO_FREE_SLOT), DATA_LOSS (DIGEST_MISMATCH), PERMISSION_DENIED (PERMISSION_DENIED),
+        UNAVAILABLE (REGISTRY_UNAVAILABLE).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def UnloadAdapter(self, request, context):
-        """Releases a resident version; its slot is freed when its last request ends.
+        """Releases a resident version; its slot is freed when its last request ends (freed_now says which).
+        Errors: INVALID_ARGUMENT (INVALID_REFERENCE, INVALID_ADAPTER_NAME), NOT_FOUND (ADAPTER_NOT_LOADED,
+        ADAPTER_NOT_FOUND, ALIAS_NOT_FOUND, VERSION_NOT_FOUND), PERMISSION_DENIED (PERMISSION_DENIED),
+        UNAVAILABLE (REGISTRY_UNAVAILABLE).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ListLoaded(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Resident versions the caller may see, with their slots and the aliases routed to them.
+        Errors: none beyond those of every RPC.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetStats(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Queue, slot, throughput and reload figures (reloads of other tenants' adapters left out).
+        Errors: none beyond those of every RPC.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')

@@ -96,6 +96,7 @@ class TrainerServiceServicer:
 
     def GetTrainerInfo(self, request, context):
         """The base model this trainer holds.
+        Errors: none beyond those of every RPC.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -103,26 +104,38 @@ class TrainerServiceServicer:
 
     def CreateAdapter(self, request, context):
         """Creates an adapter (fresh LoRA weights from its seed, a registry version, or a saved state) and
-        registers it in the registry.
+        registers it in the registry. A snapshot or state that does not fit creates nothing.
+        Errors: INVALID_ARGUMENT (INVALID_ADAPTER_NAME, INVALID_LORA_CONFIG, INVALID_ADAM_PARAMS, INVALID_REFERENCE,
+        INVALID_ARTIFACT_URI), NOT_FOUND (ADAPTER_NOT_FOUND, ALIAS_NOT_FOUND, VERSION_NOT_FOUND, STATE_NOT_FOUND),
+        ALREADY_EXISTS (ADAPTER_EXISTS), FAILED_PRECONDITION (BASE_MODEL_MISMATCH, INCOMPATIBLE_SNAPSHOT,
+        INCOMPATIBLE_STATE, ARTIFACT_DELETED), DATA_LOSS (DIGEST_MISMATCH, INVALID_STATE),
+        PERMISSION_DENIED (PERMISSION_DENIED), UNAVAILABLE (REGISTRY_UNAVAILABLE).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetAdapter(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The adapter's training state in this trainer.
+        Errors: INVALID_ARGUMENT (INVALID_ADAPTER_NAME), NOT_FOUND (ADAPTER_NOT_FOUND),
+        PERMISSION_DENIED (PERMISSION_DENIED).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ListAdapters(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Adapters of this trainer visible to the caller, by name.
+        Errors: none beyond those of every RPC.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def DeleteAdapter(self, request, context):
         """Drops the adapter's training state from this trainer (registry versions stay).
+        Errors: INVALID_ARGUMENT (INVALID_ADAPTER_NAME), NOT_FOUND (ADAPTER_NOT_FOUND),
+        PERMISSION_DENIED (PERMISSION_DENIED).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -130,6 +143,10 @@ class TrainerServiceServicer:
 
     def ForwardBackward(self, request, context):
         """Accumulates gradients of the loss over the datums into this adapter's gradient buffers only.
+        The batch is validated before it queues: a rejected one changes nothing.
+        Errors: INVALID_ARGUMENT (INVALID_ADAPTER_NAME, UNKNOWN_LOSS_FN, INVALID_LOSS_CONFIG, EMPTY_BATCH,
+        INVALID_DATUM, SEQUENCE_TOO_LONG, TOKEN_OUT_OF_RANGE), NOT_FOUND (ADAPTER_NOT_FOUND),
+        RESOURCE_EXHAUSTED (BATCH_TOO_LARGE), PERMISSION_DENIED (PERMISSION_DENIED).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -137,6 +154,9 @@ class TrainerServiceServicer:
 
     def Forward(self, request, context):
         """Logprobs and loss without gradients.
+        Errors: INVALID_ARGUMENT (INVALID_ADAPTER_NAME, UNKNOWN_LOSS_FN, INVALID_LOSS_CONFIG, EMPTY_BATCH,
+        INVALID_DATUM, SEQUENCE_TOO_LONG, TOKEN_OUT_OF_RANGE), NOT_FOUND (ADAPTER_NOT_FOUND),
+        RESOURCE_EXHAUSTED (BATCH_TOO_LARGE), PERMISSION_DENIED (PERMISSION_DENIED).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -144,6 +164,8 @@ class TrainerServiceServicer:
 
     def OptimStep(self, request, context):
         """One AdamW step on the adapter's own parameter list, then zeroes its gradients.
+        Errors: INVALID_ARGUMENT (INVALID_ADAPTER_NAME, INVALID_ADAM_PARAMS), NOT_FOUND (ADAPTER_NOT_FOUND),
+        FAILED_PRECONDITION (NO_GRADIENTS), PERMISSION_DENIED (PERMISSION_DENIED).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -152,6 +174,8 @@ class TrainerServiceServicer:
     def SaveSnapshot(self, request, context):
         """Writes the adapter's weights to the artifact store (peft format) and publishes a registry version
         with its lineage.
+        Errors: INVALID_ARGUMENT (INVALID_ADAPTER_NAME, INVALID_ALIAS, INVALID_REQUEST_ID), NOT_FOUND (ADAPTER_NOT_FOUND),
+        RESOURCE_EXHAUSTED (STORAGE_FULL), PERMISSION_DENIED (PERMISSION_DENIED), UNAVAILABLE (REGISTRY_UNAVAILABLE).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -159,6 +183,8 @@ class TrainerServiceServicer:
 
     def SaveState(self, request, context):
         """Saves weights + optimizer state + step + RNG + ledger for an exact resume.
+        Errors: INVALID_ARGUMENT (INVALID_ADAPTER_NAME), NOT_FOUND (ADAPTER_NOT_FOUND), RESOURCE_EXHAUSTED (STORAGE_FULL),
+        PERMISSION_DENIED (PERMISSION_DENIED).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -166,6 +192,9 @@ class TrainerServiceServicer:
 
     def LoadState(self, request, context):
         """Restores a saved state into the adapter; training continues bitwise as if never interrupted.
+        Errors: INVALID_ARGUMENT (INVALID_ADAPTER_NAME, INVALID_STATE_ID, INVALID_ARTIFACT_URI),
+        NOT_FOUND (ADAPTER_NOT_FOUND, STATE_NOT_FOUND), FAILED_PRECONDITION (BASE_MODEL_MISMATCH, INCOMPATIBLE_STATE),
+        DATA_LOSS (DIGEST_MISMATCH, INVALID_STATE), PERMISSION_DENIED (PERMISSION_DENIED).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,194 @@
+"""The aiohttp application: API-key auth, error answers the SDK handles, and the session-level routes
+(client config, sessions, heartbeats, futures, telemetry). Training and sampling routes live in
+training.py and sampling.py. Every path is under /api/v1/."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from opentinker.gateway import sampling, training
+from opentinker.gateway.auth import KEY_PREFIX
+from opentinker.gateway.convert import MAX_BODY_BYTES
+from opentinker.gateway.errors import GatewayError, RequestFailed
+from opentinker.gateway.state import (
+    GATEWAY,
+    Gateway,
+    check_sdk_version,
+    field_of,
+    gateway_of,
+    json_body,
+    principal_of,
+    required,
+)
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+_PUBLIC = frozenset({"/api/v1/healthz"})
+_NO_RETRY = {"x-should-retry": "false"}
+
+
+def _error(status: int, code: str, message: str) -> web.Response:
+    # 4xx answers say "do not retry": the SDK would otherwise retry some of them (409, 429).
+    headers = _NO_RETRY if status < 500 else {}
+    return web.json_response({"error": code, "detail": message}, status=status, headers=headers)
+
+
+def _authenticate(request: web.Request) -> None:
+    key = request.headers.get("X-API-Key", "")
+    if not key:
+        raise GatewayError(401, "MISSING_API_KEY", "send the API key in the X-API-Key header")
+    if not key.startswith(KEY_PREFIX):
+        raise GatewayError(401, "INVALID_API_KEY", f"API keys start with {KEY_PREFIX!r}")
+    principal = gateway_of(request).keys.lookup(key)
+    if principal is None:
+        raise GatewayError(401, "INVALID_API_KEY", "unknown API key")
+    request["principal"] = principal
+
+
+@web.middleware
+async def errors_and_auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        if request.path not in _PUBLIC:
+            _authenticate(request)
+        return await handler(request)
+    except GatewayError as exc:
+        return _error(exc.status, exc.code, exc.message)
+    except RequestFailed as exc:
+        return _error(400, "INVALID_REQUEST", exc.message)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return _error(
+            exc.status, exc.reason.upper().replace(" ", "_"), f"{request.method} {request.path}: {exc.reason}"
+        )
+    except Exception:
+        incident = uuid.uuid4().hex[:12]
+        log.exception("%s %s failed (incident %s)", request.method, request.path, incident)
+        return _error(500, "INTERNAL", f"internal gateway error (incident {incident})")
+
+
+# Service routes
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def client_config(request: web.Request) -> web.Response:
+    """Feature flags: plain API-key auth, the default HTTP transport, zstd-compressed forward_backward
+    bodies sent as parallel chunks, per-request sample polling, client-side custom losses."""
+    body = await json_body(request)
+    check_sdk_version(body.get("sdk_version"))
+    config = gateway_of(request).config
+    return web.json_response(
+        {
+            "pjwt_auth_enabled": False,
+            "credential_default_source": "api_key",
+            "use_pyqwest_transport": False,
+            "parallel_fwdbwd_chunks": True,
+            "proto_compress_fwdbwd": config.compress_fwdbwd,
+            "fwdbwd_max_chunk_len": config.fwdbwd_max_chunk_len,
+            "sample_use_retrieve_futures": False,
+            "custom_loss_server_side": False,
+            "sample_join_sampling_session": False,
+        }
+    )
+
+
+async def client_dynamic_config(request: web.Request) -> web.Response:
+    return web.json_response({"sample_cancel_enabled": False})
+
+
+async def server_capabilities(request: web.Request) -> web.Response:
+    gw, principal = gateway_of(request), principal_of(request)
+    base = await gw.backends.base_model(principal.token)
+    model = {"model_name": base.model, "max_context_length": base.max_positions, "trainable": True, "sampleable": True}
+    return web.json_response({"supported_models": [model]})
+
+
+async def create_session(request: web.Request) -> web.Response:
+    gw, principal = gateway_of(request), principal_of(request)
+    body = await json_body(request)
+    version = str(body.get("sdk_version", ""))
+    session = gw.sessions.create(principal.tenant, version)
+    reply: dict[str, object] = {"type": "create_session", "session_id": session.session_id}
+    warning = check_sdk_version(version)
+    if warning is not None:
+        reply["warning_message"] = warning
+    return web.json_response(reply)
+
+
+async def session_heartbeat(request: web.Request) -> web.Response:
+    gw, principal = gateway_of(request), principal_of(request)
+    body = await json_body(request)
+    gw.sessions.heartbeat(required(body, "session_id", str), principal.tenant)
+    return web.json_response({"type": "session_heartbeat"})
+
+
+async def finish_session(request: web.Request) -> web.Response:
+    gw, principal = gateway_of(request), principal_of(request)
+    session = gw.sessions.get(request.match_info["session_id"], principal.tenant)
+    body = await json_body(request)
+    reason = body.get("reason")
+    status = reason.get("type") if isinstance(reason, dict) else None
+    if session.finished is None:
+        session.finished = str(status or "success")
+    return web.json_response({})
+
+
+async def retrieve_future(request: web.Request) -> web.Response:
+    """Long-poll: the result once the request finished, else ``try_again`` after the poll window."""
+    gw, principal = gateway_of(request), principal_of(request)
+    body = await json_body(request)
+    request_id = required(body, "request_id", str)
+    future = await gw.futures.wait(request_id, principal.tenant)
+    outcome = future.outcome
+    if outcome is None:
+        return web.json_response({"type": "try_again", "request_id": request_id, "queue_state": "active"})
+    if outcome.failure is not None:
+        return web.json_response({"error": outcome.failure.message, "category": outcome.failure.category})
+    if outcome.proto is not None:
+        return web.Response(body=outcome.proto, content_type="application/x-protobuf")
+    return web.json_response(outcome.json)
+
+
+async def cancel_future(request: web.Request) -> web.Response:
+    """Accepted and ignored: the sample finishes; nothing else is charged for it here."""
+    body = await json_body(request)
+    field_of(body, "request_id", str)
+    return web.json_response({})
+
+
+async def telemetry(request: web.Request) -> web.Response:
+    """SDK telemetry is accepted and dropped."""
+    await request.read()
+    return web.json_response({"status": "accepted"})
+
+
+def create_app(gateway: Gateway) -> web.Application:
+    app = web.Application(middlewares=[errors_and_auth], client_max_size=MAX_BODY_BYTES)
+    app[GATEWAY] = gateway
+    app.router.add_get("/api/v1/healthz", healthz)
+    app.router.add_post("/api/v1/client/config", client_config)
+    app.router.add_post("/api/v1/client/dynamic_config", client_dynamic_config)
+    app.router.add_get("/api/v1/get_server_capabilities", server_capabilities)
+    app.router.add_post("/api/v1/create_session", create_session)
+    app.router.add_post("/api/v1/session_heartbeat", session_heartbeat)
+    app.router.add_post("/api/v1/sessions/{session_id}/finish", finish_session)
+    app.router.add_post("/api/v1/retrieve_future", retrieve_future)
+    app.router.add_post("/api/v1/cancel_future", cancel_future)
+    app.router.add_post("/api/v1/telemetry", telemetry)
+    training.add_routes(app)
+    sampling.add_routes(app)
+
+    async def cleanup(app: web.Application) -> None:
+        await gateway.futures.close()
+        await gateway.backends.close()
+
+    app.on_cleanup.append(cleanup)
+    return app

@@ -1,0 +1,117 @@
+"""`opentinker gateway serve`: the tinker SDK's HTTP API in front of a trainer, a sampler and a registry."""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+if TYPE_CHECKING:
+    from opentinker.gateway.auth import KeyStore
+    from opentinker.gateway.state import GatewayConfig
+
+DEFAULT_PORT = 7073
+app = typer.Typer(no_args_is_help=True)
+log = logging.getLogger("opentinker.gateway")
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _write_ready(path: Path, address: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps({"address": address, "metrics_address": None}))
+    os.replace(tmp, path)
+
+
+@app.command("serve")
+def serve(
+    trainer: Annotated[str, typer.Option(envvar="OPENTINKER_TRAINER", help="Trainer address host:port.")],
+    sampler: Annotated[str, typer.Option(envvar="OPENTINKER_SAMPLER", help="Sampler address host:port.")],
+    registry: Annotated[str, typer.Option(envvar="OPENTINKER_REGISTRY", help="Registry address host:port.")],
+    keys_file: Annotated[
+        Path | None,
+        typer.Option(exists=True, help="JSON file mapping tml- API keys to tenants and server tokens."),
+    ] = None,
+    host: Annotated[str, typer.Option(help="Address to bind (loopback unless --insecure-public).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="HTTP port; 0 picks a free port (printed on start).")] = DEFAULT_PORT,
+    insecure_public: Annotated[
+        bool, typer.Option(help="Allow a non-loopback address (plain HTTP: put TLS in front of it).")
+    ] = False,
+    fwdbwd_max_chunk_len: Annotated[int, typer.Option(help="Datums per forward_backward request.")] = 1024,
+    compress_fwdbwd: Annotated[bool, typer.Option(help="Ask the SDK to zstd-compress forward_backward.")] = True,
+    default_max_tokens: Annotated[int, typer.Option(help="max_tokens when a request leaves it unset.")] = 16,
+    poll_seconds: Annotated[float, typer.Option(help="Longest retrieve_future long-poll, in seconds.")] = 20.0,
+    ready_file: Annotated[Path | None, typer.Option(help="Write {address, metrics_address} JSON once serving.")] = None,
+    log_level: Annotated[str, typer.Option(help="Logging level.")] = "INFO",
+) -> None:
+    """Run the Tinker-compatible HTTP gateway (tinker SDK 0.38.0)."""
+    from opentinker.gateway.auth import KeysFileError, KeyStore
+    from opentinker.gateway.state import GatewayConfig
+
+    logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
+    if not _is_loopback(host) and not insecure_public:
+        typer.echo(f"refusing to bind {host}: plain HTTP carries API keys; pass --insecure-public", err=True)
+        raise typer.Exit(2)
+    try:
+        keys = KeyStore.load(keys_file)
+    except KeysFileError as exc:
+        typer.echo(f"gateway keys: {exc}", err=True)
+        raise typer.Exit(2) from None
+    if not len(keys):
+        typer.echo("no API keys: pass --keys-file or set OPENTINKER_GATEWAY_KEYS(_FILE)", err=True)
+        raise typer.Exit(2)
+    if fwdbwd_max_chunk_len < 1 or default_max_tokens < 1 or poll_seconds <= 0:
+        typer.echo("--fwdbwd-max-chunk-len, --default-max-tokens and --poll-seconds must be positive", err=True)
+        raise typer.Exit(2)
+    config = GatewayConfig(fwdbwd_max_chunk_len, compress_fwdbwd, default_max_tokens, poll_seconds)
+    asyncio.run(_run(keys, (trainer, sampler, registry), config, host, port, ready_file))
+
+
+async def _run(
+    keys: KeyStore,
+    addresses: tuple[str, str, str],
+    config: GatewayConfig,
+    host: str,
+    port: int,
+    ready_file: Path | None,
+) -> None:
+    from aiohttp import web
+
+    from opentinker.gateway.app import create_app
+    from opentinker.gateway.backend import Backends
+    from opentinker.gateway.state import Gateway
+
+    gateway = Gateway(keys=keys, backends=Backends(*addresses), config=config)
+    # forward_backward bodies are decompressed by the gateway itself (zstd, size-capped).
+    runner = web.AppRunner(create_app(gateway), access_log=None, auto_decompress=False)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound = runner.addresses[0]
+    address = f"{host}:{bound[1]}"
+    typer.echo(f"opentinker gateway serving on {address}")
+    if ready_file is not None:
+        _write_ready(ready_file, address)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("stopping")
+    await runner.cleanup()

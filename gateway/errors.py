@@ -1,0 +1,63 @@
+"""Errors the gateway answers: an HTTP status the tinker SDK handles plus a JSON body, or a failed future.
+
+Request-level errors (bad key, unknown model, unreadable body) are HTTP 4xx with ``x-should-retry: false``
+so the SDK raises at once instead of retrying; errors found while running a request the gateway already
+accepted become a failed future (``{"error": ..., "category": "user"|"server"}``), which the SDK raises
+as ``RequestFailedError``.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from opentinker.client.errors import OpenTinkerError
+
+
+class GatewayError(Exception):
+    """An HTTP error answer: ``status`` and a one-line message; ``code`` is a stable UPPER_SNAKE_CASE tag."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+
+    def body(self) -> dict[str, str]:
+        return {"error": self.code, "detail": self.message}
+
+
+def bad_request(message: str, code: str = "INVALID_REQUEST") -> GatewayError:
+    return GatewayError(400, code, message)
+
+
+def not_found(message: str, code: str = "NOT_FOUND") -> GatewayError:
+    return GatewayError(404, code, message)
+
+
+class RequestFailed(Exception):
+    """A future's failure: ``user`` errors are the caller's (bad input), ``server`` ones ours."""
+
+    def __init__(self, message: str, category: str = "user") -> None:
+        super().__init__(message)
+        self.message = message
+        self.category = category
+
+
+# gRPC codes that mean the caller's request was wrong, not that a server failed.
+_USER_CODES = {
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.ALREADY_EXISTS,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.OUT_OF_RANGE,
+}
+
+
+def from_backend(exc: OpenTinkerError) -> RequestFailed:
+    """A trainer/sampler/registry error as a future failure, its status and reason kept in the message."""
+    category = "user" if exc.code in _USER_CODES else "server"
+    reason = f"/{exc.reason}" if exc.reason else ""
+    return RequestFailed(f"{exc.code.name}{reason}: {exc.message}", category)

@@ -1,0 +1,114 @@
+"""The future store: every accepted request gets a request id the SDK long-polls with ``retrieve_future``.
+
+A future ends with a JSON result, a protobuf result (ForwardBackwardOutput, SampleResponse) or a failure.
+``wait`` holds a poll open until the future ends or ``poll_seconds`` pass (then the SDK gets
+``try_again`` and asks again). Finished futures stay retrievable for ``ttl_seconds``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from opentinker.client.errors import OpenTinkerError
+from opentinker.gateway.errors import GatewayError, RequestFailed, from_backend, not_found
+
+log = logging.getLogger(__name__)
+
+Json = dict[str, object]
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """A finished request: exactly one of ``json``, ``proto`` or ``failure``."""
+
+    json: Json | None = None
+    proto: bytes | None = None
+    failure: RequestFailed | None = None
+
+
+Job = Callable[[], Awaitable[Outcome]]
+
+
+@dataclass(slots=True)
+class Future:
+    request_id: str
+    tenant: str
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    outcome: Outcome | None = None
+    finished_at: float = 0.0
+
+    def finish(self, outcome: Outcome) -> None:
+        if self.outcome is None:
+            self.outcome = outcome
+            self.finished_at = time.monotonic()
+            self.done.set()
+
+
+async def run_job(job: Job) -> Outcome:
+    """Runs ``job``; any error becomes a failed outcome (a bug is logged with an incident id, never sent)."""
+    try:
+        return await job()
+    except RequestFailed as exc:
+        return Outcome(failure=exc)
+    except GatewayError as exc:
+        return Outcome(failure=RequestFailed(exc.message))
+    except OpenTinkerError as exc:
+        return Outcome(failure=from_backend(exc))
+    except Exception:
+        incident = uuid.uuid4().hex[:12]
+        log.exception("request failed unexpectedly (incident %s)", incident)
+        return Outcome(failure=RequestFailed(f"internal gateway error (incident {incident})", "server"))
+
+
+class FutureStore:
+    def __init__(self, *, poll_seconds: float = 20.0, ttl_seconds: float = 3600.0) -> None:
+        self.poll_seconds = poll_seconds
+        self.ttl_seconds = ttl_seconds
+        self._futures: dict[str, Future] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def create(self, tenant: str) -> Future:
+        self._prune()
+        future = Future(request_id=uuid.uuid4().hex, tenant=tenant)
+        self._futures[future.request_id] = future
+        return future
+
+    def start(self, future: Future, job: Job) -> None:
+        """Runs ``job`` in the background; its outcome ends ``future``."""
+
+        async def run() -> None:
+            future.finish(await run_job(job))
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def get(self, request_id: str, tenant: str) -> Future:
+        future = self._futures.get(request_id)
+        if future is None or future.tenant != tenant:  # another tenant's id reads as unknown
+            raise not_found(f"unknown request_id {request_id!r}", "UNKNOWN_REQUEST")
+        return future
+
+    async def wait(self, request_id: str, tenant: str) -> Future:
+        """The future once finished, or still pending after ``poll_seconds``."""
+        future = self.get(request_id, tenant)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(future.done.wait(), self.poll_seconds)
+        return future
+
+    def _prune(self) -> None:
+        cutoff = time.monotonic() - self.ttl_seconds
+        expired = [rid for rid, f in self._futures.items() if f.outcome is not None and f.finished_at < cutoff]
+        for rid in expired:
+            del self._futures[rid]
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -1,0 +1,143 @@
+"""Sampling routes: create_sampling_session, samplers/{id}, asample (sample and compute_logprobs)."""
+
+from __future__ import annotations
+
+from contextlib import aclosing
+
+from aiohttp import web
+
+from opentinker.gateway import convert
+from opentinker.gateway.backend import Backend
+from opentinker.gateway.errors import RequestFailed, bad_request, not_found
+from opentinker.gateway.futures import Outcome
+from opentinker.gateway.sessions import SamplingSession, new_id
+from opentinker.gateway.state import Gateway, backend_of, field_of, gateway_of, json_body, principal_of, required
+from opentinker.v1 import common_pb2, sampler_pb2
+
+# SampleRequest fields this gateway cannot honour; asking for them fails the request instead of silently
+# returning less than was asked.
+_UNSUPPORTED = ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k")
+
+
+async def _reference(
+    gw: Gateway, tenant: str, token: str | None, model_path: str | None, base_model: str | None
+) -> str:
+    """What a sampling session samples: an exact registry version for a sampler_weights path, else "base"."""
+    base = await gw.backends.base_model(token)
+    if model_path is not None:
+        try:
+            checkpoint = gw.checkpoints.get(model_path, tenant)
+        except RequestFailed as exc:
+            raise not_found(exc.message, "UNKNOWN_CHECKPOINT") from exc
+        if checkpoint.kind != "sampler":
+            raise bad_request(
+                f"{model_path} is a training state; sample from weights saved with save_weights_for_sampler",
+                "NOT_SAMPLER_WEIGHTS",
+            )
+        return checkpoint.target
+    if base_model is None or not base.matches(base_model):
+        raise bad_request(f"base_model {base_model!r} is not served here; this server serves {base.model!r}")
+    return "base"
+
+
+async def create_sampling_session(request: web.Request) -> web.Response:
+    gw, principal = gateway_of(request), principal_of(request)
+    body = await json_body(request)
+    session_id = required(body, "session_id", str)
+    seq = required(body, "sampling_session_seq_id", int)
+    gw.sessions.active(session_id, principal.tenant)
+    model_path = field_of(body, "model_path", str, required=False)
+    base_model = field_of(body, "base_model", str, required=False)
+    reference = await _reference(gw, principal.tenant, principal.token, model_path, base_model)
+    base = await gw.backends.base_model(principal.token)
+    sampler_id = f"{session_id}:sample:{seq}"
+    gw.sessions.add_sampler(
+        SamplingSession(sampler_id, principal.tenant, session_id, reference, base.model, model_path)
+    )
+    return web.json_response({"type": "create_sampling_session", "sampling_session_id": sampler_id})
+
+
+async def get_sampler(request: web.Request) -> web.Response:
+    gw, principal = gateway_of(request), principal_of(request)
+    sampler = gw.sessions.sampler(request.match_info["sampler_id"], principal.tenant)
+    return web.json_response(
+        {"sampler_id": sampler.sampling_session_id, "base_model": sampler.base_model, "model_path": sampler.model_path}
+    )
+
+
+async def _sample(
+    backend: Backend, request: sampler_pb2.SampleRequest, num_samples: int, want_prompt_logprobs: bool
+) -> Outcome:
+    tokens: list[list[int]] = [[] for _ in range(num_samples)]
+    logprobs: list[list[float]] = [[] for _ in range(num_samples)]
+    stops = [sampler_pb2.STOP_REASON_UNSPECIFIED] * num_samples
+    prompt_logprobs: list[float] | None = None
+    async with aclosing(backend.sampler.sample_async(request)) as messages:
+        async for message in messages:
+            i = message.sample_index
+            if not 0 <= i < num_samples:
+                raise RequestFailed(f"sampler answered an unexpected sample_index {i}", "server")
+            tokens[i].extend(message.tokens)
+            logprobs[i].extend(message.logprobs)
+            if message.stop_reason != sampler_pb2.STOP_REASON_UNSPECIFIED:
+                stops[i] = message.stop_reason
+            if want_prompt_logprobs and prompt_logprobs is None and message.prompt_tokens:
+                prompt_logprobs = list(message.prompt_logprobs)
+    if any(stop == sampler_pb2.STOP_REASON_UNSPECIFIED for stop in stops):
+        raise RequestFailed("the sampler's stream ended before every sample finished", "server")
+    sequences = list(zip(tokens, logprobs, stops, strict=True))
+    return Outcome(proto=convert.sample_response(sequences, prompt_logprobs if want_prompt_logprobs else None))
+
+
+async def asample(request: web.Request) -> web.Response:
+    gw, principal, backend = gateway_of(request), principal_of(request), backend_of(request)
+    body = await json_body(request)
+    sampler_id = field_of(body, "sampling_session_id", str, required=False)
+    if sampler_id is not None:
+        reference = gw.sessions.sampler(sampler_id, principal.tenant).reference
+        seq = required(body, "seq_id", int)
+        prefix = f"{sampler_id}:{seq}"
+    else:
+        model_path = field_of(body, "model_path", str, required=False)
+        base_model = field_of(body, "base_model", str, required=False)
+        reference = await _reference(gw, principal.tenant, principal.token, model_path, base_model)
+        prefix = new_id()
+    num_samples = field_of(body, "num_samples", int, required=False) or 1
+    if num_samples < 1:
+        raise bad_request(f"num_samples must be at least 1, got {num_samples}", "INVALID_FIELD")
+    want_prompt_logprobs = bool(body.get("prompt_logprobs"))
+    prompt, params = body.get("prompt"), field_of(body, "sampling_params", dict, required=False) or {}
+
+    async def job() -> Outcome:
+        for name in _UNSUPPORTED:
+            if body.get(name):
+                raise RequestFailed(f"{name} is not supported by this server")
+        if body.get("target_prompt_logprobs") is not None or body.get("prompt_logprobs_last_n") is not None:
+            raise RequestFailed("target_prompt_logprobs and prompt_logprobs_last_n are not supported by this server")
+        sample = sampler_pb2.SampleRequest(
+            model=reference,
+            prompt=common_pb2.ModelInput(
+                chunks=[
+                    common_pb2.ModelInputChunk(
+                        encoded_text=common_pb2.EncodedTextChunk(tokens=convert.prompt_tokens(prompt))
+                    )
+                ]
+            ),
+            sampling_params=convert.sampling_params(params, gw.config.default_max_tokens),
+            num_samples=num_samples,
+            prompt_logprobs=want_prompt_logprobs,
+            request_id=prefix,
+        )
+        return await _sample(backend, sample, num_samples, want_prompt_logprobs)
+
+    future = gw.futures.create(principal.tenant)
+    gw.futures.start(future, job)
+    return web.json_response(
+        {"request_id": future.request_id, "sample_sequence_ids": [f"{prefix}:{i}" for i in range(num_samples)]}
+    )
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/api/v1/create_sampling_session", create_sampling_session)
+    app.router.add_get("/api/v1/samplers/{sampler_id}", get_sampler)
+    app.router.add_post("/api/v1/asample", asample)

@@ -1,0 +1,74 @@
+"""Tinker sessions (one per ServiceClient, kept alive by heartbeats) and sampling sessions.
+
+A sampling session is pinned to one exact thing to sample from: "base" or an exact registry version
+"tenant/adapter@N", so a SamplingClient keeps sampling the weights it was created for whatever happens
+to the adapter's aliases afterwards.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from opentinker.gateway.errors import GatewayError, not_found
+
+
+@dataclass(slots=True)
+class Session:
+    session_id: str
+    tenant: str
+    sdk_version: str
+    last_heartbeat: float = field(default_factory=time.monotonic)
+    finished: str | None = None  # the finish reason, first one wins
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingSession:
+    sampling_session_id: str
+    tenant: str
+    session_id: str
+    reference: str  # "base" or "tenant/adapter@N"
+    base_model: str
+    model_path: str | None
+
+
+def new_id() -> str:
+    """Short, lowercase and digits only: it becomes part of adapter names."""
+    return uuid.uuid4().hex[:12]
+
+
+class SessionTable:
+    def __init__(self) -> None:
+        self._sessions: dict[str, Session] = {}
+        self._samplers: dict[str, SamplingSession] = {}
+
+    def create(self, tenant: str, sdk_version: str) -> Session:
+        session = Session(session_id=new_id(), tenant=tenant, sdk_version=sdk_version)
+        self._sessions[session.session_id] = session
+        return session
+
+    def get(self, session_id: str, tenant: str) -> Session:
+        session = self._sessions.get(session_id)
+        if session is None or session.tenant != tenant:
+            raise not_found(f"unknown session_id {session_id!r}", "UNKNOWN_SESSION")
+        return session
+
+    def active(self, session_id: str, tenant: str) -> Session:
+        """A session that may still create clients: finished ones answer 410 (the SDK stops there)."""
+        session = self.get(session_id, tenant)
+        if session.finished is not None:
+            raise GatewayError(410, "SESSION_FINISHED", f"session {session_id} has finished ({session.finished})")
+        return session
+
+    def heartbeat(self, session_id: str, tenant: str) -> None:
+        self.active(session_id, tenant).last_heartbeat = time.monotonic()
+
+    def add_sampler(self, sampler: SamplingSession) -> None:
+        self._samplers[sampler.sampling_session_id] = sampler
+
+    def sampler(self, sampling_session_id: str, tenant: str) -> SamplingSession:
+        sampler = self._samplers.get(sampling_session_id)
+        if sampler is None or sampler.tenant != tenant:
+            raise not_found(f"unknown sampling_session_id {sampling_session_id!r}", "UNKNOWN_SAMPLING_SESSION")
+        return sampler

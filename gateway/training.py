@@ -1,0 +1,305 @@
+"""Training routes: create_model, get_info, forward_backward (and forward), optim_step, save_weights,
+save_weights_for_sampler, load_weights. Each numbered request runs on its model's lane (see models.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+
+from aiohttp import web
+
+from opentinker.gateway import convert
+from opentinker.gateway.backend import Backend
+from opentinker.gateway.checkpoints import Checkpoint, checkpoint_path
+from opentinker.gateway.errors import RequestFailed, bad_request
+from opentinker.gateway.futures import Future, Job, Outcome
+from opentinker.gateway.models import Lane, TrainingModel
+from opentinker.gateway.sessions import SamplingSession
+from opentinker.gateway.state import (
+    Gateway,
+    Json,
+    backend_of,
+    field_of,
+    gateway_of,
+    json_body,
+    principal_of,
+    required,
+)
+from opentinker.v1 import common_pb2, trainer_pb2
+
+UNSUPPORTED_LOSS_HINT = "custom losses run client-side (forward_backward_custom)"
+
+
+def _future_reply(future_id: str, model_id: str | None = None) -> web.Response:
+    body: Json = {"request_id": future_id}
+    if model_id is not None:
+        body["model_id"] = model_id
+    return web.json_response(body)
+
+
+def _adapter_name(tenant: str, session_id: str, model_seq_id: int) -> str:
+    return f"{tenant}/tinker-{session_id}-{model_seq_id}"
+
+
+def _start(gw: Gateway, tenant: str, job: Job) -> Future:
+    future = gw.futures.create(tenant)
+    gw.futures.start(future, job)
+    return future
+
+
+async def _create_adapter(
+    gw: Gateway, backend: Backend, request: trainer_pb2.TrainerServiceCreateAdapterRequest, model: TrainingModel
+) -> None:
+    await backend.trainer.unary_async("CreateAdapter", request, trainer_pb2.TrainerServiceCreateAdapterResponse)
+    gw.models.add(model)
+
+
+async def create_model(request: web.Request) -> web.Response:
+    gw, principal, backend = gateway_of(request), principal_of(request), backend_of(request)
+    body = await json_body(request)
+    session_id = required(body, "session_id", str)
+    model_seq_id = required(body, "model_seq_id", int)
+    gw.sessions.active(session_id, principal.tenant)
+    model_id = f"{session_id}:train:{model_seq_id}"
+    resent = gw.models.creating.get(model_id)
+    if resent is not None:
+        return _future_reply(resent, model_id)
+    base_model = required(body, "base_model", str)
+    lora = field_of(body, "lora_config", dict, required=False) or {}
+    optimizer = field_of(body, "optimizer_config", dict, required=False) or {}
+
+    async def job() -> Outcome:
+        base = await gw.backends.base_model(principal.token)
+        if not base.matches(base_model):
+            raise RequestFailed(f"base_model {base_model!r} is not served here; this server trains {base.model!r}")
+        if optimizer.get("type", "adamw") != "adamw":
+            raise RequestFailed(f"optimizer {optimizer.get('type')!r} is not supported (adamw only)")
+        rank = lora.get("rank", 32)
+        if not isinstance(rank, int):
+            raise RequestFailed("lora_config.rank must be an integer")
+        config = convert.lora_config(rank, bool(lora.get("train_attn", True)), bool(lora.get("train_mlp", True)))
+        seed = lora.get("seed")
+        create = trainer_pb2.TrainerServiceCreateAdapterRequest(
+            name=_adapter_name(principal.tenant, session_id, model_seq_id),
+            lora_config=config,
+            seed=seed if isinstance(seed, int) and seed >= 0 else secrets.randbits(32),
+        )
+        model = TrainingModel(model_id, principal.tenant, session_id, create.name, config, base.model, Lane(model_id))
+        await _create_adapter(gw, backend, create, model)
+        return Outcome(json={"model_id": model_id, "type": "create_model"})
+
+    future = _start(gw, principal.tenant, job)
+    gw.models.creating[model_id] = future.request_id
+    return _future_reply(future.request_id, model_id)
+
+
+async def get_info(request: web.Request) -> web.Response:
+    gw, principal = gateway_of(request), principal_of(request)
+    body = await json_body(request)
+    model = gw.models.get(required(body, "model_id", str), principal.tenant)
+    base = await gw.backends.base_model(principal.token)
+    return web.json_response(
+        {
+            "type": "get_info",
+            "model_id": model.model_id,
+            "model_data": {"arch": base.architecture, "model_name": model.base_model, "tokenizer_id": model.base_model},
+            "is_lora": True,
+            "lora_rank": model.lora.rank,
+            "model_name": model.base_model,
+            "optimizer_config": {"type": "adamw"},
+        }
+    )
+
+
+def _submit(request: web.Request, model: TrainingModel, seq_id: int, job: Job) -> web.Response:
+    """Queues a numbered request on its model's lane; a resent seq_id gets its first answer again."""
+    if seq_id < 1:
+        raise bad_request(f"seq_id must be at least 1, got {seq_id}", "INVALID_SEQ_ID")
+    resent = model.lane.resent(seq_id)
+    if resent is not None:
+        return _future_reply(resent, model.model_id)
+    gw = gateway_of(request)
+    future = gw.futures.create(model.tenant)
+    model.lane.submit(seq_id, future, job)
+    return _future_reply(future.request_id, model.model_id)
+
+
+async def forward_backward(request: web.Request) -> web.Response:
+    gw, principal, backend = gateway_of(request), principal_of(request), backend_of(request)
+    raw = await request.read()
+    message = convert.parse_forward_backward(convert.decompress(raw, request.headers.get("Content-Encoding", "")))
+    model = gw.models.get(message.model_id, principal.tenant)
+    forward_only = bool(message.forward_only)
+
+    async def job() -> Outcome:
+        base = await gw.backends.base_model(principal.token)
+        loss_fn = str(message.loss_fn)
+        if loss_fn not in base.loss_fns:
+            raise RequestFailed(
+                f"loss_fn {loss_fn!r} is not supported by this server (supported: {', '.join(sorted(base.loss_fns))}; "
+                f"{UNSUPPORTED_LOSS_HINT})"
+            )
+        config = convert.loss_fn_config(message)
+        datums = await asyncio.to_thread(convert.datums, message)
+        outputs: list[trainer_pb2.LossFnOutput]
+        if forward_only:
+            fwd = trainer_pb2.ForwardRequest(
+                adapter=model.adapter, datums=datums, loss_fn=loss_fn, loss_fn_config=config
+            )
+            reply = await backend.trainer.unary_async("Forward", fwd, trainer_pb2.ForwardResponse)
+            outputs, metrics = list(reply.loss_fn_outputs), dict(reply.metrics)
+        else:
+            fb = trainer_pb2.ForwardBackwardRequest(
+                adapter=model.adapter, datums=datums, loss_fn=loss_fn, loss_fn_config=config,
+                trace_ids=convert.trace_ids(message, model.session_id),
+            )  # fmt: skip
+            fb_reply = await backend.trainer.unary_async("ForwardBackward", fb, trainer_pb2.ForwardBackwardResponse)
+            outputs, metrics = list(fb_reply.loss_fn_outputs), dict(fb_reply.metrics)
+        return Outcome(proto=convert.forward_backward_output(outputs, metrics))
+
+    return _submit(request, model, int(message.seq_id), job)
+
+
+async def optim_step(request: web.Request) -> web.Response:
+    gw, principal, backend = gateway_of(request), principal_of(request), backend_of(request)
+    body = await json_body(request)
+    model = gw.models.get(required(body, "model_id", str), principal.tenant)
+    adam = field_of(body, "adam_params", dict, required=False)
+    other = field_of(body, "optimizer_params", dict, required=False)
+
+    async def job() -> Outcome:
+        if adam is None:
+            kind = other.get("type") if other else None
+            raise RequestFailed(f"optimizer {kind!r} is not supported (AdamParams only)")
+        step = trainer_pb2.OptimStepRequest(adapter=model.adapter, adam_params=convert.adam_params(adam))
+        reply = await backend.trainer.unary_async("OptimStep", step, trainer_pb2.OptimStepResponse)
+        return Outcome(json={"metrics": dict(reply.metrics)})
+
+    return _submit(request, model, required(body, "seq_id", int), job)
+
+
+async def save_weights(request: web.Request) -> web.Response:
+    """save_state: a trainer saved state (weights + optimizer) at ``tinker://<model>/weights/<name>``."""
+    gw, principal, backend = gateway_of(request), principal_of(request), backend_of(request)
+    body = await json_body(request)
+    model = gw.models.get(required(body, "model_id", str), principal.tenant)
+    name = field_of(body, "path", str, required=False) or "state"
+    overwrite = bool(body.get("overwrite", False))
+
+    async def job() -> Outcome:
+        path = checkpoint_path(model.model_id, "state", name)
+        if gw.checkpoints.exists(path) and not overwrite:
+            raise RequestFailed(f"checkpoint {path} exists; pass overwrite=True to replace it")
+        save = trainer_pb2.SaveStateRequest(adapter=model.adapter, label=name)
+        reply = await backend.trainer.unary_async("SaveState", save, trainer_pb2.SaveStateResponse)
+        gw.checkpoints.add(Checkpoint(path, model.tenant, "state", reply.state_id, model.lora, model.model_id))
+        return Outcome(json={"path": path, "type": "save_weights"})
+
+    return _submit(request, model, required(body, "seq_id", int), job)
+
+
+async def save_weights_for_sampler(request: web.Request) -> web.Response:
+    """A registry version of the model's adapter: at a ``sampler_weights`` path (named saves), or as a
+    sampling session pinned to that exact version (save_weights_and_get_sampling_client)."""
+    gw, principal, backend = gateway_of(request), principal_of(request), backend_of(request)
+    body = await json_body(request)
+    model = gw.models.get(required(body, "model_id", str), principal.tenant)
+    name = field_of(body, "path", str, required=False)
+    sampler_seq = field_of(body, "sampling_session_seq_id", int, required=False)
+    kind = body.get("kind", "snapshot")
+
+    async def job() -> Outcome:
+        if kind != "snapshot":
+            raise RequestFailed(f"sampling client kind {kind!r} is not supported (snapshot only)")
+        if name is None and sampler_seq is None:
+            raise RequestFailed("give path or sampling_session_seq_id")
+        path = checkpoint_path(model.model_id, "sampler", name) if name is not None else None
+        save = trainer_pb2.SaveSnapshotRequest(adapter=model.adapter)
+        reply = await backend.trainer.unary_async("SaveSnapshot", save, trainer_pb2.SaveSnapshotResponse)
+        reference = f"{model.adapter}@{reply.version.version}"
+        if path is not None:
+            gw.checkpoints.add(Checkpoint(path, model.tenant, "sampler", reference, model.lora, model.model_id))
+            return Outcome(json={"path": path, "type": "save_weights_for_sampler"})
+        sampler_id = f"{model.session_id}:sample:{sampler_seq}"
+        gw.sessions.add_sampler(
+            SamplingSession(sampler_id, model.tenant, model.session_id, reference, model.base_model, None)
+        )
+        return Outcome(json={"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"})
+
+    return _submit(request, model, required(body, "seq_id", int), job)
+
+
+def _load_request(
+    checkpoint: Checkpoint, adapter: str, optimizer: bool
+) -> trainer_pb2.TrainerServiceCreateAdapterRequest:
+    """A new adapter from a checkpoint: a saved state resumes exactly (weights, AdamW state, step, RNG);
+    sampler weights start from that version's weights with a fresh optimizer."""
+    request = trainer_pb2.TrainerServiceCreateAdapterRequest(name=adapter, lora_config=checkpoint.lora)
+    if checkpoint.kind == "state":
+        if not optimizer:
+            raise RequestFailed(
+                f"{checkpoint.path} is a full training state; loading its weights without the optimizer state is "
+                "not supported yet: use create_training_client_from_state_with_optimizer, or a sampler_weights path"
+            )
+        request.resume_state = checkpoint.target
+    else:
+        if optimizer:
+            raise RequestFailed(f"{checkpoint.path} holds sampler weights only (no optimizer state)")
+        request.init_from = checkpoint.target
+    return request
+
+
+async def load_weights(request: web.Request) -> web.Response:
+    """create_training_client_from_state[_with_optimizer] (session_id + model_seq_id: a new model), or the
+    deprecated load_state on an existing model (model_id + seq_id)."""
+    gw, principal, backend = gateway_of(request), principal_of(request), backend_of(request)
+    body = await json_body(request)
+    path = required(body, "path", str)
+    optimizer = bool(body.get("optimizer", False))
+    session_id = field_of(body, "session_id", str, required=False)
+    if session_id is None:
+        model = gw.models.get(required(body, "model_id", str), principal.tenant)
+
+        async def load_into() -> Outcome:
+            checkpoint = gw.checkpoints.get(path, principal.tenant)
+            if checkpoint.kind != "state" or not optimizer:
+                raise RequestFailed("load_state supports full training states with their optimizer only here")
+            load = trainer_pb2.LoadStateRequest(adapter=model.adapter, state_id=checkpoint.target)
+            await backend.trainer.unary_async("LoadState", load, trainer_pb2.LoadStateResponse)
+            return Outcome(json={"path": path, "model_id": model.model_id, "type": "load_weights"})
+
+        return _submit(request, model, required(body, "seq_id", int), load_into)
+
+    model_seq_id = required(body, "model_seq_id", int)
+    gw.sessions.active(session_id, principal.tenant)
+    model_id = f"{session_id}:train:{model_seq_id}"
+    resent = gw.models.creating.get(model_id)
+    if resent is not None:
+        return _future_reply(resent, model_id)
+    base_override = field_of(body, "base_model", str, required=False)
+
+    async def create_from() -> Outcome:
+        base = await gw.backends.base_model(principal.token)
+        if base_override is not None and not base.matches(base_override):
+            raise RequestFailed(f"base_model {base_override!r} is not served here; this server trains {base.model!r}")
+        checkpoint = gw.checkpoints.get(path, principal.tenant)
+        create = _load_request(checkpoint, _adapter_name(principal.tenant, session_id, model_seq_id), optimizer)
+        lora = common_pb2.LoraConfig()
+        lora.CopyFrom(checkpoint.lora)
+        model = TrainingModel(model_id, principal.tenant, session_id, create.name, lora, base.model, Lane(model_id))
+        await _create_adapter(gw, backend, create, model)
+        return Outcome(json={"path": path, "model_id": model_id, "type": "load_weights"})
+
+    future = _start(gw, principal.tenant, create_from)
+    gw.models.creating[model_id] = future.request_id
+    return _future_reply(future.request_id, model_id)
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/api/v1/create_model", create_model)
+    app.router.add_post("/api/v1/get_info", get_info)
+    app.router.add_post("/api/v1/forward_backward", forward_backward)
+    app.router.add_post("/api/v1/optim_step", optim_step)
+    app.router.add_post("/api/v1/save_weights", save_weights)
+    app.router.add_post("/api/v1/save_weights_for_sampler", save_weights_for_sampler)
+    app.router.add_post("/api/v1/load_weights", load_weights)

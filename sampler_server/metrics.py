@@ -1,0 +1,68 @@
+"""Sampler gauges and counters for Prometheus, read from the engine at scrape time (no bookkeeping on the
+decode path): queue depth and slot use are what a load balancer or autoscaler in front of samplers needs."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Protocol
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+
+class _Pool(Protocol):
+    @property
+    def capacity(self) -> int: ...
+
+    def used(self) -> int: ...
+
+
+class _Stats(Protocol):
+    @property
+    def tokens_generated(self) -> int: ...
+
+
+class _Engine(Protocol):
+    @property
+    def num_running(self) -> int: ...
+
+    @property
+    def num_waiting(self) -> int: ...
+
+    @property
+    def pool(self) -> _Pool: ...
+
+    @property
+    def stats(self) -> _Stats: ...
+
+
+class _Loader(Protocol):
+    @property
+    def loads(self) -> int: ...
+
+    @property
+    def load_failures(self) -> int: ...
+
+
+class SamplerCollector(Collector):
+    def __init__(self, engine: _Engine, loader: _Loader) -> None:
+        self.engine = engine
+        self.loader = loader
+
+    def collect(self) -> Iterator[Metric]:
+        engine = self.engine
+        yield GaugeMetricFamily("opentinker_sampler_running_sequences", "Sequences being decoded now",
+                                value=engine.num_running)  # fmt: skip
+        yield GaugeMetricFamily("opentinker_sampler_waiting_sequences", "Sequences queued for admission",
+                                value=engine.num_waiting)  # fmt: skip
+        yield GaugeMetricFamily("opentinker_sampler_slots_used", "Adapter slots holding a version",
+                                value=engine.pool.used())  # fmt: skip
+        yield GaugeMetricFamily("opentinker_sampler_slots_total", "Adapter slots (--max-slots)",
+                                value=engine.pool.capacity)  # fmt: skip
+        yield CounterMetricFamily("opentinker_sampler_tokens_generated", "Tokens sampled since start",
+                                  value=engine.stats.tokens_generated)  # fmt: skip
+        loads = CounterMetricFamily("opentinker_sampler_adapter_loads", "Adapter versions loaded into a slot",
+                                    labels=["result"])  # fmt: skip
+        loads.add_metric(["ok"], self.loader.loads)
+        loads.add_metric(["failed"], self.loader.load_failures)
+        yield loads

@@ -1,0 +1,162 @@
+"""Server flags from the command line, `OPENTINKER_<SERVER>_<FLAG>` and a TOML `--config` file, in that order
+of precedence, checked on the real `serve` commands with `--print-config` (which starts nothing)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from opentinker.client.cli import app
+from opentinker.rpc.cli_options import server_options
+from opentinker.rpc.config import SHARED_KEYS, ServeCommand
+
+# Every OPENTINKER_* variable of the test process is dropped, so the machine's environment cannot leak in.
+SERVERS = ("registry", "trainer", "sampler")
+REQUIRED = {"registry": [], "trainer": ["--model", "m", "--store", "s"], "sampler": ["--model", "m", "--store", "s"]}
+CONFIG = """\
+log_level = "DEBUG"        # shared: every server
+max-message-mb = 16        # shared, dash spelling
+host = "127.0.0.1"
+registry_token = "shared-token"
+
+[registry]
+port = 7100
+events_maxlen = 500
+
+[trainer]
+port = 7101
+max_resident_adapters = 3
+registry = "10.0.0.1:7070"
+
+[sampler]
+port = 7102
+max-slots = 7
+follow = ["team-a/*", "b"]
+insecure_public = true
+registry = "10.0.0.1:7070"
+"""
+
+
+def resolved(server: str, *args: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """The `--print-config` JSON of `opentinker SERVER serve ARGS`."""
+    result = invoke(server, "--print-config", *args, env=env)
+    assert result.exit_code == 0, result.output
+    value: dict[str, Any] = json.loads(result.stdout)
+    return value
+
+
+def invoke(server: str, *args: str, env: dict[str, str] | None = None) -> Any:
+    runner = CliRunner()
+    with pytest.MonkeyPatch.context() as patch:
+        for key in [k for k in os.environ if k.startswith("OPENTINKER_")]:
+            patch.delenv(key)
+        return runner.invoke(app, [server, "serve", *REQUIRED[server], *args], env={"COLUMNS": "200", **(env or {})})
+
+
+@pytest.fixture(scope="module")
+def config_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("config") / "stack.toml"
+    path.write_text(CONFIG)
+    return path
+
+
+def test_defaults_without_config(tmp_path: Path) -> None:
+    got = resolved("sampler", "--registry", "r:1")
+    assert got["values"]["max_slots"] == 32 and got["sources"]["max_slots"] == "default"
+    assert got["values"]["max_message_mb"] == 64
+    assert got["sources"]["registry"] == "command line"
+
+
+def test_config_file_sections_and_shared_keys(config_file: Path) -> None:
+    registry = resolved("registry", "--config", str(config_file))
+    trainer = resolved("trainer", "--config", str(config_file))
+    sampler = resolved("sampler", "--config", str(config_file))
+    for got in (registry, trainer, sampler):
+        assert got["values"]["log_level"] == "DEBUG" and got["sources"]["log_level"] == "config"
+        assert got["values"]["max_message_mb"] == 16
+    assert [g["values"]["port"] for g in (registry, trainer, sampler)] == [7100, 7101, 7102]
+    assert registry["values"]["events_maxlen"] == 500
+    assert "registry_token" not in registry["values"]  # shared keys go only to servers that have the flag
+    assert trainer["values"]["max_resident_adapters"] == 3 and trainer["values"]["registry_token"] == "shared-token"
+    assert sampler["values"]["max_slots"] == 7 and sampler["values"]["insecure_public"] is True
+    assert sampler["values"]["follow"] == ["team-a/*", "b"]
+
+
+@pytest.mark.parametrize("server", SERVERS)
+def test_command_line_beats_env_beats_file_beats_default(server: str, config_file: Path) -> None:
+    flag, env = "--port", f"OPENTINKER_{server.upper()}_PORT"
+    extra = [] if server == "registry" else ["--registry", "r:1"]
+    from_file = resolved(server, "--config", str(config_file), *extra)
+    assert from_file["sources"]["port"] == "config"
+    from_env = resolved(server, "--config", str(config_file), *extra, env={env: "7200"})
+    assert (from_env["values"]["port"], from_env["sources"]["port"]) == (7200, "env")
+    from_cli = resolved(server, "--config", str(config_file), flag, "7300", *extra, env={env: "7200"})
+    assert (from_cli["values"]["port"], from_cli["sources"]["port"]) == (7300, "command line")
+    # Env without a file, and the config file itself named by env.
+    assert resolved(server, *extra, env={env: "7201"})["values"]["port"] == 7201
+    by_env = resolved(server, *extra, env={f"OPENTINKER_{server.upper()}_CONFIG": str(config_file)})
+    assert by_env["sources"]["port"] == "config"
+
+
+def test_env_scheme_is_per_server_and_precise_name_wins(config_file: Path) -> None:
+    env = {"OPENTINKER_SAMPLER_MAX_SLOTS": "5", "OPENTINKER_TRAINER_MAX_SLOTS": "9",
+           "OPENTINKER_SAMPLER_INSECURE_PUBLIC": "false", "OPENTINKER_SAMPLER_FOLLOW": "x y",
+           "OPENTINKER_REGISTRY": "legacy:1", "OPENTINKER_SAMPLER_REGISTRY": "precise:2"}  # fmt: skip
+    got = resolved("sampler", "--config", str(config_file), env=env)
+    assert got["values"]["max_slots"] == 5
+    assert got["values"]["insecure_public"] is False  # env beats the file's true
+    assert got["values"]["follow"] == ["x", "y"]
+    assert got["values"]["registry"] == "precise:2"
+    legacy = resolved("trainer", "--model", "m", env={"OPENTINKER_REGISTRY": "legacy:1"})
+    assert legacy["values"]["registry"] == "legacy:1"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[sampler]\nmax_slot = 3\n", "unknown key(s) ['max_slot'] in [sampler]"),
+        ("[samplr]\nport = 1\n", "unknown section [samplr]"),
+        ("max_slots = 3\n", "'max_slots' is not a shared key"),
+        ("port = \n", "is not valid TOML"),
+        ("[up]\nworkdirs = 'x'\n", "unknown key(s) ['workdirs'] in [up]"),
+    ],
+)
+def test_bad_config_files_are_refused_with_the_key(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    result = invoke("sampler", "--registry", "r:1", "--config", str(path), "--print-config")
+    assert result.exit_code == 2, result.output
+    assert message in " ".join(result.output.replace("│", " ").split()), result.output
+    assert "Traceback" not in result.output
+
+
+def test_bad_value_types_name_the_flag(tmp_path: Path) -> None:
+    path = tmp_path / "types.toml"
+    path.write_text('[registry]\nport = "seventy"\n')
+    result = invoke("registry", "--config", str(path), "--print-config")
+    assert result.exit_code == 2 and "port" in result.output, result.output
+
+
+def test_shared_keys_are_flags_of_some_server() -> None:
+    import typer.main
+
+    root: Any = typer.main.get_command(app)
+    flags: set[str] = set()
+    for server in SERVERS:
+        serve = root.commands[server].commands["serve"]
+        assert isinstance(serve, ServeCommand) and serve.section == server
+        flags |= serve.configurable()
+    assert flags >= SHARED_KEYS, SHARED_KEYS - flags
+
+
+def test_max_message_mb_reaches_the_server_options() -> None:
+    options = server_options("127.0.0.1", 0, 0, None, False, None, None, None, 8)
+    assert options.max_message_bytes == 8 << 20
+    assert server_options("127.0.0.1", 0, 0, None, False, None, None, None).max_message_bytes == 64 << 20
+    assert resolved("registry", "--max-message-mb", "128")["values"]["max_message_mb"] == 128
+    assert invoke("registry", "--max-message-mb", "0", "--print-config").exit_code == 2

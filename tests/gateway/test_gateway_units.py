@@ -1,0 +1,146 @@
+"""Gateway pieces without servers: API keys, tinker protobuf conversion, zstd limits, per-model ordering."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zstandard
+from serverproc import opentinker_command
+from tinker.proto import tinker_public_pb2 as tpb
+
+from opentinker.gateway import convert
+from opentinker.gateway.auth import KeysFileError, KeyStore
+from opentinker.gateway.errors import GatewayError, RequestFailed
+from opentinker.gateway.futures import Future, Job, Outcome
+from opentinker.gateway.models import Lane
+from opentinker.v1 import common_pb2, trainer_pb2
+
+
+def test_keys_map_to_tenants_and_tokens(tmp_path: Path) -> None:
+    path = tmp_path / "keys.json"
+    digest = hashlib.sha256(b"tml-hashed").hexdigest()
+    path.write_text(
+        json.dumps(
+            {"keys": [{"key": "tml-a", "tenant": "team-a", "token": "s3"}, {"key_sha256": digest, "tenant": "b"}]}
+        )
+    )
+    keys = KeyStore.from_file(path)
+    a, b = keys.lookup("tml-a"), keys.lookup("tml-hashed")
+    assert a is not None and (a.tenant, a.token) == ("team-a", "s3")
+    assert b is not None and (b.tenant, b.token) == ("b", None)
+    assert keys.lookup("tml-other") is None and keys.lookup("sk-a") is None
+    spec = KeyStore.from_spec("tml-x=team-x:tok, tml-y=team-y")
+    x, y = spec.lookup("tml-x"), spec.lookup("tml-y")
+    assert x is not None and x.token == "tok" and y is not None and y.token is None
+    for bad in (
+        {"keys": [{"key": "sk-nope", "tenant": "t"}]},
+        {"keys": [{"key": "tml-k", "tenant": "Bad/Tenant"}]},
+        {},
+    ):
+        path.write_text(json.dumps(bad))
+        with pytest.raises(KeysFileError):
+            KeyStore.from_file(path)
+
+
+def test_gateway_refuses_to_start_without_keys(tmp_path: Path) -> None:
+    args = opentinker_command("gateway", "serve", "--trainer", "x:1", "--sampler", "x:2", "--registry", "x:3")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OPENTINKER_GATEWAY_KEYS")}
+    done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 2 and "no API keys" in done.stderr
+
+
+def _datum_message() -> tpb.ForwardBackwardRequest:
+    message = tpb.ForwardBackwardRequest(model_id="m", seq_id=1, loss_fn="cross_entropy")
+    datum = message.data.add()
+    datum.model_input.add().encoded_text.tokens = np.array([1, 2], dtype=np.int32).tobytes()
+    datum.model_input.add().encoded_text.tokens = np.array([3], dtype=np.int32).tobytes()
+    targets = datum.loss_fn_inputs["target_tokens"]
+    targets.dtype, targets.dense = tpb.DTYPE_INT64, np.array([2, 3, 4], dtype=np.int64).tobytes()
+    targets.shape.append(3)
+    weights = datum.loss_fn_inputs["weights"]  # sparse CSR [1, 3]: only the last cell set
+    weights.dtype = tpb.DTYPE_FLOAT32
+    weights.shape.extend([1, 3])
+    weights.sparse_csr.values = np.array([0.5], dtype=np.float32).tobytes()
+    weights.sparse_csr.crow_indices = np.array([0, 1], dtype=np.int64).tobytes()
+    weights.sparse_csr.col_indices = np.array([2], dtype=np.int64).tobytes()
+    message.loss_fn_config_v2["clip_low_threshold"].number = 0.7
+    return message
+
+
+def test_forward_backward_request_converts_to_datums() -> None:
+    message = convert.parse_forward_backward(_datum_message().SerializeToString())
+    (datum,) = convert.datums(message)
+    assert [t for c in datum.model_input.chunks for t in c.encoded_text.tokens] == [1, 2, 3]
+    assert list(datum.loss_fn_inputs["target_tokens"].int64_values) == [2, 3, 4]
+    assert list(datum.loss_fn_inputs["weights"].float32_values) == [0.0, 0.0, 0.5]
+    assert convert.loss_fn_config(message) == pytest.approx({"clip_low_threshold": 0.7})
+    bad = _datum_message()
+    bad.data[0].loss_fn_inputs["weights"].shape[:] = [2, 3]
+    with pytest.raises(RequestFailed, match="sparse"):
+        convert.datums(bad)
+    image = _datum_message()
+    image.data[0].model_input.add().image.data = b"png"
+    with pytest.raises(RequestFailed, match="image chunks are not supported"):
+        convert.datums(image)
+    with pytest.raises(GatewayError) as caught:
+        convert.parse_forward_backward(b"\x0a\xff")
+    assert caught.value.status == 400
+
+
+def test_zstd_bodies_are_decoded_and_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    body = _datum_message().SerializeToString()
+    assert convert.decompress(zstandard.ZstdCompressor().compress(body), "zstd") == body
+    monkeypatch.setattr(convert, "MAX_BODY_BYTES", 16)
+    with pytest.raises(GatewayError, match="exceeds"):
+        convert.decompress(zstandard.ZstdCompressor().compress(body), "zstd")
+    with pytest.raises(GatewayError, match="Content-Encoding"):
+        convert.decompress(body, "br")
+
+
+def test_forward_backward_output_reads_back_in_the_sdk() -> None:
+    from tinker.proto.response_conv import deserialize_forward_backward_output
+
+    outputs = [
+        trainer_pb2.LossFnOutput(tensors={"logprobs": common_pb2.TensorData(float32_values=row)})
+        for row in ([-1.0, -2.0], [-0.5], [-3.0, -0.25, -1.5])
+    ]
+    result = deserialize_forward_backward_output(convert.forward_backward_output(outputs, {"loss:sum": 2.5}))
+    assert [o["logprobs"].data for o in result.loss_fn_outputs] == [[-1.0, -2.0], [-0.5], [-3.0, -0.25, -1.5]]
+    assert result.metrics == {"loss:sum": 2.5}
+
+
+def test_lane_runs_in_seq_order_and_a_failure_poisons_later_requests() -> None:
+    async def scenario() -> tuple[list[int], list[Outcome | None]]:
+        lane, ran = Lane("m"), []
+        futures = [Future(request_id=str(i), tenant="t") for i in range(4)]
+
+        def job(seq: int) -> Job:
+            async def run() -> Outcome:
+                ran.append(seq)
+                if seq == 2:
+                    raise RequestFailed("boom")
+                return Outcome(json={"seq": seq})
+
+            return run
+
+        for seq in (3, 1, 4, 2):  # chunks arrive out of order
+            lane.submit(seq, futures[seq - 1], job(seq))
+        assert lane.resent(3) == "2"
+        with pytest.raises(GatewayError):
+            lane.submit(2, futures[0], job(2))
+        await asyncio.gather(*(f.done.wait() for f in futures))
+        return ran, [f.outcome for f in futures]
+
+    ran, outcomes = asyncio.run(scenario())
+    assert ran == [1, 2]  # 3 and 4 never ran: poisoned by 2
+    assert outcomes[0] is not None and outcomes[0].json == {"seq": 1}
+    assert outcomes[1] is not None and outcomes[1].failure is not None and outcomes[1].failure.message == "boom"
+    for later in outcomes[2:]:
+        assert later is not None and later.failure is not None and "seq_id 2) failed: boom" in later.failure.message

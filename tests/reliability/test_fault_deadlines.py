@@ -1,0 +1,119 @@
+"""Client deadlines: the client gets DEADLINE_EXCEEDED and the server drops the work. The sampler's running
+sequences fall back to zero long before they could have finished; a trainer ForwardBackward whose deadline
+expired while it waited behind another adapter's job never runs (no gradients, no ledger entry)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+from faultutil import ForkedServer, fork_sampler, fork_trainer, long_prompt, wait_for
+from samplerutil import loaded, params, request, stats
+from serverproc import ServerProcess
+from trainerutil import (
+    assert_status,
+    create,
+    forward_backward,
+    get_adapter,
+    optim_step,
+    random_tokens,
+    rpc_error,
+    sft_batch,
+    sft_datum,
+)
+
+from opentinker.v1 import sampler_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+
+TOKENS = 1000
+STREAMS, SAMPLES = 4, 4
+
+
+@dataclass
+class Stack:
+    trainer: trainer_pb2_grpc.TrainerServiceStub
+    sampler: sampler_pb2_grpc.SamplerServiceStub
+
+
+@pytest.fixture(scope="module")
+def stack(
+    tiny_model: Path, registry_server: ServerProcess, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Stack]:
+    workdir = tmp_path_factory.mktemp("deadlines")
+    servers: list[ForkedServer] = []
+    try:
+        servers.append(fork_trainer(workdir / "trainer", tiny_model, registry_server))
+        servers.append(fork_sampler(workdir / "sampler", tiny_model, registry_server))
+        with grpc.insecure_channel(servers[0].address) as t, grpc.insecure_channel(servers[1].address) as s:
+            yield Stack(trainer_pb2_grpc.TrainerServiceStub(t), sampler_pb2_grpc.SamplerServiceStub(s))
+    finally:
+        for server in servers:
+            server.kill()
+
+
+def test_sampler_deadline_exceeded_cancels_generation(stack: Stack, figure: Callable[[str, object], None]) -> None:
+    sampler = stack.sampler
+    prompt = long_prompt(sampler, "base", TOKENS)
+    before = stats(sampler).tokens_generated
+    codes: list[grpc.StatusCode] = []
+
+    def stream() -> None:
+        req = request("base", prompt, params(max_tokens=TOKENS), num_samples=SAMPLES)
+        try:
+            for _ in sampler.Sample(req, timeout=0.3):
+                pass
+        except grpc.RpcError as error:
+            codes.append(error.code())
+
+    threads = [threading.Thread(target=stream) for _ in range(STREAMS)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert codes == [grpc.StatusCode.DEADLINE_EXCEEDED] * STREAMS
+    assert wait_for(lambda: stats(sampler).running_requests == 0 and stats(sampler).waiting_requests == 0), stats(
+        sampler
+    )
+    assert not any(a.active_requests for a in loaded(sampler).values())
+    generated = stats(sampler).tokens_generated - before
+    # Had the work gone on for nobody, all STREAMS * SAMPLES * TOKENS tokens would have been generated.
+    assert generated < STREAMS * SAMPLES * TOKENS // 2, generated
+    figure(
+        "sampler streams past a 0.3 s deadline: tokens generated of requested",
+        f"{generated} of {STREAMS * SAMPLES * TOKENS}",
+    )
+
+
+def test_expired_queued_forward_backward_never_runs(stack: Stack) -> None:
+    trainer = stack.trainer
+    blocker = create(trainer).name
+    for size in (8, 32, 128):  # grow the blocking job until it outlasts the victim's deadline
+        victim = create(trainer).name
+        blocking = [sft_datum(random_tokens(seed, 512)) for seed in range(size)]
+        request = trainer_pb2.ForwardBackwardRequest(adapter=blocker, datums=blocking, loss_fn="cross_entropy")
+        busy = trainer.ForwardBackward.future(request, timeout=300)  # occupies the one compute thread
+        threading.Event().wait(0.1)
+        code = grpc.StatusCode.OK
+        try:
+            forward_backward_with_deadline(trainer, victim)
+        except grpc.RpcError as error:
+            code = error.code()
+        blocked = not busy.done()
+        busy.result()
+        if blocked:
+            break
+    assert blocked, "the blocking job never outlasted the victim's deadline"
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED, code
+    adapter = get_adapter(trainer, victim)
+    assert adapter.pending_batches == 0 and adapter.step == 0  # the expired job was skipped, not run
+    assert_status(rpc_error(optim_step, trainer, victim), grpc.StatusCode.FAILED_PRECONDITION, "NO_GRADIENTS")
+    forward_backward(trainer, victim, sft_batch(seed=1))  # the adapter works normally afterwards
+    assert get_adapter(trainer, victim).pending_batches == 1
+
+
+def forward_backward_with_deadline(trainer: trainer_pb2_grpc.TrainerServiceStub, name: str) -> None:
+    request = trainer_pb2.ForwardBackwardRequest(adapter=name, datums=sft_batch(seed=2), loss_fn="cross_entropy")
+    trainer.ForwardBackward(request, timeout=0.2)

@@ -1,0 +1,37 @@
+"""Trainer gauges for Prometheus, read from the trainer's adapter table at scrape time."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Protocol
+
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+
+class _Adapter(Protocol):
+    @property
+    def resident(self) -> bool: ...
+
+    @property
+    def num_parameters(self) -> int: ...
+
+
+class _Trainer(Protocol):
+    @property
+    def adapters(self) -> Mapping[str, _Adapter]: ...
+
+
+class TrainerCollector(Collector):
+    def __init__(self, trainer: _Trainer) -> None:
+        self.trainer = trainer
+
+    def collect(self) -> Iterator[Metric]:
+        adapters = list(self.trainer.adapters.values())  # one C-level copy: safe against concurrent inserts
+        count = GaugeMetricFamily("opentinker_trainer_adapters", "Adapters held, by residency on the device",
+                                  labels=["residency"])  # fmt: skip
+        count.add_metric(["resident"], sum(1 for a in adapters if a.resident))
+        count.add_metric(["offloaded"], sum(1 for a in adapters if not a.resident))
+        yield count
+        yield GaugeMetricFamily("opentinker_trainer_lora_parameters", "LoRA parameters of all adapters held",
+                                value=sum(a.num_parameters for a in adapters))  # fmt: skip
