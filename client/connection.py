@@ -8,6 +8,7 @@ import asyncio
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Final, Generic, TypeVar
 
 import grpc
@@ -22,6 +23,20 @@ CHANNEL_OPTIONS: Final = (
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 )
+
+
+def open_channel(address: str, ca_cert: Path | None, options: list[tuple[str, int]]) -> grpc.Channel:
+    """A plaintext channel, or TLS verified against the PEM root certificates in ca_cert."""
+    if ca_cert is None:
+        return grpc.insecure_channel(address, options=options)
+    return grpc.secure_channel(address, grpc.ssl_channel_credentials(ca_cert.read_bytes()), options=options)
+
+
+def open_aio_channel(address: str, ca_cert: Path | None, options: list[tuple[str, int]]) -> grpc.aio.Channel:
+    if ca_cert is None:
+        return grpc.aio.insecure_channel(address, options=options)
+    return grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(ca_cert.read_bytes()), options=options)
+
 
 M = TypeVar("M", bound=Message)
 S = TypeVar("S")
@@ -45,13 +60,20 @@ def checked(response: object, response_type: type[M]) -> M:
 
 class Connection(Generic[S]):
     def __init__(
-        self, address: str, make_stub: Callable[[grpc.Channel], S], token: str | None = None, *, timeout: float | None
+        self,
+        address: str,
+        make_stub: Callable[[grpc.Channel], S],
+        token: str | None = None,
+        *,
+        timeout: float | None,
+        ca_cert: Path | None = None,
     ) -> None:
         self.address = address
         self.timeout = timeout
+        self.ca_cert = ca_cert
         self.metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
         self._make_stub = make_stub
-        self._channel = grpc.insecure_channel(address, options=list(CHANNEL_OPTIONS))
+        self._channel = open_channel(address, ca_cert, list(CHANNEL_OPTIONS))
         self.stub = make_stub(self._channel)
         self._lock = threading.Lock()
         self._aio: dict[asyncio.AbstractEventLoop, tuple[grpc.aio.Channel, S]] = {}
@@ -70,7 +92,7 @@ class Connection(Generic[S]):
                 del self._aio[old]  # its loop is gone: nothing can await its close any more
             entry = self._aio.get(loop)
             if entry is None:
-                channel = grpc.aio.insecure_channel(self.address, options=list(CHANNEL_OPTIONS))
+                channel = open_aio_channel(self.address, self.ca_cert, list(CHANNEL_OPTIONS))
                 entry = (channel, self._make_stub(channel))  # type: ignore[arg-type]
                 self._aio[loop] = entry
             return entry[1]

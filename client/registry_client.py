@@ -31,7 +31,7 @@ import grpc
 from google.protobuf.message import Message
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from opentinker.client.connection import translated
+from opentinker.client.connection import open_channel, translated
 from opentinker.client.errors import OpenTinkerError, from_rpc_error
 from opentinker.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
@@ -548,11 +548,14 @@ class RegistryClient:
     Use as a context manager, or call close().
     """
 
-    def __init__(self, addr: str, token: str | None = None, *, timeout: float | None = 30.0) -> None:
+    def __init__(
+        self, addr: str, token: str | None = None, *, timeout: float | None = 30.0, ca_cert: Path | None = None
+    ) -> None:
         self.address = addr
         self.timeout = timeout
         self._metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
-        self._channel = grpc.insecure_channel(addr, options=[("grpc.max_receive_message_length", _MAX_RECEIVE_BYTES)])
+        # ca_cert: PEM root certificates; TLS verified against them instead of plaintext.
+        self._channel = open_channel(addr, ca_cert, [("grpc.max_receive_message_length", _MAX_RECEIVE_BYTES)])
         self._stub = registry_pb2_grpc.RegistryServiceStub(self._channel)
 
     def close(self) -> None:

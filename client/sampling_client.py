@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Generator, Sequence
 from contextlib import aclosing, closing
+from pathlib import Path
 from types import TracebackType
 from typing import Any, Final, TypeVar
 
@@ -63,8 +64,10 @@ class SamplerConnection(Connection[sampler_pb2_grpc.SamplerServiceStub]):
     """The channels to one sampler server, shared by the SamplingClients of one ServiceClient; adds the
     streaming Sample call to the unary ones."""
 
-    def __init__(self, address: str, token: str | None = None, *, timeout: float | None = None) -> None:
-        super().__init__(address, sampler_pb2_grpc.SamplerServiceStub, token, timeout=timeout)
+    def __init__(
+        self, address: str, token: str | None = None, *, timeout: float | None = None, ca_cert: Path | None = None
+    ) -> None:
+        super().__init__(address, sampler_pb2_grpc.SamplerServiceStub, token, timeout=timeout, ca_cert=ca_cert)
 
     def sample(self, request: sampler_pb2.SampleRequest) -> Generator[sampler_pb2.SampleResponse, None, None]:
         """The Sample stream's messages; closing the generator cancels the call."""
@@ -185,8 +188,17 @@ class SamplingClient:
     ends it, and its own close() does nothing.
     """
 
-    def __init__(self, address: str, reference: str, token: str | None = None, *, timeout: float | None = None) -> None:
-        self._setup(reference, SamplerConnection(address, token, timeout=timeout), owns_connection=True)
+    def __init__(
+        self,
+        address: str,
+        reference: str,
+        token: str | None = None,
+        *,
+        timeout: float | None = None,
+        ca_cert: Path | None = None,
+    ) -> None:
+        connection = SamplerConnection(address, token, timeout=timeout, ca_cert=ca_cert)
+        self._setup(reference, connection, owns_connection=True)
 
     @classmethod
     def _on(cls, reference: str, connection: SamplerConnection) -> SamplingClient:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping
+from pathlib import Path
 from types import TracebackType
 
 from opentinker.client.registry_client import RegistryClient
@@ -65,7 +66,8 @@ class ServiceClient:
 
     ``token`` is sent as ``authorization: Bearer <token>`` to every service. ``timeout`` (seconds) bounds
     each trainer and sampler call (a whole Sample stream included); None (the default) sets no deadline,
-    since a training step or a long generation can take long. Channels
+    since a training step or a long generation can take long. ``ca_cert`` (a PEM file of root certificates)
+    switches every connection to TLS verified against it. Channels
     connect lazily. Thread-safe. Use as a context manager (``with`` or ``async with``), or call close()
     (aclose() from async code, which also closes the running loop's async channel cleanly).
     """
@@ -78,14 +80,16 @@ class ServiceClient:
         token: str | None = None,
         *,
         timeout: float | None = None,
+        ca_cert: Path | None = None,
     ) -> None:
         self.trainer_address = trainer
         self.sampler_address = sampler
         self.registry_address = registry
         self.timeout = timeout
         self._token = token
-        self._trainer = TrainerConnection(trainer, token, timeout=timeout) if trainer else None
-        self._sampler = SamplerConnection(sampler, token, timeout=timeout) if sampler else None
+        self.ca_cert = ca_cert
+        self._trainer = TrainerConnection(trainer, token, timeout=timeout, ca_cert=ca_cert) if trainer else None
+        self._sampler = SamplerConnection(sampler, token, timeout=timeout, ca_cert=ca_cert) if sampler else None
         self._registry: RegistryClient | None = None
         self._lock = threading.Lock()
 
@@ -184,7 +188,7 @@ class ServiceClient:
             raise ValueError("this ServiceClient has no registry address: pass registry=HOST:PORT")
         with self._lock:
             if self._registry is None:
-                self._registry = RegistryClient(self.registry_address, token=self._token)
+                self._registry = RegistryClient(self.registry_address, token=self._token, ca_cert=self.ca_cert)
             return self._registry
 
     # Lifetime

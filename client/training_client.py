@@ -21,6 +21,7 @@ server's ErrorInfo reason.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import TypeVar
 
 from google.protobuf.message import Message
@@ -56,8 +57,10 @@ def _strings(values: Iterable[str], what: str) -> list[str]:
 class TrainerConnection(Connection[trainer_pb2_grpc.TrainerServiceStub]):
     """The channels to one trainer server, shared by the ServiceClient and its TrainingClients."""
 
-    def __init__(self, address: str, token: str | None = None, *, timeout: float | None = None) -> None:
-        super().__init__(address, trainer_pb2_grpc.TrainerServiceStub, token, timeout=timeout)
+    def __init__(
+        self, address: str, token: str | None = None, *, timeout: float | None = None, ca_cert: Path | None = None
+    ) -> None:
+        super().__init__(address, trainer_pb2_grpc.TrainerServiceStub, token, timeout=timeout, ca_cert=ca_cert)
 
 
 # Requests and replies, shared by the sync and async methods
@@ -243,13 +246,14 @@ class TrainingClient:
         request = trainer_pb2.SaveStateRequest(adapter=self.adapter, label=label)
         return await self._call_async("SaveState", request, trainer_pb2.SaveStateResponse, _saved_state)
 
-    def load_state(self, state_id: str) -> TrainingAdapterInfo:
-        """Restores a state saved by save_state (of an adapter with the same LoRA config)."""
-        request = trainer_pb2.LoadStateRequest(adapter=self.adapter, state_id=state_id)
+    def load_state(self, state_id: str, *, weights_only: bool = False) -> TrainingAdapterInfo:
+        """Restores a state saved by save_state (of an adapter with the same LoRA config); ``weights_only``:
+        only its LoRA weights, with cleared gradients and fresh AdamW moments."""
+        request = trainer_pb2.LoadStateRequest(adapter=self.adapter, state_id=state_id, weights_only=weights_only)
         return self._call("LoadState", request, trainer_pb2.LoadStateResponse, _adapter_of)
 
-    async def load_state_async(self, state_id: str) -> TrainingAdapterInfo:
-        request = trainer_pb2.LoadStateRequest(adapter=self.adapter, state_id=state_id)
+    async def load_state_async(self, state_id: str, *, weights_only: bool = False) -> TrainingAdapterInfo:
+        request = trainer_pb2.LoadStateRequest(adapter=self.adapter, state_id=state_id, weights_only=weights_only)
         return await self._call_async("LoadState", request, trainer_pb2.LoadStateResponse, _adapter_of)
 
     def get_info(self) -> TrainingAdapterInfo:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import json
 import logging
 import os
@@ -21,15 +20,6 @@ if TYPE_CHECKING:
 DEFAULT_PORT = 7073
 app = typer.Typer(no_args_is_help=True)
 log = logging.getLogger("opentinker.gateway")
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _write_ready(path: Path, address: str) -> None:
@@ -62,10 +52,11 @@ def serve(
     """Run the Tinker-compatible HTTP gateway (tinker SDK 0.38.0)."""
     from opentinker.gateway.auth import KeysFileError, KeyStore
     from opentinker.gateway.state import GatewayConfig
+    from opentinker.rpc.server import is_loopback
 
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
-    if not _is_loopback(host) and not insecure_public:
+    if not is_loopback(host) and not insecure_public:
         typer.echo(f"refusing to bind {host}: plain HTTP carries API keys; pass --insecure-public", err=True)
         raise typer.Exit(2)
     try:

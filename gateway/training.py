@@ -48,9 +48,18 @@ def _start(gw: Gateway, tenant: str, job: Job) -> Future:
 
 
 async def _create_adapter(
-    gw: Gateway, backend: Backend, request: trainer_pb2.TrainerServiceCreateAdapterRequest, model: TrainingModel
+    gw: Gateway,
+    backend: Backend,
+    request: trainer_pb2.TrainerServiceCreateAdapterRequest,
+    model: TrainingModel,
+    weights_from: str = "",
 ) -> None:
+    """Creates the adapter (then loads the LoRA weights of saved state `weights_from`, if given) before the
+    model becomes visible, so a failed load leaves no half-made model behind."""
     await backend.trainer.unary_async("CreateAdapter", request, trainer_pb2.TrainerServiceCreateAdapterResponse)
+    if weights_from:
+        load = trainer_pb2.LoadStateRequest(adapter=request.name, state_id=weights_from, weights_only=True)
+        await backend.trainer.unary_async("LoadState", load, trainer_pb2.LoadStateResponse)
     gw.models.add(model)
 
 
@@ -231,22 +240,20 @@ async def save_weights_for_sampler(request: web.Request) -> web.Response:
 
 def _load_request(
     checkpoint: Checkpoint, adapter: str, optimizer: bool
-) -> trainer_pb2.TrainerServiceCreateAdapterRequest:
-    """A new adapter from a checkpoint: a saved state resumes exactly (weights, AdamW state, step, RNG);
-    sampler weights start from that version's weights with a fresh optimizer."""
+) -> tuple[trainer_pb2.TrainerServiceCreateAdapterRequest, str]:
+    """A new adapter from a checkpoint: a saved state with its optimizer resumes exactly (weights, AdamW state,
+    step, RNG); without it, the state's LoRA weights are loaded after creation (returned: the state to load them
+    from) with a fresh optimizer; sampler weights start from that version's weights with a fresh optimizer."""
     request = trainer_pb2.TrainerServiceCreateAdapterRequest(name=adapter, lora_config=checkpoint.lora)
     if checkpoint.kind == "state":
         if not optimizer:
-            raise RequestFailed(
-                f"{checkpoint.path} is a full training state; loading its weights without the optimizer state is "
-                "not supported yet: use create_training_client_from_state_with_optimizer, or a sampler_weights path"
-            )
+            return request, checkpoint.target
         request.resume_state = checkpoint.target
     else:
         if optimizer:
             raise RequestFailed(f"{checkpoint.path} holds sampler weights only (no optimizer state)")
         request.init_from = checkpoint.target
-    return request
+    return request, ""
 
 
 async def load_weights(request: web.Request) -> web.Response:
@@ -262,9 +269,14 @@ async def load_weights(request: web.Request) -> web.Response:
 
         async def load_into() -> Outcome:
             checkpoint = gw.checkpoints.get(path, principal.tenant)
-            if checkpoint.kind != "state" or not optimizer:
-                raise RequestFailed("load_state supports full training states with their optimizer only here")
-            load = trainer_pb2.LoadStateRequest(adapter=model.adapter, state_id=checkpoint.target)
+            if checkpoint.kind != "state":
+                raise RequestFailed(
+                    f"{path} holds sampler weights; load_state into an existing model needs a training state "
+                    "(save_state): create a new training client from the sampler weights instead"
+                )
+            load = trainer_pb2.LoadStateRequest(
+                adapter=model.adapter, state_id=checkpoint.target, weights_only=not optimizer
+            )
             await backend.trainer.unary_async("LoadState", load, trainer_pb2.LoadStateResponse)
             return Outcome(json={"path": path, "model_id": model.model_id, "type": "load_weights"})
 
@@ -283,11 +295,13 @@ async def load_weights(request: web.Request) -> web.Response:
         if base_override is not None and not base.matches(base_override):
             raise RequestFailed(f"base_model {base_override!r} is not served here; this server trains {base.model!r}")
         checkpoint = gw.checkpoints.get(path, principal.tenant)
-        create = _load_request(checkpoint, _adapter_name(principal.tenant, session_id, model_seq_id), optimizer)
+        create, weights_from = _load_request(
+            checkpoint, _adapter_name(principal.tenant, session_id, model_seq_id), optimizer
+        )
         lora = common_pb2.LoraConfig()
         lora.CopyFrom(checkpoint.lora)
         model = TrainingModel(model_id, principal.tenant, session_id, create.name, lora, base.model, Lane(model_id))
-        await _create_adapter(gw, backend, create, model)
+        await _create_adapter(gw, backend, create, model, weights_from)
         return Outcome(json={"path": path, "model_id": model_id, "type": "load_weights"})
 
     future = _start(gw, principal.tenant, create_from)

@@ -14,13 +14,22 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from prometheus_client import Counter
+
 T = TypeVar("T")
+
+CANCELLED_JOBS = Counter(
+    "opentinker_trainer_cancelled_jobs",
+    "Jobs whose client gave up (deadline, cancel): skipped while queued, or undone after running",
+    ["stage"],
+)
 
 
 @dataclass(slots=True)
 class _Job:
     fn: Callable[[], Any]
     future: asyncio.Future[Any]
+    undo: Callable[[Any], None] | None
 
 
 class AdapterScheduler:
@@ -44,11 +53,15 @@ class AdapterScheduler:
     def queued(self) -> int:
         return sum(len(q) for q in self._queues.values())
 
-    async def run(self, adapter: str, fn: Callable[[], T]) -> T:
-        """Queue fn behind the adapter's earlier requests; returns its result (or raises its error)."""
+    async def run(self, adapter: str, fn: Callable[[], T], undo: Callable[[T], None] | None = None) -> T:
+        """Queue fn behind the adapter's earlier requests; returns its result (or raises its error).
+
+        A job whose caller gave up while it was queued never runs; one that finished after its caller gave up
+        is reverted by undo(result) before the next job starts, so an unacknowledged request leaves no trace.
+        """
         future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
         queue = self._queues.setdefault(adapter, collections.deque())
-        queue.append(_Job(fn, future))
+        queue.append(_Job(fn, future, undo))
         if len(queue) == 1:
             self._ring.append(adapter)
         self._wakeup.set()
@@ -68,6 +81,7 @@ class AdapterScheduler:
                 else:
                     del self._queues[adapter]
                 if job.future.cancelled():  # the client gave up while queued: skip the work
+                    CANCELLED_JOBS.labels("queued").inc()
                     continue
                 try:
                     result = await loop.run_in_executor(self._executor, job.fn)
@@ -77,4 +91,7 @@ class AdapterScheduler:
                 else:
                     if not job.future.cancelled():
                         job.future.set_result(result)
+                    elif job.undo is not None:
+                        await loop.run_in_executor(self._executor, job.undo, result)
+                        CANCELLED_JOBS.labels("undone").inc()
                 self.completed += 1

@@ -22,7 +22,7 @@ from opentinker.trainer_server.adapter import AdapterState
 from opentinker.trainer_server.batch import build_batch
 from opentinker.trainer_server.losses import LOSS_FNS, resolve_config
 from opentinker.trainer_server.scheduler import AdapterScheduler
-from opentinker.trainer_server.trainer import StepOutput, Trainer, check_adam, check_lora
+from opentinker.trainer_server.trainer import GradientMark, StepOutput, Trainer, check_adam, check_lora
 from opentinker.v1 import common_pb2, registry_pb2, registry_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 
 Context = Any  # grpc.aio.ServicerContext; untyped in the generated stubs
@@ -179,8 +179,13 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         config = resolve_config(request.loss_fn, dict(request.loss_fn_config))
         batch = await asyncio.to_thread(self._batch, request.datums, request.loss_fn, config)
         trace_ids = list(request.trace_ids)
-        result = await self.scheduler.run(
-            name, lambda: self.trainer.forward_backward(name, batch, request.loss_fn, config, trace_ids)
+
+        def forward_backward() -> tuple[GradientMark, StepOutput]:
+            mark = self.trainer.gradient_mark(name)
+            return mark, self.trainer.forward_backward(name, batch, request.loss_fn, config, trace_ids)
+
+        _, result = await self.scheduler.run(
+            name, forward_backward, undo=lambda done: self.trainer.undo_forward_backward(name, done[0])
         )
         return trainer_pb2.ForwardBackwardResponse(
             loss_fn_outputs=_outputs(result), metrics=result.metrics, batch_digest=batch.digest,
@@ -257,5 +262,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         name = self._known(request.adapter)
         if not request.state_id:
             raise InvalidArgument("state_id is required", reason="INVALID_STATE_ID", field="state_id")
-        state = await self.scheduler.run(name, lambda: self.trainer.load_state(name, request.state_id))
+        state = await self.scheduler.run(
+            name, lambda: self.trainer.load_state(name, request.state_id, weights_only=request.weights_only)
+        )
         return trainer_pb2.LoadStateResponse(adapter=adapter_message(state))

@@ -42,6 +42,13 @@ class StepOutput:
     metrics: dict[str, float]
 
 
+@dataclass(frozen=True, slots=True)
+class GradientMark:
+    grads: list[torch.Tensor | None]  # copies, in the adapter's parameter order
+    pending: int  # batches awaiting the optimizer step
+    rng: torch.Tensor  # dropout generator state
+
+
 def check_lora(lora: common_pb2.LoraConfig) -> None:
     if lora.rank <= 0 or lora.rank > MAX_RANK:
         raise InvalidArgument(f"lora_config.rank must be in 1..{MAX_RANK}, got {lora.rank}",
@@ -163,6 +170,20 @@ class Trainer:
             "datums:sum": float(len(batch.lengths)),
         }
         return StepOutput(self._outputs(logprobs, batch), metrics)
+
+    def gradient_mark(self, name: str) -> GradientMark:
+        """What a ForwardBackward changes (gradients, pending batches, dropout RNG), to undo it if its client
+        gave up before the answer (the work must then leave no trace, or a retry would count twice)."""
+        state = self._use(name)
+        grads = [None if p.grad is None else p.grad.clone() for p in state.params]
+        return GradientMark(grads, len(state.ledger.pending), state.generator.get_state())
+
+    def undo_forward_backward(self, name: str, mark: GradientMark) -> None:
+        state = self._use(name)
+        for param, grad in zip(state.params, mark.grads, strict=True):
+            param.grad = grad
+        del state.ledger.pending[mark.pending :]
+        state.generator.set_state(mark.rng)
 
     def forward(self, name: str, batch: Batch, loss_fn: str, config: dict[str, float]) -> StepOutput:
         state = self._use(name)
@@ -291,10 +312,16 @@ class Trainer:
             )
         return directory, meta
 
-    def load_state(self, name: str, uri: str) -> AdapterState:
+    def load_state(self, name: str, uri: str, *, weights_only: bool = False) -> AdapterState:
         state = self._use(name)
         directory, meta = self.check_state(uri, state.lora)
         state.load_peft_state_dict(load_safetensors((directory / "weights.safetensors").read_bytes()))
+        if weights_only:
+            for param in state.params:
+                param.grad = None
+            state.ledger.pending.clear()  # their gradients are gone: those batches will never be stepped
+            state.optimizer.state.clear()  # moments and AdamW's own step counter: as if never stepped
+            return state
         grads = load_safetensors((directory / "grads.safetensors").read_bytes())
         device = self.base.device
         for index, param in enumerate(state.params):

@@ -118,6 +118,7 @@ def test_training_losses_resume_and_sampling(
 
     # save_state, then the same step on the original and on a client resumed from the state: identical.
     path = training.save_state("ckpt-1").result().path
+    at_checkpoint = target_logprobs(training, data)
     assert path == f"tinker://{training.model_id}/weights/ckpt-1"
     resumed = service.create_training_client_from_state_with_optimizer(path).result()
     assert resumed.model_id != training.model_id and resumed.get_info().lora_rank == 8
@@ -156,14 +157,17 @@ def test_training_losses_resume_and_sampling(
     assert sampler_lp[1:] == pytest.approx(trainer_lp, abs=1e-4)
 
     # Named sampler weights: a second registry version; a new training client starts from its weights
-    # (fresh optimizer). Weights-only loads of a full state are refused with a clear message.
+    # (fresh optimizer); so does one from the full state's weights alone.
     weights = training.save_weights_for_sampler("s-1").result().path
     assert weights == f"tinker://{training.model_id}/sampler_weights/s-1"
     assert len(registry.list_versions(adapter_of(training.model_id))) == 2
     from_weights = service.create_training_client_from_state(weights).result()
     assert target_logprobs(from_weights, data) == target_logprobs(training, data)
-    with pytest.raises(tinker.RequestFailedError, match="without the optimizer state is not supported"):
-        service.create_training_client_from_state(path).result()
+    from_state = service.create_training_client_from_state(path).result()
+    assert target_logprobs(from_state, data) == at_checkpoint
+    from_state.forward_backward(step_data, "cross_entropy").result()
+    from_state.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+    assert target_logprobs(from_state, data) != at_checkpoint
     registry.close()
 
     # The base model, sampled by name.

@@ -96,7 +96,9 @@ def git(repo: Path, *args: str) -> str:
 
 def check(repo: Path, **env: str) -> subprocess.CompletedProcess[str]:
     script = repo / "protos" / "buf-check.sh"
-    return subprocess.run([str(script)], capture_output=True, text=True, env={**os.environ, "BUF": BUF, **env})
+    # The caller's PROTOS_* settings (CI exports PROTOS_BASE_REQUIRED=1) must not leak into these cases.
+    inherited = {key: value for key, value in os.environ.items() if not key.startswith("PROTOS_")}
+    return subprocess.run([str(script)], capture_output=True, text=True, env={**inherited, "BUF": BUF, **env})
 
 
 @pytest.fixture

@@ -1,6 +1,7 @@
 """Client deadlines: the client gets DEADLINE_EXCEEDED and the server drops the work. The sampler's running
 sequences fall back to zero long before they could have finished; a trainer ForwardBackward whose deadline
-expired while it waited behind another adapter's job never runs (no gradients, no ledger entry)."""
+expired while it waited behind another adapter's job never runs (no gradients, no ledger entry), and one that
+expired while it ran is undone (gradients, pending batches and dropout RNG as before it)."""
 
 from __future__ import annotations
 
@@ -11,19 +12,23 @@ from pathlib import Path
 
 import grpc
 import pytest
-from faultutil import ForkedServer, fork_sampler, fork_trainer, long_prompt, wait_for
+from faultutil import ForkedServer, fork_sampler, fork_trainer, long_prompt, metric, scrape, wait_for
 from samplerutil import loaded, params, request, stats
-from serverproc import ServerProcess
+from serverproc import ServerProcess, registry_store
 from trainerutil import (
+    artifact_dir,
+    assert_same,
     assert_status,
     create,
     forward_backward,
     get_adapter,
+    lora,
     optim_step,
     random_tokens,
     rpc_error,
     sft_batch,
     sft_datum,
+    state_of,
 )
 
 from opentinker.v1 import sampler_pb2_grpc, trainer_pb2, trainer_pb2_grpc
@@ -36,6 +41,8 @@ STREAMS, SAMPLES = 4, 4
 class Stack:
     trainer: trainer_pb2_grpc.TrainerServiceStub
     sampler: sampler_pb2_grpc.SamplerServiceStub
+    trainer_metrics: str | None
+    store: Path
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +55,12 @@ def stack(
         servers.append(fork_trainer(workdir / "trainer", tiny_model, registry_server))
         servers.append(fork_sampler(workdir / "sampler", tiny_model, registry_server))
         with grpc.insecure_channel(servers[0].address) as t, grpc.insecure_channel(servers[1].address) as s:
-            yield Stack(trainer_pb2_grpc.TrainerServiceStub(t), sampler_pb2_grpc.SamplerServiceStub(s))
+            yield Stack(
+                trainer_pb2_grpc.TrainerServiceStub(t),
+                sampler_pb2_grpc.SamplerServiceStub(s),
+                servers[0].metrics_address,
+                registry_store(registry_server),
+            )
     finally:
         for server in servers:
             server.kill()
@@ -117,3 +129,36 @@ def test_expired_queued_forward_backward_never_runs(stack: Stack) -> None:
 def forward_backward_with_deadline(trainer: trainer_pb2_grpc.TrainerServiceStub, name: str) -> None:
     request = trainer_pb2.ForwardBackwardRequest(adapter=name, datums=sft_batch(seed=2), loss_fn="cross_entropy")
     trainer.ForwardBackward(request, timeout=0.2)
+
+
+def test_forward_backward_expired_while_running_is_undone(stack: Stack) -> None:
+    trainer = stack.trainer
+
+    def undone() -> float:
+        return metric(scrape(stack.trainer_metrics), "opentinker_trainer_cancelled_jobs_total", stage="undone")
+
+    before_undone = undone()
+    for size in (8, 32, 128, 256):  # grow the batch until it runs past the deadline
+        name = create(trainer, config=lora(dropout=0.1)).name  # dropout: the RNG must be rewound too
+        forward_backward(trainer, name, sft_batch(seed=1))
+        before = state_of(trainer, stack.store, name)
+        big = [sft_datum(random_tokens(seed, 512)) for seed in range(size)]
+        try:
+            trainer.ForwardBackward(
+                trainer_pb2.ForwardBackwardRequest(adapter=name, datums=big, loss_fn="cross_entropy"), timeout=0.3
+            )
+        except grpc.RpcError as error:
+            assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED, error
+        else:
+            continue  # finished in time: acknowledged, so it counts; try a bigger batch on a new adapter
+        if not wait_for(lambda: undone() > before_undone, timeout=20):
+            continue  # expired before it started: skipped (the queued case, tested above)
+        get_adapter(trainer, name)  # queued behind the undo, so the undo is complete
+        after = state_of(trainer, stack.store, name)
+        assert_same(after.grads, before.grads, "grads")
+        assert after.meta["ledger"] == before.meta["ledger"]
+        rng = [(artifact_dir(stack.store, s.uri) / "rng.pt").read_bytes() for s in (before, after)]
+        assert rng[0] == rng[1], "the dropout RNG was not rewound"
+        assert get_adapter(trainer, name).pending_batches == 1
+        return
+    pytest.fail("no ForwardBackward ran past its deadline")

@@ -22,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from serverproc import ServerProcess
 from trainerutil import adam, lora, model_input, sft_batch
 
+from opentinker.client import ModelInput, OpenTinkerError, SamplingParams, ServiceClient
 from opentinker.v1 import registry_pb2, registry_pb2_grpc, sampler_pb2, sampler_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 
 TENANTS = ("team-a", "team-b")
@@ -66,6 +67,7 @@ class Secured:
     servers: dict[str, ServerProcess]
     channels: dict[str, grpc.Channel]
     tokens: dict[str, str]  # principal -> token ("svc" is the trainer's and sampler's own)
+    cert: Path
     resources: dict[str, Resource] = field(default_factory=dict)
 
     def client(self, who: str | None, token: str | None = None) -> Client:
@@ -98,7 +100,7 @@ def secured(
     )
     credentials = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
     channels = {label: grpc.secure_channel(server.address, credentials) for label, server in servers.items()}
-    state = Secured(servers, channels, tokens)
+    state = Secured(servers, channels, tokens, cert)
     for seed, tenant in enumerate(TENANTS):  # each owner makes its adapter through the trainer (TLS to the registry)
         owner = state.client(tenant)
         name = f"{tenant}/policy"
@@ -286,6 +288,30 @@ def test_every_rpc_needs_a_valid_token(secured: Secured, credential: str) -> Non
             assert error.code() == grpc.StatusCode.UNAUTHENTICATED, f"{path}: {error}"
         else:
             pytest.fail(f"{path} answered without a valid token")
+
+
+def test_python_sdk_over_tls(secured: Secured) -> None:
+    """The SDK's clients (ServiceClient, its training/sampling/registry clients) speak TLS with ca_cert, keep
+    the tenant's view, and cannot reach the servers in plaintext."""
+    trainer, sampler, registry = (secured.servers[label].address for label in ("trainer", "sampler", "registry"))
+    token = secured.tokens["team-a"]
+    with ServiceClient(trainer, sampler, registry, token, ca_cert=secured.cert, timeout=60) as client:
+        names = {adapter.name for adapter in client.registry_client().list_adapters()}
+        assert "team-a/policy" in names and all(name.startswith("team-a/") for name in names), names
+        assert client.training_client("team-a/policy").get_info().name == "team-a/policy"
+        sampled = client.create_sampling_client("team-a/policy@1").sample(
+            ModelInput.from_ints([1, 2, 3]), SamplingParams(max_tokens=3, temperature=0.0)
+        )
+        assert sampled.sequences[0].version.version == 1 and len(sampled.sequences[0].tokens) == 3
+        with pytest.raises(OpenTinkerError) as refused:
+            client.create_sampling_client("team-b/policy@1").sample(
+                ModelInput.from_ints([1, 2, 3]), SamplingParams(max_tokens=3)
+            )
+        assert refused.value.code == grpc.StatusCode.PERMISSION_DENIED
+    with ServiceClient(trainer, sampler, registry, token, timeout=10) as plain:
+        with pytest.raises(OpenTinkerError) as caught:
+            plain.registry_client().list_adapters()
+        assert caught.value.code == grpc.StatusCode.UNAVAILABLE
 
 
 def test_tls_is_required(secured: Secured) -> None:

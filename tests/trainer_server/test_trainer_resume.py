@@ -22,6 +22,7 @@ from trainerutil import (
     get_adapter,
     lora,
     optim_step,
+    read_state,
     rpc_error,
     save_state,
     sft_batch,
@@ -135,6 +136,23 @@ def test_load_state_restores_pending_gradients(resumed: Resumed) -> None:
     assert uninterrupted[:N] == saved.losses[:N]
     assert late == uninterrupted[N:]
     assert_same_training(state_of(trainer, resumed.store, saved.name), state_of(trainer, resumed.store, reference))
+
+
+def test_load_state_weights_only_starts_a_fresh_optimizer(resumed: Resumed) -> None:
+    """weights_only takes the saved LoRA weights alone: no gradients, fresh AdamW moments, the adapter's own step."""
+    trainer, saved = resumed.trainer, resumed.pending
+    name = create(trainer, seed=SEED + 2, config=CONFIG).name
+    steps(trainer, name, 0, 1)  # moments and a step of its own, which the load must clear / keep
+    response: trainer_pb2.LoadStateResponse = trainer.LoadState(
+        trainer_pb2.LoadStateRequest(adapter=name, state_id=saved.state_id, weights_only=True)
+    )
+    assert response.adapter.step == 1 and response.adapter.pending_batches == 0
+    assert_status(rpc_error(optim_step, trainer, name), grpc.StatusCode.FAILED_PRECONDITION, "NO_GRADIENTS")
+    loaded, source = state_of(trainer, resumed.store, name), read_state(resumed.store, saved.state_id)
+    assert_same(loaded.weights, source.weights, "weights")
+    assert loaded.optimizer["state"] == {} and source.optimizer["state"]
+    _, stepped = train_step(trainer, name, data(N))  # training goes on from the loaded weights
+    assert stepped.step == 2 and state_of(trainer, resumed.store, name).optimizer["state"]
 
 
 def test_bad_states_are_refused_and_change_nothing(

@@ -278,12 +278,14 @@ class SaveStateResponse(_message.Message):
     def __init__(self, state_id: _Optional[str] = ..., step: _Optional[int] = ..., size_bytes: _Optional[int] = ...) -> None: ...
 
 class LoadStateRequest(_message.Message):
-    __slots__ = ("adapter", "state_id")
+    __slots__ = ("adapter", "state_id", "weights_only")
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     STATE_ID_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_ONLY_FIELD_NUMBER: _ClassVar[int]
     adapter: str
     state_id: str
-    def __init__(self, adapter: _Optional[str] = ..., state_id: _Optional[str] = ...) -> None: ...
+    weights_only: bool
+    def __init__(self, adapter: _Optional[str] = ..., state_id: _Optional[str] = ..., weights_only: _Optional[bool] = ...) -> None: ...
 
 class LoadStateResponse(_message.Message):
     __slots__ = ("adapter",)

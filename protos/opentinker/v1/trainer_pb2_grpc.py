@@ -191,7 +191,8 @@ class TrainerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def LoadState(self, request, context):
-        """Restores a saved state into the adapter; training continues bitwise as if never interrupted.
+        """Restores a saved state into the adapter; training continues bitwise as if never interrupted
+        (weights_only: only the LoRA weights, with fresh AdamW moments).
         Errors: INVALID_ARGUMENT (INVALID_ADAPTER_NAME, INVALID_STATE_ID, INVALID_ARTIFACT_URI),
         NOT_FOUND (ADAPTER_NOT_FOUND, STATE_NOT_FOUND), FAILED_PRECONDITION (BASE_MODEL_MISMATCH, INCOMPATIBLE_STATE),
         DATA_LOSS (DIGEST_MISMATCH, INVALID_STATE), PERMISSION_DENIED (PERMISSION_DENIED).
