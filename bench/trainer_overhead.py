@@ -125,6 +125,7 @@ def main() -> None:
             registry.terminate()
     raw, with_adam = peft_loop.state_bytes()
     a, b = statistics.median(peft_times), statistics.median(grpc_times)
+    max_loss_diff = max(abs(x - y) for x, y in losses)
     figures = {
         "model": f"qwen2 hidden {spec.hidden_size}, {spec.num_hidden_layers} layers, vocab {spec.vocab_size}",
         "batch": f"{batch} x {length} tokens, LoRA r={RANK} all-linear",
@@ -137,7 +138,7 @@ def main() -> None:
         "lora_raw_bytes": raw,
         "peft_weights_plus_adam_bytes": with_adam,
         "opentinker_saved_state_bytes": int(saved.size_bytes),
-        "max_abs_loss_diff": max(abs(x - y) for x, y in losses),
+        "max_abs_loss_diff": max_loss_diff,
     }
     print(f"trainer overhead ({figures['model']}; {figures['batch']}; {figures['steps']} alternating steps)")
     print(f"  in-process peft + AdamW   median step {figures['peft_step_ms_median']:9.2f} ms")
@@ -147,11 +148,13 @@ def main() -> None:
         f"  per-adapter memory: LoRA weights {raw / 2**20:.2f} MiB; + AdamW moments {with_adam / 2**20:.2f} MiB "
         f"({with_adam / raw:.1f}x raw); saved state (weights+grads+moments) {saved.size_bytes / 2**20:.2f} MiB"
     )
-    print(f"  same batches, same loss: max |loss_a - loss_b| = {figures['max_abs_loss_diff']:.4g}")
+    # Both sides see the same batches, but their LoRA A matrices start from different random draws, so the losses
+    # agree at the first step (B = 0) and drift apart afterwards: a sanity figure, not an equality check.
+    print(f"  same batches, differently initialised LoRA: max |loss_a - loss_b| = {figures['max_abs_loss_diff']:.4g}")
     config: dict[str, str | int | float | None] = {"model": str(figures["model"]), "batch": str(figures["batch"]),
                                                    "steps": len(peft_times)}  # fmt: skip
     record("P5 trainer step, gRPC / in-process peft + AdamW", b / a, target=1.10, comparison="<=",
-           config={**config, "max_abs_loss_diff": max(abs(x - y) for x, y in losses)})  # fmt: skip
+           config={**config, "max_abs_loss_diff": max_loss_diff})  # fmt: skip
     record("P5 trainer memory, LoRA weights + AdamW / raw LoRA", with_adam / raw, config={**config, "raw_bytes": raw})
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2))

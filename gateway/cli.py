@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import os
 import signal
 import sys
 from pathlib import Path
@@ -20,12 +18,6 @@ if TYPE_CHECKING:
 DEFAULT_PORT = 7073
 app = typer.Typer(no_args_is_help=True)
 log = logging.getLogger("opentinker.gateway")
-
-
-def _write_ready(path: Path, address: str) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps({"address": address, "metrics_address": None}))
-    os.replace(tmp, path)
 
 
 @app.command("serve")
@@ -87,6 +79,7 @@ async def _run(
     from opentinker.gateway.app import create_app
     from opentinker.gateway.backend import Backends
     from opentinker.gateway.state import Gateway
+    from opentinker.rpc.server import write_ready_file
 
     gateway = Gateway(keys=keys, backends=Backends(*addresses), config=config)
     # forward_backward bodies are decompressed by the gateway itself (zstd, size-capped).
@@ -98,7 +91,7 @@ async def _run(
     address = f"{host}:{bound[1]}"
     typer.echo(f"opentinker gateway serving on {address}")
     if ready_file is not None:
-        _write_ready(ready_file, address)
+        write_ready_file(ready_file, address, None)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

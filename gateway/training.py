@@ -41,6 +41,21 @@ def _adapter_name(tenant: str, session_id: str, model_seq_id: int) -> str:
     return f"{tenant}/tinker-{session_id}-{model_seq_id}"
 
 
+def _model_to_create(gw: Gateway, body: Json, session_id: str, tenant: str) -> tuple[int, str, str | None]:
+    """(model_seq_id, model_id, the future of an earlier request creating it): a resent creation gets the
+    first one's future instead of a second model."""
+    model_seq_id = required(body, "model_seq_id", int)
+    gw.sessions.active(session_id, tenant)
+    model_id = f"{session_id}:train:{model_seq_id}"
+    return model_seq_id, model_id, gw.models.creating.get(model_id)
+
+
+def _start_creation(gw: Gateway, tenant: str, model_id: str, job: Job) -> web.Response:
+    future = _start(gw, tenant, job)
+    gw.models.creating[model_id] = future.request_id
+    return _future_reply(future.request_id, model_id)
+
+
 def _start(gw: Gateway, tenant: str, job: Job) -> Future:
     future = gw.futures.create(tenant)
     gw.futures.start(future, job)
@@ -67,10 +82,7 @@ async def create_model(request: web.Request) -> web.Response:
     gw, principal, backend = gateway_of(request), principal_of(request), backend_of(request)
     body = await json_body(request)
     session_id = required(body, "session_id", str)
-    model_seq_id = required(body, "model_seq_id", int)
-    gw.sessions.active(session_id, principal.tenant)
-    model_id = f"{session_id}:train:{model_seq_id}"
-    resent = gw.models.creating.get(model_id)
+    model_seq_id, model_id, resent = _model_to_create(gw, body, session_id, principal.tenant)
     if resent is not None:
         return _future_reply(resent, model_id)
     base_model = required(body, "base_model", str)
@@ -97,9 +109,7 @@ async def create_model(request: web.Request) -> web.Response:
         await _create_adapter(gw, backend, create, model)
         return Outcome(json={"model_id": model_id, "type": "create_model"})
 
-    future = _start(gw, principal.tenant, job)
-    gw.models.creating[model_id] = future.request_id
-    return _future_reply(future.request_id, model_id)
+    return _start_creation(gw, principal.tenant, model_id, job)
 
 
 async def get_info(request: web.Request) -> web.Response:
@@ -282,10 +292,7 @@ async def load_weights(request: web.Request) -> web.Response:
 
         return _submit(request, model, required(body, "seq_id", int), load_into)
 
-    model_seq_id = required(body, "model_seq_id", int)
-    gw.sessions.active(session_id, principal.tenant)
-    model_id = f"{session_id}:train:{model_seq_id}"
-    resent = gw.models.creating.get(model_id)
+    model_seq_id, model_id, resent = _model_to_create(gw, body, session_id, principal.tenant)
     if resent is not None:
         return _future_reply(resent, model_id)
     base_override = field_of(body, "base_model", str, required=False)
@@ -304,9 +311,7 @@ async def load_weights(request: web.Request) -> web.Response:
         await _create_adapter(gw, backend, create, model, weights_from)
         return Outcome(json={"path": path, "model_id": model_id, "type": "load_weights"})
 
-    future = _start(gw, principal.tenant, create_from)
-    gw.models.creating[model_id] = future.request_id
-    return _future_reply(future.request_id, model_id)
+    return _start_creation(gw, principal.tenant, model_id, create_from)
 
 
 def add_routes(app: web.Application) -> None:

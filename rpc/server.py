@@ -150,11 +150,15 @@ async def start_server(component: str, bindings: Sequence[ServiceBinding], optio
         flush=True,
     )
     if options.ready_file is not None:
-        # Written aside and renamed: a supervisor polling for the file never reads it half-written.
-        partial = options.ready_file.with_name(options.ready_file.name + ".partial")
-        partial.write_text(json.dumps({"address": address, "metrics_address": metrics_address}))
-        partial.replace(options.ready_file)
+        write_ready_file(options.ready_file, address, metrics_address)
     return running
+
+
+def write_ready_file(path: Path, address: str, metrics_address: str | None) -> None:
+    """Written aside and renamed: a supervisor polling for the file never reads it half-written."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps({"address": address, "metrics_address": metrics_address}))
+    partial.replace(path)
 
 
 async def stop_server(running: RunningServer, options: ServerOptions) -> None:

@@ -249,7 +249,7 @@ class ForkedServer:
         self.metrics_address: str | None = info["metrics_address"]
 
     def _ready(self) -> dict[str, str | None] | None:
-        """The ready file's content once it is complete (the server writes it in place, not atomically)."""
+        """The ready file's content once the server has written it (None before)."""
         try:
             info: dict[str, str | None] = json.loads(self.ready_file.read_text())
         except (FileNotFoundError, json.JSONDecodeError):
