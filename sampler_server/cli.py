@@ -30,6 +30,14 @@ def serve(
     max_batch_tokens: Annotated[int, typer.Option(help="Prompt tokens per prefill step.")] = 4096,
     max_len: Annotated[int, typer.Option(help="Context per sequence (0: the model's, capped at 4096).")] = 0,
     max_waiting: Annotated[int, typer.Option(help="Queued sequences before RESOURCE_EXHAUSTED.")] = 256,
+    burst_wait_ms: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            max=1000.0,
+            help="An idle sampler's first prefill waits until no request came for this long (at most 10x).",
+        ),
+    ] = 2.0,
     kernel: Annotated[str, typer.Option(help="LoRA kernel: auto, segments, reference or triton.")] = "auto",
     follow: Annotated[
         list[str] | None, typer.Option(help="Adapters (fnmatch patterns) whose alias moves are always preloaded.")
@@ -107,7 +115,7 @@ def serve(
         tokenizer = None  # token-only serving
     engine = Engine(runner, cache, pool, Scheduler(max_seqs=max_seqs, max_batch_tokens=max_batch_tokens),
                     max_len=context, eos_token_ids=config.eos_token_ids, tokenizer=tokenizer, kernel=backends[kernel],
-                    score_slot=max_seqs)  # fmt: skip
+                    score_slot=max_seqs, burst_wait=burst_wait_ms / 1000)  # fmt: skip
     artifacts = ArtifactStore(store)
     artifacts.cleanup_temp()
     digest = model_digest(model_dir)

@@ -5,8 +5,10 @@ each message names is the one that produced its tokens, whatever aliases do mean
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import os
+import threading
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -64,6 +66,30 @@ def coalesce(updates: list[SequenceUpdate]) -> list[SequenceUpdate]:
     return list(merged.values())
 
 
+class Mailbox:
+    """Carries the engine thread's updates to the event loop's request queues with one loop wake-up for all the
+    updates of a step instead of one per token per stream (each wake-up is a self-pipe write plus a GIL hand-off
+    between the two threads)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._pending: list[tuple[asyncio.Queue[SequenceUpdate], SequenceUpdate]] = []
+
+    def post(self, updates: asyncio.Queue[SequenceUpdate], update: SequenceUpdate) -> None:  # engine thread
+        with self._lock:
+            self._pending.append((updates, update))
+            if len(self._pending) > 1:
+                return  # a delivery is already scheduled and will take this one too
+        self.loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:  # event loop
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for updates, update in pending:
+            updates.put_nowait(update)
+
+
 class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
     def __init__(
         self,
@@ -84,6 +110,7 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
         self.lora_kernel = lora_kernel
         self.follower = follower
         self._seq_ids = iter(range(1, 1 << 62))
+        self._mailbox: Mailbox | None = None
 
     def _prompt(self, request: sampler_pb2.SampleRequest) -> list[int]:
         tokens = tokens_of(request.prompt)
@@ -134,11 +161,9 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
         sequences = [self._sequence(request_id, i, prompt, params, slot, request.prompt_logprobs) for i in range(count)]
         updates: asyncio.Queue[SequenceUpdate] = asyncio.Queue()
         loop = asyncio.get_running_loop()
-
-        def deliver(update: SequenceUpdate) -> None:  # on the engine thread
-            loop.call_soon_threadsafe(updates.put_nowait, update)
-
-        self.engine.submit(sequences, deliver)
+        if self._mailbox is None or self._mailbox.loop is not loop:
+            self._mailbox = Mailbox(loop)
+        self.engine.submit(sequences, functools.partial(self._mailbox.post, updates))
         remaining = count
         first = [True] * count
         try:

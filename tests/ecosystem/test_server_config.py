@@ -160,3 +160,8 @@ def test_max_message_mb_reaches_the_server_options() -> None:
     assert server_options("127.0.0.1", 0, 0, None, False, None, None, None).max_message_bytes == 64 << 20
     assert resolved("registry", "--max-message-mb", "128")["values"]["max_message_mb"] == 128
     assert invoke("registry", "--max-message-mb", "0", "--print-config").exit_code == 2
+
+
+def test_burst_wait_is_a_bounded_sampler_flag() -> None:
+    assert resolved("sampler", "--registry", "r:1", "--burst-wait-ms", "5")["values"]["burst_wait_ms"] == 5.0
+    assert invoke("sampler", "--registry", "r:1", "--burst-wait-ms", "-1", "--print-config").exit_code == 2
