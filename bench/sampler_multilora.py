@@ -162,10 +162,12 @@ class OurSampler:
     number of engines over them (each with its own KV cache and scheduler) so configurations can interleave
     step by step."""
 
-    def __init__(self, model_dir: Path, count: int, batch: int, max_len: int) -> None:
+    def __init__(self, model_dir: Path, count: int, batch: int, max_len: int, cpu_gemm: str = "torch") -> None:
         self.device = torch.device("cpu")
         self.batch, self.max_len = batch, max_len
         self.runner = LlamaForCausalLM.from_pretrained(model_dir, device=self.device, dtype=torch.float32)
+        if cpu_gemm == "onednn" and not self.runner.pack_for_cpu():
+            raise RuntimeError("oneDNN packed weights are not available in this torch build")
         shapes = self.runner.linear_shapes()
         self.adapters = random_adapters(shapes, count)
         self.pool = SlotPool(shapes, max_slots=count, max_rank=RANK, device=self.device)
@@ -352,6 +354,8 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1, see above)")
     parser.add_argument("--profile", action="store_true", help="also cProfile mixed-adapter decode steps")
+    gemm_help = "our base matmuls, as the sampler's --cpu-gemm (onednn: not recorded in results.json)"
+    parser.add_argument("--cpu-gemm", choices=("torch", "onednn"), default="torch", help=gemm_help)
     args = parser.parse_args()
     setup = QUICK if args.quick else FULL
     threads = args.threads
@@ -368,7 +372,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="ot-bench-") as tmp:
         work = Path(tmp)
         model_dir = make_tiny_model(work / "model", spec)
-        ours = OurSampler(model_dir, batch, batch, max_len)
+        ours = OurSampler(model_dir, batch, batch, max_len, args.cpu_gemm)
         dirs = [write_peft_adapter(work / f"adapter-{i}", w, model_dir) for i, w in enumerate(ours.adapters)]
         peft = PeftSampler(model_dir, dirs)  # the same weights as our slots, in peft's format
     prompts = make_prompts(batch, setup.prompt_lens, spec.vocab_size)
@@ -528,7 +532,8 @@ def main() -> None:
     if profile:
         print("\ncProfile of mixed-adapter decode steps (by own time):")
         print(profile)
-    record_figures(figures)
+    if args.cpu_gemm == "torch":  # the sampler's default is what the targets are about
+        record_figures(figures)
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Annotated
 
@@ -11,6 +12,7 @@ from opentinker.rpc import cli_options as opt
 from opentinker.rpc.config import serve_command
 
 DEFAULT_PORT = 7072
+log = logging.getLogger("opentinker.sampler")
 sampler_app = typer.Typer(no_args_is_help=True)
 
 
@@ -39,6 +41,13 @@ def serve(
         ),
     ] = 2.0,
     kernel: Annotated[str, typer.Option(help="LoRA kernel: auto, segments, reference or triton.")] = "auto",
+    cpu_gemm: Annotated[
+        str,
+        typer.Option(
+            help="Base matmuls on a float32 CPU: torch, or onednn (packed weights: faster, but memory grows with "
+            "each new batch shape; see README)."
+        ),
+    ] = "torch",
     follow: Annotated[
         list[str] | None, typer.Option(help="Adapters (fnmatch patterns) whose alias moves are always preloaded.")
     ] = None,
@@ -94,6 +103,8 @@ def serve(
         "reference": "reference",
         "triton": "triton",
     }
+    if cpu_gemm not in ("onednn", "torch"):
+        raise typer.BadParameter("cpu-gemm must be onednn or torch", param_hint="--cpu-gemm")
     if kernel not in backends:
         raise typer.BadParameter("kernel must be auto, segments, reference or triton", param_hint="--kernel")
     torch_device = torch.device(pick_device(device))
@@ -101,6 +112,9 @@ def serve(
     model_dir = resolve_model_dir(model)
     with spinner(f"loading {model} on {torch_device}"):
         runner = LlamaForCausalLM.from_pretrained(model_dir, device=torch_device, dtype=torch_dtype)
+        packed = cpu_gemm == "onednn" and runner.pack_for_cpu()
+    if torch_device.type == "cpu" and torch_dtype == torch.float32:
+        log.info("base matmuls: %s", "oneDNN packed weights" if packed else "torch dense weights")
     config = runner.config
     context = max_len or min(config.max_position_embeddings, 4096)
     cache = KVCache(config, max_seqs + 1, context, torch_device, torch_dtype)  # + one slot for ComputeLogprobs

@@ -11,6 +11,7 @@ cos/sin cast to the model dtype, residual adds in the model dtype), so fp32 logi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack
@@ -119,11 +120,37 @@ TRANSPOSED_GEMM_ROWS = range(16, 49)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    # x: [N, d_in], weight: [d_out, d_in], bias: [d_out] -> [N, d_out] contiguous
+    # x: [N, d_in], weight: [d_out, d_in] (dense or oneDNN-packed), bias: [d_out] -> [N, d_out] contiguous
+    if weight.is_mkldnn:
+        y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+        return y
     if x.device.type == "cpu" and x.dtype == torch.float32 and x.shape[0] in TRANSPOSED_GEMM_ROWS:
         y_t = torch.mm(weight, x.t()) if bias is None else torch.addmm(bias[:, None], weight, x.t())  # [d_out, N]
         return y_t.t().contiguous()
     return F.linear(x, weight, bias)
+
+
+def pack_onednn(weight: torch.Tensor) -> torch.Tensor:
+    """A float32 CPU matrix [d_out, d_in] in oneDNN's blocked layout for `linear` (an opaque tensor). oneDNN's
+    packed sgemm beats the dense path at every batch size we measured (1.4-2x at 4-64 rows on AMD EPYC, where
+    MKL's sgemm is slow), and the packing does not depend on the batch size."""
+    packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    return packed
+
+
+def onednn_packing_works() -> bool:
+    """Whether this torch build has oneDNN's packed linear (private ops of torch's CPU inductor path) and it agrees
+    with F.linear on a probe."""
+    try:
+        if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
+            return False
+        generator = torch.Generator().manual_seed(0)
+        weight, x = torch.randn(48, 40, generator=generator), torch.randn(5, 40, generator=generator)
+        bias = torch.randn(48, generator=generator)
+        packed = linear(x, pack_onednn(weight), bias)
+        return bool(torch.allclose(packed, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5))
+    except (RuntimeError, AttributeError):
+        return False
 
 
 def _linear(module: str, weights: Linear, x: torch.Tensor, lora: LoraHook | None) -> torch.Tensor:
@@ -244,6 +271,26 @@ class LlamaForCausalLM:
             tied = c.tie_word_embeddings or not ckpt.has("lm_head.weight")
             lm_head = embed if tied else take("lm_head.weight", c.vocab_size, c.hidden_size)
         return cls(config, embed, layers, norm, lm_head)
+
+    def pack_for_cpu(self) -> bool:
+        """Float32 on the CPU: every projection and the LM head become oneDNN-packed weights (the dense copies are
+        dropped; a tied LM head gets its own packed copy, the embedding stays dense). Returns whether it did."""
+        if self.device.type != "cpu" or self.dtype != torch.float32 or not onednn_packing_works():
+            return False
+
+        def packed(weights: Linear) -> Linear:
+            return Linear(pack_onednn(weights.weight), weights.bias)
+
+        def packed_layer(layer: LayerWeights) -> LayerWeights:
+            return dataclasses.replace(
+                layer, q_proj=packed(layer.q_proj), k_proj=packed(layer.k_proj), v_proj=packed(layer.v_proj),
+                o_proj=packed(layer.o_proj), gate_proj=packed(layer.gate_proj), up_proj=packed(layer.up_proj),
+                down_proj=packed(layer.down_proj),
+            )  # fmt: skip
+
+        self.layers = [packed_layer(layer) for layer in self.layers]
+        self.lm_head = pack_onednn(self.lm_head)
+        return True
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """HF module path of every LoRA-targetable projection -> (d_in, d_out)."""

@@ -1,0 +1,60 @@
+"""oneDNN-packed base weights (`--cpu-gemm onednn`): the same logits as the dense weights, the same shapes for the
+slot pool, and a server started with them serves the same greedy tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from samplerutil import Sampler, greedy, max_diff, prompt, score
+from serverproc import ServerProcess, start_sampler
+
+from opentinker.sampler_server.model.kv_cache import KVCache
+from opentinker.sampler_server.model.llama import ForwardBatch, LlamaForCausalLM, onednn_packing_works
+from opentinker.v1 import sampler_pb2_grpc
+
+CPU = torch.device("cpu")
+pytestmark = pytest.mark.skipif(not onednn_packing_works(), reason="this torch build has no oneDNN packed linear")
+
+
+def logits(runner: LlamaForCausalLM, tokens: list[int]) -> torch.Tensor:
+    cache = KVCache(runner.config, 1, 64, CPU, torch.float32)
+    n = len(tokens)
+    batch = ForwardBatch(tokens=torch.tensor(tokens), positions=torch.arange(n), kv_slots=[0], new_lens=[n],
+                         context_lens=[n], logits_indices=torch.arange(n))  # fmt: skip
+    return runner.forward(batch, cache)
+
+
+def test_packed_weights_give_the_dense_logits(tiny_model: Path) -> None:
+    dense = LlamaForCausalLM.from_pretrained(tiny_model, device=CPU, dtype=torch.float32)
+    packed = LlamaForCausalLM.from_pretrained(tiny_model, device=CPU, dtype=torch.float32)
+    assert packed.pack_for_cpu()
+    assert packed.layers[0].q_proj.weight.is_mkldnn and packed.lm_head.is_mkldnn and not packed.embed.is_mkldnn
+    assert packed.linear_shapes() == dense.linear_shapes()
+    tokens = [(7 * i + 3) % dense.config.vocab_size for i in range(40)]
+    expected, got = logits(dense, tokens), logits(packed, tokens)
+    assert torch.allclose(got, expected, rtol=1e-4, atol=1e-5), (got - expected).abs().max()
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
+def test_packing_is_refused_off_float32(tiny_model: Path) -> None:
+    runner = LlamaForCausalLM.from_pretrained(tiny_model, device=CPU, dtype=torch.bfloat16)
+    assert runner.pack_for_cpu() is False and not runner.layers[0].q_proj.weight.is_mkldnn
+
+
+def test_a_sampler_serving_with_packed_weights_samples_and_scores_like_the_default(
+    tiny_model: Path, registry_server: ServerProcess, sampler: Sampler, tmp_path: Path
+) -> None:
+    server = start_sampler(tmp_path, tiny_model, registry_server, "--max-slots", "2", "--cpu-gemm", "onednn")
+    try:
+        assert "oneDNN packed weights" in server.log()
+        with grpc.insecure_channel(server.address) as channel:
+            packed = sampler_pb2_grpc.SamplerServiceStub(channel)
+            for seed in range(3):
+                assert greedy(packed, "base", prompt(seed)) == greedy(sampler, "base", prompt(seed))
+            tokens = prompt(7, length=24)
+            assert max_diff(score(packed, "base", tokens)[0], score(sampler, "base", tokens)[0]) < 1e-4
+    finally:
+        assert server.terminate() == 0, server.log()
