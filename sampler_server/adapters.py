@@ -18,6 +18,7 @@ from opentinker.registry.names import BASE, parse_reference
 from opentinker.registry.remote import Metadata, fetch_artifact, registry_call
 from opentinker.rpc.auth import require_access
 from opentinker.rpc.errors import FailedPrecondition
+from opentinker.rpc.memory import release_freed_memory
 from opentinker.sampler_server.slot_pool import SlotPool, VersionKey
 from opentinker.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
@@ -96,6 +97,7 @@ class AdapterLoader:
             index = self.pool.lookup(resolved.key)
             if index is None:
                 index = await self._load(resolved.version)
+                await asyncio.to_thread(release_freed_memory)  # the load's temporary buffers, freed by now
             for _ in range(count):
                 self.pool.acquire(index)
         return index

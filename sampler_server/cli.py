@@ -69,6 +69,9 @@ def serve(
     print_config: opt.PrintConfig = False,
 ) -> None:
     """Run the sampler gRPC server."""
+    from opentinker.rpc.memory import limit_malloc_arenas
+
+    limit_malloc_arenas()  # first, before torch and gRPC start their threads
     import grpc
     import torch
     from prometheus_client import REGISTRY
