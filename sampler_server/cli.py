@@ -44,8 +44,8 @@ def serve(
     cpu_gemm: Annotated[
         str,
         typer.Option(
-            help="Base matmuls on a float32 CPU: torch, or onednn (packed weights: faster, but memory grows with "
-            "each new batch shape; see README)."
+            help="Base matmuls on a float32 CPU: torch, or onednn (packed weights: faster, some more memory; "
+            "see README)."
         ),
     ] = "torch",
     follow: Annotated[

@@ -12,7 +12,7 @@ from samplerutil import Sampler, greedy, max_diff, prompt, score
 from serverproc import ServerProcess, start_sampler
 
 from opentinker.sampler_server.model.kv_cache import KVCache
-from opentinker.sampler_server.model.llama import ForwardBatch, LlamaForCausalLM, onednn_packing_works
+from opentinker.sampler_server.model.llama import ForwardBatch, LlamaForCausalLM, onednn_packing_works, packed_rows
 from opentinker.v1 import sampler_pb2_grpc
 
 CPU = torch.device("cpu")
@@ -33,10 +33,16 @@ def test_packed_weights_give_the_dense_logits(tiny_model: Path) -> None:
     assert packed.pack_for_cpu()
     assert packed.layers[0].q_proj.weight.is_mkldnn and packed.lm_head.is_mkldnn and not packed.embed.is_mkldnn
     assert packed.linear_shapes() == dense.linear_shapes()
-    tokens = [(7 * i + 3) % dense.config.vocab_size for i in range(40)]
+    tokens = [(7 * i + 3) % dense.config.vocab_size for i in range(37)]  # 37 rows: padded to 40 and cut back
     expected, got = logits(dense, tokens), logits(packed, tokens)
     assert torch.allclose(got, expected, rtol=1e-4, atol=1e-5), (got - expected).abs().max()
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
+def test_packed_row_counts_are_few_and_pad_little() -> None:
+    sizes = [packed_rows(n) for n in range(1, 4097)]
+    assert all(n <= rows <= max(n + 7, n * 1.25) for n, rows in enumerate(sizes, start=1))
+    assert sizes == sorted(sizes) and len(set(sizes)) <= 40, len(set(sizes))
 
 
 def test_packing_is_refused_off_float32(tiny_model: Path) -> None:
