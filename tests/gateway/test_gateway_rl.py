@@ -4,12 +4,10 @@ in each version's lineage."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 import tinker
-from gatewayutil import KEY_A, base_url, floats, ints, start_gateway
+from gatewayutil import KEY_A, base_url, floats, ints
 from serverproc import ServerProcess
 from tinker import types
 
@@ -66,18 +64,6 @@ def rollouts(sampler: tinker.SamplingClient, seed: int) -> tuple[list[types.Datu
             if r != mean:
                 data.append(datum_of(prompt, seq, r - mean))
     return data, sum(rewards) / len(rewards), sequence_ids
-
-
-@pytest.fixture(scope="module")
-def gateway(
-    trainer_server: ServerProcess,
-    sampler_server: ServerProcess,
-    registry_server: ServerProcess,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[ServerProcess]:
-    server = start_gateway(tmp_path_factory.mktemp("gateway-rl"), trainer_server, sampler_server, registry_server)
-    yield server
-    assert server.terminate() == 0, server.log()
 
 
 def test_rl_loop_improves_reward_with_lineage(

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import tinker
-from gatewayutil import KEY_A, base_url, floats, ints, start_gateway
+from gatewayutil import KEY_A, base_url, floats, ints
 from serverproc import ServerProcess
 from tinker import types
 
@@ -21,20 +21,8 @@ from opentinker.client import RegistryClient
 TOKENS = [17, 42, 99, 7, 256, 301, 12, 88, 150, 33, 64, 5, 210, 77, 123, 45]
 
 
-@pytest.fixture(scope="module")
-def gateway(
-    trainer_server: ServerProcess,
-    sampler_server: ServerProcess,
-    registry_server: ServerProcess,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[ServerProcess]:
-    # Two datums per request: a batch of four goes out as two chunks, sent in parallel.
-    server = start_gateway(
-        tmp_path_factory.mktemp("gateway"), trainer_server, sampler_server, registry_server,
-        "--fwdbwd-max-chunk-len", "2",
-    )  # fmt: skip
-    yield server
-    assert server.terminate() == 0, server.log()
+# Two datums per request: a batch of four goes out as two chunks, sent in parallel.
+GATEWAY_FLAGS = ("--fwdbwd-max-chunk-len", "2")
 
 
 @pytest.fixture(scope="module")

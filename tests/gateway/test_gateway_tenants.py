@@ -11,7 +11,7 @@ import httpx
 import pytest
 import tinker
 import zstandard
-from gatewayutil import KEY_A, KEY_B, base_url, floats, ints, start_gateway
+from gatewayutil import KEY_A, KEY_B, base_url, floats, ints
 from serverproc import ServerProcess
 from tinker import types
 from tinker.proto import tinker_public_pb2 as tpb
@@ -19,18 +19,6 @@ from tinker.proto import tinker_public_pb2 as tpb
 from opentinker.client import RegistryClient
 
 TOKENS = [11, 22, 33, 44, 55, 66, 77, 88]
-
-
-@pytest.fixture(scope="module")
-def gateway(
-    trainer_server: ServerProcess,
-    sampler_server: ServerProcess,
-    registry_server: ServerProcess,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[ServerProcess]:
-    server = start_gateway(tmp_path_factory.mktemp("gateway-tenants"), trainer_server, sampler_server, registry_server)
-    yield server
-    assert server.terminate() == 0, server.log()
 
 
 @pytest.fixture(scope="module")
