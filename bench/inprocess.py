@@ -31,10 +31,14 @@ def build_engine(
     max_batch_tokens: int = 4096,
     tokenizer: bool = True,
     stop_on_eos: bool = True,
+    cpu_gemm: str = "onednn",
 ) -> Engine:
-    """float32 on the CPU, max_rank = RANK; one extra KV slot for scoring, as the server keeps."""
+    """float32 on the CPU, max_rank = RANK; one extra KV slot for scoring and the base matmuls packed for oneDNN
+    where this torch build can (`cpu_gemm="onednn"`), as the server's defaults are."""
     device = torch.device("cpu")
     runner = LlamaForCausalLM.from_pretrained(model, device=device, dtype=torch.float32)
+    if cpu_gemm == "onednn":
+        runner.pack_for_cpu()
     cache = KVCache(runner.config, max_seqs + 1, max_len, device, torch.float32)
     pool = SlotPool(runner.linear_shapes(), max_slots=max_slots, max_rank=RANK, device=device)
     tok = None

@@ -44,10 +44,10 @@ def serve(
     cpu_gemm: Annotated[
         str,
         typer.Option(
-            help="Base matmuls on a float32 CPU: torch, or onednn (packed weights: faster, some more memory; "
-            "see README)."
+            help="Base matmuls on a float32 CPU: onednn (weights packed once: faster, some more memory; see "
+            "README), or torch (dense weights, torch's own GEMM)."
         ),
-    ] = "torch",
+    ] = "onednn",
     follow: Annotated[
         list[str] | None, typer.Option(help="Adapters (fnmatch patterns) whose alias moves are always preloaded.")
     ] = None,

@@ -123,7 +123,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     # x: [N, d_in], weight: [d_out, d_in] (dense or oneDNN-packed), bias: [d_out] -> [N, d_out] contiguous
     if weight.is_mkldnn:
         n, rows = x.shape[0], packed_rows(x.shape[0])
-        x = F.pad(x, (0, 0, 0, rows - n)) if rows != n else x.contiguous()
+        if rows != n:  # zeros in the padding rows only (F.pad would zero the whole buffer first: 4% of a prefill)
+            padded = x.new_empty(rows, x.shape[1])
+            padded[:n] = x
+            padded[n:].zero_()
+            x = padded
+        else:
+            x = x.contiguous()
         y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
         return y[:n]  # [rows, d_out] -> its first n rows, still contiguous
     if x.device.type == "cpu" and x.dtype == torch.float32 and x.shape[0] in TRANSPOSED_GEMM_ROWS:

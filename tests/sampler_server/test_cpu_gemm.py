@@ -1,5 +1,6 @@
-"""oneDNN-packed base weights (`--cpu-gemm onednn`): the same logits as the dense weights, the same shapes for the
-slot pool, and a server started with them serves the same greedy tokens."""
+"""oneDNN-packed base weights (`--cpu-gemm onednn`, the default): the same logits as the dense weights, the same
+shapes for the slot pool, and a server on them serves the same greedy tokens as one on dense weights
+(`--cpu-gemm torch`)."""
 
 from __future__ import annotations
 
@@ -50,17 +51,18 @@ def test_packing_is_refused_off_float32(tiny_model: Path) -> None:
     assert runner.pack_for_cpu() is False and not runner.layers[0].q_proj.weight.is_mkldnn
 
 
-def test_a_sampler_serving_with_packed_weights_samples_and_scores_like_the_default(
-    tiny_model: Path, registry_server: ServerProcess, sampler: Sampler, tmp_path: Path
+def test_the_default_packed_sampler_samples_and_scores_like_one_on_dense_weights(
+    tiny_model: Path, registry_server: ServerProcess, sampler_server: ServerProcess, sampler: Sampler, tmp_path: Path
 ) -> None:
-    server = start_sampler(tmp_path, tiny_model, registry_server, "--max-slots", "2", "--cpu-gemm", "onednn")
+    assert "base matmuls: oneDNN packed weights" in sampler_server.log()  # the session's sampler: default flags
+    server = start_sampler(tmp_path, tiny_model, registry_server, "--max-slots", "2", "--cpu-gemm", "torch")
     try:
-        assert "oneDNN packed weights" in server.log()
+        assert "base matmuls: torch dense weights" in server.log()
         with grpc.insecure_channel(server.address) as channel:
-            packed = sampler_pb2_grpc.SamplerServiceStub(channel)
+            dense = sampler_pb2_grpc.SamplerServiceStub(channel)
             for seed in range(3):
-                assert greedy(packed, "base", prompt(seed)) == greedy(sampler, "base", prompt(seed))
+                assert greedy(dense, "base", prompt(seed)) == greedy(sampler, "base", prompt(seed))
             tokens = prompt(7, length=24)
-            assert max_diff(score(packed, "base", tokens)[0], score(sampler, "base", tokens)[0]) < 1e-4
+            assert max_diff(score(dense, "base", tokens)[0], score(sampler, "base", tokens)[0]) < 1e-4
     finally:
         assert server.terminate() == 0, server.log()
