@@ -378,10 +378,13 @@ class LlamaForCausalLM:
             # All single-token sequences at once; the `group` query heads sharing a kv head become that head's
             # query rows, so no K/V is repeated: q [B, kv_heads, group, hd] against k, v [B, kv_heads, T, hd].
             rows, slots, t = plan.decode_rows, plan.decode_slots, plan.decode_len
-            qd = q[rows].view(-1, c.num_kv_heads, group, c.head_dim)
+            if plan.decode_mask is None:  # same for every layer: built once per step
+                plan.decode_mask = self._mask(plan.positions[rows], t)[:, None, None, :]  # [B, 1, 1, T]
+            qd = (q if plan.decode_only else q[rows]).view(-1, c.num_kv_heads, group, c.head_dim)
             kd, vd = k_cache[slots, :, :t], v_cache[slots, :, :t]
-            mask = self._mask(plan.positions[rows], t)[:, None, None, :]  # [B, 1, 1, T]
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask)  # [B, kv_heads, group, hd]
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=plan.decode_mask)  # [B, kv_heads, group, hd]
+            if plan.decode_only:  # rows are all N tokens in order: no scatter
+                return od.reshape(n, c.num_heads * c.head_dim)
             out[rows] = od.reshape(-1, c.num_heads, c.head_dim)
         for start, length, slot, context in plan.prefills:
             qs = q[start : start + length].transpose(0, 1)[None]  # [1, heads, L, hd]
@@ -421,6 +424,8 @@ class _AttentionPlan:
                 self.prefills.append((start, length, slot, context))
         self.decode_rows = torch.tensor(decode_rows, dtype=torch.int64, device=device) if decode_rows else None
         self.decode_slots = torch.tensor(decode_slots, dtype=torch.int64, device=device)
+        self.decode_only = not self.prefills  # then decode row i is token i
+        self.decode_mask: torch.Tensor | None = None  # [B, 1, 1, T] bool, filled in by the first layer
 
 
 def _segments(batch: ForwardBatch) -> Iterator[tuple[int, int, int, int]]:
