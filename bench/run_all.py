@@ -27,6 +27,7 @@ SCRIPTS = (
     "streaming.py",  # P6
     "scale.py",  # P7
     "continuous_batching.py",  # P8
+    "group_sampling.py",  # RL groups: n samples sharing one prompt
 )
 
 

@@ -1,6 +1,7 @@
 """The serving engine: one thread runs `step()` over a continuously changing batch.
 
     step: schedule (prefill new sequences | decode all running)
+          -> prefill: one sample per request computes the prompt, its other samples will copy the K/V
           -> prepare flat tokens, positions, KV slots and each token's adapter slot
           -> one model forward; every projection adds each token's own LoRA delta (slot pool + kernels)
           -> sample one token per sequence -> stop checks, detokenize, emit -> free finished sequences
@@ -12,6 +13,10 @@ An idle engine woken by a request first waits for the rest of its burst (`burst_
 RL group, a batch of prompts) reach it spread over milliseconds, and a prefill step costs about as much for
 one short prompt as for thirty (each step reads every weight), so starting on the first one alone costs a
 whole extra step before the others get their first token.
+
+The n samples of one request (an RL group) share their prompt: the first of them runs the prefill and the
+others copy its K/V and its last-position logits, then each samples with its own generator. A group of 8
+costs one prompt's prefill instead of 8.
 """
 
 from __future__ import annotations
@@ -75,6 +80,8 @@ class _Score:
 class EngineStats:
     tokens_generated: int = 0
     steps: int = 0
+    prompt_tokens_computed: int = 0  # prompt tokens run through a prefill forward
+    prompt_tokens_shared: int = 0  # prompt tokens whose K/V a sample copied from another sample of its request
     recent: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens) of recent decode steps
 
     def tokens_per_second(self, window: float = 5.0) -> float:
@@ -224,9 +231,15 @@ class Engine:
             return
         # Rows of one adapter side by side: one contiguous segment per adapter for the LoRA kernels.
         batch = ScheduledBatch(sorted(batch.sequences, key=lambda s: s.lora_slot), batch.is_prefill)
-        forward, token_slots = self._prepare(batch)
+        computed, leaders = self._prompt_leaders(batch)
+        forward, token_slots = self._prepare(computed)
         logits = self.model.forward(forward, self.cache, self._lora_hook(token_slots))  # [M, V]
-        last = self._last_logits(batch, logits)  # [B, V]
+        last = self._last_logits(computed, logits)  # [C, V]
+        if len(computed.sequences) < len(batch.sequences):
+            last = last[torch.tensor(leaders, dtype=torch.long, device=last.device)]  # [B, V]: the leader's row
+            self._copy_prompts(batch.sequences, [computed.sequences[i] for i in leaders])
+        if batch.is_prefill:
+            self.stats.prompt_tokens_computed += forward.tokens.numel()
         tokens, logprobs = sample(last, batch.sequences)
         for seq, token, logprob in zip(batch.sequences, tokens, logprobs, strict=True):
             seq.num_cached = seq.num_tokens
@@ -234,6 +247,35 @@ class Engine:
         self.stats.steps += 1
         self.stats.tokens_generated += len(tokens)
         self.stats.recent = [*self.stats.recent[-63:], (time.monotonic(), len(tokens))]
+
+    @staticmethod
+    def _prompt_leaders(batch: ScheduledBatch) -> tuple[ScheduledBatch, list[int]]:
+        """Prefill: the sequences that run the forward, one per request (its first sample), and for every
+        sequence the index among them of the one it takes its prompt from. Sharing needs the same request,
+        prompt, adapter slot and prompt-logprobs wish, which the n samples of a Sample call always have; a
+        decode batch is computed whole."""
+        if not batch.is_prefill:
+            return batch, []
+        computed: list[Sequence] = []
+        leaders: list[int] = []
+        first: dict[tuple[str, int, bool], int] = {}  # (request, adapter slot, prompt logprobs) -> computed index
+        for seq in batch.sequences:
+            key = (seq.request_id, seq.lora_slot, seq.want_prompt_logprobs)
+            index = first.get(key)
+            if index is None or computed[index].prompt != seq.prompt:
+                index = len(computed)
+                first.setdefault(key, index)
+                computed.append(seq)
+            leaders.append(index)
+        return ScheduledBatch(computed, is_prefill=True), leaders
+
+    def _copy_prompts(self, sequences: list[Sequence], leaders: list[Sequence]) -> None:
+        """Each sequence whose leader is another sequence takes the leader's prompt K/V and prompt logprobs."""
+        for seq, leader in zip(sequences, leaders, strict=True):
+            if seq is not leader:
+                self.cache.copy_prefix(leader.kv_slot, seq.kv_slot, len(seq.prompt))
+                seq.prompt_logprobs = None if leader.prompt_logprobs is None else list(leader.prompt_logprobs)
+                self.stats.prompt_tokens_shared += len(seq.prompt)
 
     def _prepare(self, batch: ScheduledBatch) -> tuple[ForwardBatch, list[int]]:
         tokens: list[int] = []

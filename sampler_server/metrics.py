@@ -21,6 +21,12 @@ class _Stats(Protocol):
     @property
     def tokens_generated(self) -> int: ...
 
+    @property
+    def prompt_tokens_computed(self) -> int: ...
+
+    @property
+    def prompt_tokens_shared(self) -> int: ...
+
 
 class _Engine(Protocol):
     @property
@@ -61,6 +67,11 @@ class SamplerCollector(Collector):
                                 value=engine.pool.capacity)  # fmt: skip
         yield CounterMetricFamily("opentinker_sampler_tokens_generated", "Tokens sampled since start",
                                   value=engine.stats.tokens_generated)  # fmt: skip
+        prompt = CounterMetricFamily("opentinker_sampler_prompt_tokens", "Prompt tokens prefilled, by where their "
+                                     "K/V came from", labels=["source"])  # fmt: skip
+        prompt.add_metric(["computed"], engine.stats.prompt_tokens_computed)
+        prompt.add_metric(["shared"], engine.stats.prompt_tokens_shared)
+        yield prompt
         loads = CounterMetricFamily("opentinker_sampler_adapter_loads", "Adapter versions loaded into a slot",
                                     labels=["result"])  # fmt: skip
         loads.add_metric(["ok"], self.loader.loads)

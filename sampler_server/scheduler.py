@@ -2,7 +2,8 @@
 
 Each step is either a prefill of newly admitted sequences (prompts, within a token budget) or one decode
 token for every running sequence; prefill goes first so new requests start quickly (nano-vllm's policy).
-A sequence owns one KV-cache slot from admission to finish.
+A sequence owns one KV-cache slot from admission to finish. The samples of one request share their prompt
+(the engine computes it once), so only a request's first sample in a prefill counts against its token budget.
 """
 
 from __future__ import annotations
@@ -35,16 +36,19 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch | None:
         admitted: list[Sequence] = []
+        requests: set[str] = set()
         budget = self.max_batch_tokens
         while self.waiting and self.free_kv_slots:
             seq = self.waiting[0]
-            if admitted and len(seq.prompt) > budget:
+            cost = 0 if seq.request_id in requests else len(seq.prompt)
+            if admitted and cost > budget:
                 break  # the next prefill gets it; a single prompt may exceed the budget on its own
             self.waiting.popleft()
             seq.kv_slot = self.free_kv_slots.pop()
             seq.status = Status.RUNNING
             admitted.append(seq)
-            budget -= len(seq.prompt)
+            requests.add(seq.request_id)
+            budget -= cost
         if admitted:
             self.running.extend(admitted)
             return ScheduledBatch(admitted, is_prefill=True)

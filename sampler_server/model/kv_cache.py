@@ -40,6 +40,14 @@ class KVCache:
         dtype_size = torch.empty((), dtype=dtype).element_size()
         return max_seqs * max_len * config.num_layers * 2 * config.num_kv_heads * config.head_dim * dtype_size
 
+    def copy_prefix(self, src: int, dst: int, length: int) -> None:
+        """Slot dst's first `length` positions take slot src's K/V in every layer (a sample taking its request's
+        prompt from the sample that computed it: a copy of length * kv_heads * head_dim values per tensor, not
+        a prefill)."""
+        for k, v in zip(self.k, self.v, strict=True):
+            k[dst, :, :length] = k[src, :, :length]
+            v[dst, :, :length] = v[src, :, :length]
+
     @property
     def bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
