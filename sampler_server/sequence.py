@@ -53,9 +53,10 @@ class Sequence:
     prompt_logprobs: list[float] | None = None
     stop_reason: int = sampler_pb2.STOP_REASON_UNSPECIFIED
     generator: torch.Generator | None = None
-    text: str = ""  # detokenized output so far (held back at an incomplete character)
+    text: str = ""  # detokenized output so far (held back at an incomplete character), all of it emitted
     emitted_tokens: int = 0  # tokens already sent to the client
-    emitted_text: int = 0
+    detok_prefix: int = 0  # output index where the next detokenization window starts (context for the new text)
+    detok_read: int = 0  # output tokens whose text is in `text`
 
     @property
     def tokens(self) -> list[int]:
