@@ -7,7 +7,8 @@ flags (--max-slots S, --max-rank 16):
 Closed-loop Sample streams; windows of W seconds alternate between the two samplers (order rotated each pair).
 tokens/s paged / resident (target >= 0.80). Memory: RSS of the resident sampler (S slots full) minus RSS of a
 third sampler with --max-slots 1 (one adapter loaded), per extra slot, over an adapter's raw float32
-parameter bytes (target <= 1.1). Both RSS after serving the same kind of traffic.
+parameter bytes (target <= 1.1). Both RSS after serving the same requests, the third all on its one adapter
+(the same batch shapes: oneDNN keeps buffers per matmul shape, which are no adapter's memory).
 
     .venv/bin/python bench/scale.py [--quick]
 """
@@ -155,13 +156,19 @@ def main() -> None:
                 return lambda i: sample_request(names[d[i % len(d)]], pool[i % len(pool)], max_tokens)
 
             make = {"resident": maker("resident", setup.max_tokens), "paged": maker("paged", setup.max_tokens)}
+
+            def memory_traffic(adapter: Callable[[int], str]) -> list[sampler_pb2.SampleRequest]:
+                """A request for each slot's adapter, then 16 of the windows' kind (prompts from the pool)."""
+                loads = [sample_request(adapter(i), pool[0], 2) for i in range(setup.slots)]
+                return loads + [sample_request(adapter(i), pool[i % len(pool)], setup.max_tokens) for i in range(16)]
+
             # Resident: every one of its adapters loaded first. Paged: warmed by the traffic it will get.
-            serve(stack.samplers["resident"].address, [sample_request(n, pool[0], 2) for n in names[: setup.slots]])
+            serve(stack.samplers["resident"].address, memory_traffic(lambda i: names[i % setup.slots]))
             warm = maker("paged", 2)
             serve(stack.samplers["paged"].address, [warm(len(draws["paged"]) - 1 - i) for i in range(2 * setup.slots)])
-            # Memory: the one-slot sampler served one adapter; the resident one holds all its slots.
-            serve(stack.samplers["one-slot"].address, [sample_request(names[0], pool[0], setup.max_tokens)] * 8)
-            serve(stack.samplers["resident"].address, [make["resident"](i) for i in range(16)])
+            # Memory: the one-slot sampler gets the same requests on its one adapter, so that both samplers have
+            # met the same batch shapes (oneDNN keeps buffers per matmul shape) and differ in the adapters held.
+            serve(stack.samplers["one-slot"].address, memory_traffic(lambda i: names[0]))
             rss_full, rss_one = rss(stack, "resident"), rss(stack, "one-slot")
             stack.samplers.pop("one-slot").terminate()  # nothing else runs during the windows
             result = asyncio.run(windows(stack, setup, make))
