@@ -57,18 +57,17 @@ def run(engine: Engine, slot: int, group_prompts: list[list[int]], setup: Setup,
     ids = itertools.count()
     firsts: dict[int, float] = {}
     left = len(group_prompts) * setup.samples
+    errors: list[str] = []
     done, lock = threading.Event(), threading.Lock()
 
-    def on_update(update: SequenceUpdate) -> None:  # engine thread
+    def on_update(update: SequenceUpdate) -> None:  # engine thread: record, never raise
         nonlocal left
-        if update.error:
-            raise RuntimeError(update.error)
         firsts.setdefault(update.seq.seq_id, time.monotonic())
-        if update.finished:
-            with lock:
-                left -= 1
-                if left == 0:
-                    done.set()
+        with lock:
+            errors.extend([update.error] if update.error else [])
+            left -= update.finished
+            if left == 0 or errors:
+                done.set()
 
     params = SamplingParams(temperature=1.0, max_tokens=setup.max_tokens)
     requests: list[list[Sequence]] = []
@@ -88,6 +87,8 @@ def run(engine: Engine, slot: int, group_prompts: list[list[int]], setup: Setup,
         engine.submit(sequences, on_update)
     if not done.wait(600):
         raise TimeoutError("the samples did not finish")
+    if errors:
+        raise RuntimeError(f"a sample failed: {errors[0]}")
     wall = time.monotonic() - start
     outputs = tuple(tuple(seq.output) for sequences in requests for seq in sequences)
     return Run(wall, statistics.median(t - start for t in firsts.values()), outputs)

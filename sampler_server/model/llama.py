@@ -339,7 +339,7 @@ class LlamaForCausalLM:
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]  # [N, head_dim / 2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [N, head_dim]
         cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
-        plan = _AttentionPlan(batch, positions, dev)
+        plan = _AttentionPlan(batch, positions, dev, c.sliding_window)
 
         h = F.embedding(tokens, self.embed)  # [N, hidden]
         for i, layer in enumerate(self.layers):
@@ -378,8 +378,6 @@ class LlamaForCausalLM:
             # All single-token sequences at once; the `group` query heads sharing a kv head become that head's
             # query rows, so no K/V is repeated: q [B, kv_heads, group, hd] against k, v [B, kv_heads, T, hd].
             rows, slots, t = plan.decode_rows, plan.decode_slots, plan.decode_len
-            if plan.decode_mask is None:  # same for every layer: built once per step
-                plan.decode_mask = self._mask(plan.positions[rows], t)[:, None, None, :]  # [B, 1, 1, T]
             qd = (q if plan.decode_only else q[rows]).view(-1, c.num_kv_heads, group, c.head_dim)
             kd, vd = k_cache[slots, :, :t], v_cache[slots, :, :t]
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=plan.decode_mask)  # [B, kv_heads, group, hd]
@@ -392,24 +390,29 @@ class LlamaForCausalLM:
             if context == length and c.sliding_window is None:  # whole prompt: plain causal
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
             else:  # continuation of a cached prefix: query at position p sees keys at positions <= p
-                mask = self._mask(plan.positions[start : start + length], context)[None, None]  # [1, 1, L, ctx]
+                mask = attention_mask(plan.positions[start : start + length], context, c.sliding_window)
+                mask = mask[None, None]  # [1, 1, L, ctx]
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
             out[start : start + length] = o[0].transpose(0, 1)  # [L, heads, hd]
         return out.view(n, c.num_heads * c.head_dim)
 
-    def _mask(self, q_pos: torch.Tensor, length: int) -> torch.Tensor:
-        # q_pos: [M] -> bool [M, length]: True where the query at q_pos may attend to the key at that position
-        k_pos = torch.arange(length, device=q_pos.device)[None, :]
-        mask = k_pos <= q_pos[:, None]
-        if self.config.sliding_window is not None:
-            mask &= k_pos > q_pos[:, None] - self.config.sliding_window
-        return mask
+
+def attention_mask(q_pos: torch.Tensor, length: int, sliding_window: int | None) -> torch.Tensor:
+    # q_pos: [M] -> bool [M, length]: True where the query at q_pos may attend to the key at that position
+    k_pos = torch.arange(length, device=q_pos.device)[None, :]
+    mask = k_pos <= q_pos[:, None]
+    if sliding_window is not None:
+        mask &= k_pos > q_pos[:, None] - sliding_window
+    return mask
 
 
 class _AttentionPlan:
-    """How one batch's sequences meet attention: single-token ones gathered together, the rest one by one."""
+    """How one batch's sequences meet attention: single-token ones gathered together (with one mask for every
+    layer), the rest one by one."""
 
-    def __init__(self, batch: ForwardBatch, positions: torch.Tensor, device: torch.device) -> None:
+    def __init__(
+        self, batch: ForwardBatch, positions: torch.Tensor, device: torch.device, sliding_window: int | None
+    ) -> None:
         self.positions = positions  # [N]
         decode_rows: list[int] = []
         decode_slots: list[int] = []
@@ -425,7 +428,10 @@ class _AttentionPlan:
         self.decode_rows = torch.tensor(decode_rows, dtype=torch.int64, device=device) if decode_rows else None
         self.decode_slots = torch.tensor(decode_slots, dtype=torch.int64, device=device)
         self.decode_only = not self.prefills  # then decode row i is token i
-        self.decode_mask: torch.Tensor | None = None  # [B, 1, 1, T] bool, filled in by the first layer
+        self.decode_mask: torch.Tensor | None = None  # [B, 1, 1, T] bool
+        if self.decode_rows is not None:
+            mask = attention_mask(positions[self.decode_rows], self.decode_len, sliding_window)
+            self.decode_mask = mask[:, None, None, :]
 
 
 def _segments(batch: ForwardBatch) -> Iterator[tuple[int, int, int, int]]:
