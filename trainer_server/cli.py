@@ -75,7 +75,7 @@ def serve(
     trainer = Trainer(base, artifacts, max_resident=max_resident_adapters,
                       spill_dir=spill_dir or store.parent / "trainer-spill")  # fmt: skip
     scheduler = AdapterScheduler()
-    REGISTRY.register(TrainerCollector(trainer))
+    REGISTRY.register(TrainerCollector(trainer, scheduler))
     metadata = [("authorization", f"Bearer {registry_token}")] if registry_token else None
     state: dict[str, object] = {}
 

@@ -22,9 +22,18 @@ class _Trainer(Protocol):
     def adapters(self) -> Mapping[str, _Adapter]: ...
 
 
+class _Scheduler(Protocol):
+    @property
+    def queued(self) -> int: ...
+
+    @property
+    def running(self) -> int: ...
+
+
 class TrainerCollector(Collector):
-    def __init__(self, trainer: _Trainer) -> None:
+    def __init__(self, trainer: _Trainer, scheduler: _Scheduler) -> None:
         self.trainer = trainer
+        self.scheduler = scheduler
 
     def collect(self) -> Iterator[Metric]:
         adapters = list(self.trainer.adapters.values())  # one C-level copy: safe against concurrent inserts
@@ -35,3 +44,8 @@ class TrainerCollector(Collector):
         yield count
         yield GaugeMetricFamily("opentinker_trainer_lora_parameters", "LoRA parameters of all adapters held",
                                 value=sum(a.num_parameters for a in adapters))  # fmt: skip
+        jobs = GaugeMetricFamily("opentinker_trainer_jobs", "Requests on the compute thread or waiting for it",
+                                 labels=["state"])  # fmt: skip
+        jobs.add_metric(["running"], self.scheduler.running)
+        jobs.add_metric(["queued"], self.scheduler.queued)
+        yield jobs

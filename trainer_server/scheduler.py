@@ -40,6 +40,7 @@ class AdapterScheduler:
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainer-compute")
         self._task: asyncio.Task[None] | None = None
         self.completed = 0
+        self.running = 0  # jobs on the compute thread now (0 or 1)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._dispatch())
@@ -83,6 +84,7 @@ class AdapterScheduler:
                 if job.future.cancelled():  # the client gave up while queued: skip the work
                     CANCELLED_JOBS.labels("queued").inc()
                     continue
+                self.running = 1
                 try:
                     result = await loop.run_in_executor(self._executor, job.fn)
                 except Exception as exc:
@@ -94,4 +96,6 @@ class AdapterScheduler:
                     elif job.undo is not None:
                         await loop.run_in_executor(self._executor, job.undo, result)
                         CANCELLED_JOBS.labels("undone").inc()
+                finally:
+                    self.running = 0
                 self.completed += 1

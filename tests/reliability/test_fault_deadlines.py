@@ -5,10 +5,12 @@ expired while it ran is undone (gradients, pending batches and dropout RNG as be
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -107,7 +109,8 @@ def test_expired_queued_forward_backward_never_runs(stack: Stack) -> None:
         blocking = [sft_datum(random_tokens(seed, 512)) for seed in range(size)]
         request = trainer_pb2.ForwardBackwardRequest(adapter=blocker, datums=blocking, loss_fn="cross_entropy")
         busy = trainer.ForwardBackward.future(request, timeout=300)  # occupies the one compute thread
-        threading.Event().wait(0.1)
+        # The victim must queue behind a job already running, not race the blocker's arrival.
+        assert wait_for(functools.partial(on_compute_thread, stack, busy), timeout=30)
         code = grpc.StatusCode.OK
         try:
             forward_backward_with_deadline(trainer, victim)
@@ -124,6 +127,11 @@ def test_expired_queued_forward_backward_never_runs(stack: Stack) -> None:
     assert_status(rpc_error(optim_step, trainer, victim), grpc.StatusCode.FAILED_PRECONDITION, "NO_GRADIENTS")
     forward_backward(trainer, victim, sft_batch(seed=1))  # the adapter works normally afterwards
     assert get_adapter(trainer, victim).pending_batches == 1
+
+
+def on_compute_thread(stack: Stack, job: grpc.Future[Any]) -> bool:
+    """Whether the job has started (it may already have finished)."""
+    return job.done() or metric(scrape(stack.trainer_metrics), "opentinker_trainer_jobs", state="running") == 1
 
 
 def forward_backward_with_deadline(trainer: trainer_pb2_grpc.TrainerServiceStub, name: str) -> None:

@@ -18,6 +18,7 @@ def run(coro: object) -> object:
 
 def test_fifo_per_adapter_and_round_robin_across_adapters() -> None:
     order: list[str] = []
+    counts: list[tuple[int, int]] = []  # (running, queued): what the opentinker_trainer_jobs gauge reports
 
     async def main() -> None:
         scheduler = AdapterScheduler()
@@ -36,11 +37,14 @@ def test_fifo_per_adapter_and_round_robin_across_adapters() -> None:
         jobs += [asyncio.ensure_future(scheduler.run("b", functools.partial(record, f"b{i}"))) for i in range(2)]
         jobs += [asyncio.ensure_future(scheduler.run("c", functools.partial(record, "c0")))]
         await asyncio.sleep(0.05)
+        counts.append((scheduler.running, scheduler.queued))
         gate.set()
         await asyncio.gather(first, *jobs)
+        counts.append((scheduler.running, scheduler.queued))
         await scheduler.stop()
 
     run(main())
+    assert counts == [(1, 6), (0, 0)]
     assert order[0] == "a0"
     # Each adapter's own requests keep their arrival order...
     for adapter in "abc":
