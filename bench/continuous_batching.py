@@ -117,9 +117,9 @@ def main() -> None:
     setup, spec = (QUICK, QUICK_SPEC) if args.quick else (FULL, FULL_SPEC)
     torch.set_num_threads(1)  # as the other sampler benchmarks
     began = time.perf_counter()
-    engine = build_engine(model_dir(spec), max_slots=setup.adapters, max_seqs=setup.max_seqs, max_len=MAX_LEN,
-                          tokenizer=False, stop_on_eos=False)  # fmt: skip
-    slots = fill_slots(engine, [lora_weights(linear_shapes(spec), seed=i) for i in range(setup.adapters)])
+    engine, pool = build_engine(model_dir(spec), max_slots=setup.adapters, max_seqs=setup.max_seqs,
+                                max_len=MAX_LEN, tokenizer=False, stop_on_eos=False)  # fmt: skip
+    slots = fill_slots(pool, [lora_weights(linear_shapes(spec), seed=i) for i in range(setup.adapters)])
     engine.start()
     try:
         rng = random.Random(5)
@@ -127,7 +127,7 @@ def main() -> None:
             Request(p, slots[i % len(slots)], rng.randint(*setup.tokens))
             for i, p in enumerate(prompts(setup.requests, spec.vocab_size))
         ]
-        client = Client(engine)
+        client = Client(engine, pool)
         capacity(client, requests, setup.max_seqs)  # warm-up
         rate = setup.load * capacity(client, requests, setup.max_seqs)
         arrivals = poisson_arrivals(rate, setup.requests)

@@ -30,6 +30,7 @@ from workload import FULL_SPEC, QUICK_SPEC, ModelSpec, linear_shapes, lora_weigh
 
 from opentinker.sampler_server.engine import Engine, SequenceUpdate
 from opentinker.sampler_server.sequence import SamplingParams, Sequence
+from opentinker.sampler_server.slot_pool import SlotPool
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,17 +53,19 @@ class Run:
     outputs: tuple[tuple[int, ...], ...]
 
 
-def run(engine: Engine, slot: int, group_prompts: list[list[int]], setup: Setup, *, shared: bool) -> Run:
+def run(
+    engine: Engine, pool: SlotPool, slot: int, group_prompts: list[list[int]], setup: Setup, *, shared: bool
+) -> Run:
     """Submits every sample (as one request per prompt when `shared`, else one request per sample) and waits."""
     ids = itertools.count()
-    firsts: dict[int, float] = {}
+    firsts: dict[tuple[str, int], float] = {}
     left = len(group_prompts) * setup.samples
     errors: list[str] = []
     done, lock = threading.Event(), threading.Lock()
 
     def on_update(update: SequenceUpdate) -> None:  # engine thread: record, never raise
         nonlocal left
-        firsts.setdefault(update.seq.seq_id, time.monotonic())
+        firsts.setdefault((update.request_id, update.sample_index), time.monotonic())
         with lock:
             errors.extend([update.error] if update.error else [])
             left -= update.finished
@@ -83,7 +86,7 @@ def run(engine: Engine, slot: int, group_prompts: list[list[int]], setup: Setup,
     start = time.monotonic()
     for sequences in requests:
         for _ in sequences:
-            engine.pool.acquire(slot)  # each sequence's pin; the engine releases it when the sequence ends
+            pool.acquire(slot)  # each sequence's pin; the engine releases it when the sequence ends
         engine.submit(sequences, on_update)
     if not done.wait(600):
         raise TimeoutError("the samples did not finish")
@@ -102,18 +105,18 @@ def main() -> None:
     torch.set_num_threads(1)  # as the other sampler benchmarks
     began = time.perf_counter()
     count = setup.groups * setup.samples
-    engine = build_engine(model_dir(spec), max_slots=1, max_seqs=count,
-                          max_len=setup.prompt_len + setup.max_tokens + 8, tokenizer=False)  # fmt: skip
-    (slot,) = fill_slots(engine, [lora_weights(linear_shapes(spec), seed=0)])
+    engine, pool = build_engine(model_dir(spec), max_slots=1, max_seqs=count,
+                                max_len=setup.prompt_len + setup.max_tokens + 8, tokenizer=False)  # fmt: skip
+    (slot,) = fill_slots(pool, [lora_weights(linear_shapes(spec), seed=0)])
     group_prompts = prompts(setup.groups, spec.vocab_size, lens=(setup.prompt_len, setup.prompt_len))
     engine.start()
     try:
         for shared in (True, False):  # warm-up: both sides' batch shapes
-            run(engine, slot, group_prompts, setup, shared=shared)
+            run(engine, pool, slot, group_prompts, setup, shared=shared)
         runs: dict[str, list[Run]] = {"shared": [], "separate": []}
         for rep in range(setup.reps):
             for side in ("shared", "separate") if rep % 2 == 0 else ("separate", "shared"):
-                runs[side].append(run(engine, slot, group_prompts, setup, shared=side == "shared"))
+                runs[side].append(run(engine, pool, slot, group_prompts, setup, shared=side == "shared"))
         computed, copied = engine.stats.prompt_tokens_computed, engine.stats.prompt_tokens_shared
     finally:
         engine.stop()

@@ -32,7 +32,7 @@ def build_engine(
     tokenizer: bool = True,
     stop_on_eos: bool = True,
     cpu_gemm: str = "onednn",
-) -> Engine:
+) -> tuple[Engine, SlotPool]:
     """float32 on the CPU, max_rank = RANK; one extra KV slot for scoring and the base matmuls packed for oneDNN
     where this torch build can (`cpu_gemm="onednn"`), as the server's defaults are."""
     device = torch.device("cpu")
@@ -47,16 +47,18 @@ def build_engine(
 
         tok = AutoTokenizer.from_pretrained(model)
     eos = runner.config.eos_token_ids if stop_on_eos else ()
-    return Engine(runner, cache, pool, Scheduler(max_seqs=max_seqs, max_batch_tokens=max_batch_tokens),
-                  max_len=max_len, eos_token_ids=eos, tokenizer=tok, kernel="auto", score_slot=max_seqs)  # fmt: skip
+    engine = Engine(runner, cache, pool.tensors, Scheduler(max_seqs=max_seqs, max_batch_tokens=max_batch_tokens),
+                    release=pool.release, max_len=max_len, eos_token_ids=eos, tokenizer=tok, kernel="auto",
+                    score_slot=max_seqs)  # fmt: skip
+    return engine, pool
 
 
-def fill_slots(engine: Engine, adapters: list[Weights]) -> list[int]:
+def fill_slots(pool: SlotPool, adapters: list[Weights]) -> list[int]:
     """Loads each adapter into its own slot (as version 1 of `bench-i`); returns the slot indices."""
     slots = []
     for i, weights in enumerate(adapters):
-        index = engine.pool.reserve((f"bench-{i}", 1))
-        engine.pool.fill(index, weights, rank=RANK, scaling=ALPHA / RANK, artifact_sha256="")
+        index = pool.reserve((f"bench-{i}", 1))
+        pool.fill(index, weights, rank=RANK, scaling=ALPHA / RANK, artifact_sha256="")
         slots.append(index)
     return slots
 
@@ -82,8 +84,9 @@ class Request:
 class Client:
     """Submits requests to a started engine and records their timings from the engine's callbacks."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, pool: SlotPool) -> None:
         self.engine = engine
+        self.pool = pool
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._open = 0
@@ -96,7 +99,7 @@ class Client:
             self._open += len(requests)
         for req, timing in zip(requests, timings, strict=True):
             n = next(self._ids)
-            self.engine.pool.acquire(req.slot)  # the request's pin; the engine releases it when the request ends
+            self.pool.acquire(req.slot)  # the request's pin; the engine releases it when the request ends
             params = SamplingParams(temperature=0.0, max_tokens=req.max_tokens)
             seq = Sequence(seq_id=n, request_id=f"bench-{n}", sample_index=0, prompt=list(req.prompt), params=params,
                            lora_slot=req.slot)  # fmt: skip

@@ -180,8 +180,9 @@ class OurSampler:
     def engine(self) -> Engine:
         cache = KVCache(self.runner.config, self.batch + 1, self.max_len, self.device, torch.float32)  # + score slot
         scheduler = Scheduler(max_seqs=self.batch, max_batch_tokens=self.batch * self.max_len)  # one prefill
-        return Engine(self.runner, cache, self.pool, scheduler, max_len=self.max_len, eos_token_ids=(),
-                      tokenizer=None, kernel="auto", score_slot=self.batch)  # fmt: skip
+        return Engine(self.runner, cache, self.pool.tensors, scheduler, release=self.pool.release,
+                      max_len=self.max_len, eos_token_ids=(), tokenizer=None, kernel="auto",
+                      score_slot=self.batch)  # fmt: skip
 
     @staticmethod
     def _on_update(update: SequenceUpdate) -> None:

@@ -112,10 +112,10 @@ def engine_process(conn: Connection, model: Path, spec: ModelSpec, prompts: list
     each "run" with a Run of the N requests, until "stop"."""
     torch.set_num_threads(1)
     n = len(prompts)
-    engine = build_engine(model, max_slots=n, max_seqs=n, max_len=MAX_LEN)
-    slots = fill_slots(engine, [lora_weights(linear_shapes(spec), seed=i) for i in range(n)])
+    engine, pool = build_engine(model, max_slots=n, max_seqs=n, max_len=MAX_LEN)
+    slots = fill_slots(pool, [lora_weights(linear_shapes(spec), seed=i) for i in range(n)])
     engine.start()
-    client = Client(engine)
+    client = Client(engine, pool)
     requests = [Request(p, slot, max_tokens) for p, slot in zip(prompts, slots, strict=True)]
     conn.send("ready")
     while conn.recv() == "run":

@@ -3,7 +3,6 @@ benchmarks and the tests). Each server writes its address to --ready-file once i
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import signal
@@ -11,6 +10,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from opentinker.rpc.process import die_with_parent
 
 
 class ServerProcess:
@@ -38,7 +39,7 @@ class ServerProcess:
             stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"},
             start_new_session=own_session,
-            preexec_fn=_die_with_parent if own_session else None,  # noqa: PLW1509 -- only prctl
+            preexec_fn=die_with_parent if own_session else None,  # noqa: PLW1509 -- only prctl
         )
         if wait:
             self.wait_ready(timeout)
@@ -73,11 +74,6 @@ class ServerProcess:
             self.process.kill()
             self.process.wait()
         self._log.close()
-
-
-def _die_with_parent() -> None:
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def opentinker_command(*args: str) -> list[str]:

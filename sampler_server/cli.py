@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
+import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -15,6 +19,16 @@ from opentinker.rpc.config import serve_command
 DEFAULT_PORT = 7072
 log = logging.getLogger("opentinker.sampler")
 sampler_app = typer.Typer(no_args_is_help=True)
+
+
+def load_tokenizer(model_dir: Path) -> Any | None:
+    """The model's tokenizer, or None when it has none (token-only serving)."""
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError):
+        return None
 
 
 @sampler_app.command("serve", cls=serve_command("sampler"))
@@ -49,6 +63,14 @@ def serve(
             "README), or torch (dense weights, torch's own GEMM)."
         ),
     ] = "onednn",
+    engine_process: Annotated[
+        bool | None,
+        typer.Option(
+            "--engine-process/--no-engine-process",
+            help="Run the engine (model, KV cache, step loop) in a process of its own, apart from gRPC's Python. "
+            "Default: on for the CPU, off for CUDA.",
+        ),
+    ] = None,
     follow: Annotated[
         list[str] | None, typer.Option(help="Adapters (fnmatch patterns) whose alias moves are always preloaded.")
     ] = None,
@@ -87,12 +109,13 @@ def serve(
     from opentinker.rpc.server import ServiceBinding, configure_logging, exit_if_unsafe, serve_forever
     from opentinker.sampler_server.adapters import AdapterLoader
     from opentinker.sampler_server.engine import Engine
+    from opentinker.sampler_server.engine_process import EngineProcess
     from opentinker.sampler_server.follower import AliasFollower
     from opentinker.sampler_server.kernels import TRITON_AVAILABLE, Backend
     from opentinker.sampler_server.metrics import SamplerCollector
-    from opentinker.sampler_server.model.config import resolve_model_dir
+    from opentinker.sampler_server.model.config import load_config, resolve_model_dir
     from opentinker.sampler_server.model.kv_cache import KVCache
-    from opentinker.sampler_server.model.llama import LlamaForCausalLM
+    from opentinker.sampler_server.model.llama import LlamaForCausalLM, linear_shapes
     from opentinker.sampler_server.scheduler import Scheduler
     from opentinker.sampler_server.service import SamplerServicer
     from opentinker.sampler_server.slot_pool import SlotPool
@@ -118,26 +141,38 @@ def serve(
     torch_device = torch.device(pick_device(device))
     torch_dtype = torch.float32 if dtype == "float32" else torch.bfloat16
     model_dir = resolve_model_dir(model)
-    with spinner(f"loading {model} on {torch_device}"):
+    config = load_config(model_dir)
+    context = max_len or min(config.max_position_embeddings, 4096)
+    shapes = linear_shapes(config)
+    if engine_process and torch_device.type != "cpu":
+        raise typer.BadParameter("the engine process shares its adapter slots in CPU memory; on CUDA the engine "
+                                 "runs in the server process", param_hint="--engine-process")  # fmt: skip
+    in_process = not (engine_process if engine_process is not None else torch_device.type == "cpu")
+    # Nothing in this process runs a torch op before the engine process is forked (see SlotPool's `shared`).
+    pool = SlotPool(shapes, max_slots=max_slots, max_rank=max_rank, device=torch_device, shared=not in_process)
+
+    def build_engine(release: Callable[[int], None], on_iteration: Callable[[], None] | None) -> Engine:
         runner = LlamaForCausalLM.from_pretrained(model_dir, device=torch_device, dtype=torch_dtype)
         packed = cpu_gemm == "onednn" and runner.pack_for_cpu()
-    if torch_device.type == "cpu" and torch_dtype == torch.float32:
-        log.info("base matmuls: %s", "oneDNN packed weights" if packed else "torch dense weights")
-    config = runner.config
-    context = max_len or min(config.max_position_embeddings, 4096)
-    cache = KVCache(config, max_seqs + 1, context, torch_device, torch_dtype)  # + one slot for ComputeLogprobs
-    shapes = runner.linear_shapes()
-    pool = SlotPool(shapes, max_slots=max_slots, max_rank=max_rank, device=torch_device)
-    tokenizer = None
-    try:
-        from transformers import AutoTokenizer
+        if torch_device.type == "cpu" and torch_dtype == torch.float32:
+            log.info("base matmuls: %s", "oneDNN packed weights" if packed else "torch dense weights")
+        cache = KVCache(config, max_seqs + 1, context, torch_device, torch_dtype)  # + one slot for ComputeLogprobs
+        return Engine(runner, cache, pool.tensors, Scheduler(max_seqs=max_seqs, max_batch_tokens=max_batch_tokens),
+                      release=release, max_len=context, eos_token_ids=config.eos_token_ids,
+                      tokenizer=load_tokenizer(model_dir), kernel=backends[kernel], score_slot=max_seqs,
+                      burst_wait=burst_wait_ms / 1000, on_iteration=on_iteration)  # fmt: skip
 
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    except (OSError, ValueError):
-        tokenizer = None  # token-only serving
-    engine = Engine(runner, cache, pool, Scheduler(max_seqs=max_seqs, max_batch_tokens=max_batch_tokens),
-                    max_len=context, eos_token_ids=config.eos_token_ids, tokenizer=tokenizer, kernel=backends[kernel],
-                    score_slot=max_seqs, burst_wait=burst_wait_ms / 1000)  # fmt: skip
+    engine: Engine | EngineProcess
+    if not in_process:
+        # Forked first, while this process has no other thread (the spinner below starts one).
+        engine = EngineProcess(build_engine, pool, max_len=context, max_seqs=max_seqs,
+                               max_batch_tokens=max_batch_tokens, device=torch_device)  # fmt: skip
+        with spinner(f"loading {model} on {torch_device} in the engine process"):
+            engine.wait_ready()
+    else:
+        with spinner(f"loading {model} on {torch_device}"):
+            engine = build_engine(pool.release, None)
+    tokenizer = load_tokenizer(model_dir)
     artifacts = ArtifactStore(store)
     artifacts.cleanup_temp()
     digest = model_digest(model_dir)
@@ -162,11 +197,13 @@ def serve(
         loader.follower = follower
         state["follower"] = follower
         follower.start()
-        servicer = SamplerServicer(engine, loader, info=info, tokenizer=tokenizer, max_waiting=max_waiting,
+        servicer = SamplerServicer(engine, pool, loader, info=info, tokenizer=tokenizer, max_waiting=max_waiting,
                                    lora_kernel=used_kernel, follower=follower)  # fmt: skip
         sampler_pb2_grpc.add_SamplerServiceServicer_to_server(servicer, server)
+        if isinstance(engine, EngineProcess):
+            engine.on_exit = functools.partial(os.kill, os.getpid(), signal.SIGTERM)  # stop serving; see module doc
         engine.start()
-        REGISTRY.register(SamplerCollector(engine, loader))
+        REGISTRY.register(SamplerCollector(engine, pool, loader))
 
     async def on_stop() -> None:
         follower = state.get("follower")

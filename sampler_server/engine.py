@@ -7,7 +7,9 @@
           -> sample one token per sequence -> stop checks, detokenize, emit -> free finished sequences
 
 Other threads talk to the engine only through its inbox (submit, abort, score); it answers through the
-callbacks given at submission, on the engine thread.
+callbacks given at submission, on the engine thread. The engine reads the adapters' weights from `SlotTensors`
+and tells whoever keeps the slot books when a sequence lets go of its slot (`release`): the same process, or
+the server process when the engine runs in its own (engine_process.py).
 
 An idle engine woken by a request first waits for the rest of its burst (`burst_wait`): concurrent clients (an
 RL group, a batch of prompts) reach it spread over milliseconds, and a prefill step costs about as much for
@@ -39,7 +41,7 @@ from opentinker.sampler_server.model.llama import ForwardBatch, LlamaForCausalLM
 from opentinker.sampler_server.sampling import sample
 from opentinker.sampler_server.scheduler import ScheduledBatch, Scheduler
 from opentinker.sampler_server.sequence import Sequence
-from opentinker.sampler_server.slot_pool import SlotPool
+from opentinker.sampler_server.slot_pool import SlotTensors
 from opentinker.v1 import sampler_pb2
 
 log = logging.getLogger("opentinker.sampler")
@@ -47,11 +49,16 @@ log = logging.getLogger("opentinker.sampler")
 
 @dataclass(frozen=True, slots=True)
 class SequenceUpdate:
-    seq: Sequence
+    """What one sample gained in one step: plain values, so that it can cross a process boundary."""
+
+    request_id: str
+    sample_index: int
     tokens: list[int]
     logprobs: list[float]
     text: str
     finished: bool
+    stop_reason: int = sampler_pb2.STOP_REASON_UNSPECIFIED  # set when finished
+    prompt_logprobs: list[float] | None = None  # on a sample's first update, when they were asked for
     error: str = ""  # set when the engine failed this sequence (the request ends with INTERNAL)
 
 
@@ -97,19 +104,22 @@ class Engine:
         self,
         model: LlamaForCausalLM,
         cache: KVCache,
-        pool: SlotPool,
+        lora: SlotTensors,
         scheduler: Scheduler,
         *,
+        release: Callable[[int], None],
         max_len: int,
         eos_token_ids: tuple[int, ...],
         tokenizer: Any | None = None,
         kernel: Backend = "auto",
         score_slot: int,
         burst_wait: float = 0.002,
+        on_iteration: Callable[[], None] | None = None,
     ) -> None:
         self.model = model
         self.cache = cache
-        self.pool = pool
+        self.lora = lora
+        self.release = release  # a sequence's (or score job's) pin on its adapter slot ends
         self.scheduler = scheduler
         self.max_len = max_len
         self.eos_token_ids = set(eos_token_ids)
@@ -117,6 +127,7 @@ class Engine:
         self.kernel = kernel
         self.score_slot = score_slot  # a KV slot kept for ComputeLogprobs
         self.burst_wait = burst_wait  # seconds without a new request that end a burst; the whole wait is at most 10x
+        self.on_iteration = on_iteration  # called on the engine thread after each round of inbox + step
         self.device = cache.device
         self.stats = EngineStats()
         self._inbox: queue.SimpleQueue[_Submit | _Abort | _Score | None] = queue.SimpleQueue()
@@ -145,6 +156,14 @@ class Engine:
     def num_running(self) -> int:
         return len(self.scheduler.running)
 
+    @property
+    def max_seqs(self) -> int:
+        return self.scheduler.max_seqs
+
+    @property
+    def max_batch_tokens(self) -> int:
+        return self.scheduler.max_batch_tokens
+
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="sampler-engine", daemon=True)
         self._thread.start()
@@ -170,6 +189,8 @@ class Engine:
                     # A bug must not kill the engine thread and hang every stream: fail what was in flight.
                     log.exception("engine step failed; failing the sequences in flight")
                     self._fail_all("the sampler engine failed; see the server log")
+            if self.on_iteration is not None:
+                self.on_iteration()
         for seq in [*self.scheduler.waiting, *self.scheduler.running]:
             self._retire(seq)
 
@@ -178,7 +199,7 @@ class Engine:
             self._retire(seq)
             callback = self._callbacks.pop(seq.request_id, None)
             if callback is not None:
-                callback(SequenceUpdate(seq, [], [], "", finished=True, error=error))
+                callback(SequenceUpdate(seq.request_id, seq.sample_index, [], [], "", finished=True, error=error))
 
     def _drain(self, *, block: bool) -> None:
         try:
@@ -208,6 +229,8 @@ class Engine:
     def _handle(self, message: _Submit | _Abort | _Score) -> None:
         if isinstance(message, _Submit):
             for seq in message.sequences:
+                if seq.generator is None and seq.seed is not None:
+                    seq.generator = torch.Generator(device=self.device).manual_seed(seq.seed)
                 self._callbacks[seq.request_id] = message.on_update
                 self.scheduler.add(seq)
         elif isinstance(message, _Abort):
@@ -223,7 +246,7 @@ class Engine:
 
     def _retire(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
-        self.pool.release(seq.lora_slot)  # the request's pin on its adapter version ends with it
+        self.release(seq.lora_slot)  # the request's pin on its adapter version ends with it
 
     def step(self) -> None:
         batch = self.scheduler.schedule()
@@ -325,22 +348,22 @@ class Engine:
         """Each token's LoRA delta, added after every projection; planned once per step."""
         if not any(token_slots):
             return None  # base-model-only batch: no LoRA work at all
-        pool, ranks, kernel = self.pool, self.pool.ranks(), self.kernel
+        lora, ranks, kernel = self.lora, self.lora.ranks.tolist(), self.kernel
         if kernel == "segments" or (kernel == "auto" and self.device.type != "cuda"):
-            segments = plan_segments(token_slots, ranks, [slot.scaling for slot in pool.slots])
-            runs = plan_runs(segments, pool.scaling)
+            segments = plan_segments(token_slots, ranks, self.lora.scaling.tolist())
+            runs = plan_runs(segments, lora.scaling)
 
             def planned(module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-                if module in pool.a:
-                    add_lora_runs(y, x, pool.a[module], pool.b[module], runs)
+                if module in lora.a:
+                    add_lora_runs(y, x, lora.a[module], lora.b[module], runs)
                 return y
 
             return planned
         slot_ids = torch.tensor(token_slots, dtype=torch.long, device=self.device)
 
         def hook(module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            if module in pool.a:
-                add_lora(y, x, pool.a[module], pool.b[module], pool.scaling, slot_ids, ranks=ranks, backend=kernel)
+            if module in lora.a:
+                add_lora(y, x, lora.a[module], lora.b[module], lora.scaling, slot_ids, ranks=ranks, backend=kernel)
             return y
 
         return hook
@@ -362,6 +385,7 @@ class Engine:
         finished = seq.stop_reason != sampler_pb2.STOP_REASON_UNSPECIFIED
         if finished:
             text_delta += self._detokenize(seq, final=True)  # nothing more will complete a held-back character
+        first = seq.emitted_tokens == 0
         new_tokens = seq.output[seq.emitted_tokens :]
         new_logprobs = seq.output_logprobs[seq.emitted_tokens :]
         seq.emitted_tokens = len(seq.output)
@@ -371,7 +395,8 @@ class Engine:
             if all(s.request_id != seq.request_id for s in [*self.scheduler.waiting, *self.scheduler.running]):
                 self._callbacks.pop(seq.request_id, None)
         if callback is not None:
-            callback(SequenceUpdate(seq, new_tokens, new_logprobs, text_delta, finished))
+            callback(SequenceUpdate(seq.request_id, seq.sample_index, new_tokens, new_logprobs, text_delta, finished,
+                                    seq.stop_reason, seq.prompt_logprobs if first else None))  # fmt: skip
 
     def _detokenize(self, seq: Sequence, *, final: bool = False) -> str:
         """The text the newest tokens add, appended to seq.text. Only a window of the output is decoded: from the
@@ -393,7 +418,7 @@ class Engine:
 
     def _score(self, job: _Score) -> None:
         if job.future.set_running_or_notify_cancel() is False:
-            self.pool.release(job.lora_slot)  # cancelled before it ran: its pin still ends here
+            self.release(job.lora_slot)  # cancelled before it ran: its pin still ends here
             return
         try:
             tokens = job.tokens
@@ -411,7 +436,7 @@ class Engine:
         except Exception as exc:
             job.future.set_exception(exc)
         finally:
-            self.pool.release(job.lora_slot)
+            self.release(job.lora_slot)
 
 
 def _ends_with_stop(text: str, new_chars: int, stops: tuple[str, ...]) -> bool:

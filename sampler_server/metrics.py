@@ -36,9 +36,6 @@ class _Engine(Protocol):
     def num_waiting(self) -> int: ...
 
     @property
-    def pool(self) -> _Pool: ...
-
-    @property
     def stats(self) -> _Stats: ...
 
 
@@ -51,8 +48,9 @@ class _Loader(Protocol):
 
 
 class SamplerCollector(Collector):
-    def __init__(self, engine: _Engine, loader: _Loader) -> None:
+    def __init__(self, engine: _Engine, pool: _Pool, loader: _Loader) -> None:
         self.engine = engine
+        self.pool = pool
         self.loader = loader
 
     def collect(self) -> Iterator[Metric]:
@@ -62,9 +60,9 @@ class SamplerCollector(Collector):
         yield GaugeMetricFamily("opentinker_sampler_waiting_sequences", "Sequences queued for admission",
                                 value=engine.num_waiting)  # fmt: skip
         yield GaugeMetricFamily("opentinker_sampler_slots_used", "Adapter slots holding a version",
-                                value=engine.pool.used())  # fmt: skip
+                                value=self.pool.used())  # fmt: skip
         yield GaugeMetricFamily("opentinker_sampler_slots_total", "Adapter slots (--max-slots)",
-                                value=engine.pool.capacity)  # fmt: skip
+                                value=self.pool.capacity)  # fmt: skip
         yield CounterMetricFamily("opentinker_sampler_tokens_generated", "Tokens sampled since start",
                                   value=engine.stats.tokens_generated)  # fmt: skip
         prompt = CounterMetricFamily("opentinker_sampler_prompt_tokens", "Prompt tokens prefilled, by where their "

@@ -52,6 +52,7 @@ class Sequence:
     output_logprobs: list[float] = field(default_factory=list)
     prompt_logprobs: list[float] | None = None
     stop_reason: int = sampler_pb2.STOP_REASON_UNSPECIFIED
+    seed: int | None = None  # sampling seed of this sample (None: greedy); the engine makes its generator
     generator: torch.Generator | None = None
     text: str = ""  # detokenized output so far (held back at an incomplete character), all of it emitted
     emitted_tokens: int = 0  # tokens already sent to the client

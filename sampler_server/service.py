@@ -17,8 +17,10 @@ from opentinker.rpc.auth import current_principal
 from opentinker.rpc.errors import Internal, InvalidArgument, NotFound, ResourceExhausted
 from opentinker.sampler_server.adapters import AdapterLoader, Resolved
 from opentinker.sampler_server.engine import Engine, SequenceUpdate
+from opentinker.sampler_server.engine_process import EngineProcess
 from opentinker.sampler_server.follower import AliasFollower
 from opentinker.sampler_server.sequence import SamplingParams, Sequence
+from opentinker.sampler_server.slot_pool import SlotPool
 from opentinker.trainer_server.batch import tokens_of
 from opentinker.v1 import common_pb2, sampler_pb2, sampler_pb2_grpc
 
@@ -57,11 +59,11 @@ def coalesce(updates: list[SequenceUpdate]) -> list[SequenceUpdate]:
     messages. A sample's tokens, logprobs and text stay in order; an error is kept."""
     merged: dict[int, SequenceUpdate] = {}
     for new in updates:
-        index = new.seq.sample_index
+        index = new.sample_index
         old = merged.get(index)
         merged[index] = new if old is None else SequenceUpdate(
-            new.seq, old.tokens + new.tokens, old.logprobs + new.logprobs, old.text + new.text, new.finished,
-            new.error or old.error,
+            new.request_id, index, old.tokens + new.tokens, old.logprobs + new.logprobs, old.text + new.text,
+            new.finished, new.stop_reason, old.prompt_logprobs, new.error or old.error,
         )  # fmt: skip
     return list(merged.values())
 
@@ -93,7 +95,8 @@ class Mailbox:
 class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
     def __init__(
         self,
-        engine: Engine,
+        engine: Engine | EngineProcess,
+        pool: SlotPool,
         loader: AdapterLoader,
         *,
         info: common_pb2.BaseModelInfo,
@@ -103,6 +106,7 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
         follower: AliasFollower | None = None,
     ) -> None:
         self.engine = engine
+        self.pool = pool
         self.loader = loader
         self.info = info
         self.tokenizer = tokenizer
@@ -133,10 +137,10 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
         return tokens
 
     async def GetSamplerInfo(self, request: sampler_pb2.GetSamplerInfoRequest, context: Context) -> Any:
-        pool = self.engine.pool
+        pool = self.pool
         return sampler_pb2.GetSamplerInfoResponse(
             base_model=self.info, max_slots=pool.capacity, max_rank=pool.max_rank,
-            max_seqs=self.engine.scheduler.max_seqs, max_batch_tokens=self.engine.scheduler.max_batch_tokens,
+            max_seqs=self.engine.max_seqs, max_batch_tokens=self.engine.max_batch_tokens,
             lora_kernel=self.lora_kernel,
         )  # fmt: skip
 
@@ -186,34 +190,30 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
     def _response(
         update: SequenceUpdate, resolved: Resolved, params: SamplingParams, prompt: list[int], first: list[bool]
     ) -> sampler_pb2.SampleResponse:
-        index = update.seq.sample_index
+        index = update.sample_index
         message = sampler_pb2.SampleResponse(
             sample_index=index, tokens=update.tokens, version=resolved.message,
-            stop_reason=update.seq.stop_reason if update.finished else sampler_pb2.STOP_REASON_UNSPECIFIED,  # type: ignore[arg-type]
+            stop_reason=update.stop_reason if update.finished else sampler_pb2.STOP_REASON_UNSPECIFIED,  # type: ignore[arg-type]
             text=update.text,
         )  # fmt: skip
         if params.logprobs:
             message.logprobs.extend(update.logprobs)
         if first[index]:
             message.prompt_tokens = len(prompt)
-            if update.seq.prompt_logprobs is not None:
-                message.prompt_logprobs.extend(update.seq.prompt_logprobs)
+            if update.prompt_logprobs is not None:
+                message.prompt_logprobs.extend(update.prompt_logprobs)
             first[index] = False
         return message
 
     def _sequence(
         self, request_id: str, index: int, prompt: list[int], params: SamplingParams, slot: int, prompt_logprobs: bool
     ) -> Sequence:
-        import torch
-
-        generator = None
+        seed = None
         if not params.greedy:
-            generator = torch.Generator(device=self.engine.device)
             seed = int.from_bytes(os.urandom(7), "little") if params.seed is None else (params.seed + index) % 2**64
-            generator.manual_seed(seed)
         return Sequence(
             seq_id=next(self._seq_ids), request_id=request_id, sample_index=index, prompt=list(prompt), params=params,
-            lora_slot=slot, want_prompt_logprobs=prompt_logprobs, generator=generator,
+            lora_slot=slot, want_prompt_logprobs=prompt_logprobs, seed=seed,
         )  # fmt: skip
 
     async def ComputeLogprobs(self, request: sampler_pb2.ComputeLogprobsRequest, context: Context) -> Any:
@@ -229,7 +229,7 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
         return response
 
     def _loaded(self, index: int) -> sampler_pb2.LoadedAdapter:
-        slot = self.engine.pool.slots[index]
+        slot = self.pool.slots[index]
         adapter, version = slot.key or ("", 0)
         message = sampler_pb2.LoadedAdapter(
             version=common_pb2.ResolvedVersion(adapter=adapter, version=version, reference=f"{adapter}@{version}",
@@ -247,21 +247,21 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
             raise InvalidArgument("the base model is always loaded", reason="INVALID_REFERENCE")
         index = await self.loader.acquire(resolved)
         if request.pin:
-            self.engine.pool.set_pinned(index, True)
-        self.engine.pool.release(index)
+            self.pool.set_pinned(index, True)
+        self.pool.release(index)
         return sampler_pb2.LoadAdapterResponse(adapter=self._loaded(index))
 
     async def UnloadAdapter(self, request: sampler_pb2.UnloadAdapterRequest, context: Context) -> Any:
         resolved = await self.loader.resolve(request.reference)
         if resolved.version is None:
             raise InvalidArgument("the base model cannot be unloaded", reason="INVALID_REFERENCE")
-        freed = self.engine.pool.unload(resolved.key)
+        freed = self.pool.unload(resolved.key)
         if freed is None:
             raise NotFound(f"{resolved.key[0]}@{resolved.key[1]} is not loaded", reason="ADAPTER_NOT_LOADED")
         return sampler_pb2.UnloadAdapterResponse(freed_now=freed)
 
     async def ListLoaded(self, request: sampler_pb2.ListLoadedRequest, context: Context) -> Any:
-        pool, principal = self.engine.pool, current_principal()
+        pool, principal = self.pool, current_principal()
         loaded = [
             self._loaded(s.index)
             for s in pool.slots[1:]
@@ -270,13 +270,13 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
         return sampler_pb2.ListLoadedResponse(adapters=loaded, slots_total=pool.capacity)
 
     async def GetStats(self, request: sampler_pb2.GetStatsRequest, context: Context) -> Any:
-        engine, follower = self.engine, self.follower
+        engine, pool, follower = self.engine, self.pool, self.follower
         stats = sampler_pb2.GetStatsResponse(
             running_requests=engine.num_running, waiting_requests=engine.num_waiting, max_waiting=self.max_waiting,
-            slots_used=engine.pool.used(), slots_total=engine.pool.capacity,
+            slots_used=pool.used(), slots_total=pool.capacity,
             tokens_generated=engine.stats.tokens_generated,
             decode_tokens_per_second=engine.stats.tokens_per_second(),
-            kv_cache_usage=engine.num_running / max(engine.scheduler.max_seqs, 1),
+            kv_cache_usage=engine.num_running / max(engine.max_seqs, 1),
             reloads_total=self.loader.loads, reload_failures_total=self.loader.load_failures,
         )  # fmt: skip
         if follower is not None:

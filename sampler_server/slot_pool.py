@@ -7,10 +7,15 @@ zero-padded to r_max (exact). A slot is keyed by an exact (adapter, version): re
 reuses stale weights. Requests hold a reference on their slot from admission to finish; idle slots are
 evicted LRU when a new version needs room; pinned slots are never evicted; an unloaded slot with running
 requests is freed when its last request ends.
+
+The tensors a forward reads (`SlotTensors`: A, B, scaling, rank per slot) are apart from the bookkeeping, so
+that they can live in shared memory (`shared=True`) and be read by an engine process while this process loads
+versions: a slot is only written while no sequence holds it.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -20,6 +25,32 @@ import torch
 from opentinker.rpc.errors import ResourceExhausted
 
 VersionKey = tuple[str, int]  # (adapter, version)
+
+
+@dataclass(frozen=True, slots=True)
+class SlotTensors:
+    """What the LoRA kernels read of the resident versions, indexed by slot."""
+
+    a: dict[str, torch.Tensor]  # module -> [n_slots, r_max, d_in]
+    b: dict[str, torch.Tensor]  # module -> [n_slots, d_out, r_max], a view of [n_slots, r_max, d_out] storage
+    scaling: torch.Tensor  # [n_slots] float32; 0 for a free slot, so rows that still point there add nothing
+    ranks: torch.Tensor  # [n_slots] int32; the rank each slot was loaded with
+
+    def is_shared(self) -> bool:
+        tensors = (*self.a.values(), *self.b.values(), self.scaling, self.ranks)
+        return all(t.is_shared() for t in tensors)  # type: ignore[no-untyped-call]
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, shared: bool) -> torch.Tensor:
+    """shared: in fresh shared memory, whose pages the kernel zeroes; no torch op runs (an op on a large tensor
+    would start OpenMP's thread team, which a forked engine process inherits broken: its first parallel op hangs)."""
+    if not shared:
+        return torch.zeros(shape, device=device, dtype=dtype)
+    if device.type != "cpu":
+        raise ValueError("shared slot tensors are CPU tensors")
+    storage: torch.UntypedStorage = torch.UntypedStorage._new_shared(math.prod(shape) * dtype.itemsize)  # type: ignore[no-untyped-call]
+    strides = [math.prod(shape[i + 1 :]) for i in range(len(shape))]
+    return torch.empty(0, dtype=dtype).set_(storage, 0, shape, strides)
 
 
 @dataclass(slots=True)
@@ -46,18 +77,23 @@ class SlotPool:
         max_rank: int,
         device: torch.device,
         dtype: torch.dtype = torch.float32,
+        shared: bool = False,
     ) -> None:
+        """shared: the tensors live in shared memory, for an engine process forked after this (CPU only)."""
         count = max_slots + 1  # + slot 0
         self.max_rank = max_rank
-        self.a = {m: torch.zeros(count, max_rank, d_in, device=device, dtype=dtype) for m, (d_in, _) in shapes.items()}
+        self.a = {m: _zeros((count, max_rank, d_in), dtype, device, shared) for m, (d_in, _) in shapes.items()}
         # B is stored transposed, [n_slots, r_max, d_out] contiguous, and exposed as its [n_slots, d_out, r_max]
         # view: the expand step h @ B^T then streams long contiguous rows of d_out (a third of the time of
         # the 16-wide rows of [d_out, r_max] on CPU), and slicing a rank prefix keeps each slot's block contiguous.
         self.b = {
-            m: torch.zeros(count, max_rank, d_out, device=device, dtype=dtype).transpose(1, 2)
+            m: _zeros((count, max_rank, d_out), dtype, device, shared).transpose(1, 2)
             for m, (_, d_out) in shapes.items()
         }
-        self.scaling = torch.zeros(count, device=device, dtype=torch.float32)
+        self.scaling = _zeros((count,), torch.float32, device, shared)
+        self.tensors = SlotTensors(
+            self.a, self.b, self.scaling, _zeros((count,), torch.int32, torch.device("cpu"), shared)
+        )
         self.slots = [Slot(i) for i in range(count)]
         self.by_key: dict[VersionKey, int] = {}
         self._lock = threading.Lock()
@@ -75,7 +111,7 @@ class SlotPool:
         return sum(1 for s in self.slots[1:] if s.key is not None)
 
     def ranks(self) -> list[int]:
-        return [s.rank for s in self.slots]
+        return [int(r) for r in self.tensors.ranks.tolist()]
 
     def lookup(self, key: VersionKey) -> int | None:
         with self._lock:
@@ -105,6 +141,7 @@ class SlotPool:
             slot.scaling = 0.0
             slot.last_used = time.monotonic()  # LRU age starts at load, not at the previous occupant's last use
             self.scaling[slot.index] = 0.0
+            self.tensors.ranks[slot.index] = 0
             return slot.index
 
     def fill(
@@ -125,6 +162,7 @@ class SlotPool:
                 self.a[module][index, :rank].copy_(a)  # a: [r, d_in]
                 self.b[module][index, :, :rank].copy_(b)  # b: [d_out, r]
             self.scaling[index] = scaling
+            self.tensors.ranks[index] = rank
         with self._lock:
             slot = self.slots[index]
             assert slot.key is not None
@@ -181,6 +219,7 @@ class SlotPool:
         slot.key, slot.rank, slot.refs, slot.pinned, slot.scaling = None, 0, 0, False, 0.0
         slot.retiring = slot.loading = False
         self.scaling[slot.index] = 0.0  # rows that still point here add nothing
+        self.tensors.ranks[slot.index] = 0
 
     def total_refs(self) -> int:
         with self._lock:

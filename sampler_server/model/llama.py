@@ -26,9 +26,6 @@ from opentinker.rpc.errors import InvalidArgument
 from opentinker.sampler_server.model.config import ModelConfig, load_config
 from opentinker.sampler_server.model.kv_cache import KVCache
 
-ATTN_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_PROJ = ("gate_proj", "up_proj", "down_proj")
-
 
 class LoraHook(Protocol):
     def __call__(self, module: str, x: torch.Tensor, y: torch.Tensor, /) -> torch.Tensor:
@@ -243,16 +240,7 @@ class LlamaForCausalLM:
     def from_pretrained(cls, model_dir: Path, *, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
         config = load_config(Path(model_dir))
         c = config
-        q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        shapes = {  # projection -> (d_out, d_in)
-            "self_attn.q_proj": (q_dim, c.hidden_size),
-            "self_attn.k_proj": (kv_dim, c.hidden_size),
-            "self_attn.v_proj": (kv_dim, c.hidden_size),
-            "self_attn.o_proj": (c.hidden_size, q_dim),
-            "mlp.gate_proj": (c.intermediate_size, c.hidden_size),
-            "mlp.up_proj": (c.intermediate_size, c.hidden_size),
-            "mlp.down_proj": (c.hidden_size, c.intermediate_size),
-        }
+        shapes = _projection_shapes(c)  # projection -> (d_out, d_in)
         with ExitStack() as stack:
             ckpt = _Checkpoint(Path(model_dir), stack)
 
@@ -313,13 +301,7 @@ class LlamaForCausalLM:
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """HF module path of every LoRA-targetable projection -> (d_in, d_out)."""
-        shapes: dict[str, tuple[int, int]] = {}
-        for i, layer in enumerate(self.layers):
-            for group, names in (("self_attn", ATTN_PROJ), ("mlp", MLP_PROJ)):
-                for name in names:
-                    d_out, d_in = getattr(layer, name).weight.shape
-                    shapes[f"model.layers.{i}.{group}.{name}"] = (d_in, d_out)
-        return shapes
+        return linear_shapes(self.config)
 
     def forward(self, batch: ForwardBatch, cache: KVCache, lora: LoraHook | None = None) -> torch.Tensor:
         """Append the batch's tokens to their cache slots and return float32 logits [M, vocab]."""
@@ -458,3 +440,28 @@ def _check_batch(batch: ForwardBatch, cache: KVCache) -> None:
             raise ValueError(f"kv slot {slot} outside [0, {cache.max_seqs})")
         if not 1 <= length <= context <= cache.max_len:
             raise ValueError(f"need 1 <= new_len {length} <= context_len {context} <= cache max_len {cache.max_len}")
+
+
+def _projection_shapes(c: ModelConfig) -> dict[str, tuple[int, int]]:
+    """Projection within a layer ("self_attn.q_proj") -> its weight's shape (d_out, d_in)."""
+    q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    return {
+        "self_attn.q_proj": (q_dim, c.hidden_size),
+        "self_attn.k_proj": (kv_dim, c.hidden_size),
+        "self_attn.v_proj": (kv_dim, c.hidden_size),
+        "self_attn.o_proj": (c.hidden_size, q_dim),
+        "mlp.gate_proj": (c.intermediate_size, c.hidden_size),
+        "mlp.up_proj": (c.intermediate_size, c.hidden_size),
+        "mlp.down_proj": (c.hidden_size, c.intermediate_size),
+    }
+
+
+def linear_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """HF module path of every LoRA-targetable projection -> (d_in, d_out), from the config alone (a server
+    process that leaves the weights to its engine process sizes its adapter slots with this)."""
+    per_layer = _projection_shapes(config)
+    return {
+        f"model.layers.{i}.{proj}": (d_in, d_out)
+        for i in range(config.num_layers)
+        for proj, (d_out, d_in) in per_layer.items()
+    }

@@ -1,0 +1,316 @@
+"""The engine in a process of its own (the sampler's default on the CPU).
+
+The server process keeps gRPC, the registry, the adapter slot books and the loads; the engine process keeps the
+model, the KV cache and the step loop. Each has its own GIL, so the server's Python per streamed message
+(grpc.aio, protobuf, the request coroutines) no longer holds the engine up between two of its tensor ops: in
+one process, 42 us of Python on another thread per streamed token slowed the engine's 32-stream run by 1.9 %,
+and the real server spends more than that per message.
+
+    server process                                      engine process (forked before any thread starts)
+    submit / abort / score  ---- pipe ---->  reader thread -> Engine inbox -> engine thread: step()
+    reader thread: callbacks, slot releases  <---- pipe ----  one message per engine iteration
+
+The adapters' weights are in shared memory (`SlotPool(shared=True)`, made before the fork): the server writes a
+version into a slot no sequence holds, and the engine reads it once a request naming that slot arrives through
+the pipe, which orders the two. A slot's pin ends when the engine says the sequence let go of it.
+
+The engine process dies with the server process (PR_SET_PDEATHSIG) and ignores the signals a terminal or a
+process-group kill sends, so that a draining server still has its engine; if the engine process dies, every
+request in flight ends with INTERNAL and the server shuts down (a supervisor restarts it).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import itertools
+import logging
+import multiprocessing
+import os
+import signal
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from opentinker.rpc.process import die_with_parent
+from opentinker.sampler_server.engine import Engine, EngineStats, SequenceUpdate, UpdateCallback
+from opentinker.sampler_server.sequence import Sequence
+from opentinker.sampler_server.slot_pool import SlotPool
+
+log = logging.getLogger("opentinker.sampler")
+
+# Builds the engine inside the engine process, given its slot-release and end-of-iteration callbacks.
+EngineBuilder = Callable[[Callable[[int], None], Callable[[], None]], Engine]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineReport:
+    """What the engine process sends after an iteration that changed anything."""
+
+    updates: list[SequenceUpdate]
+    released: list[int]  # adapter slots whose pin ended (one entry per pin)
+    scored: list[tuple[int, list[float] | None, str]]  # (job, logprobs, error)
+    received: int  # sequences taken from the pipe so far
+    waiting: int
+    running: int
+    stats: EngineStats
+
+
+class _Outbox:
+    """The engine process's side: collects what an iteration produced and sends it as one report."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.engine: Engine | None = None
+        self.updates: list[SequenceUpdate] = []
+        self.released: list[int] = []
+        self.scored: list[tuple[int, list[float] | None, str]] = []
+        self.received = 0
+        self._sent_counts = (0, 0, 0)
+
+    def post(self, update: SequenceUpdate) -> None:  # engine thread
+        self.updates.append(update)
+
+    def release(self, slot: int) -> None:  # engine thread
+        self.released.append(slot)
+
+    def score_done(self, job: int, future: concurrent.futures.Future[list[float]]) -> None:  # engine thread
+        error = future.exception()
+        self.scored.append((job, None, f"{type(error).__name__}: {error}") if error else (job, future.result(), ""))
+
+    def flush(self) -> None:  # engine thread, after each iteration
+        engine = self.engine
+        assert engine is not None
+        counts = (self.received, engine.num_waiting, engine.num_running)
+        if not (self.updates or self.released or self.scored) and counts == self._sent_counts:
+            return
+        report = EngineReport(self.updates, self.released, self.scored, *counts, engine.stats)
+        self.updates, self.released, self.scored, self._sent_counts = [], [], [], counts
+        self.conn.send(report)
+
+
+def _engine_main(conn: Connection, build: EngineBuilder) -> None:
+    """The engine process: build the engine, then feed it what the server sends until "stop" or the pipe closes."""
+    die_with_parent(signal.SIGKILL)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)  # the server process decides when its engine stops
+    outbox = _Outbox(conn)
+    try:
+        engine = build(outbox.release, outbox.flush)
+    except Exception as exc:
+        log.exception("the sampler engine could not be built")
+        conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+        return
+    outbox.engine = engine
+    conn.send(("ready", None))
+    engine.start()
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            break  # the server process is gone
+        kind = message[0]
+        if kind == "submit":
+            engine.submit(message[1], outbox.post)
+            outbox.received += len(message[1])  # after the inbox has them: a waiting count may be high, never low
+        elif kind == "abort":
+            engine.abort(message[1])
+        elif kind == "score":
+            job = message[1]
+            future = engine.score(message[2], message[3])
+            future.add_done_callback(functools.partial(outbox.score_done, job))
+        else:
+            break
+    engine.stop()
+
+
+class EngineProcess:
+    """The server process's handle on an engine in its own process; what the service calls on an `Engine`."""
+
+    def __init__(
+        self,
+        build: EngineBuilder,
+        pool: SlotPool,
+        *,
+        max_len: int,
+        max_seqs: int,
+        max_batch_tokens: int,
+        device: torch.device,
+    ) -> None:
+        """Forks the engine process, which builds its engine (call before this process starts any thread: a fork
+        copies only the calling thread, and a lock another thread held would stay locked in the child); then
+        call wait_ready()."""
+        self.pool = pool
+        self.max_len = max_len
+        self.max_seqs = max_seqs
+        self.max_batch_tokens = max_batch_tokens
+        self.device = device
+        self.stats = EngineStats()
+        if not pool.tensors.is_shared():
+            raise ValueError("the engine process needs a SlotPool made with shared=True")
+        threads = threading.active_count()
+        if threads > 1:
+            log.warning("forking the engine process while %d threads run", threads)
+        ours, theirs = multiprocessing.Pipe()
+        self.pid = os.fork()
+        if self.pid == 0:  # the engine process
+            ours.close()
+            code = 0
+            try:
+                _engine_main(theirs, build)
+            except BaseException:
+                log.exception("the sampler engine process failed")
+                code = 1
+            finally:
+                logging.shutdown()
+                os._exit(code)  # never the server's atexit handlers or finally blocks
+        theirs.close()
+        self._conn = ours
+        self._send_lock = threading.Lock()
+        self._callbacks: dict[str, tuple[UpdateCallback, int]] = {}  # request -> (callback, samples left)
+        self._scores: dict[int, concurrent.futures.Future[list[float]]] = {}
+        self._jobs = itertools.count()
+        self._lock = threading.Lock()
+        self._sent = 0  # sequences sent to the engine process
+        self._report: EngineReport | None = None
+        self._reader: threading.Thread | None = None
+        self._stopping = False
+        self.on_exit: Callable[[], None] | None = None  # called (reader thread) if the engine process dies
+
+    def wait_ready(self) -> None:
+        """Until the engine process has built its engine (model, KV cache); raises if it could not."""
+        try:
+            status = self._conn.recv()
+        except EOFError:
+            status = ("failed", "it exited")
+        if status[0] != "ready":
+            os.waitpid(self.pid, 0)
+            raise SystemExit(f"opentinker sampler: the engine process failed to start: {status[1]}")
+
+    # The Engine interface the service uses
+
+    def submit(self, sequences: list[Sequence], on_update: UpdateCallback) -> None:
+        with self._lock:
+            self._callbacks[sequences[0].request_id] = (on_update, len(sequences))
+            self._sent += len(sequences)
+        if not self._send(("submit", sequences)):
+            self._fail(sequences)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._callbacks.pop(request_id, None)
+        self._send(("abort", request_id))
+
+    def score(self, tokens: list[int], lora_slot: int) -> concurrent.futures.Future[list[float]]:
+        future: concurrent.futures.Future[list[float]] = concurrent.futures.Future()
+        job = next(self._jobs)
+        with self._lock:
+            self._scores[job] = future
+        if not self._send(("score", job, tokens, lora_slot)):
+            with self._lock:
+                self._scores.pop(job, None)
+            self.pool.release(lora_slot)
+            future.set_exception(RuntimeError("the sampler engine process has exited"))
+        return future
+
+    @property
+    def num_waiting(self) -> int:
+        report = self._report
+        if report is None:
+            return self._sent
+        return self._sent - report.received + report.waiting
+
+    @property
+    def num_running(self) -> int:
+        report = self._report
+        return 0 if report is None else report.running
+
+    def start(self) -> None:
+        self._reader = threading.Thread(target=self._read, name="sampler-engine-reader", daemon=True)
+        self._reader.start()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._send(("stop",))
+        if self._reader is not None:
+            self._reader.join(30)  # ends when the engine process closes its end, i.e. exits
+        if os.waitpid(self.pid, os.WNOHANG) == (0, 0):  # still there after 30 s: a hung step
+            log.error("the sampler engine process did not stop; killing it")
+            os.kill(self.pid, signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+        self._conn.close()
+
+    # Server process side of the pipe
+
+    def _send(self, message: tuple[Any, ...]) -> bool:
+        try:
+            with self._send_lock:
+                self._conn.send(message)
+        except (OSError, ValueError):  # the engine process is gone (or we closed the pipe)
+            return False
+        return True
+
+    def _read(self) -> None:
+        while True:
+            try:
+                report = self._conn.recv()
+            except (EOFError, OSError):
+                break
+            self._deliver(report)
+        if not self._stopping:
+            self._engine_died()
+
+    def _deliver(self, report: EngineReport) -> None:
+        self._report = report
+        self.stats = report.stats
+        for slot in report.released:
+            self.pool.release(slot)
+        for update in report.updates:
+            with self._lock:
+                entry = self._callbacks.get(update.request_id)
+                if entry is not None and update.finished:
+                    left = entry[1] - 1
+                    if left:
+                        self._callbacks[update.request_id] = (entry[0], left)
+                    else:
+                        del self._callbacks[update.request_id]
+            if entry is not None:
+                entry[0](update)
+        for job, logprobs, error in report.scored:
+            with self._lock:
+                future = self._scores.pop(job, None)
+            if future is None or future.cancelled():  # the caller gave up; the engine released the slot anyway
+                continue
+            if logprobs is None:
+                future.set_exception(RuntimeError(error))
+            else:
+                future.set_result(logprobs)
+
+    def _engine_died(self) -> None:
+        _, status = os.waitpid(self.pid, os.WNOHANG)
+        log.critical("the sampler engine process exited (wait status %d); failing the requests in flight", status)
+        with self._lock:
+            callbacks, self._callbacks = self._callbacks, {}
+            scores, self._scores = self._scores, {}
+        error = "the sampler engine process exited; see the server log"
+        for request_id, (callback, left) in callbacks.items():
+            for _ in range(left):
+                callback(SequenceUpdate(request_id, -1, [], [], "", finished=True, error=error))
+        for future in scores.values():
+            future.set_exception(RuntimeError(error))
+        if self.on_exit is not None:
+            self.on_exit()
+
+    def _fail(self, sequences: list[Sequence]) -> None:
+        """Sequences that never reached the engine process: their pins end here."""
+        with self._lock:
+            entry = self._callbacks.pop(sequences[0].request_id, None)
+        for seq in sequences:
+            self.pool.release(seq.lora_slot)
+            if entry is not None:
+                entry[0](SequenceUpdate(seq.request_id, seq.sample_index, [], [], "", finished=True,
+                                        error="the sampler engine process has exited"))  # fmt: skip
