@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-import psutil
 from results import record
 from stack import Stack, aio_stub, closed_loop, publish, sample_request, start_stack, stream, tokens_between
 from workload import (
@@ -42,6 +41,7 @@ from workload import (
     zipf_mass,
 )
 
+from opentinker.client.launch import tree_memory
 from opentinker.v1 import sampler_pb2, sampler_pb2_grpc
 
 ZIPF_S = 1.1
@@ -70,7 +70,8 @@ def register(stack: Stack, count: int, shapes: dict[str, tuple[int, int]]) -> li
 
 
 def rss(stack: Stack, sampler: str) -> int:
-    return int(psutil.Process(stack.samplers[sampler].process.pid).memory_info().rss)
+    """The sampler's memory: PSS of its server and engine processes (their shared adapter slots count once)."""
+    return tree_memory(stack.samplers[sampler].process.pid)
 
 
 def serve(address: str, requests: list[sampler_pb2.SampleRequest]) -> None:

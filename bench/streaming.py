@@ -7,7 +7,7 @@ running, so (b) does not run in this busy process). The runs alternate (a, b), (
 
   wall time until the last request ends, (a) / (b)                              (target <= 1.05)
   time to first token, median over requests, (a) - (b)                         (reported)
-  CPU time, (a) the sampler + this client / (b) the engine's process           (reported; load-insensitive)
+  CPU time, (a) the sampler's processes + this client / (b) the engine's process (reported; load-insensitive)
 
     .venv/bin/python bench/streaming.py [--quick]
 """
@@ -69,9 +69,9 @@ class Run:
 
 
 def cpu_seconds(server: psutil.Process) -> float:
-    """CPU seconds of this process plus the sampler process (user + system, every thread)."""
-    own, theirs = psutil.Process().cpu_times(), server.cpu_times()
-    return float(own.user + own.system + theirs.user + theirs.system)
+    """CPU seconds of this process plus the sampler's processes (server and engine; user + system, all threads)."""
+    times = [p.cpu_times() for p in (psutil.Process(), server, *server.children(recursive=True))]
+    return float(sum(t.user + t.system for t in times))
 
 
 def register(stack: Stack, adapters: list[dict[str, bytes]]) -> list[str]:

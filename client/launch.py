@@ -109,3 +109,12 @@ def start_sampler(workdir: Path, model: Path, registry: ServerProcess, *extra: s
         "--store", str(registry_store(registry)), "--port", "0", "--device", "cpu", *extra,
     )  # fmt: skip
     return ServerProcess(args, workdir, timeout=120)
+
+
+def tree_memory(pid: int) -> int:
+    """Bytes of memory a server holds: the proportional set size (PSS) of its process and of its children (the
+    sampler's engine process), so that the pages they share (adapter slots) count once, not once per process."""
+    import psutil
+
+    root = psutil.Process(pid)
+    return sum(int(p.memory_full_info().pss) for p in (root, *root.children(recursive=True)))

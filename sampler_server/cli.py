@@ -218,6 +218,8 @@ def serve(
     options = opt.server_options(host, port, metrics_port, tokens_file, insecure_public, tls_cert, tls_key, ready_file,
                                  max_message_mb)  # fmt: skip
     serve_forever("sampler", [binding], options, on_stop=on_stop)
+    if isinstance(engine, EngineProcess) and engine.died:
+        raise SystemExit(1)  # stopped because the engine process died: a supervisor should restart this server
 
 
 def sample_command(

@@ -29,6 +29,7 @@ import multiprocessing
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -179,6 +180,8 @@ class EngineProcess:
         self._report: EngineReport | None = None
         self._reader: threading.Thread | None = None
         self._stopping = False
+        self.died = False  # the engine process exited while the server still served
+        self._exit_code: int | None = None
         self.on_exit: Callable[[], None] | None = None  # called (reader thread) if the engine process dies
 
     def wait_ready(self) -> None:
@@ -238,11 +241,24 @@ class EngineProcess:
         self._send(("stop",))
         if self._reader is not None:
             self._reader.join(30)  # ends when the engine process closes its end, i.e. exits
-        if os.waitpid(self.pid, os.WNOHANG) == (0, 0):  # still there after 30 s: a hung step
+        if self._reap(5.0) is None:  # still there: a hung step
             log.error("the sampler engine process did not stop; killing it")
             os.kill(self.pid, signal.SIGKILL)
-            os.waitpid(self.pid, 0)
+            self._reap(5.0)
         self._conn.close()
+
+    def _reap(self, timeout: float) -> int | None:
+        """The engine process's exit code once it has exited (negative: killed by that signal), else None."""
+        deadline = time.monotonic() + timeout
+        while self._exit_code is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self._exit_code = os.waitstatus_to_exitcode(status)
+            elif time.monotonic() >= deadline:
+                break
+            else:
+                time.sleep(0.01)
+        return self._exit_code
 
     # Server process side of the pipe
 
@@ -291,8 +307,9 @@ class EngineProcess:
                 future.set_result(logprobs)
 
     def _engine_died(self) -> None:
-        _, status = os.waitpid(self.pid, os.WNOHANG)
-        log.critical("the sampler engine process exited (wait status %d); failing the requests in flight", status)
+        self.died = True
+        code = self._reap(5.0)
+        log.critical("the sampler engine process exited (code %s); failing the requests in flight", code)
         with self._lock:
             callbacks, self._callbacks = self._callbacks, {}
             scores, self._scores = self._scores, {}

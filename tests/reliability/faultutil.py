@@ -35,6 +35,7 @@ import grpc
 from registryutil import upload
 from serverproc import ServerProcess, registry_store
 
+from opentinker.client.launch import tree_memory
 from opentinker.v1 import common_pb2, registry_pb2, registry_pb2_grpc, sampler_pb2, sampler_pb2_grpc
 
 SOAK = os.environ.get("OPENTINKER_SOAK") == "1"
@@ -278,9 +279,8 @@ class ForkedServer:
         return self.wait(timeout)
 
     def rss(self) -> int:
-        import psutil
-
-        return int(psutil.Process(self.pid).memory_info().rss)
+        """PSS of the server and its children (the sampler's engine process)."""
+        return tree_memory(self.pid)
 
 
 def trainer_argv(model: Path, registry: str, store: Path, workdir: Path, *extra: str) -> list[str]:

@@ -168,7 +168,7 @@ def test_thousand_mid_stream_disconnects_leak_nothing(stack: Stack, figure: Call
         rss_after = stack.sampler.rss()
         mib = (rss_before / 2**20, rss_after / 2**20)
         figure(
-            f"sampler after {DISCONNECTS} mid-stream disconnects: RSS (MiB), tokens generated",
+            f"sampler after {DISCONNECTS} mid-stream disconnects: memory (MiB, server + engine PSS), tokens generated",
             f"{mib[0]:.1f} -> {mib[1]:.1f}, {generated} (max {DISCONNECTS * STREAM_TOKENS} if never aborted)",
         )
         assert rss_after - rss_before < RSS_BOUND, (rss_before, rss_after)

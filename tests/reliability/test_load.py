@@ -15,12 +15,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import grpc
-import psutil
 import pytest
 from samplerutil import wait_until
 from serverproc import ServerProcess
 from trainerutil import adam, lora, model_input, sft_batch
 
+from opentinker.client.launch import tree_memory
 from opentinker.v1 import sampler_pb2, sampler_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 
 CLIENTS = 200
@@ -143,13 +143,12 @@ def served_version(load: Load, adapter: str) -> int:
 
 
 def test_many_streaming_clients_while_publishing(load: Load, figure: Callable[[str, object], None]) -> None:
-    sampler = psutil.Process(load.sampler.process.pid)
-    rss_start = sampler.memory_info().rss
+    rss_start = tree_memory(load.sampler.process.pid)
     out = Outcome()
     started = time.monotonic()
     asyncio.run(run_load(load, out))
     elapsed = time.monotonic() - started
-    rss_end = sampler.memory_info().rss
+    rss_end = tree_memory(load.sampler.process.pid)
     assert out.errors == [], f"{len(out.errors)} errors, first: {out.errors[:5]}"
     assert len(out.published) >= SECONDS * 0.5, out.published  # about one version a second
     # The follower moves the alias to the last published version.
@@ -161,6 +160,6 @@ def test_many_streaming_clients_while_publishing(load: Load, figure: Callable[[s
     figure("load requests, errors, tokens/s", f"{len(latencies)}, {len(out.errors)}, {out.tokens / elapsed:.0f}")
     figure("load latency p50 / p99 (s, request to last token)", f"{p50:.3f} / {p99:.3f}")
     figure("load versions published", len(out.published))
-    figure("load sampler RSS start -> end (MiB)", f"{rss_start / MiB:.0f} -> {rss_end / MiB:.0f}")
+    figure("load sampler PSS start -> end (MiB)", f"{rss_start / MiB:.0f} -> {rss_end / MiB:.0f}")
     assert len(latencies) >= CLIENTS  # every client completed requests
     assert rss_end - rss_start <= RSS_GROWTH_BOUND, (rss_start / MiB, rss_end / MiB)

@@ -30,3 +30,10 @@ def test_coalesce_keeps_an_engine_error() -> None:
         [SequenceUpdate("r", s0, [5], [-0.5], "a", False), SequenceUpdate("r", s0, [], [], "", True, error="boom")]
     )
     assert len(merged) == 1 and merged[0].error == "boom" and merged[0].finished and merged[0].tokens == [5]
+
+
+def test_coalesce_keeps_the_first_prompt_logprobs_and_the_last_stop_reason() -> None:
+    first = SequenceUpdate("r", 0, [5], [-0.5], "a", False, prompt_logprobs=[-1.0, -2.0])
+    last = SequenceUpdate("r", 0, [6], [-0.6], "b", True, stop_reason=3)
+    (merged,) = coalesce([first, last])
+    assert merged.prompt_logprobs == [-1.0, -2.0] and merged.stop_reason == 3 and merged.tokens == [5, 6]

@@ -1,0 +1,111 @@
+"""The engine in its own process (the CPU default): it serves exactly what an engine in the server process serves
+(greedy and seeded tokens, logprobs, n samples on adapters), it dies with its server, and when it dies the open
+streams end with INTERNAL and the server exits non-zero instead of hanging."""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import psutil
+import pytest
+from samplerutil import (
+    Sampler,
+    collect,
+    greedy,
+    max_diff,
+    params,
+    prompt,
+    request,
+    score,
+    stats,
+    trained_adapter,
+    wait_until,
+)
+from serverproc import ServerProcess, start_sampler
+from trainerutil import Trainer
+
+from opentinker.v1 import sampler_pb2, sampler_pb2_grpc
+
+
+def engine_processes(server: ServerProcess) -> list[psutil.Process]:
+    children: list[psutil.Process] = psutil.Process(server.process.pid).children(recursive=True)
+    return children
+
+
+@pytest.fixture(scope="module")
+def adapter(trainer: Trainer) -> str:
+    """A trained adapter published as version 1."""
+    name, _ = trained_adapter(trainer, seed=71)
+    return f"{name}@1"
+
+
+@pytest.fixture(scope="module")
+def in_process_server(
+    tiny_model: Path, registry_server: ServerProcess, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    server = start_sampler(tmp_path_factory.mktemp("in-process"), tiny_model, registry_server, "--max-slots", "2",
+                           "--no-engine-process")  # fmt: skip
+    yield server
+    assert server.terminate() == 0, server.log()
+
+
+def test_the_engine_process_serves_what_an_in_process_engine_serves(
+    sampler_server: ServerProcess, sampler: Sampler, in_process_server: ServerProcess, adapter: str
+) -> None:
+    (engine,) = engine_processes(sampler_server)  # the session's sampler: default flags
+    assert engine_processes(in_process_server) == []
+    with grpc.insecure_channel(in_process_server.address) as channel:
+        local = sampler_pb2_grpc.SamplerServiceStub(channel)
+        for model in ("base", adapter):
+            assert greedy(local, model, prompt(3)) == greedy(sampler, model, prompt(3))
+            tokens = prompt(4, length=20)
+            assert max_diff(score(local, model, tokens)[0], score(sampler, model, tokens)[0]) < 1e-5
+        # Seeded sampling: the engine process makes each sample's generator from the seed the server drew.
+        seeded = request(adapter, prompt(5), params(max_tokens=10, temperature=1.0, seed=11, logprobs=True),
+                         num_samples=3, prompt_logprobs=True)  # fmt: skip
+        ours, theirs = collect(sampler.Sample(seeded)), collect(local.Sample(seeded))
+        assert sorted(ours.samples) == sorted(theirs.samples) == [0, 1, 2]
+        assert [ours.samples[i].tokens for i in range(3)] == [theirs.samples[i].tokens for i in range(3)]
+        assert len({tuple(s.tokens) for s in ours.samples.values()}) > 1  # each sample its own generator
+        for a, b in ((ours.samples[i], theirs.samples[i]) for i in range(3)):
+            assert max_diff(a.logprobs, b.logprobs) < 1e-5 and max_diff(a.prompt_logprobs, b.prompt_logprobs) < 1e-5
+    assert engine.is_running()
+    before = stats(sampler).tokens_generated
+    greedy(sampler, "base", prompt(6), max_tokens=7)
+    assert wait_until(lambda: stats(sampler).tokens_generated >= before + 7)  # counters come from the engine
+
+
+def test_the_engine_process_dies_with_its_server(
+    tiny_model: Path, registry_server: ServerProcess, tmp_path: Path
+) -> None:
+    server = start_sampler(tmp_path, tiny_model, registry_server, "--max-slots", "1")
+    (engine,) = engine_processes(server)
+    server.process.kill()  # SIGKILL: no chance to stop it
+    server.process.wait(10)
+    engine.wait(10)  # PR_SET_PDEATHSIG: raises psutil.TimeoutExpired if it outlived its server
+
+
+def test_a_dead_engine_process_fails_open_streams_and_stops_the_server(
+    tiny_model: Path, registry_server: ServerProcess, tmp_path: Path
+) -> None:
+    server = start_sampler(tmp_path, tiny_model, registry_server, "--max-slots", "1", "--max-len", "2048")
+    (engine,) = engine_processes(server)
+    with grpc.insecure_channel(server.address) as channel:
+        stub = sampler_pb2_grpc.SamplerServiceStub(channel)
+        stream = stub.Sample(request("base", prompt(1), params(max_tokens=2000)), timeout=60)
+        next(stream)
+        engine.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        with pytest.raises(grpc.RpcError) as error:
+            collect(stream)
+        assert error.value.code() == grpc.StatusCode.INTERNAL, error.value
+        assert time.monotonic() - killed < 5
+    assert server.process.wait(30) == 1  # shut down on its own, non-zero so that a supervisor restarts it
+    assert "the sampler engine process exited" in server.log()
+    info = sampler_pb2.GetSamplerInfoRequest()
+    with grpc.insecure_channel(server.address) as channel, pytest.raises(grpc.RpcError):
+        sampler_pb2_grpc.SamplerServiceStub(channel).GetSamplerInfo(info, timeout=2)
