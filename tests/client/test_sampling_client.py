@@ -183,7 +183,8 @@ def test_async_twins(base: SamplingClient, tuned: SamplingClient) -> None:
         result = await tuned.sample_async(PROMPT, GREEDY)
         logprobs = await tuned.compute_logprobs_async([*PROMPT, *expected.tokens])
         early: list[SampleChunk] = []
-        async with aclosing(base.stream_async(PROMPT, SamplingParams(max_tokens=512))) as stream:
+        # seeded: an unseeded first token is the end-of-sequence token about once in 700 runs
+        async with aclosing(base.stream_async(PROMPT, SamplingParams(max_tokens=512, seed=7))) as stream:
             async for chunk in stream:
                 early.append(chunk)
                 break
