@@ -5,10 +5,11 @@ flags (--max-slots S, --max-rank 16):
   paged     K > S adapters registered (loaded on demand, LRU eviction); Zipf(1.1) traffic over all K
 
 Closed-loop Sample streams; windows of W seconds alternate between the two samplers (order rotated each pair).
-tokens/s paged / resident (target >= 0.80). Memory: RSS of the resident sampler (S slots full) minus RSS of a
-third sampler with --max-slots 1 (one adapter loaded), per extra slot, over an adapter's raw float32
-parameter bytes (target <= 1.1). Both RSS after serving the same requests, the third all on its one adapter
-(the same batch shapes: oneDNN keeps buffers per matmul shape, which are no adapter's memory).
+tokens/s paged / resident (target >= 0.80). Memory: PSS of the resident sampler's processes (server + engine,
+so their shared slots count once; S slots full) minus that of a third sampler with --max-slots 1 (one adapter
+loaded), per extra slot, over an adapter's raw float32 parameter bytes (target <= 1.1). Both measured after
+serving the same requests, the third all on its one adapter (the same batch shapes: oneDNN keeps buffers per
+matmul shape, which are no adapter's memory).
 
     .venv/bin/python bench/scale.py [--quick]
 """
@@ -203,7 +204,7 @@ def main() -> None:
     print(f"  paged / resident {ratio:.3f} (target >= 0.80); the top {setup.slots} adapters get "
           f"{config['top_slots_traffic_share']:.0%} of the traffic")  # fmt: skip
     print(
-        f"  memory: RSS {rss_full / 2**20:.0f} MiB with {setup.slots} slots full, {rss_one / 2**20:.0f} MiB with 1: "
+        f"  memory: PSS {rss_full / 2**20:.0f} MiB with {setup.slots} slots full, {rss_one / 2**20:.0f} MiB with 1: "
         f"{per_slot / 2**20:.2f} MiB per extra adapter = {per_slot / raw:.3f} x raw {raw / 2**20:.2f} MiB "
         "(target <= 1.1)"
     )

@@ -94,9 +94,11 @@ class _Outbox:
         self.conn.send(report)
 
 
-def _engine_main(conn: Connection, build: EngineBuilder) -> None:
+def _engine_main(conn: Connection, build: EngineBuilder, server_pid: int) -> None:
     """The engine process: build the engine, then feed it what the server sends until "stop" or the pipe closes."""
     die_with_parent(signal.SIGKILL)
+    if os.getppid() != server_pid:
+        return  # the server died before the line above took effect
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)  # the server process decides when its engine stops
     outbox = _Outbox(conn)
@@ -157,12 +159,13 @@ class EngineProcess:
         if threads > 1:
             log.warning("forking the engine process while %d threads run", threads)
         ours, theirs = multiprocessing.Pipe()
+        server_pid = os.getpid()
         self.pid = os.fork()
         if self.pid == 0:  # the engine process
             ours.close()
             code = 0
             try:
-                _engine_main(theirs, build)
+                _engine_main(theirs, build, server_pid)
             except BaseException:
                 log.exception("the sampler engine process failed")
                 code = 1
