@@ -153,7 +153,7 @@ class EngineProcess:
         self.max_batch_tokens = max_batch_tokens
         self.device = device
         self.stats = EngineStats()
-        if not pool.tensors.is_shared():
+        if not pool.shared:
             raise ValueError("the engine process needs a SlotPool made with shared=True")
         threads = threading.active_count()
         if threads > 1:
@@ -279,7 +279,10 @@ class EngineProcess:
                 report = self._conn.recv()
             except (EOFError, OSError):
                 break
-            self._deliver(report)
+            try:
+                self._deliver(report)
+            except Exception:  # a failing callback must not end the delivery of everyone else's tokens
+                log.exception("delivering an engine report failed")
         if not self._stopping:
             self._engine_died()
 
@@ -302,12 +305,8 @@ class EngineProcess:
         for job, logprobs, error in report.scored:
             with self._lock:
                 future = self._scores.pop(job, None)
-            if future is None or future.cancelled():  # the caller gave up; the engine released the slot anyway
-                continue
-            if logprobs is None:
-                future.set_exception(RuntimeError(error))
-            else:
-                future.set_result(logprobs)
+            if future is not None:  # the engine released the slot either way
+                _settle(future, logprobs, error)
 
     def _engine_died(self) -> None:
         self.died = True
@@ -321,7 +320,7 @@ class EngineProcess:
             for _ in range(left):
                 callback(SequenceUpdate(request_id, -1, [], [], "", finished=True, error=error))
         for future in scores.values():
-            future.set_exception(RuntimeError(error))
+            _settle(future, None, error)
         if self.on_exit is not None:
             self.on_exit()
 
@@ -334,3 +333,14 @@ class EngineProcess:
             if entry is not None:
                 entry[0](SequenceUpdate(seq.request_id, seq.sample_index, [], [], "", finished=True,
                                         error="the sampler engine process has exited"))  # fmt: skip
+
+
+def _settle(future: concurrent.futures.Future[list[float]], logprobs: list[float] | None, error: str) -> None:
+    """Completes a score future unless its caller cancelled it meanwhile."""
+    try:
+        if logprobs is None:
+            future.set_exception(RuntimeError(error))
+        else:
+            future.set_result(logprobs)
+    except concurrent.futures.InvalidStateError:
+        pass  # cancelled: nobody waits for it

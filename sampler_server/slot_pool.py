@@ -16,6 +16,7 @@ versions: a slot is only written while no sequence holds it.
 from __future__ import annotations
 
 import math
+import mmap
 import threading
 import time
 from dataclasses import dataclass, field
@@ -36,21 +37,19 @@ class SlotTensors:
     scaling: torch.Tensor  # [n_slots] float32; 0 for a free slot, so rows that still point there add nothing
     ranks: torch.Tensor  # [n_slots] int32; the rank each slot was loaded with
 
-    def is_shared(self) -> bool:
-        tensors = (*self.a.values(), *self.b.values(), self.scaling, self.ranks)
-        return all(t.is_shared() for t in tensors)  # type: ignore[no-untyped-call]
-
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, shared: bool) -> torch.Tensor:
-    """shared: in fresh shared memory, whose pages the kernel zeroes; no torch op runs (an op on a large tensor
-    would start OpenMP's thread team, which a forked engine process inherits broken: its first parallel op hangs)."""
+    """shared: in an anonymous shared mapping, which a process forked later maps too. Its pages are zeroes from the
+    kernel, so no torch op runs (an op on a large tensor would start OpenMP's thread team, which a forked engine
+    process inherits broken: its first parallel op hangs), and it is not a /dev/shm file (64 MiB in a default
+    container)."""
     if not shared:
         return torch.zeros(shape, device=device, dtype=dtype)
     if device.type != "cpu":
         raise ValueError("shared slot tensors are CPU tensors")
-    storage: torch.UntypedStorage = torch.UntypedStorage._new_shared(math.prod(shape) * dtype.itemsize)  # type: ignore[no-untyped-call]
-    strides = [math.prod(shape[i + 1 :]) for i in range(len(shape))]
-    return torch.empty(0, dtype=dtype).set_(storage, 0, shape, strides)
+    count = math.prod(shape)
+    mapping = mmap.mmap(-1, count * dtype.itemsize)  # MAP_SHARED | MAP_ANONYMOUS; the tensor keeps it alive
+    return torch.frombuffer(mapping, dtype=dtype, count=count).view(shape)
 
 
 @dataclass(slots=True)
@@ -82,6 +81,7 @@ class SlotPool:
         """shared: the tensors live in shared memory, for an engine process forked after this (CPU only)."""
         count = max_slots + 1  # + slot 0
         self.max_rank = max_rank
+        self.shared = shared
         self.a = {m: _zeros((count, max_rank, d_in), dtype, device, shared) for m, (d_in, _) in shapes.items()}
         # B is stored transposed, [n_slots, r_max, d_out] contiguous, and exposed as its [n_slots, d_out, r_max]
         # view: the expand step h @ B^T then streams long contiguous rows of d_out (a third of the time of

@@ -3,6 +3,9 @@ references that block eviction (NO_FREE_SLOT), unload while in use, slot 0 no-op
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 import torch
 
@@ -209,3 +212,22 @@ def test_evicting_a_duplicate_keeps_the_served_copy() -> None:
     load(pool, ("b", 1))
     assert pool.reserve(("c", 1)) == stale
     assert pool.lookup(("a", 1)) == fresh
+
+
+def test_a_shared_pool_shows_a_forked_process_the_versions_loaded_after_the_fork() -> None:
+    pool = SlotPool(SHAPES, max_slots=2, max_rank=MAX_RANK, device=torch.device("cpu"), shared=True)
+    assert all(not t.any() for t in (*pool.a.values(), *pool.b.values(), pool.scaling, pool.tensors.ranks))
+    go_read, go_write = os.pipe()
+    answer_read, answer_write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the "engine process": reads what the parent loads after the fork
+        os.read(go_read, 1)
+        seen = [float(t.sum()) for t in (*pool.a.values(), *pool.b.values(), pool.scaling, pool.tensors.ranks)]
+        os.write(answer_write, json.dumps(seen).encode())
+        os._exit(0)
+    index = load(pool, ("a", 1), rank=3, scaling=1.5)
+    os.write(go_write, b"x")
+    seen = json.loads(os.read(answer_read, 1 << 16))
+    os.waitpid(pid, 0)
+    expected = [float(t.sum()) for t in (*pool.a.values(), *pool.b.values(), pool.scaling, pool.tensors.ranks)]
+    assert seen == expected and pool.tensors.ranks.tolist()[index] == 3 and pool.scaling[index] == 1.5
