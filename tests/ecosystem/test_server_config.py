@@ -165,3 +165,9 @@ def test_max_message_mb_reaches_the_server_options() -> None:
 def test_burst_wait_is_a_bounded_sampler_flag() -> None:
     assert resolved("sampler", "--registry", "r:1", "--burst-wait-ms", "5")["values"]["burst_wait_ms"] == 5.0
     assert invoke("sampler", "--registry", "r:1", "--burst-wait-ms", "-1", "--print-config").exit_code == 2
+
+
+def test_engine_process_is_on_off_or_the_device_default() -> None:
+    assert resolved("sampler", "--registry", "r:1")["values"]["engine_process"] is None  # CPU: on, CUDA: off
+    assert resolved("sampler", "--registry", "r:1", "--no-engine-process")["values"]["engine_process"] is False
+    assert resolved("sampler", "--registry", "r:1", "--engine-process")["values"]["engine_process"] is True
