@@ -70,7 +70,7 @@ def register(stack: Stack, count: int, shapes: dict[str, tuple[int, int]]) -> li
     return names
 
 
-def rss(stack: Stack, sampler: str) -> int:
+def sampler_memory(stack: Stack, sampler: str) -> int:
     """The sampler's memory: PSS of its server and engine processes (their shared adapter slots count once)."""
     return tree_memory(stack.samplers[sampler].process.pid)
 
@@ -171,7 +171,7 @@ def main() -> None:
             # Memory: the one-slot sampler gets the same requests on its one adapter, so that both samplers have
             # met the same batch shapes (oneDNN keeps buffers per matmul shape) and differ in the adapters held.
             serve(stack.samplers["one-slot"].address, memory_traffic(lambda i: names[0]))
-            rss_full, rss_one = rss(stack, "resident"), rss(stack, "one-slot")
+            mem_full, mem_one = sampler_memory(stack, "resident"), sampler_memory(stack, "one-slot")
             stack.samplers.pop("one-slot").terminate()  # nothing else runs during the windows
             result = asyncio.run(windows(stack, setup, make))
         finally:
@@ -179,7 +179,7 @@ def main() -> None:
     rates = result.rates
     tps = {name: statistics.median(values) for name, values in rates.items()}
     ratio = tps["paged"] / tps["resident"]
-    per_slot = (rss_full - rss_one) / (setup.slots - 1)
+    per_slot = (mem_full - mem_one) / (setup.slots - 1)
     raw = raw_bytes(shapes)
     config = {
         **spec_config(spec),
@@ -193,7 +193,7 @@ def main() -> None:
         "failed_requests": sum(result.failed.values()),
     }
     record("P7 tokens/s, paged / all resident", ratio, target=0.80, comparison=">=", config=config)
-    memory = {**config, "raw_adapter_bytes": raw, "rss_full_bytes": rss_full, "rss_one_slot_bytes": rss_one}
+    memory = {**config, "raw_adapter_bytes": raw, "pss_full_bytes": mem_full, "pss_one_slot_bytes": mem_one}
     record("P7 resident bytes per extra adapter / raw", per_slot / raw, target=1.1, comparison="<=", config=memory)
     print(f"P7 scale ({config['model']}; {config['lora']})")
     print(f"  {setup.adapters} registered over {setup.slots} slots vs {setup.slots} resident; {config['traffic']}")
@@ -204,7 +204,7 @@ def main() -> None:
     print(f"  paged / resident {ratio:.3f} (target >= 0.80); the top {setup.slots} adapters get "
           f"{config['top_slots_traffic_share']:.0%} of the traffic")  # fmt: skip
     print(
-        f"  memory: PSS {rss_full / 2**20:.0f} MiB with {setup.slots} slots full, {rss_one / 2**20:.0f} MiB with 1: "
+        f"  memory: PSS {mem_full / 2**20:.0f} MiB with {setup.slots} slots full, {mem_one / 2**20:.0f} MiB with 1: "
         f"{per_slot / 2**20:.2f} MiB per extra adapter = {per_slot / raw:.3f} x raw {raw / 2**20:.2f} MiB "
         "(target <= 1.1)"
     )

@@ -1,5 +1,5 @@
 """Helpers for the fault tests (tests/reliability/test_fault_*.py): fast restarts of real server processes,
-valid LoRA artifacts for the tiny model, Prometheus scraping, RSS.
+valid LoRA artifacts for the tiny model, Prometheus scraping, memory (PSS).
 
 Restarting a trainer or sampler with `python -m opentinker.client.cli` costs 5-10 s here, mostly imports
 (torch, transformers). The fault tests kill and restart servers dozens of times, so they start them from a
@@ -278,7 +278,7 @@ class ForkedServer:
             os.kill(self.pid, signal.SIGTERM)
         return self.wait(timeout)
 
-    def rss(self) -> int:
+    def memory(self) -> int:
         """PSS of the server and its children (the sampler's engine process)."""
         return tree_memory(self.pid)
 

@@ -1,8 +1,8 @@
 """Load: 200 concurrent streaming clients (grpc.aio) over 32 adapters for 10 s (60 s with OPENTINKER_SOAK=1)
 while a trainer publishes a new version of one of them every second and the sampler hot-reloads it.
 Asserted: zero errors, every stream complete and naming the adapter asked for, versions seen by each client
-never going back, the last published version served at the end, and the sampler's RSS bounded. The p99
-latency is reported (printed in the run's summary and recorded in the test's report), not asserted."""
+never going back, the last published version served at the end, and the sampler's memory (PSS of its processes)
+bounded. The p99 latency is reported (printed in the run's summary and recorded in the test's report), not asserted."""
 
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ CLIENTS = 200
 ADAPTERS = 32
 SECONDS = 60.0 if os.environ.get("OPENTINKER_SOAK") == "1" else 10.0
 MAX_TOKENS = 8
-# RSS may grow by allocator warm-up and gRPC buffers, not with the number of requests or published versions.
-RSS_GROWTH_BOUND = 256 << 20
+# Memory may grow by allocator warm-up and gRPC buffers, not with the number of requests or published versions.
+MEMORY_GROWTH_BOUND = 256 << 20
 MiB = 1 << 20
 
 
@@ -143,12 +143,12 @@ def served_version(load: Load, adapter: str) -> int:
 
 
 def test_many_streaming_clients_while_publishing(load: Load, figure: Callable[[str, object], None]) -> None:
-    rss_start = tree_memory(load.sampler.process.pid)
+    memory_start = tree_memory(load.sampler.process.pid)
     out = Outcome()
     started = time.monotonic()
     asyncio.run(run_load(load, out))
     elapsed = time.monotonic() - started
-    rss_end = tree_memory(load.sampler.process.pid)
+    memory_end = tree_memory(load.sampler.process.pid)
     assert out.errors == [], f"{len(out.errors)} errors, first: {out.errors[:5]}"
     assert len(out.published) >= SECONDS * 0.5, out.published  # about one version a second
     # The follower moves the alias to the last published version.
@@ -160,6 +160,6 @@ def test_many_streaming_clients_while_publishing(load: Load, figure: Callable[[s
     figure("load requests, errors, tokens/s", f"{len(latencies)}, {len(out.errors)}, {out.tokens / elapsed:.0f}")
     figure("load latency p50 / p99 (s, request to last token)", f"{p50:.3f} / {p99:.3f}")
     figure("load versions published", len(out.published))
-    figure("load sampler PSS start -> end (MiB)", f"{rss_start / MiB:.0f} -> {rss_end / MiB:.0f}")
+    figure("load sampler PSS start -> end (MiB)", f"{memory_start / MiB:.0f} -> {memory_end / MiB:.0f}")
     assert len(latencies) >= CLIENTS  # every client completed requests
-    assert rss_end - rss_start <= RSS_GROWTH_BOUND, (rss_start / MiB, rss_end / MiB)
+    assert memory_end - memory_start <= MEMORY_GROWTH_BOUND, (memory_start / MiB, memory_end / MiB)
