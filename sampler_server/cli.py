@@ -148,6 +148,7 @@ def serve(
         raise typer.BadParameter("the engine process shares its adapter slots in CPU memory; on CUDA the engine "
                                  "runs in the server process", param_hint="--engine-process")  # fmt: skip
     in_process = not (engine_process if engine_process is not None else torch_device.type == "cpu")
+    tokenizer = load_tokenizer(model_dir)  # loading starts no thread; a forked engine process inherits it
     # Nothing in this process runs a torch op before the engine process is forked (see SlotPool's `shared`).
     pool = SlotPool(shapes, max_slots=max_slots, max_rank=max_rank, device=torch_device, shared=not in_process)
 
@@ -159,7 +160,7 @@ def serve(
         cache = KVCache(config, max_seqs + 1, context, torch_device, torch_dtype)  # + one slot for ComputeLogprobs
         return Engine(runner, cache, pool.tensors, Scheduler(max_seqs=max_seqs, max_batch_tokens=max_batch_tokens),
                       release=release, max_len=context, eos_token_ids=config.eos_token_ids,
-                      tokenizer=load_tokenizer(model_dir), kernel=backends[kernel], score_slot=max_seqs,
+                      tokenizer=tokenizer, kernel=backends[kernel], score_slot=max_seqs,
                       burst_wait=burst_wait_ms / 1000, on_iteration=on_iteration)  # fmt: skip
 
     engine: Engine | EngineProcess
@@ -172,7 +173,6 @@ def serve(
     else:
         with spinner(f"loading {model} on {torch_device}"):
             engine = build_engine(pool.release, None)
-    tokenizer = load_tokenizer(model_dir)
     artifacts = ArtifactStore(store)
     artifacts.cleanup_temp()
     digest = model_digest(model_dir)
@@ -197,13 +197,13 @@ def serve(
         loader.follower = follower
         state["follower"] = follower
         follower.start()
-        servicer = SamplerServicer(engine, pool, loader, info=info, tokenizer=tokenizer, max_waiting=max_waiting,
+        servicer = SamplerServicer(engine, loader, info=info, tokenizer=tokenizer, max_waiting=max_waiting,
                                    lora_kernel=used_kernel, follower=follower)  # fmt: skip
         sampler_pb2_grpc.add_SamplerServiceServicer_to_server(servicer, server)
         if isinstance(engine, EngineProcess):
             engine.on_exit = functools.partial(os.kill, os.getpid(), signal.SIGTERM)  # stop serving; see module doc
         engine.start()
-        REGISTRY.register(SamplerCollector(engine, pool, loader))
+        REGISTRY.register(SamplerCollector(engine, loader))
 
     async def on_stop() -> None:
         follower = state.get("follower")

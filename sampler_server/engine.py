@@ -350,7 +350,7 @@ class Engine:
             return None  # base-model-only batch: no LoRA work at all
         lora, ranks, kernel = self.lora, self.lora.ranks.tolist(), self.kernel
         if kernel == "segments" or (kernel == "auto" and self.device.type != "cuda"):
-            segments = plan_segments(token_slots, ranks, self.lora.scaling.tolist())
+            segments = plan_segments(token_slots, ranks, lora.scaling.tolist())
             runs = plan_runs(segments, lora.scaling)
 
             def planned(module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

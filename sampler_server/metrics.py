@@ -41,6 +41,9 @@ class _Engine(Protocol):
 
 class _Loader(Protocol):
     @property
+    def pool(self) -> _Pool: ...
+
+    @property
     def loads(self) -> int: ...
 
     @property
@@ -48,9 +51,9 @@ class _Loader(Protocol):
 
 
 class SamplerCollector(Collector):
-    def __init__(self, engine: _Engine, pool: _Pool, loader: _Loader) -> None:
+    def __init__(self, engine: _Engine, loader: _Loader) -> None:
         self.engine = engine
-        self.pool = pool
+        self.pool = loader.pool
         self.loader = loader
 
     def collect(self) -> Iterator[Metric]:

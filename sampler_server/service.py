@@ -20,7 +20,6 @@ from opentinker.sampler_server.engine import Engine, SequenceUpdate
 from opentinker.sampler_server.engine_process import EngineProcess
 from opentinker.sampler_server.follower import AliasFollower
 from opentinker.sampler_server.sequence import SamplingParams, Sequence
-from opentinker.sampler_server.slot_pool import SlotPool
 from opentinker.trainer_server.batch import tokens_of
 from opentinker.v1 import common_pb2, sampler_pb2, sampler_pb2_grpc
 
@@ -96,7 +95,6 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
     def __init__(
         self,
         engine: Engine | EngineProcess,
-        pool: SlotPool,
         loader: AdapterLoader,
         *,
         info: common_pb2.BaseModelInfo,
@@ -106,7 +104,7 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
         follower: AliasFollower | None = None,
     ) -> None:
         self.engine = engine
-        self.pool = pool
+        self.pool = loader.pool  # the slot books: which version is in which slot, pins, references
         self.loader = loader
         self.info = info
         self.tokenizer = tokenizer
