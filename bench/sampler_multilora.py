@@ -52,11 +52,11 @@ from opentinker.sampler_server.model.llama import LlamaForCausalLM
 from opentinker.sampler_server.scheduler import Scheduler
 from opentinker.sampler_server.sequence import SamplingParams, Sequence
 from opentinker.sampler_server.slot_pool import SlotPool
+from opentinker.weights.peft import lora_a_key, lora_b_key
 
 RANK = 16
 ALPHA = 32
 SCALING = ALPHA / RANK
-PEFT_PREFIX = "base_model.model."
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 Weights = dict[str, tuple[torch.Tensor, torch.Tensor]]  # module -> (A [r, d_in], B [d_out, r])
@@ -133,8 +133,8 @@ def write_peft_adapter(directory: Path, weights: Weights, model_dir: Path) -> Pa
     directory.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
     for module, (a, b) in weights.items():
-        tensors[f"{PEFT_PREFIX}{module}.lora_A.weight"] = a.contiguous()
-        tensors[f"{PEFT_PREFIX}{module}.lora_B.weight"] = b.contiguous()
+        tensors[lora_a_key(module)] = a.contiguous()
+        tensors[lora_b_key(module)] = b.contiguous()
     save_file(tensors, str(directory / "adapter_model.safetensors"))
     config = {
         "peft_type": "LORA",

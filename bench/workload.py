@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from opentinker.weights.peft import lora_a_key, lora_b_key
+
 
 @dataclass(frozen=True, slots=True)
 class ModelSpec:
@@ -35,7 +37,6 @@ QUICK_SPEC = ModelSpec(arch="qwen2", vocab_size=2048, hidden_size=256, intermedi
                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
 RANK = 16
 ALPHA = 32
-PEFT_PREFIX = "base_model.model."
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CACHE = Path(__file__).resolve().parent.parent / "build" / "bench-models"
 
@@ -98,8 +99,8 @@ def peft_files(weights: Weights) -> dict[str, bytes]:
 
     tensors: dict[str, torch.Tensor] = {}
     for module, (a, b) in weights.items():
-        tensors[f"{PEFT_PREFIX}{module}.lora_A.weight"] = a.contiguous()
-        tensors[f"{PEFT_PREFIX}{module}.lora_B.weight"] = b.contiguous()
+        tensors[lora_a_key(module)] = a.contiguous()
+        tensors[lora_b_key(module)] = b.contiguous()
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": RANK, "lora_alpha": ALPHA, "lora_dropout": 0.0,
               "bias": "none", "target_modules": list(TARGETS), "use_rslora": False}  # fmt: skip
     return {"adapter_config.json": json.dumps(config).encode(), "adapter_model.safetensors": bytes(save(tensors))}

@@ -434,9 +434,9 @@ def _publish_import(
     from google.protobuf.timestamp_pb2 import Timestamp
 
     from opentinker.registry.artifacts import ArtifactStore
-    from opentinker.registry.peft_io import PEFT_FILES
     from opentinker.registry.remote import upload_messages
     from opentinker.rpc.progress import byte_progress
+    from opentinker.weights.peft import PEFT_FILES
 
     source = str(adapter.directory.resolve())
     try:

@@ -1,10 +1,8 @@
 """Peft LoRA folders in and out of the registry: check a folder trained elsewhere before it becomes a version,
 and write a version back out as a plain peft folder.
 
-A folder is importable when the trainer and the sampler can use it exactly as peft does: `adapter_config.json`
-(peft_type LORA, no DoRA, no per-module ranks or alphas, no bias or modules_to_save) and
-`adapter_model.safetensors` holding one `lora_A`/`lora_B` pair per targeted projection with shapes that agree
-with the rank and, when the base model is at hand, with the base model's own weights. Everything is checked
+A folder is importable when it passes the format rules every process applies (`opentinker.weights.peft`) and,
+when the base model is at hand, its shapes agree with the base model's own weights. Everything is checked
 before anything is sent, so a refused import changes nothing in the registry.
 """
 
@@ -12,23 +10,22 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from safetensors import SafetensorError, safe_open
 
-from opentinker.trainer_server.base_model import ATTN_MODULES, MLP_MODULES, model_digest
 from opentinker.v1 import common_pb2
-
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
-PEFT_FILES = (CONFIG_FILE, WEIGHTS_FILE)
-PEFT_PREFIX = "base_model.model."
-SERVABLE_MODULES = frozenset(ATTN_MODULES + MLP_MODULES)
-MAX_RANK = 1024  # the registry's limit
+from opentinker.weights.base_model import model_digest
+from opentinker.weights.peft import (
+    CONFIG_FILE,
+    PEFT_FILES,
+    WEIGHTS_FILE,
+    PeftFormatError,
+    lora_modules,
+    read_peft_config,
+)
 
 
 class PeftFolderError(ValueError):
@@ -64,46 +61,6 @@ def _fail(directory: Path, why: str) -> PeftFolderError:
     return PeftFolderError(f"{directory}: {why}")
 
 
-def _read_config(directory: Path) -> dict[str, Any]:
-    path = directory / CONFIG_FILE
-    try:
-        config = json.loads(path.read_text())
-    except OSError as exc:
-        raise _fail(directory, f"cannot read {CONFIG_FILE}: {exc.strerror or exc}") from None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise _fail(directory, f"{CONFIG_FILE} is not valid JSON: {exc}") from None
-    if not isinstance(config, dict):
-        raise _fail(directory, f"{CONFIG_FILE} must hold a JSON object")
-    return config
-
-
-def _check_features(directory: Path, config: dict[str, Any]) -> tuple[int, float, float, bool]:
-    """Rank, alpha, dropout, rslora; refuses every peft feature that would change the math we serve."""
-    if config.get("peft_type", "LORA") != "LORA":
-        raise _fail(directory, f"peft_type {config.get('peft_type')!r} is not supported (only LORA)")
-    for flag, what in (("use_dora", "DoRA"), ("fan_in_fan_out", "fan_in_fan_out (Conv1D) layouts"),
-                       ("lora_bias", "LoRA bias terms")):  # fmt: skip
-        if config.get(flag):
-            raise _fail(directory, f"{what} is not supported ({flag}: true)")
-    for key in ("rank_pattern", "alpha_pattern"):
-        if config.get(key):
-            raise _fail(directory, f"per-module ranks or alphas ({key}) are not supported")
-    if config.get("modules_to_save"):
-        raise _fail(directory, f"modules_to_save {config['modules_to_save']} (full weights) are not supported")
-    if config.get("bias", "none") != "none":
-        raise _fail(directory, f"bias {config['bias']!r} is not supported (only 'none')")
-    rank = config.get("r")
-    if not isinstance(rank, int) or isinstance(rank, bool) or not 1 <= rank <= MAX_RANK:
-        raise _fail(directory, f"rank r={rank!r} must be an integer in [1, {MAX_RANK}]")
-    alpha = config.get("lora_alpha", rank)
-    dropout = config.get("lora_dropout", 0.0) or 0.0
-    if not isinstance(alpha, int | float) or not math.isfinite(alpha) or alpha <= 0:
-        raise _fail(directory, f"lora_alpha {alpha!r} must be a positive number")
-    if not isinstance(dropout, int | float) or not 0 <= dropout < 1:
-        raise _fail(directory, f"lora_dropout {dropout!r} must be in [0, 1)")
-    return rank, float(alpha), float(dropout), bool(config.get("use_rslora"))
-
-
 def _base_shapes(base_model: Path) -> dict[str, tuple[int, int]]:
     """Linear weight path (without '.weight') -> (d_in, d_out), from the safetensors headers only."""
     shapes: dict[str, tuple[int, int]] = {}
@@ -120,8 +77,8 @@ def _base_shapes(base_model: Path) -> dict[str, tuple[int, int]]:
     return shapes
 
 
-def _read_pairs(directory: Path, rank: int) -> dict[str, tuple[int, int]]:
-    """Module -> (d_in, d_out) of every lora_A/lora_B pair; refuses anything else in the weights file."""
+def _read_shapes(directory: Path) -> dict[str, list[int]]:
+    """Tensor name -> shape of the weights file; refuses an unreadable file and non-finite values."""
     path = directory / WEIGHTS_FILE
     if not path.is_file():
         hint = " (adapter_model.bin found: re-save it with safe_serialization=True)" if (
@@ -130,43 +87,13 @@ def _read_pairs(directory: Path, rank: int) -> dict[str, tuple[int, int]]:
     shapes: dict[str, list[int]] = {}
     try:
         with safe_open(str(path), framework="pt") as handle:
-            keys = list(handle.keys())
-            for key in keys:
+            for key in handle.keys():  # noqa: SIM118 -- safe_open handles are not iterable
                 shapes[key] = list(handle.get_slice(key).get_shape())
-            for key in keys:
-                tensor = handle.get_tensor(key)
-                if not bool(tensor.float().isfinite().all()):
+                if not bool(handle.get_tensor(key).float().isfinite().all()):
                     raise _fail(directory, f"{WEIGHTS_FILE}: {key} has non-finite values")
     except (SafetensorError, OSError) as exc:
         raise _fail(directory, f"{WEIGHTS_FILE} is not a readable safetensors file: {exc}") from None
-    modules: dict[str, tuple[int, int]] = {}
-    for key, shape in shapes.items():
-        if key.endswith(".lora_B.weight") and key.replace(".lora_B.", ".lora_A.") in shapes:
-            continue
-        if not key.startswith(PEFT_PREFIX) or not key.endswith(".lora_A.weight"):
-            raise _fail(directory, f"{WEIGHTS_FILE}: unexpected tensor {key!r} (only "
-                        f"'{PEFT_PREFIX}<module>.lora_A.weight' / '.lora_B.weight' pairs)")  # fmt: skip
-        module = key.removeprefix(PEFT_PREFIX).removesuffix(".lora_A.weight")
-        b_shape = shapes.get(key.replace(".lora_A.", ".lora_B."))
-        if b_shape is None:
-            raise _fail(directory, f"{WEIGHTS_FILE}: {module} has lora_A but no lora_B")
-        if len(shape) != 2 or len(b_shape) != 2 or shape[0] != rank or b_shape[1] != rank:
-            raise _fail(directory, f"{WEIGHTS_FILE}: {module} has lora_A {shape} / lora_B {b_shape}, "
-                        f"which does not match rank r={rank}")  # fmt: skip
-        leaf = module.rsplit(".", 1)[-1]
-        if leaf not in SERVABLE_MODULES:
-            raise _fail(directory, f"targets {module!r}; only {', '.join(sorted(SERVABLE_MODULES))} can be served")
-        modules[module] = (shape[1], b_shape[0])
-    if not modules:
-        raise _fail(directory, f"{WEIGHTS_FILE} holds no LoRA weights")
-    return modules
-
-
-def _check_targets(directory: Path, config: dict[str, Any], modules: dict[str, tuple[int, int]]) -> None:
-    targets = config.get("target_modules")
-    leaves = {m.rsplit(".", 1)[-1] for m in modules}
-    if isinstance(targets, list) and targets and not leaves <= {str(t).rsplit(".", 1)[-1] for t in targets}:
-        raise _fail(directory, f"weights for {sorted(leaves)} but target_modules is {targets}")
+    return shapes
 
 
 def inspect_peft_folder(directory: Path, base_model: Path | None = None) -> PeftAdapter:
@@ -174,11 +101,12 @@ def inspect_peft_folder(directory: Path, base_model: Path | None = None) -> Peft
     the config's base_model_name_or_path when that is a local folder. PeftFolderError otherwise."""
     if not directory.is_dir():
         raise PeftFolderError(f"{directory}: not a directory")
-    config = _read_config(directory)
-    rank, alpha, dropout, rslora = _check_features(directory, config)
-    modules = _read_pairs(directory, rank)
-    _check_targets(directory, config, modules)
-    named_base = str(config.get("base_model_name_or_path") or "")
+    try:
+        config = read_peft_config(directory / CONFIG_FILE)
+        modules = lora_modules(_read_shapes(directory), config)
+    except PeftFormatError as exc:
+        raise _fail(directory, str(exc)) from None
+    named_base = config.base_model_name_or_path
     notes: list[str] = []
     if base_model is None and named_base and Path(named_base).is_dir():
         base_model = Path(named_base)
@@ -199,7 +127,8 @@ def inspect_peft_folder(directory: Path, base_model: Path | None = None) -> Peft
     with (directory / WEIGHTS_FILE).open("rb") as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):
             sha.update(block)
-    return PeftAdapter(directory=directory, rank=rank, alpha=alpha, dropout=dropout, use_rslora=rslora,
+    return PeftAdapter(directory=directory, rank=config.rank, alpha=config.alpha, dropout=config.dropout,
+                       use_rslora=config.use_rslora,
                        modules=modules, base_model_name_or_path=named_base, weights_sha256=sha.hexdigest(),
                        base_model_digest=digest, base_model_checked=checked, notes=notes)  # fmt: skip
 

@@ -13,16 +13,16 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from opentinker.registry.artifacts import ArtifactStore, ArtifactWriter, format_uri, parse_uri
-from opentinker.registry.names import LATEST, check_adapter_name, check_alias, parse_reference
 from opentinker.registry.store import RegistryStore, lora_or_default
 from opentinker.rpc.auth import Principal, current_principal, require_access, require_admin
 from opentinker.rpc.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from opentinker.v1 import common_pb2, registry_pb2, registry_pb2_grpc
+from opentinker.weights.names import LATEST, check_adapter_name, check_alias, parse_reference
+from opentinker.weights.peft import MAX_RANK
 
 _EVENT_ID_RE = re.compile(r"^\d+(-\d+)?$")
 _TARGET_RE = re.compile(r"^[a-z_][a-z0-9_.-]{0,127}$")
 MAX_REQUEST_ID = 128
-MAX_RANK = 1024
 
 Context = Any  # grpc.aio.ServicerContext; untyped in the generated stubs
 

@@ -21,7 +21,6 @@ import redis.asyncio as aioredis
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from opentinker.registry import scripts
-from opentinker.registry.names import LATEST, parse_reference, tenant_of
 from opentinker.rpc.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -31,6 +30,8 @@ from opentinker.rpc.errors import (
     Unavailable,
 )
 from opentinker.v1 import common_pb2, registry_pb2
+from opentinker.weights.names import LATEST, parse_reference, tenant_of
+from opentinker.weights.peft import alpha_or_rank
 
 EVENTS_KEY = "ot:events"
 ADAPTERS_KEY = "ot:adapters"
@@ -439,7 +440,7 @@ def lora_or_default(config: common_pb2.LoraConfig) -> common_pb2.LoraConfig:
     filled = common_pb2.LoraConfig()
     filled.CopyFrom(config)
     filled.rank = filled.rank or 32
-    filled.alpha = filled.alpha or float(filled.rank)
+    filled.alpha = alpha_or_rank(filled.alpha, filled.rank)
     if not filled.target_modules:
         filled.target_modules.append("all-linear")
     return filled

@@ -4,8 +4,6 @@ fits this base model, load it into the slot pool. A version that fails any step 
 from __future__ import annotations
 
 import asyncio
-import json
-import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -14,15 +12,22 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from opentinker.registry.artifacts import ArtifactStore
-from opentinker.registry.names import BASE, parse_reference
 from opentinker.registry.remote import Metadata, fetch_artifact, registry_call
 from opentinker.rpc.auth import require_access
 from opentinker.rpc.errors import FailedPrecondition
 from opentinker.rpc.memory import release_freed_memory
 from opentinker.sampler_server.slot_pool import SlotPool, VersionKey
 from opentinker.v1 import common_pb2, registry_pb2, registry_pb2_grpc
-
-PEFT_PREFIX = "base_model.model."
+from opentinker.weights.names import BASE, parse_reference
+from opentinker.weights.peft import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    PeftFormatError,
+    lora_a_key,
+    lora_b_key,
+    lora_modules,
+    read_peft_config,
+)
 
 
 class AliasFollowerLike(Protocol):
@@ -144,49 +149,30 @@ class AdapterLoader:
                                       reason="INCOMPATIBLE_ADAPTER")  # fmt: skip
 
         try:
-            config = json.loads((directory / "adapter_config.json").read_text())
-            rank = int(config["r"])
-            alpha = float(config.get("lora_alpha", rank))
-            tensors = load_file(str(directory / "adapter_model.safetensors"))
-        except (OSError, ValueError, TypeError, KeyError, SafetensorError) as error:
-            # Digests verified, so these are the publisher's bytes: not a readable peft LoRA adapter.
-            raise unusable(f"{type(error).__name__}: {error}") from None
-        if rank < 1:
-            raise unusable(f"rank {rank}")
+            config = read_peft_config(directory / CONFIG_FILE)
+            tensors = load_file(str(directory / WEIGHTS_FILE))
+            modules = lora_modules({key: list(t.shape) for key, t in tensors.items()}, config)
+        except (OSError, SafetensorError, PeftFormatError) as error:
+            # Digests verified, so these are the publisher's bytes: not a usable peft LoRA adapter.
+            raise unusable(str(error)) from None
+        rank = config.rank
         if rank > self.pool.max_rank:
             raise FailedPrecondition(
                 f"{name} has rank {rank}; this sampler serves ranks up to {self.pool.max_rank} (--max-rank)",
                 reason="INCOMPATIBLE_ADAPTER",
             )
-        # Features that change the math; ignoring them would serve other weights than the trainer's.
-        if config.get("peft_type", "LORA") != "LORA" or config.get("use_dora"):
-            raise unusable("only plain LoRA is supported (no DoRA or other peft types)")
-        if config.get("rank_pattern") or config.get("alpha_pattern"):
-            raise unusable("per-module ranks or alphas (rank_pattern / alpha_pattern) are not supported")
-        scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
         weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        for key in tensors:
-            if key.endswith(".lora_B.weight") and key.replace(".lora_B.", ".lora_A.") in tensors:
-                continue
-            if not key.endswith(".lora_A.weight"):
-                # Full weights (modules_to_save), biases, DoRA magnitudes: silently dropping them changes outputs.
-                raise unusable(f"unexpected tensor {key!r}")
-            module = key.removeprefix(PEFT_PREFIX).removesuffix(".lora_A.weight")
+        for module, (d_in, d_out) in modules.items():
             if module not in self.pool.a:
                 raise FailedPrecondition(
                     f"{name} targets {module!r}, which this base model does not have", reason="INCOMPATIBLE_ADAPTER"
                 )
-            a, b = tensors[key], tensors.get(key.replace(".lora_A.", ".lora_B."))
-            d_in, d_out = self.pool.a[module].shape[2], self.pool.b[module].shape[1]
-            if b is None:
-                raise unusable(f"{module} has lora_A but no lora_B")
-            if tuple(a.shape) != (rank, d_in) or tuple(b.shape) != (d_out, rank):
-                raise unusable(f"{module}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)}, want "
-                               f"({rank}, {d_in}) / ({d_out}, {rank})")  # fmt: skip
+            want_in, want_out = self.pool.a[module].shape[2], self.pool.b[module].shape[1]
+            if (d_in, d_out) != (want_in, want_out):
+                raise unusable(f"{module} maps {d_in} -> {d_out} features, this base model {want_in} -> {want_out}")
+            a, b = tensors[lora_a_key(module)], tensors[lora_b_key(module)]
             if not (bool(a.isfinite().all()) and bool(b.isfinite().all())):
                 raise unusable(f"{module} has non-finite weights")  # NaN logits would fail every batch it joins
             weights[module] = (a.float(), b.float())
-        if not weights:
-            # An adapter that changes nothing must not silently serve the base model.
-            raise FailedPrecondition(f"{name} targets no module of this base model", reason="INCOMPATIBLE_ADAPTER")
+        scaling = config.scaling
         return weights, rank, scaling

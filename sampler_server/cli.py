@@ -113,14 +113,14 @@ def serve(
     from opentinker.sampler_server.follower import AliasFollower
     from opentinker.sampler_server.kernels import TRITON_AVAILABLE, Backend
     from opentinker.sampler_server.metrics import SamplerCollector
-    from opentinker.sampler_server.model.config import load_config, resolve_model_dir
     from opentinker.sampler_server.model.kv_cache import KVCache
     from opentinker.sampler_server.model.llama import LlamaForCausalLM, linear_shapes
     from opentinker.sampler_server.scheduler import Scheduler
     from opentinker.sampler_server.service import SamplerServicer
     from opentinker.sampler_server.slot_pool import SlotPool
-    from opentinker.trainer_server.base_model import model_digest, pick_device
     from opentinker.v1 import common_pb2, registry_pb2_grpc, sampler_pb2, sampler_pb2_grpc
+    from opentinker.weights.base_model import model_digest, pick_device, resolve_model_dir
+    from opentinker.weights.model_config import load_config
 
     configure_logging(log_level)
     # Refuse an unsafe exposure before loading the model, not after.

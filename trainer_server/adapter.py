@@ -16,10 +16,10 @@ from torch import nn
 
 from opentinker.trainer_server.base_model import LoraWeights, ModuleShape
 from opentinker.v1 import common_pb2, registry_pb2
+from opentinker.weights.peft import lora_a_key, lora_b_key
 
 # Tinker's AdamParams defaults.
 DEFAULT_ADAM = common_pb2.AdamParams(learning_rate=1e-4, beta1=0.9, beta2=0.95, eps=1e-12)
-PEFT_PREFIX = "base_model.model."
 
 
 def adam_or_default(params: common_pb2.AdamParams | None) -> common_pb2.AdamParams:
@@ -97,26 +97,26 @@ class AdapterState:
         """Weights under peft's key names, so PeftModel.from_pretrained loads the snapshot."""
         tensors: dict[str, torch.Tensor] = {}
         for name, weights in sorted(self.modules.items()):
-            tensors[f"{PEFT_PREFIX}{name}.lora_A.weight"] = weights.a.detach().to("cpu", torch.float32).contiguous()
-            tensors[f"{PEFT_PREFIX}{name}.lora_B.weight"] = weights.b.detach().to("cpu", torch.float32).contiguous()
+            tensors[lora_a_key(name)] = weights.a.detach().to("cpu", torch.float32).contiguous()
+            tensors[lora_b_key(name)] = weights.b.detach().to("cpu", torch.float32).contiguous()
         return tensors
 
     def load_peft_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
-        expected = {f"{PEFT_PREFIX}{n}.lora_{x}.weight" for n in self.modules for x in ("A", "B")}
+        expected = {key(n) for n in self.modules for key in (lora_a_key, lora_b_key)}
         missing, extra = expected - tensors.keys(), tensors.keys() - expected
         if missing or extra:
             raise ValueError(
                 f"adapter weights do not match the config: missing {sorted(missing)[:3]}, extra {sorted(extra)[:3]}"
             )
         for name, weights in self.modules.items():  # every shape checked before anything is copied
-            for key, param in ((f"{PEFT_PREFIX}{name}.lora_A.weight", weights.a),
-                               (f"{PEFT_PREFIX}{name}.lora_B.weight", weights.b)):  # fmt: skip
+            for key, param in ((lora_a_key(name), weights.a),
+                               (lora_b_key(name), weights.b)):  # fmt: skip
                 if tensors[key].shape != param.shape:
                     raise ValueError(f"{key} has shape {list(tensors[key].shape)}, expected {list(param.shape)}")
         with torch.no_grad():
             for name, weights in self.modules.items():
-                weights.a.copy_(tensors[f"{PEFT_PREFIX}{name}.lora_A.weight"])
-                weights.b.copy_(tensors[f"{PEFT_PREFIX}{name}.lora_B.weight"])
+                weights.a.copy_(tensors[lora_a_key(name)])
+                weights.b.copy_(tensors[lora_b_key(name)])
 
     def peft_config(self, base_model_path: str) -> dict[str, object]:
         leaves = sorted({n.rsplit(".", 1)[-1] for n in self.modules})

@@ -9,10 +9,8 @@ model and never touch its `requires_grad` flags, so no optimizer can pick up ano
 from __future__ import annotations
 
 import contextlib
-import hashlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -20,11 +18,8 @@ from torch import nn
 
 from opentinker.rpc.errors import InvalidArgument
 from opentinker.v1 import common_pb2
-
-# Leaf names of the Llama-family projections, by group.
-ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
-SUPPORTED_ARCHITECTURES = ("qwen2", "qwen3", "llama", "mistral")
+from opentinker.weights.base_model import ATTN_MODULES, MLP_MODULES, model_digest, resolve_model_dir
+from opentinker.weights.model_config import load_config
 
 
 @dataclass(slots=True)
@@ -79,17 +74,15 @@ class BaseModel:
     def __init__(self, model_path: str, *, device: str = "cpu", dtype: str = "float32") -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        config = AutoConfig.from_pretrained(model_path)
-        if config.model_type not in SUPPORTED_ARCHITECTURES:
-            raise InvalidArgument(
-                f"unsupported architecture {config.model_type!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}",
-                reason="UNSUPPORTED_ARCHITECTURE",
-            )
+        # The same config checks as the sampler's: a model one process refuses, the other refuses too.
+        model_dir = resolve_model_dir(model_path)
+        load_config(model_dir)
+        config = AutoConfig.from_pretrained(model_dir)
         torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
         self.model_path = model_path
         self.device = torch.device(device)
         self.dtype = dtype
-        self.model: Any = cast(Any, AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype))
+        self.model: Any = cast(Any, AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype))
         self.model.to(self.device)
         self.model.eval()
         for parameter in self.model.parameters():
@@ -99,7 +92,8 @@ class BaseModel:
         self.max_positions = int(config.max_position_embeddings)
         self.hooks: dict[str, LoraLinear] = {}
         self._inject()
-        self.digest = model_digest(Path(model_path)) if Path(model_path).is_dir() else model_path
+        self.model_dir = model_dir
+        self.digest = model_digest(model_dir)
 
     def _inject(self) -> None:
         targets = set(ATTN_MODULES + MLP_MODULES)
@@ -160,23 +154,3 @@ class BaseModel:
             device=str(self.device),
             lora_target_modules=sorted({n.rsplit(".", 1)[-1] for n in self.hooks}),
         )
-
-
-def model_digest(model_dir: Path) -> str:
-    """sha256 over the weight and config files: adapters record it so a mismatched base is refused."""
-    digest = hashlib.sha256()
-    for path in sorted(model_dir.iterdir()):
-        if path.is_file() and (path.suffix in (".safetensors", ".bin") or path.name == "config.json"):
-            digest.update(path.name.encode())
-            with path.open("rb") as handle:
-                for block in iter(lambda: handle.read(1 << 20), b""):
-                    digest.update(block)
-    return digest.hexdigest()
-
-
-def pick_device(requested: str) -> str:
-    if requested == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if requested == "cuda" and not torch.cuda.is_available():
-        raise InvalidArgument("--device cuda requested but CUDA is not available", reason="NO_CUDA")
-    return requested

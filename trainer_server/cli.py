@@ -55,12 +55,13 @@ def serve(
     from opentinker.rpc import faults
     from opentinker.rpc.progress import spinner
     from opentinker.rpc.server import ServiceBinding, configure_logging, exit_if_unsafe, serve_forever
-    from opentinker.trainer_server.base_model import BaseModel, pick_device
+    from opentinker.trainer_server.base_model import BaseModel
     from opentinker.trainer_server.metrics import TrainerCollector
     from opentinker.trainer_server.scheduler import AdapterScheduler
     from opentinker.trainer_server.service import TrainerServicer
     from opentinker.trainer_server.trainer import Trainer
     from opentinker.v1 import registry_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+    from opentinker.weights.base_model import pick_device
 
     configure_logging(log_level)
     # Refuse an unsafe exposure before loading the model, not after.

@@ -7,7 +7,6 @@ import asyncio
 from collections.abc import Iterable
 from typing import Any
 
-from opentinker.registry.names import check_adapter_name, parse_reference
 from opentinker.registry.remote import fetch_artifact, push_artifact, registry_call
 from opentinker.rpc.auth import current_principal, require_access
 from opentinker.rpc.errors import (
@@ -24,6 +23,7 @@ from opentinker.trainer_server.losses import LOSS_FNS, resolve_config
 from opentinker.trainer_server.scheduler import AdapterScheduler
 from opentinker.trainer_server.trainer import GradientMark, StepOutput, Trainer, check_adam, check_lora
 from opentinker.v1 import common_pb2, registry_pb2, registry_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+from opentinker.weights.names import check_adapter_name, parse_reference
 
 Context = Any  # grpc.aio.ServicerContext; untyped in the generated stubs
 

@@ -26,13 +26,22 @@ from safetensors.torch import save as save_safetensors
 from opentinker.registry.artifacts import ArtifactRef, ArtifactStore
 from opentinker.rpc import faults
 from opentinker.rpc.errors import AlreadyExists, DataLoss, FailedPrecondition, InvalidArgument, NotFound
-from opentinker.trainer_server.adapter import PEFT_PREFIX, AdapterState, Ledger, adam_or_default, new_adapter
+from opentinker.trainer_server.adapter import AdapterState, Ledger, adam_or_default, new_adapter
 from opentinker.trainer_server.base_model import BaseModel
 from opentinker.trainer_server.batch import Batch
 from opentinker.trainer_server.losses import compute_loss
 from opentinker.v1 import common_pb2, registry_pb2
+from opentinker.weights.peft import (
+    CONFIG_FILE,
+    MAX_RANK,
+    WEIGHTS_FILE,
+    alpha_or_rank,
+    lora_a_key,
+    lora_b_key,
+    lora_modules,
+    read_peft_config,
+)
 
-MAX_RANK = 512
 STATE_FORMAT = 1
 
 
@@ -64,7 +73,7 @@ def lora_or_default(lora: common_pb2.LoraConfig) -> common_pb2.LoraConfig:
     """A copy with the documented defaults filled in: alpha 0 means alpha = rank (scaling 1)."""
     filled = common_pb2.LoraConfig()
     filled.CopyFrom(lora)
-    filled.alpha = filled.alpha or float(filled.rank)
+    filled.alpha = alpha_or_rank(filled.alpha, filled.rank)
     return filled
 
 
@@ -239,18 +248,20 @@ class Trainer:
     def check_snapshot(self, uri: str, lora: common_pb2.LoraConfig) -> None:
         """FAILED_PRECONDITION INCOMPATIBLE_SNAPSHOT unless the snapshot holds exactly the LoRA tensors (names
         and shapes) of an adapter with this config. Reads only: changes nothing."""
-        path = self.artifacts.path(uri) / "adapter_model.safetensors"  # verifies every digest
+        directory = self.artifacts.path(uri)  # verifies every digest
         try:
-            with safe_open(str(path), framework="pt") as handle:
+            with safe_open(str(directory / WEIGHTS_FILE), framework="pt") as handle:
                 shapes = {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}  # noqa: SIM118
+            # The format rules every process applies (a snapshot the sampler would refuse is refused here too).
+            lora_modules(shapes, read_peft_config(directory / CONFIG_FILE))
         except Exception as exc:
             raise FailedPrecondition(f"snapshot {uri} is not a peft LoRA snapshot: {exc}",
                                      reason="INCOMPATIBLE_SNAPSHOT") from None  # fmt: skip
         module_shapes = self.base.module_shapes()
         expected: dict[str, tuple[int, ...]] = {}
         for target in self.base.resolve_targets(list(lora.target_modules)):
-            expected[f"{PEFT_PREFIX}{target}.lora_A.weight"] = (lora.rank, module_shapes[target].d_in)
-            expected[f"{PEFT_PREFIX}{target}.lora_B.weight"] = (module_shapes[target].d_out, lora.rank)
+            expected[lora_a_key(target)] = (lora.rank, module_shapes[target].d_in)
+            expected[lora_b_key(target)] = (module_shapes[target].d_out, lora.rank)
         if shapes != expected:
             differ = sorted(k for k in shapes.keys() | expected.keys() if shapes.get(k) != expected.get(k))
             raise FailedPrecondition(
@@ -264,7 +275,7 @@ class Trainer:
         state = self._use(name)
         directory = self.artifacts.path(uri)
         try:
-            state.load_peft_state_dict(load_safetensors((directory / "adapter_model.safetensors").read_bytes()))
+            state.load_peft_state_dict(load_safetensors((directory / WEIGHTS_FILE).read_bytes()))
         except ValueError as exc:
             raise FailedPrecondition(f"snapshot {uri} does not fit adapter {name!r}: {exc}",
                                      reason="INCOMPATIBLE_SNAPSHOT") from None  # fmt: skip

@@ -1,23 +1,7 @@
-"""The sampler's own model forward: config loading, the slot KV cache and the Llama-family decoder."""
+"""The sampler's own model forward: the slot KV cache and the Llama-family decoder (its config is read by
+opentinker.weights.model_config, the same reader the trainer uses)."""
 
-from opentinker.sampler_server.model.config import (
-    SUPPORTED_MODEL_TYPES,
-    ModelConfig,
-    load_config,
-    parse_config,
-    resolve_model_dir,
-)
 from opentinker.sampler_server.model.kv_cache import KVCache
 from opentinker.sampler_server.model.llama import ForwardBatch, LlamaForCausalLM, LoraHook
 
-__all__ = [
-    "SUPPORTED_MODEL_TYPES",
-    "ForwardBatch",
-    "KVCache",
-    "LlamaForCausalLM",
-    "LoraHook",
-    "ModelConfig",
-    "load_config",
-    "parse_config",
-    "resolve_model_dir",
-]
+__all__ = ["ForwardBatch", "KVCache", "LlamaForCausalLM", "LoraHook"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from opentinker.sampler_server.model.config import ModelConfig
+from opentinker.weights.model_config import ModelConfig
 
 
 class KVCache:

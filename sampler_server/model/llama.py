@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from opentinker.rpc.errors import InvalidArgument
-from opentinker.sampler_server.model.config import ModelConfig, load_config
 from opentinker.sampler_server.model.kv_cache import KVCache
+from opentinker.weights.model_config import ModelConfig, load_config
 
 
 class LoraHook(Protocol):

@@ -26,8 +26,8 @@ from typer.testing import CliRunner
 
 from opentinker.client.cli import app
 from opentinker.registry.peft_io import PeftFolderError, inspect_peft_folder
-from opentinker.trainer_server.base_model import model_digest
 from opentinker.v1 import registry_pb2, registry_pb2_grpc
+from opentinker.weights.base_model import model_digest
 
 TOL = 1e-4
 PROBES = [random_tokens(900 + i, 10 + 3 * i) for i in range(3)]

@@ -10,11 +10,11 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from opentinker.registry.names import check_adapter_name
 from opentinker.rpc.auth import current_principal, require_access, require_admin
 from opentinker.rpc.errors import InvalidArgument, NotFound
 from opentinker.rpc.server import ServerOptions, ServiceBinding, configure_logging, serve_forever
 from opentinker.v1 import registry_pb2, registry_pb2_grpc
+from opentinker.weights.names import check_adapter_name
 
 
 class ToyRegistry(registry_pb2_grpc.RegistryServiceServicer):

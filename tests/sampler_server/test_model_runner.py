@@ -19,14 +19,9 @@ import torch
 
 from opentinker.client.tiny_model import TinyModelSpec, make_tiny_model
 from opentinker.rpc.errors import FailedPrecondition, InvalidArgument
-from opentinker.sampler_server.model import (
-    ForwardBatch,
-    KVCache,
-    LlamaForCausalLM,
-    load_config,
-    parse_config,
-    resolve_model_dir,
-)
+from opentinker.sampler_server.model import ForwardBatch, KVCache, LlamaForCausalLM
+from opentinker.weights.base_model import resolve_model_dir
+from opentinker.weights.model_config import load_config, parse_config
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

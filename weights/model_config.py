@@ -13,15 +13,14 @@ from pathlib import Path
 from typing import cast
 
 from opentinker.rpc.errors import FailedPrecondition, InvalidArgument
-
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
+from opentinker.weights.base_model import SUPPORTED_ARCHITECTURES
 
 JsonDict = dict[str, object]
 
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    arch: str  # config.json model_type: one of SUPPORTED_MODEL_TYPES
+    arch: str  # config.json model_type: one of SUPPORTED_ARCHITECTURES
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -131,9 +130,9 @@ def _sliding_window(raw: JsonDict, model_type: str) -> int | None:
 def parse_config(raw: JsonDict, generation: JsonDict | None = None) -> ModelConfig:
     """Check and convert config.json (+ generation_config.json) contents."""
     model_type = raw.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    if model_type not in SUPPORTED_ARCHITECTURES:
         raise FailedPrecondition(
-            f"unsupported model_type {model_type!r}; the sampler supports: {', '.join(SUPPORTED_MODEL_TYPES)}",
+            f"unsupported model_type {model_type!r}; the sampler supports: {', '.join(SUPPORTED_ARCHITECTURES)}",
             reason="UNSUPPORTED_ARCHITECTURE",
         )
     arch: str = model_type
@@ -190,26 +189,3 @@ def load_config(model_dir: Path) -> ModelConfig:
     generation_path = Path(model_dir) / "generation_config.json"
     generation = _read_json(generation_path) if generation_path.is_file() else None
     return parse_config(_read_json(config_path), generation)
-
-
-def resolve_model_dir(name_or_path: str) -> Path:
-    """A local model directory as is; otherwise a Hugging Face hub id, looked up in the local cache only."""
-    path = Path(name_or_path).expanduser()
-    if path.is_dir():
-        return path
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
-
-    try:
-        return Path(snapshot_download(name_or_path, local_files_only=True))
-    except HFValidationError as exc:
-        raise InvalidArgument(
-            f"base model {name_or_path!r} is neither a local directory nor a valid hub model id",
-            reason="MODEL_NOT_FOUND",
-        ) from exc
-    except LocalEntryNotFoundError as exc:
-        raise FailedPrecondition(
-            f"base model {name_or_path!r} is not a local directory and not in the Hugging Face cache; "
-            f"download it first (`hf download {name_or_path}`) or pass a local path",
-            reason="MODEL_NOT_CACHED",
-        ) from exc

@@ -1,0 +1,68 @@
+"""The base model every process serves or trains: where its files are, its one fingerprint, the architectures
+served, the LoRA-targetable projections and the device it runs on.
+
+A model is named by a local directory or a Hugging Face hub id; a hub id is looked up in the local cache only
+(nothing is ever downloaded at run time). Every process fingerprints the *resolved directory's files*, so the
+trainer started with `--model acme/tiny` and a sampler started with the cache path of the same snapshot agree.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from opentinker.rpc.errors import FailedPrecondition, InvalidArgument
+
+# config.json model_type values whose decoder the trainer and the sampler both implement.
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
+# Leaf names of the Llama-family projections, by group: the modules a LoRA adapter may target.
+ATTN_MODULES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")
+LORA_TARGETS: frozenset[str] = frozenset(ATTN_MODULES + MLP_MODULES)
+
+
+def resolve_model_dir(name_or_path: str) -> Path:
+    """A local model directory as is; otherwise a Hugging Face hub id, looked up in the local cache only."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(name_or_path, local_files_only=True))
+    except HFValidationError as exc:
+        raise InvalidArgument(
+            f"base model {name_or_path!r} is neither a local directory nor a valid hub model id",
+            reason="MODEL_NOT_FOUND",
+        ) from exc
+    except LocalEntryNotFoundError as exc:
+        raise FailedPrecondition(
+            f"base model {name_or_path!r} is not a local directory and not in the Hugging Face cache; "
+            f"download it first (`hf download {name_or_path}`) or pass a local path",
+            reason="MODEL_NOT_CACHED",
+        ) from exc
+
+
+def model_digest(model_dir: Path) -> str:
+    """sha256 over the weight and config files of a resolved model directory: adapters record it so a
+    mismatched base is refused. Files are read through symlinks (a hub cache snapshot links to its blobs)."""
+    digest = hashlib.sha256()
+    for path in sorted(model_dir.iterdir()):
+        if path.is_file() and (path.suffix in (".safetensors", ".bin") or path.name == "config.json"):
+            digest.update(path.name.encode())
+            with path.open("rb") as handle:
+                for block in iter(lambda: handle.read(1 << 20), b""):
+                    digest.update(block)
+    return digest.hexdigest()
+
+
+def pick_device(requested: str) -> str:
+    """`auto` is CUDA when present; an explicit `cuda` without CUDA is refused, not silently run on the CPU."""
+    import torch
+
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise InvalidArgument("--device cuda requested but CUDA is not available", reason="NO_CUDA")
+    return requested
