@@ -1,0 +1,110 @@
+"""A base model named by its hub id, found only in the local Hugging Face cache (HF_HUB_OFFLINE=1), as most users
+start a server: the trainer and the sampler must fingerprint it the same way, or no snapshot can be sampled.
+
+The cache is laid out as the hub client writes it: `hub/models--acme--tiny/snapshots/<rev>/` with each file a
+symlink into `blobs/`, and `refs/main` naming the revision.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from serverproc import ServerProcess, start_registry, start_sampler, start_trainer
+
+from opentinker.client import AdamParams, Datum, LoraConfig, ModelInput, SamplingParams, ServiceClient
+from opentinker.weights.base_model import model_digest
+
+HUB_ID = "acme/tiny"
+REVISION = "0123456789abcdef0123456789abcdef01234567"
+
+
+def write_hub_cache(model_dir: Path, hf_home: Path) -> Path:
+    """`model_dir` as the hub client caches `acme/tiny`; returns the snapshot directory."""
+    repo = hf_home / "hub" / "models--acme--tiny"
+    snapshot = repo / "snapshots" / REVISION
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(REVISION)
+    for path in sorted(model_dir.iterdir()):
+        if path.is_file():
+            blob = repo / "blobs" / hashlib.sha256(path.read_bytes()).hexdigest()
+            shutil.copyfile(path, blob)
+            (snapshot / path.name).symlink_to(os.path.relpath(blob, snapshot))
+    return snapshot
+
+
+@pytest.fixture(scope="module")
+def hub_home(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    hf_home = tmp_path_factory.mktemp("hf-home")
+    write_hub_cache(tiny_model, hf_home)
+    saved = {key: os.environ.get(key) for key in ("HF_HOME", "HF_HUB_OFFLINE")}
+    os.environ.update(HF_HOME=str(hf_home), HF_HUB_OFFLINE="1")  # inherited by the server processes below
+    yield hf_home
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def test_a_hub_id_resolves_to_the_cached_snapshot_with_the_directory_fingerprint(
+    hub_home: Path, tiny_model: Path
+) -> None:
+    # In a fresh process, as a server resolves it: the hub client reads HF_HOME when it is first imported.
+    probe = (
+        "from opentinker.weights.base_model import model_digest, resolve_model_dir; "
+        f"d = resolve_model_dir({HUB_ID!r}); print(d.name, (d / 'config.json').is_symlink(), model_digest(d))"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    assert result.stdout.split() == [REVISION, "True", model_digest(tiny_model)]
+
+
+@pytest.fixture(scope="module")
+def hub_servers(hub_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, ...]]:
+    workdir = tmp_path_factory.mktemp("hub-e2e")
+    registry = start_registry(workdir / "registry")
+    servers: list[ServerProcess] = [registry]
+    try:
+        # The cwd has no ./acme/tiny folder: the servers can only find the model through the hub cache.
+        servers.append(start_trainer(workdir / "trainer", Path(HUB_ID), registry))
+        servers.append(start_sampler(workdir / "sampler", Path(HUB_ID), registry))
+        yield tuple(servers)
+    finally:
+        for server in reversed(servers):
+            server.terminate()
+
+
+def test_train_snapshot_and_sample_a_version_of_a_hub_id_model(
+    hub_servers: tuple[ServerProcess, ...], tiny_model: Path
+) -> None:
+    registry, trainer, sampler = hub_servers
+    rng = random.Random(0)
+    tokens = [rng.randrange(1, 500) for _ in range(16)]
+    datum = Datum(
+        model_input=ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
+    )
+    with ServiceClient(trainer=trainer.address, sampler=sampler.address, registry=registry.address) as service:
+        info = service.get_trainer_info()
+        assert (info.model, info.model_digest) == (HUB_ID, model_digest(tiny_model))
+        training = service.create_training_client("hub/tiny", LoraConfig(rank=4), seed=1)
+        for _ in range(3):
+            training.forward_backward([datum], "cross_entropy")
+            training.optim_step(AdamParams(learning_rate=5e-2))
+        version = training.save_snapshot()
+        greedy = SamplingParams(max_tokens=6, temperature=0.0)
+        tuned = service.create_sampling_client(version.reference).sample(tokens[:8], greedy)
+        base = service.create_sampling_client("base").sample(tokens[:8], greedy)
+    (sample,) = tuned.sequences
+    assert sample.version.exact == version.reference == f"hub/tiny@{version.number}"
+    assert len(sample.tokens) == 6
+    assert sample.tokens != base.sequences[0].tokens  # the trained weights were served, not the base model
