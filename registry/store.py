@@ -12,7 +12,7 @@ import binascii
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -424,15 +424,6 @@ def event_from_fields(event_id: str, fields: dict[bytes, bytes]) -> registry_pb2
 
 def _text(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
-
-
-async def aiter_events(store: RegistryStore, after_id: str, block_ms: int = 1000) -> AsyncIterator[EventRecord]:
-    """Every event after after_id, forever (blocking reads)."""
-    cursor = after_id
-    while True:
-        for record in await store.read_events(cursor, block_ms):
-            cursor = record.event_id
-            yield record
 
 
 def lora_or_default(config: common_pb2.LoraConfig) -> common_pb2.LoraConfig:

@@ -180,17 +180,18 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         batch = await asyncio.to_thread(self._batch, request.datums, request.loss_fn, config)
         trace_ids = list(request.trace_ids)
 
-        def forward_backward() -> tuple[GradientMark, StepOutput]:
+        # The step is read in the adapter's lane: after the reply, a pipelined OptimStep may already run.
+        def forward_backward() -> tuple[GradientMark, StepOutput, int]:
             mark = self.trainer.gradient_mark(name)
-            return mark, self.trainer.forward_backward(name, batch, request.loss_fn, config, trace_ids)
+            result = self.trainer.forward_backward(name, batch, request.loss_fn, config, trace_ids)
+            return mark, result, self.trainer.get(name).step + 1
 
-        _, result = await self.scheduler.run(
+        _, result, step = await self.scheduler.run(
             name, forward_backward, undo=lambda done: self.trainer.undo_forward_backward(name, done[0])
         )
         return trainer_pb2.ForwardBackwardResponse(
-            loss_fn_outputs=_outputs(result), metrics=result.metrics, batch_digest=batch.digest,
-            step=self.trainer.get(name).step + 1,
-        )  # fmt: skip
+            loss_fn_outputs=_outputs(result), metrics=result.metrics, batch_digest=batch.digest, step=step
+        )
 
     async def Forward(self, request: trainer_pb2.ForwardRequest, context: Context) -> Any:
         name = self._known(request.adapter)
@@ -252,11 +253,11 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
     async def SaveState(self, request: trainer_pb2.SaveStateRequest, context: Context) -> Any:
         name = self._known(request.adapter)
         label = request.label or "state"
-        ref = await self.scheduler.run(name, lambda: self.trainer.save_state(name, label))
-        fault_point("save_state/before_reply")
-        return trainer_pb2.SaveStateResponse(
-            state_id=ref.uri, step=self.trainer.get(name).step, size_bytes=ref.size_bytes
+        ref, step = await self.scheduler.run(
+            name, lambda: (self.trainer.save_state(name, label), self.trainer.get(name).step)
         )
+        fault_point("save_state/before_reply")
+        return trainer_pb2.SaveStateResponse(state_id=ref.uri, step=step, size_bytes=ref.size_bytes)
 
     async def LoadState(self, request: trainer_pb2.LoadStateRequest, context: Context) -> Any:
         name = self._known(request.adapter)

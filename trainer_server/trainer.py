@@ -120,10 +120,9 @@ class Trainer:
             raise AlreadyExists(
                 f"adapter {name!r} already exists in this trainer", reason="ADAPTER_EXISTS", adapter=name
             )
-        check_lora(lora)
+        # check_lora / check_adam ran at the RPC boundary (service.py), before anything was created.
         lora = lora_or_default(lora)
         adam = adam_or_default(adam)
-        check_adam(adam)
         targets = self.base.resolve_targets(list(lora.target_modules))
         shapes = self.base.module_shapes()
         state = new_adapter(name, lora, adam, seed, {t: shapes[t] for t in targets}, self.base.device)
@@ -209,8 +208,7 @@ class Trainer:
 
     def optim_step(self, name: str, adam: common_pb2.AdamParams | None) -> tuple[int, dict[str, float]]:
         state = self._use(name)
-        params = adam_or_default(adam) if adam is not None else state.adam
-        check_adam(params)
+        params = adam_or_default(adam) if adam is not None else state.adam  # a request's own: checked by the service
         if not state.ledger.pending or not state.has_gradients():
             raise FailedPrecondition(
                 f"no gradients accumulated for {name!r} since its last optim_step: call forward_backward first",
