@@ -16,7 +16,7 @@ from google.protobuf import descriptor_pb2
 
 ROOT = Path(__file__).resolve().parents[2]
 BUF = shutil.which("buf") or str(Path(sys.executable).parent / "buf")
-SERVER_CODE = ["registry", "rpc", "trainer_server", "sampler_server"]
+SERVER_CODE = ["registry", "rpc", "weights", "trainer_server", "sampler_server"]
 # One "CODE (REASON, REASON)" clause of an Errors: line.
 CLAUSE = re.compile(r"([A-Z_]+) \(([A-Z_, ]+)\)")
 
