@@ -8,16 +8,18 @@ symlink into `blobs/`, and `refs/main` naming the revision.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from serverproc import ServerProcess, start_registry, start_sampler, start_trainer
+from serverproc import ServerProcess, opentinker_command, start_registry, start_sampler, start_trainer
 
 from opentinker.client import AdamParams, Datum, LoraConfig, ModelInput, SamplingParams, ServiceClient
 from opentinker.weights.base_model import model_digest
@@ -83,28 +85,55 @@ def hub_servers(hub_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
             server.terminate()
 
 
-def test_train_snapshot_and_sample_a_version_of_a_hub_id_model(
-    hub_servers: tuple[ServerProcess, ...], tiny_model: Path
-) -> None:
-    registry, trainer, sampler = hub_servers
+def train_snapshot_and_sample(service: ServiceClient, tiny_model: Path) -> None:
+    """Trains "hub/tiny" 3 steps, snapshots it and samples that version: the trained weights must be served."""
     rng = random.Random(0)
     tokens = [rng.randrange(1, 500) for _ in range(16)]
     datum = Datum(
         model_input=ModelInput.from_ints(tokens[:-1]),
         loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
     )
-    with ServiceClient(trainer=trainer.address, sampler=sampler.address, registry=registry.address) as service:
-        info = service.get_trainer_info()
-        assert (info.model, info.model_digest) == (HUB_ID, model_digest(tiny_model))
-        training = service.create_training_client("hub/tiny", LoraConfig(rank=4), seed=1)
-        for _ in range(3):
-            training.forward_backward([datum], "cross_entropy")
-            training.optim_step(AdamParams(learning_rate=5e-2))
-        version = training.save_snapshot()
-        greedy = SamplingParams(max_tokens=6, temperature=0.0)
-        tuned = service.create_sampling_client(version.reference).sample(tokens[:8], greedy)
-        base = service.create_sampling_client("base").sample(tokens[:8], greedy)
+    info = service.get_trainer_info()
+    assert (info.model, info.model_digest) == (HUB_ID, model_digest(tiny_model))
+    training = service.create_training_client("hub/tiny", LoraConfig(rank=4), seed=1)
+    for _ in range(3):
+        training.forward_backward([datum], "cross_entropy")
+        training.optim_step(AdamParams(learning_rate=5e-2))
+    version = training.save_snapshot()
+    greedy = SamplingParams(max_tokens=6, temperature=0.0)
+    tuned = service.create_sampling_client(version.reference).sample(tokens[:8], greedy)
+    base = service.create_sampling_client("base").sample(tokens[:8], greedy)
     (sample,) = tuned.sequences
     assert sample.version.exact == version.reference == f"hub/tiny@{version.number}"
     assert len(sample.tokens) == 6
     assert sample.tokens != base.sequences[0].tokens  # the trained weights were served, not the base model
+
+
+def test_train_snapshot_and_sample_a_version_of_a_hub_id_model(
+    hub_servers: tuple[ServerProcess, ...], tiny_model: Path
+) -> None:
+    registry, trainer, sampler = hub_servers
+    with ServiceClient(trainer=trainer.address, sampler=sampler.address, registry=registry.address) as service:
+        train_snapshot_and_sample(service, tiny_model)
+
+
+def test_opentinker_up_with_a_hub_id_model(hub_home: Path, tiny_model: Path, tmp_path: Path) -> None:
+    config = tmp_path / "stack.toml"
+    config.write_text(f'model = "{HUB_ID}"\nport = 0\ndevice = "cpu"\n[registry]\ndata_dir = "{tmp_path}/data"\n')
+    up = subprocess.Popen(
+        opentinker_command("up", "--config", str(config), "--workdir", str(tmp_path / "run"), "--json"),
+        stdout=subprocess.PIPE, text=True, cwd=tmp_path,  # no ./acme/tiny here: only the hub cache has it
+    )  # fmt: skip
+    try:
+        assert up.stdout is not None
+        first = json.loads(up.stdout.readline() or "{}")
+        assert first.get("event") == "serving", first
+        address = {name: server["address"] for name, server in first["servers"].items()}
+        with ServiceClient(address["trainer"], address["sampler"], address["registry"]) as service:
+            train_snapshot_and_sample(service, tiny_model)
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=120) == 0
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
