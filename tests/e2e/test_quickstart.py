@@ -11,7 +11,14 @@ from pathlib import Path
 
 import psutil
 
-QUICKSTART = Path(__file__).resolve().parents[2] / "examples" / "quickstart.py"
+ROOT = Path(__file__).resolve().parents[2]
+QUICKSTART = ROOT / "examples" / "quickstart.py"
+
+
+def test_readme_shows_the_quickstart_file_as_it_is() -> None:
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", readme, flags=re.DOTALL)
+    assert QUICKSTART.read_text() in blocks
 
 
 def test_quickstart_trains_two_tenants_samples_the_saved_version_and_rolls_back(tmp_path: Path) -> None:
