@@ -72,12 +72,11 @@ class BaseModel:
     """HF causal LM, frozen, with LoraLinear hooks; compute happens on one thread at a time."""
 
     def __init__(self, model_path: str, *, device: str = "cpu", dtype: str = "float32") -> None:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
 
         # The same config checks as the sampler's: a model one process refuses, the other refuses too.
         model_dir = resolve_model_dir(model_path)
         load_config(model_dir)
-        config = AutoConfig.from_pretrained(model_dir)
         torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
         self.model_path = model_path
         self.device = torch.device(device)
@@ -87,6 +86,7 @@ class BaseModel:
         self.model.eval()
         for parameter in self.model.parameters():
             parameter.requires_grad_(False)
+        config = self.model.config  # the one transformers read while loading the weights
         self.config = config
         self.vocab_size = int(config.vocab_size)
         self.max_positions = int(config.max_position_embeddings)
