@@ -424,7 +424,7 @@ def _upload_requests(files: list[_LocalFile]) -> Iterator[registry_pb2.UploadArt
 
 
 def _manifest_bytes(headers: Iterable[registry_pb2.ArtifactFileHeader]) -> bytes:
-    """The registry's canonical manifest.json (see opentinker.registry.artifacts): its sha256 is the
+    """The registry's canonical manifest.json (see opentinker.weights.artifact_manifest): its sha256 is the
     artifact digest, so recomputing it proves the streamed manifest is the one the URI names."""
     entries = sorted(
         ({"path": h.path, "sha256": h.sha256, "size": h.size_bytes} for h in headers),

@@ -15,9 +15,9 @@ from typing import Any, TypeVar
 
 import grpc
 
-from opentinker.registry.artifacts import ArtifactStore
 from opentinker.rpc.errors import ServiceError, Unavailable, error_info
 from opentinker.v1 import registry_pb2, registry_pb2_grpc
+from opentinker.weights.artifact_store import ArtifactStore
 
 CHUNK = 1 << 20
 Metadata = list[tuple[str, str]] | None

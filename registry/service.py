@@ -12,11 +12,13 @@ import re
 from collections.abc import AsyncIterator
 from typing import Any
 
-from opentinker.registry.artifacts import ArtifactStore, ArtifactWriter, format_uri, parse_uri
 from opentinker.registry.store import RegistryStore, lora_or_default
 from opentinker.rpc.auth import Principal, current_principal, require_access, require_admin
 from opentinker.rpc.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from opentinker.v1 import common_pb2, registry_pb2, registry_pb2_grpc
+from opentinker.weights.artifact_manifest import format_uri, parse_uri
+from opentinker.weights.artifact_store import ArtifactStore
+from opentinker.weights.artifact_writer import ArtifactWriter
 from opentinker.weights.names import LATEST, check_adapter_name, check_alias, parse_reference
 from opentinker.weights.peft import MAX_RANK
 

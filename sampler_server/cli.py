@@ -103,7 +103,6 @@ def serve(
     import torch
     from prometheus_client import REGISTRY
 
-    from opentinker.registry.artifacts import ArtifactStore
     from opentinker.registry.remote import registry_channel
     from opentinker.rpc.progress import spinner
     from opentinker.rpc.server import ServiceBinding, configure_logging, exit_if_unsafe, serve_forever
@@ -119,6 +118,7 @@ def serve(
     from opentinker.sampler_server.service import SamplerServicer
     from opentinker.sampler_server.slot_pool import SlotPool
     from opentinker.v1 import common_pb2, registry_pb2_grpc, sampler_pb2, sampler_pb2_grpc
+    from opentinker.weights.artifact_store import ArtifactStore
     from opentinker.weights.base_model import model_digest, pick_device, resolve_model_dir
     from opentinker.weights.model_config import load_config
 

@@ -50,7 +50,6 @@ def serve(
     import grpc
     from prometheus_client import REGISTRY
 
-    from opentinker.registry.artifacts import ArtifactStore
     from opentinker.registry.remote import registry_channel
     from opentinker.rpc import faults
     from opentinker.rpc.progress import spinner
@@ -61,6 +60,7 @@ def serve(
     from opentinker.trainer_server.service import TrainerServicer
     from opentinker.trainer_server.trainer import Trainer
     from opentinker.v1 import registry_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+    from opentinker.weights.artifact_store import ArtifactStore
     from opentinker.weights.base_model import pick_device
 
     configure_logging(log_level)
