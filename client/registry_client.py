@@ -16,9 +16,7 @@ gRPC status code and the ErrorInfo reason the server attached.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import stat
 import tempfile
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -34,6 +32,8 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from opentinker.client.connection import open_channel, translated
 from opentinker.client.errors import OpenTinkerError, from_rpc_error
 from opentinker.v1 import common_pb2, registry_pb2, registry_pb2_grpc
+from opentinker.weights.artifact_fs import scan_tree
+from opentinker.weights.artifact_manifest import ArtifactFile, hash_file, manifest_bytes
 
 __all__ = [
     "Adapter",
@@ -57,7 +57,6 @@ _PAGE_SIZE: Final = 100
 _MAX_RECEIVE_BYTES: Final = 64 << 20
 _URI_PREFIX: Final = "sha256:"
 _EVENT_PREFIX: Final = "EVENT_TYPE_"
-_MANIFEST_FORMAT: Final = 1
 _ALL_LINEAR: Final = "all-linear"
 
 _M = TypeVar("_M", bound=Message)
@@ -341,16 +340,6 @@ class _LocalFile:
     sha256: str
 
 
-def _hash_file(path: Path) -> tuple[str, int]:
-    hasher = hashlib.sha256()
-    size = 0
-    with path.open("rb") as handle:
-        while block := handle.read(CHUNK_SIZE):
-            hasher.update(block)
-            size += len(block)
-    return hasher.hexdigest(), size
-
-
 def _source_error(message: str, **metadata: str) -> OpenTinkerError:
     return OpenTinkerError(grpc.StatusCode.INVALID_ARGUMENT, message, "INVALID_ARTIFACT_SOURCE", metadata)
 
@@ -364,31 +353,15 @@ def _scan_directory(directory: Path) -> list[_LocalFile]:
     """
     if not directory.is_dir():
         raise _source_error(f"{directory} is not a directory", source=str(directory))
-    found: list[tuple[str, Path]] = []
-
-    def fail(error: OSError) -> None:
-        raise error  # os.walk skips unreadable directories silently otherwise
-
-    for dirpath, dirnames, filenames in os.walk(directory, onerror=fail):
-        base = Path(dirpath)
-        rel_dir = base.relative_to(directory).as_posix()
-        prefix = "" if rel_dir == "." else rel_dir + "/"
-        for name in (*dirnames, *filenames):
-            full = base / name
-            mode = full.lstat().st_mode
-            if stat.S_ISDIR(mode):
-                continue  # os.walk descends into it (symlinked directories are not S_ISDIR under lstat)
-            if not stat.S_ISREG(mode):
-                raise _source_error(
-                    f"{full} is a symlink or special file; only regular files can be uploaded",
-                    path=prefix + name,
-                )
-            found.append((prefix + name, full))
-    found.sort()
+    found, _dirs, odd = scan_tree(directory)
+    if odd:
+        raise _source_error(
+            f"{directory / odd[0]} is a symlink or special file; only regular files can be uploaded", path=odd[0]
+        )
     files = []
-    for rel, full in found:
-        sha, size = _hash_file(full)
-        files.append(_LocalFile(rel, full, size, sha))
+    for rel in sorted(found):
+        sha, size = hash_file(directory / rel)
+        files.append(_LocalFile(rel, directory / rel, size, sha))
     return files
 
 
@@ -424,14 +397,9 @@ def _upload_requests(files: list[_LocalFile]) -> Iterator[registry_pb2.UploadArt
 
 
 def _manifest_bytes(headers: Iterable[registry_pb2.ArtifactFileHeader]) -> bytes:
-    """The registry's canonical manifest.json (see opentinker.weights.artifact_manifest): its sha256 is the
-    artifact digest, so recomputing it proves the streamed manifest is the one the URI names."""
-    entries = sorted(
-        ({"path": h.path, "sha256": h.sha256, "size": h.size_bytes} for h in headers),
-        key=lambda entry: str(entry["path"]),
-    )
-    document = {"files": entries, "format": _MANIFEST_FORMAT}
-    return (json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=True) + "\n").encode()
+    """The registry's canonical manifest.json: its sha256 is the artifact digest, so recomputing it proves the
+    streamed manifest is the one the URI names."""
+    return manifest_bytes(ArtifactFile(h.path, h.sha256, h.size_bytes) for h in headers)
 
 
 def _data_loss(message: str, **metadata: str) -> OpenTinkerError:
