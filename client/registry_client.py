@@ -19,6 +19,7 @@ import hashlib
 import os
 import tempfile
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
@@ -33,7 +34,8 @@ from opentinker.client.connection import open_channel, translated
 from opentinker.client.errors import OpenTinkerError, from_rpc_error
 from opentinker.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 from opentinker.weights.artifact_fs import scan_tree
-from opentinker.weights.artifact_manifest import ArtifactFile, hash_file, manifest_bytes
+from opentinker.weights.artifact_manifest import ArtifactFile, hash_file, manifest_bytes, path_problem
+from opentinker.weights.artifact_stream import ArtifactReceiver, StreamViolation, chunked, declared_bytes
 
 __all__ = [
     "Adapter",
@@ -368,32 +370,26 @@ def _scan_directory(directory: Path) -> list[_LocalFile]:
 def _upload_requests(files: list[_LocalFile]) -> Iterator[registry_pb2.UploadArtifactRequest]:
     """The manifest, then the files' bytes back to back in manifest order, in chunks of CHUNK_SIZE.
 
-    Chunks may span file boundaries (the server splits by the declared sizes): many small files then
-    cost few messages. Exactly the declared number of bytes is read from each file, so a file that grew
-    after hashing cannot shift the next file's bytes; the server re-hashes everything it receives.
+    Chunks may span file boundaries (the server splits by the declared sizes). Exactly the declared number
+    of bytes is read from each file, so a file that grew after hashing cannot shift the next file's bytes;
+    the server re-hashes everything it receives.
     """
     headers = [registry_pb2.ArtifactFileHeader(path=f.rel, size_bytes=f.size, sha256=f.sha256) for f in files]
     yield registry_pb2.UploadArtifactRequest(manifest=registry_pb2.ArtifactManifest(files=headers))
-    buffer = bytearray()
-    for entry in files:
-        remaining = entry.size
-        with entry.path.open("rb") as handle:
-            while remaining:
-                block = handle.read(min(CHUNK_SIZE, remaining))
-                if not block:
-                    raise OpenTinkerError(
-                        grpc.StatusCode.DATA_LOSS,
-                        f"{entry.path} shrank while uploading",
-                        "DIGEST_MISMATCH",
-                        {"path": entry.rel},
-                    )
-                remaining -= len(block)
-                buffer += block
-                while len(buffer) >= CHUNK_SIZE:
-                    yield registry_pb2.UploadArtifactRequest(chunk=bytes(buffer[:CHUNK_SIZE]))
-                    del buffer[:CHUNK_SIZE]
-    if buffer:
-        yield registry_pb2.UploadArtifactRequest(chunk=bytes(buffer))
+    by_rel = {f.rel: f for f in files}
+    pieces = (
+        block for f in files for block in declared_bytes(ArtifactFile(f.rel, f.sha256, f.size), f.path, CHUNK_SIZE)
+    )
+    try:
+        for chunk in chunked(pieces, CHUNK_SIZE):
+            yield registry_pb2.UploadArtifactRequest(chunk=chunk)
+    except StreamViolation as violation:
+        raise OpenTinkerError(
+            grpc.StatusCode.DATA_LOSS,
+            f"{by_rel[violation.path].path} shrank while uploading",
+            "DIGEST_MISMATCH",
+            {"path": violation.path},
+        ) from None
 
 
 def _manifest_bytes(headers: Iterable[registry_pb2.ArtifactFileHeader]) -> bytes:
@@ -408,56 +404,36 @@ def _data_loss(message: str, **metadata: str) -> OpenTinkerError:
 
 def _safe_target(directory: Path, rel: str) -> Path:
     """``directory / rel`` for a relative POSIX path that cannot escape ``directory``."""
-    parts = rel.split("/")
-    if not rel or rel.startswith("/") or "\\" in rel or "\0" in rel or any(p in ("", ".", "..") for p in parts):
+    if path_problem(rel) is not None:
         raise _data_loss(f"artifact manifest names an unsafe path {rel!r}", path=rel)
     return directory.joinpath(*PurePosixPath(rel).parts)
 
 
 class _DownloadSink:
-    """Writes the streamed bytes into files in manifest order, verifying each file's size and sha256.
+    """Writes the streamed bytes into files in manifest order (split by the shared ArtifactReceiver),
+    verifying each file's sha256.
 
     Each file is written to a temporary name next to its target and renamed into place only once its
     digest checks out, so a mismatch never leaves a wrong file under the real name.
     """
 
     def __init__(self, directory: Path, headers: list[registry_pb2.ArtifactFileHeader]) -> None:
-        self._directory = directory
-        self._headers = headers
-        self._targets = [_safe_target(directory, h.path) for h in headers]
-        self._index = -1
+        files = [ArtifactFile(h.path, h.sha256, h.size_bytes) for h in headers]
+        self._targets = {f.path: _safe_target(directory, f.path) for f in files}
         self._handle: BinaryIO | None = None
         self._temp: Path | None = None
         self._hasher = hashlib.sha256()
-        self._remaining = 0
+        self._receiver = ArtifactReceiver(lambda _files: self)
+        self._receiver.header(files)
 
     def feed(self, data: bytes) -> None:
-        view = memoryview(data)
-        while view.nbytes:
-            if self._handle is None:
-                self._open_next_nonempty()
-            handle = self._handle
-            assert handle is not None
-            take = min(self._remaining, view.nbytes)
-            handle.write(view[:take])
-            self._hasher.update(view[:take])
-            self._remaining -= take
-            view = view[take:]
-            if self._remaining == 0:
-                self._finish_current()
+        with _stream_errors():
+            self._receiver.chunk(data)
 
     def close(self) -> None:
         """Completes trailing empty files; every declared byte must have arrived."""
-        if self._handle is not None:
-            path = self._headers[self._index].path
-            raise _data_loss(f"download ended inside {path!r}", path=path)
-        for index in range(self._index + 1, len(self._headers)):
-            header = self._headers[index]
-            if header.size_bytes:
-                raise _data_loss(f"download ended before {header.path!r}", path=header.path)
-            self._index = index
-            self._open(index)
-            self._finish_current()
+        with _stream_errors():
+            self._receiver.close()
 
     def abort(self) -> None:
         if self._handle is not None:
@@ -467,41 +443,49 @@ class _DownloadSink:
             self._temp.unlink(missing_ok=True)
             self._temp = None
 
-    def _open_next_nonempty(self) -> None:
-        # Zero-length files carry no bytes in the stream: complete them as we pass them.
-        while True:
-            self._index += 1
-            if self._index >= len(self._headers):
-                raise _data_loss("the server sent more bytes than its manifest declares")
-            self._open(self._index)
-            if self._remaining:
-                return
-            self._finish_current()
+    # FileSink, driven by the receiver
 
-    def _open(self, index: int) -> None:
-        target = self._targets[index]
+    def start(self, file: ArtifactFile) -> None:
+        target = self._targets[file.path]
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, temp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent)
         self._handle = os.fdopen(fd, "wb")
         self._temp = Path(temp)
         self._hasher = hashlib.sha256()
-        self._remaining = self._headers[index].size_bytes
 
-    def _finish_current(self) -> None:
-        header = self._headers[self._index]
+    def write(self, data: memoryview) -> None:
+        assert self._handle is not None
+        self._handle.write(data)
+        self._hasher.update(data)
+
+    def end(self, file: ArtifactFile) -> None:
         assert self._handle is not None and self._temp is not None
         self._handle.close()
         self._handle = None
         actual = self._hasher.hexdigest()
-        if actual != header.sha256:
+        if actual != file.sha256:
             raise _data_loss(
-                f"{header.path!r} hashes to {actual}, the manifest says {header.sha256}",
-                path=header.path,
-                expected_sha256=header.sha256,
+                f"{file.path!r} hashes to {actual}, the manifest says {file.sha256}",
+                path=file.path,
+                expected_sha256=file.sha256,
                 actual_sha256=actual,
             )
-        os.replace(self._temp, self._targets[self._index])
+        os.replace(self._temp, self._targets[file.path])
         self._temp = None
+
+
+@contextmanager
+def _stream_errors() -> Iterator[None]:
+    """The receiver's protocol violations as the SDK's DATA_LOSS errors."""
+    try:
+        yield
+    except StreamViolation as violation:
+        path = violation.path
+        if violation.kind == "ended_inside":
+            raise _data_loss(f"download ended inside {path!r}", path=path) from None
+        if violation.kind == "ended_before":
+            raise _data_loss(f"download ended before {path!r}", path=path) from None
+        raise _data_loss("the server sent more bytes than its manifest declares") from None
 
 
 # The client
