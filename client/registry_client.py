@@ -30,8 +30,9 @@ import grpc
 from google.protobuf.message import Message
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from opentinker.client.connection import open_channel, translated
+from opentinker.client.connection import translated
 from opentinker.client.errors import OpenTinkerError, from_rpc_error
+from opentinker.rpc.channel import open_channel
 from opentinker.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 from opentinker.weights.artifact_fs import scan_tree
 from opentinker.weights.artifact_manifest import ArtifactFile, hash_file, manifest_bytes, path_problem

@@ -433,8 +433,8 @@ def _publish_import(
 
     from google.protobuf.timestamp_pb2 import Timestamp
 
-    from opentinker.registry.remote import upload_messages
     from opentinker.rpc.progress import byte_progress
+    from opentinker.rpc.registry_link import upload_messages
     from opentinker.weights.artifact_store import ArtifactStore
     from opentinker.weights.peft import PEFT_FILES
 
@@ -500,9 +500,9 @@ def export_adapter(
     import tempfile
 
     from opentinker.registry.peft_io import PeftFolderError, write_peft_folder
-    from opentinker.registry.remote import fetch_artifact
     from opentinker.rpc.errors import ServiceError
     from opentinker.rpc.progress import spinner
+    from opentinker.rpc.registry_link import fetch_artifact
     from opentinker.weights.artifact_store import ArtifactStore
 
     if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):

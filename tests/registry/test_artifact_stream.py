@@ -12,9 +12,9 @@ from typing import Any
 import grpc
 import pytest
 
-from opentinker.registry.remote import fetch_artifact
 from opentinker.registry.service import RegistryServicer
 from opentinker.rpc.errors import DataLoss, InvalidArgument
+from opentinker.rpc.registry_link import fetch_artifact
 from opentinker.v1 import registry_pb2
 from opentinker.weights.artifact_manifest import ArtifactFile
 from opentinker.weights.artifact_store import ArtifactStore

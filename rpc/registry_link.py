@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from opentinker.rpc.channel import open_aio_channel
 from opentinker.rpc.errors import DataLoss, ServiceError, Unavailable, error_info
 from opentinker.v1 import registry_pb2, registry_pb2_grpc
 from opentinker.weights.artifact_manifest import ArtifactFile
@@ -49,9 +50,7 @@ def registry_error(exc: grpc.aio.AioRpcError) -> ServiceError:
 
 def registry_channel(address: str, ca: Path | None) -> grpc.aio.Channel:
     """A channel to the registry (open it inside the server's event loop): TLS verified against `ca` when given."""
-    if ca is None:
-        return grpc.aio.insecure_channel(address)
-    return grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=ca.read_bytes()))
+    return open_aio_channel(address, ca)
 
 
 async def registry_call(call: Awaitable[T]) -> T:
