@@ -9,34 +9,14 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Final, Generic, TypeVar
+from typing import Generic, TypeVar
 
 import grpc
 import grpc.aio
 from google.protobuf.message import Message
 
 from opentinker.client.errors import OpenTinkerError, from_rpc_error
-
-# Batches and their per-token outputs can be large; the servers accept up to 64 MiB messages.
-MAX_MESSAGE_BYTES: Final = 64 << 20
-CHANNEL_OPTIONS: Final = (
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-)
-
-
-def open_channel(address: str, ca_cert: Path | None, options: list[tuple[str, int]]) -> grpc.Channel:
-    """A plaintext channel, or TLS verified against the PEM root certificates in ca_cert."""
-    if ca_cert is None:
-        return grpc.insecure_channel(address, options=options)
-    return grpc.secure_channel(address, grpc.ssl_channel_credentials(ca_cert.read_bytes()), options=options)
-
-
-def open_aio_channel(address: str, ca_cert: Path | None, options: list[tuple[str, int]]) -> grpc.aio.Channel:
-    if ca_cert is None:
-        return grpc.aio.insecure_channel(address, options=options)
-    return grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(ca_cert.read_bytes()), options=options)
-
+from opentinker.rpc.channel import bearer_metadata, open_aio_channel, open_channel
 
 M = TypeVar("M", bound=Message)
 S = TypeVar("S")
@@ -71,9 +51,9 @@ class Connection(Generic[S]):
         self.address = address
         self.timeout = timeout
         self.ca_cert = ca_cert
-        self.metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
+        self.metadata: tuple[tuple[str, str], ...] = tuple(bearer_metadata(token))
         self._make_stub = make_stub
-        self._channel = open_channel(address, ca_cert, list(CHANNEL_OPTIONS))
+        self._channel = open_channel(address, ca_cert)
         self.stub = make_stub(self._channel)
         self._lock = threading.Lock()
         self._aio: dict[asyncio.AbstractEventLoop, tuple[grpc.aio.Channel, S]] = {}
@@ -92,7 +72,7 @@ class Connection(Generic[S]):
                 del self._aio[old]  # its loop is gone: nothing can await its close any more
             entry = self._aio.get(loop)
             if entry is None:
-                channel = open_aio_channel(self.address, self.ca_cert, list(CHANNEL_OPTIONS))
+                channel = open_aio_channel(self.address, self.ca_cert)
                 entry = (channel, self._make_stub(channel))  # type: ignore[arg-type]
                 self._aio[loop] = entry
             return entry[1]

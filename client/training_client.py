@@ -27,7 +27,8 @@ from typing import TypeVar
 from google.protobuf.message import Message
 
 from opentinker.client.connection import Connection
-from opentinker.client.registry_client import Version, _version
+from opentinker.client.registry_types import Version
+from opentinker.client.registry_wire import version_from_proto as _version
 from opentinker.client.types import (
     AdamParams,
     Datum,

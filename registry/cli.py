@@ -59,11 +59,11 @@ def serve(
     print_config: opt.PrintConfig = False,
 ) -> None:
     """Run the registry gRPC server (embedded Redis unless --redis-url)."""
-    from opentinker.registry.artifacts import ArtifactStore
     from opentinker.registry.embedded_redis import EmbeddedRedis
     from opentinker.registry.service import RegistryServicer
     from opentinker.registry.store import RegistryStore
     from opentinker.rpc.server import ServiceBinding, configure_logging, serve_forever
+    from opentinker.weights.artifact_store import ArtifactStore
 
     configure_logging(log_level)
     embedded = None
@@ -433,9 +433,9 @@ def _publish_import(
 
     from google.protobuf.timestamp_pb2 import Timestamp
 
-    from opentinker.registry.artifacts import ArtifactStore
-    from opentinker.registry.remote import upload_messages
     from opentinker.rpc.progress import byte_progress
+    from opentinker.rpc.registry_link import upload_messages
+    from opentinker.weights.artifact_store import ArtifactStore
     from opentinker.weights.peft import PEFT_FILES
 
     source = str(adapter.directory.resolve())
@@ -499,11 +499,11 @@ def export_adapter(
     import asyncio
     import tempfile
 
-    from opentinker.registry.artifacts import ArtifactStore
     from opentinker.registry.peft_io import PeftFolderError, write_peft_folder
-    from opentinker.registry.remote import fetch_artifact
     from opentinker.rpc.errors import ServiceError
     from opentinker.rpc.progress import spinner
+    from opentinker.rpc.registry_link import fetch_artifact
+    from opentinker.weights.artifact_store import ArtifactStore
 
     if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
         _fail(f"{directory}: exists and is not an empty directory")

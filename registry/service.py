@@ -9,20 +9,32 @@ from __future__ import annotations
 import asyncio
 import fnmatch
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from opentinker.registry.artifacts import ArtifactStore, ArtifactWriter, format_uri, parse_uri
 from opentinker.registry.store import RegistryStore, lora_or_default
 from opentinker.rpc.auth import Principal, current_principal, require_access, require_admin
 from opentinker.rpc.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from opentinker.v1 import common_pb2, registry_pb2, registry_pb2_grpc
+from opentinker.weights.artifact_manifest import BLOCK_SIZE, ArtifactFile, format_uri, parse_uri
+from opentinker.weights.artifact_store import ArtifactStore
+from opentinker.weights.artifact_stream import ArtifactReceiver, StreamViolation, Violation, WriterSink, chunked
+from opentinker.weights.artifact_writer import ArtifactWriter
 from opentinker.weights.names import LATEST, check_adapter_name, check_alias, parse_reference
 from opentinker.weights.peft import MAX_RANK
 
 _EVENT_ID_RE = re.compile(r"^\d+(-\d+)?$")
 _TARGET_RE = re.compile(r"^[a-z_][a-z0-9_.-]{0,127}$")
 MAX_REQUEST_ID = 128
+_ENDED_EARLY = "upload ended before every declared byte arrived"
+_UPLOAD_PROBLEMS: dict[Violation, str] = {
+    "chunk_first": "chunk before manifest",
+    "header_twice": "the manifest must be sent once, first",
+    "no_header": "empty upload: no manifest",
+    "extra_bytes": "more bytes than the manifest declares",
+    "ended_inside": _ENDED_EARLY,
+    "ended_before": _ENDED_EARLY,
+}
 
 Context = Any  # grpc.aio.ServicerContext; untyped in the generated stubs
 
@@ -278,49 +290,31 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         return response
 
     async def UploadArtifact(self, request_iterator: AsyncIterator[Any], context: Context) -> Any:
-        writer: ArtifactWriter | None = None
-        headers: list[registry_pb2.ArtifactFileHeader] = []
-        index = -1
-        remaining = 0
+        writers: list[ArtifactWriter] = []
+
+        def open_sink(files: Sequence[ArtifactFile]) -> WriterSink:
+            if sum(f.size for f in files) > self.max_artifact_bytes:
+                raise InvalidArgument(
+                    f"artifact larger than {self.max_artifact_bytes} bytes", reason="ARTIFACT_TOO_LARGE"
+                )
+            writers.append(self.artifacts.begin())
+            return WriterSink(writers[0])
+
+        receiver = ArtifactReceiver(open_sink)
         try:
-            async for message in request_iterator:
-                kind = message.WhichOneof("message")
-                if kind == "manifest":
-                    if writer is not None:
-                        raise InvalidArgument("the manifest must be sent once, first", reason="INVALID_UPLOAD")
-                    headers = list(message.manifest.files)
-                    if sum(h.size_bytes for h in headers) > self.max_artifact_bytes:
-                        raise InvalidArgument(
-                            f"artifact larger than {self.max_artifact_bytes} bytes",
-                            reason="ARTIFACT_TOO_LARGE",
-                        )
-                    writer = self.artifacts.begin()
-                    index, remaining = -1, 0
-                elif kind == "chunk":
-                    if writer is None:
-                        raise InvalidArgument("chunk before manifest", reason="INVALID_UPLOAD")
-                    data = message.chunk
-                    while data:
-                        while remaining == 0:
-                            index += 1
-                            if index >= len(headers):
-                                raise InvalidArgument("more bytes than the manifest declares", reason="INVALID_UPLOAD")
-                            header = headers[index]
-                            writer.add_file(header.path, header.size_bytes, header.sha256)
-                            remaining = header.size_bytes
-                        take = min(remaining, len(data))
-                        writer.write(data[:take])
-                        data, remaining = data[take:], remaining - take
-            if writer is None:
-                raise InvalidArgument("empty upload: no manifest", reason="INVALID_UPLOAD")
-            while index + 1 < len(headers) and headers[index + 1].size_bytes == 0 and remaining == 0:
-                index += 1
-                writer.add_file(headers[index].path, 0, headers[index].sha256)
-            if remaining or index + 1 != len(headers):
-                raise InvalidArgument("upload ended before every declared byte arrived", reason="INVALID_UPLOAD")
-            ref = await asyncio.to_thread(writer.commit)
+            try:
+                async for message in request_iterator:
+                    kind = message.WhichOneof("message")
+                    if kind == "manifest":
+                        receiver.header([ArtifactFile(h.path, h.sha256, h.size_bytes) for h in message.manifest.files])
+                    elif kind == "chunk":
+                        receiver.chunk(message.chunk)
+                receiver.close()
+            except StreamViolation as violation:
+                raise InvalidArgument(_UPLOAD_PROBLEMS[violation.kind], reason="INVALID_UPLOAD") from None
+            ref = await asyncio.to_thread(writers[0].commit)
         except BaseException:
-            if writer is not None:
+            for writer in writers:
                 writer.abort()
             raise
         return registry_pb2.UploadArtifactResponse(
@@ -340,5 +334,5 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
                 files=[registry_pb2.ArtifactFileHeader(path=f.path, size_bytes=f.size, sha256=f.sha256) for f in files]
             )
         )
-        for _file, chunk in self.artifacts.iter_chunks(uri):
+        for chunk in chunked((chunk for _file, chunk in self.artifacts.iter_chunks(uri)), BLOCK_SIZE):
             yield registry_pb2.DownloadArtifactResponse(chunk=chunk)

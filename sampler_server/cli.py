@@ -103,9 +103,9 @@ def serve(
     import torch
     from prometheus_client import REGISTRY
 
-    from opentinker.registry.artifacts import ArtifactStore
-    from opentinker.registry.remote import registry_channel
+    from opentinker.rpc.channel import bearer_metadata
     from opentinker.rpc.progress import spinner
+    from opentinker.rpc.registry_link import registry_channel
     from opentinker.rpc.server import ServiceBinding, configure_logging, exit_if_unsafe, serve_forever
     from opentinker.sampler_server.adapters import AdapterLoader
     from opentinker.sampler_server.engine import Engine
@@ -119,6 +119,7 @@ def serve(
     from opentinker.sampler_server.service import SamplerServicer
     from opentinker.sampler_server.slot_pool import SlotPool
     from opentinker.v1 import common_pb2, registry_pb2_grpc, sampler_pb2, sampler_pb2_grpc
+    from opentinker.weights.artifact_store import ArtifactStore
     from opentinker.weights.base_model import model_digest, pick_device, resolve_model_dir
     from opentinker.weights.model_config import load_config
 
@@ -181,7 +182,7 @@ def serve(
         hidden_size=config.hidden_size, num_layers=config.num_layers, max_position_embeddings=context, dtype=dtype,
         device=str(torch_device), lora_target_modules=sorted({m.rsplit(".", 1)[-1] for m in shapes}),
     )  # fmt: skip
-    metadata = [("authorization", f"Bearer {registry_token}")] if registry_token else None
+    metadata = bearer_metadata(registry_token) or None
     used_kernel = (
         kernel if kernel != "auto" else ("triton" if torch_device.type == "cuda" and TRITON_AVAILABLE else "segments")
     )

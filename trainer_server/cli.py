@@ -50,10 +50,10 @@ def serve(
     import grpc
     from prometheus_client import REGISTRY
 
-    from opentinker.registry.artifacts import ArtifactStore
-    from opentinker.registry.remote import registry_channel
     from opentinker.rpc import faults
+    from opentinker.rpc.channel import bearer_metadata
     from opentinker.rpc.progress import spinner
+    from opentinker.rpc.registry_link import registry_channel
     from opentinker.rpc.server import ServiceBinding, configure_logging, exit_if_unsafe, serve_forever
     from opentinker.trainer_server.base_model import BaseModel
     from opentinker.trainer_server.metrics import TrainerCollector
@@ -61,6 +61,7 @@ def serve(
     from opentinker.trainer_server.service import TrainerServicer
     from opentinker.trainer_server.trainer import Trainer
     from opentinker.v1 import registry_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+    from opentinker.weights.artifact_store import ArtifactStore
     from opentinker.weights.base_model import pick_device
 
     configure_logging(log_level)
@@ -77,7 +78,7 @@ def serve(
                       spill_dir=spill_dir or store.parent / "trainer-spill")  # fmt: skip
     scheduler = AdapterScheduler()
     REGISTRY.register(TrainerCollector(trainer, scheduler))
-    metadata = [("authorization", f"Bearer {registry_token}")] if registry_token else None
+    metadata = bearer_metadata(registry_token) or None
     state: dict[str, object] = {}
 
     def add(server: grpc.aio.Server) -> None:

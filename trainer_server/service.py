@@ -7,7 +7,6 @@ import asyncio
 from collections.abc import Iterable
 from typing import Any
 
-from opentinker.registry.remote import fetch_artifact, push_artifact, registry_call
 from opentinker.rpc.auth import current_principal, require_access
 from opentinker.rpc.errors import (
     AlreadyExists,
@@ -17,6 +16,7 @@ from opentinker.rpc.errors import (
     ResourceExhausted,
 )
 from opentinker.rpc.faults import fault_point
+from opentinker.rpc.registry_link import fetch_artifact, push_artifact, registry_call
 from opentinker.trainer_server.adapter import AdapterState
 from opentinker.trainer_server.batch import build_batch
 from opentinker.trainer_server.losses import LOSS_FNS, resolve_config

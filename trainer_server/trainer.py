@@ -23,7 +23,6 @@ from safetensors import safe_open
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from opentinker.registry.artifacts import ArtifactRef, ArtifactStore
 from opentinker.rpc import faults
 from opentinker.rpc.errors import AlreadyExists, DataLoss, FailedPrecondition, InvalidArgument, NotFound
 from opentinker.trainer_server.adapter import AdapterState, Ledger, adam_or_default, new_adapter
@@ -31,6 +30,8 @@ from opentinker.trainer_server.base_model import BaseModel
 from opentinker.trainer_server.batch import Batch
 from opentinker.trainer_server.losses import compute_loss
 from opentinker.v1 import common_pb2, registry_pb2
+from opentinker.weights.artifact_manifest import ArtifactRef
+from opentinker.weights.artifact_store import ArtifactStore
 from opentinker.weights.peft import (
     CONFIG_FILE,
     MAX_RANK,

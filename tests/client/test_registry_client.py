@@ -27,6 +27,7 @@ from opentinker.client import (
     Version,
 )
 from opentinker.client import registry_client as registry_client_module
+from opentinker.client import registry_transfer as registry_transfer_module
 from opentinker.v1 import registry_pb2
 
 
@@ -328,7 +329,7 @@ def test_download_verifies_each_file(tmp_path: Path) -> None:
         registry_pb2.ArtifactFileHeader(path="a.json", size_bytes=len(good), sha256=hashlib.sha256(good).hexdigest()),
         registry_pb2.ArtifactFileHeader(path="b.bin", size_bytes=len(bad), sha256=hashlib.sha256(good).hexdigest()),
     ]
-    sink = registry_client_module._DownloadSink(tmp_path, headers)
+    sink = registry_transfer_module._DownloadSink(tmp_path, headers)
     with pytest.raises(OpenTinkerError) as caught:
         sink.feed(good + bad)
     sink.abort()
@@ -337,7 +338,7 @@ def test_download_verifies_each_file(tmp_path: Path) -> None:
     assert read_tree(tmp_path) == {"a.json": good}  # the wrong file never lands under its name
 
     with pytest.raises(OpenTinkerError) as escape:
-        registry_client_module._DownloadSink(tmp_path, [registry_pb2.ArtifactFileHeader(path="../x")])
+        registry_transfer_module._DownloadSink(tmp_path, [registry_pb2.ArtifactFileHeader(path="../x")])
     assert escape.value.code == grpc.StatusCode.DATA_LOSS
 
 
@@ -380,14 +381,14 @@ def test_upload_reports_local_read_errors(
     # gRPC reads the request iterator on its own thread and would report only UNKNOWN; the SDK must
     # surface the real cause (here: a file that vanished between hashing and sending).
     source = write_files(tmp_path / "src", artifact_files(next(_seed)))
-    real = registry_client_module._upload_requests
+    real = registry_transfer_module._upload_requests
 
     def vanishing(
-        files: list[registry_client_module._LocalFile],
+        files: list[registry_transfer_module._LocalFile],
     ) -> Iterator[registry_pb2.UploadArtifactRequest]:
         (source / "adapter_model.safetensors").unlink()
         yield from real(files)
 
-    monkeypatch.setattr(registry_client_module, "_upload_requests", vanishing)
+    monkeypatch.setattr(registry_transfer_module, "_upload_requests", vanishing)
     with pytest.raises(FileNotFoundError):
         client.upload_artifact(source)

@@ -19,15 +19,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from opentinker.registry.artifacts import (
+from opentinker.rpc.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound
+from opentinker.weights.artifact_manifest import (
     MANIFEST_NAME,
     ArtifactFile,
     ArtifactRef,
-    ArtifactStore,
     check_artifact_path,
     parse_uri,
 )
-from opentinker.rpc.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound
+from opentinker.weights.artifact_store import ArtifactStore
 
 CONFIG = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
 
@@ -477,7 +477,7 @@ CRASHING_WRITER = textwrap.dedent(
     """
     import os, signal, sys
     from pathlib import Path
-    from opentinker.registry.artifacts import ArtifactStore
+    from opentinker.weights.artifact_store import ArtifactStore
 
     def hook(point: str) -> None:
         if point == sys.argv[2]:

@@ -18,9 +18,9 @@ from faultutil import SOAK, Publisher, publish_burst
 from registryutil import create_adapter, unique_name
 from serverproc import ServerProcess, registry_store, start_registry
 
-from opentinker.registry.artifacts import ArtifactStore
 from opentinker.registry.embedded_redis import EmbeddedRedis
 from opentinker.v1 import registry_pb2, registry_pb2_grpc
+from opentinker.weights.artifact_store import ArtifactStore
 
 CLIENTS = 8
 PUBLISHES = 25 if SOAK else 6  # per client

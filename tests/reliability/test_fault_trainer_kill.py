@@ -23,9 +23,9 @@ from samplerutil import snapshot
 from serverproc import ServerProcess, registry_store, start_registry
 from trainerutil import assert_same_training, create, get_adapter, lora, read_state, save_state, sft_batch, train_step
 
-from opentinker.registry.artifacts import ArtifactStore
 from opentinker.rpc.faults import ENV_VAR
 from opentinker.v1 import common_pb2, registry_pb2, registry_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+from opentinker.weights.artifact_store import ArtifactStore
 
 SEED = 7
 CONFIG = lora(rank=4, alpha=8.0, dropout=0.1)  # dropout: the adapter's RNG must resume too

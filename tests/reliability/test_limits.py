@@ -13,10 +13,10 @@ import pytest
 from registryutil import artifact_files, upload
 from serverproc import ServerProcess, registry_store, start_registry
 
-from opentinker.registry.artifacts import ArtifactStore
 from opentinker.rpc.errors import DataLoss, InvalidArgument, NotFound, error_info
 from opentinker.rpc.server import MAX_MESSAGE_BYTES
 from opentinker.v1 import registry_pb2, registry_pb2_grpc
+from opentinker.weights.artifact_store import ArtifactStore
 
 MiB = 1 << 20
 ESCAPES = ["../x", "../../x", "a/../../x", "/x", "/etc/passwd", "sha256/../../x", "..", "./x", "a/./../x", "a\\..\\x"]

@@ -16,7 +16,6 @@ import torch
 from safetensors.torch import save
 from samplerutil import wait_until
 
-from opentinker.registry.artifacts import ArtifactStore
 from opentinker.rpc.errors import ResourceExhausted
 from opentinker.sampler_server.adapters import AdapterLoader, Resolved
 from opentinker.sampler_server.engine import Engine
@@ -25,6 +24,7 @@ from opentinker.sampler_server.model.llama import LlamaForCausalLM
 from opentinker.sampler_server.scheduler import Scheduler
 from opentinker.sampler_server.slot_pool import SlotPool
 from opentinker.v1 import common_pb2, registry_pb2
+from opentinker.weights.artifact_store import ArtifactStore
 
 CPU = torch.device("cpu")
 Q0 = "model.layers.0.self_attn.q_proj"

@@ -15,12 +15,23 @@ from typing import Any, TypeVar
 
 import grpc
 
-from opentinker.registry.artifacts import ArtifactStore
-from opentinker.rpc.errors import ServiceError, Unavailable, error_info
+from opentinker.rpc.channel import open_aio_channel
+from opentinker.rpc.errors import DataLoss, ServiceError, Unavailable, error_info
 from opentinker.v1 import registry_pb2, registry_pb2_grpc
+from opentinker.weights.artifact_manifest import ArtifactFile
+from opentinker.weights.artifact_store import ArtifactStore
+from opentinker.weights.artifact_stream import ArtifactReceiver, StreamViolation, Violation, WriterSink, chunked
 
 CHUNK = 1 << 20
 Metadata = list[tuple[str, str]] | None
+_FETCH_PROBLEMS: dict[Violation, str] = {
+    "chunk_first": "bytes before the manifest",
+    "header_twice": "a second manifest",
+    "no_header": "no manifest",
+    "extra_bytes": "more bytes than the manifest declares",
+    "ended_inside": "the stream ended inside a file",
+    "ended_before": "the stream ended before a file",
+}
 T = TypeVar("T")
 
 _BY_CODE: dict[grpc.StatusCode, type[ServiceError]] = {cls.code: cls for cls in ServiceError.__subclasses__()}
@@ -39,9 +50,7 @@ def registry_error(exc: grpc.aio.AioRpcError) -> ServiceError:
 
 def registry_channel(address: str, ca: Path | None) -> grpc.aio.Channel:
     """A channel to the registry (open it inside the server's event loop): TLS verified against `ca` when given."""
-    if ca is None:
-        return grpc.aio.insecure_channel(address)
-    return grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=ca.read_bytes()))
+    return open_aio_channel(address, ca)
 
 
 async def registry_call(call: Awaitable[T]) -> T:
@@ -54,43 +63,41 @@ async def registry_call(call: Awaitable[T]) -> T:
 async def fetch_artifact(
     registry: registry_pb2_grpc.RegistryServiceStub, store: ArtifactStore, uri: str, metadata: Metadata
 ) -> None:
-    """Downloads uri into store unless it is already there (then nothing moves)."""
+    """Downloads uri into store unless it is already there (then nothing moves). A stream that breaks its
+    protocol (bytes past the declared files, a short file, no manifest first) is DataLoss(DIGEST_MISMATCH),
+    like a file whose digest is wrong."""
     if await asyncio.to_thread(store.exists, uri):
         return
     writer = store.begin()
+    receiver = ArtifactReceiver(lambda files: WriterSink(writer))
     try:
-        headers: list[registry_pb2.ArtifactFileHeader] = []
-        index, remaining = -1, 0
         stream: AsyncIterator[Any] = registry.DownloadArtifact(
             registry_pb2.DownloadArtifactRequest(artifact_uri=uri), metadata=metadata
         )
-        async for message in _stream(stream):
-            if message.WhichOneof("message") == "manifest":
-                headers = list(message.manifest.files)
-                continue
-            data: bytes = message.chunk
-            while data:
-                while remaining == 0:  # next file (skipping empty ones)
-                    index += 1
-                    writer.add_file(headers[index].path, headers[index].size_bytes, headers[index].sha256)
-                    remaining = headers[index].size_bytes
-                take = min(remaining, len(data))
-                writer.write(data[:take])
-                data, remaining = data[take:], remaining - take
-        for header in headers[index + 1 :]:  # trailing empty files carry no chunk
-            writer.add_file(header.path, header.size_bytes, header.sha256)
+        try:
+            async for message in _stream(stream):
+                if message.WhichOneof("message") == "manifest":
+                    receiver.header([ArtifactFile(h.path, h.sha256, h.size_bytes) for h in message.manifest.files])
+                else:
+                    receiver.chunk(message.chunk)
+            receiver.close()
+        except StreamViolation as violation:
+            where = {"path": violation.path} if violation.path else {}
+            raise DataLoss(
+                f"download of {uri}: {_FETCH_PROBLEMS[violation.kind]}", reason="DIGEST_MISMATCH", uri=uri, **where
+            ) from None
         await asyncio.to_thread(writer.commit)
     finally:
         writer.abort()
 
 
 def upload_messages(store: ArtifactStore, uri: str) -> Iterator[registry_pb2.UploadArtifactRequest]:
+    """The manifest, then the files' bytes (verified while they stream) in chunks of CHUNK."""
     files = store.manifest(uri)
     headers = [registry_pb2.ArtifactFileHeader(path=f.path, size_bytes=f.size, sha256=f.sha256) for f in files]
     yield registry_pb2.UploadArtifactRequest(manifest=registry_pb2.ArtifactManifest(files=headers))
-    for _file, chunk in store.iter_chunks(uri, CHUNK):
-        if chunk:
-            yield registry_pb2.UploadArtifactRequest(chunk=chunk)
+    for chunk in chunked((chunk for _file, chunk in store.iter_chunks(uri, CHUNK)), CHUNK):
+        yield registry_pb2.UploadArtifactRequest(chunk=chunk)
 
 
 async def push_artifact(
