@@ -15,12 +15,12 @@ from typing import Any
 
 from opentinker.rpc.auth import current_principal
 from opentinker.rpc.errors import Internal, InvalidArgument, NotFound, ResourceExhausted
+from opentinker.rpc.model_input import tokens_of
 from opentinker.sampler_server.adapters import AdapterLoader, Resolved
 from opentinker.sampler_server.engine import Engine, SequenceUpdate
 from opentinker.sampler_server.engine_process import EngineProcess
 from opentinker.sampler_server.follower import AliasFollower
 from opentinker.sampler_server.sequence import SamplingParams, Sequence
-from opentinker.trainer_server.batch import tokens_of
 from opentinker.v1 import common_pb2, sampler_pb2, sampler_pb2_grpc
 
 Context = Any  # grpc.aio.ServicerContext; untyped in the generated stubs
