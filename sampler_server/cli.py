@@ -114,7 +114,8 @@ def serve(
     from opentinker.sampler_server.kernels import TRITON_AVAILABLE, Backend
     from opentinker.sampler_server.metrics import SamplerCollector
     from opentinker.sampler_server.model.kv_cache import KVCache
-    from opentinker.sampler_server.model.llama import LlamaForCausalLM, linear_shapes
+    from opentinker.sampler_server.model.llama import LlamaForCausalLM
+    from opentinker.sampler_server.model.weights import linear_shapes
     from opentinker.sampler_server.scheduler import Scheduler
     from opentinker.sampler_server.service import SamplerServicer
     from opentinker.sampler_server.slot_pool import SlotPool

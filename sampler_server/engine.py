@@ -36,8 +36,9 @@ import torch
 
 from opentinker.sampler_server.kernels import Backend, add_lora
 from opentinker.sampler_server.kernels.segments import add_lora_runs, plan_runs, plan_segments
+from opentinker.sampler_server.model.batch import ForwardBatch
 from opentinker.sampler_server.model.kv_cache import KVCache
-from opentinker.sampler_server.model.llama import ForwardBatch, LlamaForCausalLM
+from opentinker.sampler_server.model.llama import LlamaForCausalLM
 from opentinker.sampler_server.sampling import sample
 from opentinker.sampler_server.scheduler import ScheduledBatch, Scheduler
 from opentinker.sampler_server.sequence import Sequence
