@@ -111,7 +111,7 @@ def serve(
     from opentinker.sampler_server.engine import Engine
     from opentinker.sampler_server.engine_process import EngineProcess
     from opentinker.sampler_server.follower import AliasFollower
-    from opentinker.sampler_server.kernels import TRITON_AVAILABLE, Backend
+    from opentinker.sampler_server.kernels import Backend, resolve_kernel
     from opentinker.sampler_server.metrics import SamplerCollector
     from opentinker.sampler_server.model.kv_cache import KVCache
     from opentinker.sampler_server.model.llama import LlamaForCausalLM
@@ -141,6 +141,7 @@ def serve(
         raise typer.BadParameter("kernel must be auto, segments, reference or triton", param_hint="--kernel")
     torch_device = torch.device(pick_device(device))
     torch_dtype = torch.float32 if dtype == "float32" else torch.bfloat16
+    lora_kernel = resolve_kernel(backends[kernel], torch_device.type)  # the engine runs it, GetSamplerInfo reports it
     model_dir = resolve_model_dir(model)
     config = load_config(model_dir)
     context = max_len or min(config.max_position_embeddings, 4096)
@@ -161,7 +162,7 @@ def serve(
         cache = KVCache(config, max_seqs + 1, context, torch_device, torch_dtype)  # + one slot for ComputeLogprobs
         return Engine(runner, cache, pool.tensors, Scheduler(max_seqs=max_seqs, max_batch_tokens=max_batch_tokens),
                       release=release, max_len=context, eos_token_ids=config.eos_token_ids,
-                      tokenizer=tokenizer, kernel=backends[kernel], score_slot=max_seqs,
+                      tokenizer=tokenizer, kernel=lora_kernel, score_slot=max_seqs,
                       burst_wait=burst_wait_ms / 1000, on_iteration=on_iteration)  # fmt: skip
 
     engine: Engine | EngineProcess
@@ -183,9 +184,6 @@ def serve(
         device=str(torch_device), lora_target_modules=sorted({m.rsplit(".", 1)[-1] for m in shapes}),
     )  # fmt: skip
     metadata = [("authorization", f"Bearer {registry_token}")] if registry_token else None
-    used_kernel = (
-        kernel if kernel != "auto" else ("triton" if torch_device.type == "cuda" and TRITON_AVAILABLE else "segments")
-    )
     state: dict[str, object] = {}
 
     def add(server: grpc.aio.Server) -> None:
@@ -199,7 +197,7 @@ def serve(
         state["follower"] = follower
         follower.start()
         servicer = SamplerServicer(engine, loader, info=info, tokenizer=tokenizer, max_waiting=max_waiting,
-                                   lora_kernel=used_kernel, follower=follower)  # fmt: skip
+                                   follower=follower)  # fmt: skip
         sampler_pb2_grpc.add_SamplerServiceServicer_to_server(servicer, server)
         if isinstance(engine, EngineProcess):
             engine.on_exit = functools.partial(os.kill, os.getpid(), signal.SIGTERM)  # stop serving; see module doc

@@ -100,7 +100,6 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
         info: common_pb2.BaseModelInfo,
         tokenizer: Any | None,
         max_waiting: int,
-        lora_kernel: str,
         follower: AliasFollower | None = None,
     ) -> None:
         self.engine = engine
@@ -109,7 +108,6 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
         self.info = info
         self.tokenizer = tokenizer
         self.max_waiting = max_waiting
-        self.lora_kernel = lora_kernel
         self.follower = follower
         self._seq_ids = iter(range(1, 1 << 62))
         self._mailbox: Mailbox | None = None
@@ -139,7 +137,7 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
         return sampler_pb2.GetSamplerInfoResponse(
             base_model=self.info, max_slots=pool.capacity, max_rank=pool.max_rank,
             max_seqs=self.engine.max_seqs, max_batch_tokens=self.engine.max_batch_tokens,
-            lora_kernel=self.lora_kernel,
+            lora_kernel=self.engine.kernel,  # the kernel the engine runs, not a second guess at it
         )  # fmt: skip
 
     async def Sample(self, request: sampler_pb2.SampleRequest, context: Context) -> AsyncIterator[Any]:
