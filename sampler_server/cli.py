@@ -109,6 +109,7 @@ def serve(
     from opentinker.rpc.server import ServiceBinding, configure_logging, exit_if_unsafe, serve_forever
     from opentinker.sampler_server.adapters import AdapterLoader
     from opentinker.sampler_server.engine import Engine
+    from opentinker.sampler_server.engine_api import EngineAPI
     from opentinker.sampler_server.engine_process import EngineProcess
     from opentinker.sampler_server.follower import AliasFollower
     from opentinker.sampler_server.kernels import Backend, resolve_kernel
@@ -165,7 +166,7 @@ def serve(
                       tokenizer=tokenizer, kernel=lora_kernel, score_slot=max_seqs,
                       burst_wait=burst_wait_ms / 1000, on_iteration=on_iteration)  # fmt: skip
 
-    engine: Engine | EngineProcess
+    engine: EngineAPI
     if not in_process:
         # Forked first, while this process has no other thread (the spinner below starts one).
         engine = EngineProcess(build_engine, pool, max_len=context, max_seqs=max_seqs,

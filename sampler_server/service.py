@@ -17,8 +17,8 @@ from opentinker.rpc.auth import current_principal
 from opentinker.rpc.errors import Internal, InvalidArgument, NotFound, ResourceExhausted
 from opentinker.rpc.model_input import tokens_of
 from opentinker.sampler_server.adapters import AdapterLoader, Resolved
-from opentinker.sampler_server.engine import Engine, SequenceUpdate
-from opentinker.sampler_server.engine_process import EngineProcess
+from opentinker.sampler_server.engine import SequenceUpdate
+from opentinker.sampler_server.engine_api import EngineAPI
 from opentinker.sampler_server.follower import AliasFollower
 from opentinker.sampler_server.sequence import SamplingParams, Sequence
 from opentinker.v1 import common_pb2, sampler_pb2, sampler_pb2_grpc
@@ -94,7 +94,7 @@ class Mailbox:
 class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
     def __init__(
         self,
-        engine: Engine | EngineProcess,
+        engine: EngineAPI,
         loader: AdapterLoader,
         *,
         info: common_pb2.BaseModelInfo,
