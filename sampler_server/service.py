@@ -273,9 +273,10 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
             tokens_generated=engine.stats.tokens_generated,
             decode_tokens_per_second=engine.stats.tokens_per_second(),
             kv_cache_usage=engine.num_running / max(engine.max_seqs, 1),
-            reloads_total=self.loader.loads, reload_failures_total=self.loader.load_failures,
+            adapter_loads_total=self.loader.loads, reload_failures_total=self.loader.load_failures,
         )  # fmt: skip
         if follower is not None:
+            stats.reloads_total = follower.reloads_total
             stats.last_event_id = follower.last_event_id
             stats.recent_reloads.extend(r for r in follower.recent if current_principal().can_access(r.adapter))
         return stats
