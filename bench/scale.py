@@ -112,7 +112,7 @@ async def windows(stack: Stack, setup: Setup, make: dict[str, Callable[[int], sa
     for pair in range(setup.pairs):
         for name in names if pair % 2 == 0 else names[::-1]:
             address = stack.samplers[name].address
-            loads_before = stats(address).reloads_total
+            loads_before = stats(address).adapter_loads_total
             channel, stub = aio_stub(address)
             stop = asyncio.Event()
             start = time.monotonic()
@@ -125,7 +125,7 @@ async def windows(stack: Stack, setup: Setup, make: dict[str, Callable[[int], sa
             result.rates[name].append(tokens_between(streams, start, end) / (end - start))
             result.requests[name] += len(streams)
             result.failed[name] += sum(1 for s in streams if s.error)
-            result.loads[name] += stats(address).reloads_total - loads_before
+            result.loads[name] += stats(address).adapter_loads_total - loads_before
     return result
 
 

@@ -79,7 +79,7 @@ def _sampler(channel: grpc.Channel, metadata: Any) -> Table:
     title = (
         f"sampler: slots {stats.slots_used}/{stats.slots_total}, running {stats.running_requests}, waiting "
         f"{stats.waiting_requests}/{stats.max_waiting}, {stats.decode_tokens_per_second:.1f} tokens/s, "
-        f"{stats.reloads_total} loads ({stats.reload_failures_total} failed)"
+        f"{stats.adapter_loads_total} loads ({stats.reload_failures_total} failed)"
     )
     table = Table("slot", "version", "serving", "rank", "requests", "pinned", title=title)
     for adapter in loaded.adapters:

@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import functools
-import logging
-import os
-import signal
 import sys
-from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, cast
 
 import typer
 
@@ -17,18 +12,7 @@ from opentinker.rpc import cli_options as opt
 from opentinker.rpc.config import serve_command
 
 DEFAULT_PORT = 7072
-log = logging.getLogger("opentinker.sampler")
 sampler_app = typer.Typer(no_args_is_help=True)
-
-
-def load_tokenizer(model_dir: Path) -> Any | None:
-    """The model's tokenizer, or None when it has none (token-only serving)."""
-    try:
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(model_dir)
-    except (OSError, ValueError):
-        return None
 
 
 @sampler_app.command("serve", cls=serve_command("sampler"))
@@ -99,29 +83,9 @@ def serve(
     # interval a burst of arriving RPCs holds back the first prefill (bench/streaming.py: time-to-first-token
     # overhead +30 -> +16 ms at 0.5 ms, wall unchanged).
     sys.setswitchinterval(0.0005)
-    import grpc
-    import torch
-    from prometheus_client import REGISTRY
-
-    from opentinker.rpc.channel import bearer_metadata
-    from opentinker.rpc.progress import spinner
-    from opentinker.rpc.registry_link import registry_channel
-    from opentinker.rpc.server import ServiceBinding, configure_logging, exit_if_unsafe, serve_forever
-    from opentinker.sampler_server.adapters import AdapterLoader
-    from opentinker.sampler_server.engine import Engine
-    from opentinker.sampler_server.engine_process import EngineProcess
-    from opentinker.sampler_server.follower import AliasFollower
-    from opentinker.sampler_server.kernels import TRITON_AVAILABLE, Backend
-    from opentinker.sampler_server.metrics import SamplerCollector
-    from opentinker.sampler_server.model.kv_cache import KVCache
-    from opentinker.sampler_server.model.llama import LlamaForCausalLM, linear_shapes
-    from opentinker.sampler_server.scheduler import Scheduler
-    from opentinker.sampler_server.service import SamplerServicer
-    from opentinker.sampler_server.slot_pool import SlotPool
-    from opentinker.v1 import common_pb2, registry_pb2_grpc, sampler_pb2, sampler_pb2_grpc
-    from opentinker.weights.artifact_store import ArtifactStore
-    from opentinker.weights.base_model import model_digest, pick_device, resolve_model_dir
-    from opentinker.weights.model_config import load_config
+    from opentinker.rpc.server import configure_logging, exit_if_unsafe
+    from opentinker.sampler_server.build import BadOption, CpuGemm, Dtype, SamplerConfig, serve_sampler
+    from opentinker.sampler_server.kernels import Backend
 
     configure_logging(log_level)
     # Refuse an unsafe exposure before loading the model, not after.
@@ -129,98 +93,24 @@ def serve(
     exit_if_unsafe("sampler", exposure)
     if dtype not in ("float32", "bfloat16"):
         raise typer.BadParameter("dtype must be float32 or bfloat16", param_hint="--dtype")
-    backends: dict[str, Backend] = {
-        "auto": "auto",
-        "segments": "segments",
-        "reference": "reference",
-        "triton": "triton",
-    }
     if cpu_gemm not in ("onednn", "torch"):
         raise typer.BadParameter("cpu-gemm must be onednn or torch", param_hint="--cpu-gemm")
-    if kernel not in backends:
+    if kernel not in ("auto", "segments", "reference", "triton"):
         raise typer.BadParameter("kernel must be auto, segments, reference or triton", param_hint="--kernel")
-    torch_device = torch.device(pick_device(device))
-    torch_dtype = torch.float32 if dtype == "float32" else torch.bfloat16
-    model_dir = resolve_model_dir(model)
-    config = load_config(model_dir)
-    context = max_len or min(config.max_position_embeddings, 4096)
-    shapes = linear_shapes(config)
-    if engine_process and torch_device.type != "cpu":
-        raise typer.BadParameter("the engine process shares its adapter slots in CPU memory; on CUDA the engine "
-                                 "runs in the server process", param_hint="--engine-process")  # fmt: skip
-    in_process = not (engine_process if engine_process is not None else torch_device.type == "cpu")
-    tokenizer = load_tokenizer(model_dir)  # loading starts no thread; a forked engine process inherits it
-    # Nothing in this process runs a torch op before the engine process is forked (see SlotPool's `shared`).
-    pool = SlotPool(shapes, max_slots=max_slots, max_rank=max_rank, device=torch_device, shared=not in_process)
-
-    def build_engine(release: Callable[[int], None], on_iteration: Callable[[], None] | None) -> Engine:
-        runner = LlamaForCausalLM.from_pretrained(model_dir, device=torch_device, dtype=torch_dtype)
-        packed = cpu_gemm == "onednn" and runner.pack_for_cpu()
-        if torch_device.type == "cpu" and torch_dtype == torch.float32:
-            log.info("base matmuls: %s", "oneDNN packed weights" if packed else "torch dense weights")
-        cache = KVCache(config, max_seqs + 1, context, torch_device, torch_dtype)  # + one slot for ComputeLogprobs
-        return Engine(runner, cache, pool.tensors, Scheduler(max_seqs=max_seqs, max_batch_tokens=max_batch_tokens),
-                      release=release, max_len=context, eos_token_ids=config.eos_token_ids,
-                      tokenizer=tokenizer, kernel=backends[kernel], score_slot=max_seqs,
-                      burst_wait=burst_wait_ms / 1000, on_iteration=on_iteration)  # fmt: skip
-
-    engine: Engine | EngineProcess
-    if not in_process:
-        # Forked first, while this process has no other thread (the spinner below starts one).
-        engine = EngineProcess(build_engine, pool, max_len=context, max_seqs=max_seqs,
-                               max_batch_tokens=max_batch_tokens, device=torch_device)  # fmt: skip
-        with spinner(f"loading {model} on {torch_device} in the engine process"):
-            engine.wait_ready()
-    else:
-        with spinner(f"loading {model} on {torch_device}"):
-            engine = build_engine(pool.release, None)
-    artifacts = ArtifactStore(store)
-    artifacts.cleanup_temp()
-    digest = model_digest(model_dir)
-    info = common_pb2.BaseModelInfo(
-        model=model, model_digest=digest, architecture=config.arch, vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size, num_layers=config.num_layers, max_position_embeddings=context, dtype=dtype,
-        device=str(torch_device), lora_target_modules=sorted({m.rsplit(".", 1)[-1] for m in shapes}),
-    )  # fmt: skip
-    metadata = bearer_metadata(registry_token) or None
-    used_kernel = (
-        kernel if kernel != "auto" else ("triton" if torch_device.type == "cuda" and TRITON_AVAILABLE else "segments")
-    )
-    state: dict[str, object] = {}
-
-    def add(server: grpc.aio.Server) -> None:
-        channel = registry_channel(registry, registry_ca)  # inside the server's event loop
-        state["channel"] = channel
-        loader = AdapterLoader(pool, artifacts, registry_pb2_grpc.RegistryServiceStub(channel), metadata=metadata,
-                               model_digest=digest)  # fmt: skip
-        follower = AliasFollower(registry_pb2_grpc.RegistryServiceStub(channel), loader, follow=follow or [],
-                                 follow_window=follow_window, metadata=metadata)  # fmt: skip
-        loader.follower = follower
-        state["follower"] = follower
-        follower.start()
-        servicer = SamplerServicer(engine, loader, info=info, tokenizer=tokenizer, max_waiting=max_waiting,
-                                   lora_kernel=used_kernel, follower=follower)  # fmt: skip
-        sampler_pb2_grpc.add_SamplerServiceServicer_to_server(servicer, server)
-        if isinstance(engine, EngineProcess):
-            engine.on_exit = functools.partial(os.kill, os.getpid(), signal.SIGTERM)  # stop serving; see module doc
-        engine.start()
-        REGISTRY.register(SamplerCollector(engine, loader))
-
-    async def on_stop() -> None:
-        follower = state.get("follower")
-        if isinstance(follower, AliasFollower):
-            await follower.stop()
-        engine.stop()
-        channel = state.get("channel")
-        if isinstance(channel, grpc.aio.Channel):
-            await channel.close()
-
-    binding = ServiceBinding(sampler_pb2.DESCRIPTOR.services_by_name["SamplerService"].full_name, add)
     options = opt.server_options(host, port, metrics_port, tokens_file, insecure_public, tls_cert, tls_key, ready_file,
                                  max_message_mb)  # fmt: skip
-    serve_forever("sampler", [binding], options, on_stop=on_stop)
-    if isinstance(engine, EngineProcess) and engine.died:
-        raise SystemExit(1)  # stopped because the engine process died: a supervisor should restart this server
+    config = SamplerConfig(
+        model=model, registry=registry, store=store, server=options, registry_token=registry_token,
+        registry_ca=registry_ca, device=device, dtype=cast("Dtype", dtype), max_slots=max_slots,
+        max_rank=max_rank, max_seqs=max_seqs, max_batch_tokens=max_batch_tokens, max_len=max_len,
+        max_waiting=max_waiting, burst_wait_ms=burst_wait_ms, kernel=cast("Backend", kernel),
+        cpu_gemm=cast("CpuGemm", cpu_gemm), engine_process=engine_process, follow=tuple(follow or ()),
+        follow_window=follow_window,
+    )  # fmt: skip
+    try:
+        serve_sampler(config)
+    except BadOption as exc:
+        raise typer.BadParameter(str(exc), param_hint=exc.option) from None
 
 
 def sample_command(

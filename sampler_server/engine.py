@@ -34,10 +34,11 @@ from typing import Any
 
 import torch
 
-from opentinker.sampler_server.kernels import Backend, add_lora
+from opentinker.sampler_server.kernels import Backend, Kernel, add_lora, resolve_kernel
 from opentinker.sampler_server.kernels.segments import add_lora_runs, plan_runs, plan_segments
+from opentinker.sampler_server.model.batch import ForwardBatch
 from opentinker.sampler_server.model.kv_cache import KVCache
-from opentinker.sampler_server.model.llama import ForwardBatch, LlamaForCausalLM
+from opentinker.sampler_server.model.llama import LlamaForCausalLM
 from opentinker.sampler_server.sampling import sample
 from opentinker.sampler_server.scheduler import ScheduledBatch, Scheduler
 from opentinker.sampler_server.sequence import Sequence
@@ -124,7 +125,7 @@ class Engine:
         self.max_len = max_len
         self.eos_token_ids = set(eos_token_ids)
         self.tokenizer = tokenizer
-        self.kernel = kernel
+        self.kernel: Kernel = resolve_kernel(kernel, cache.device.type)  # the server passes it resolved already
         self.score_slot = score_slot  # a KV slot kept for ComputeLogprobs
         self.burst_wait = burst_wait  # seconds without a new request that end a burst; the whole wait is at most 10x
         self.on_iteration = on_iteration  # called on the engine thread after each round of inbox + step
@@ -349,7 +350,7 @@ class Engine:
         if not any(token_slots):
             return None  # base-model-only batch: no LoRA work at all
         lora, ranks, kernel = self.lora, self.lora.ranks.tolist(), self.kernel
-        if kernel == "segments" or (kernel == "auto" and self.device.type != "cuda"):
+        if kernel == "segments":  # its planned form: rows are ordered by slot, the plan serves every projection
             segments = plan_segments(token_slots, ranks, lora.scaling.tolist())
             runs = plan_runs(segments, lora.scaling)
 

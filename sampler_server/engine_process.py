@@ -39,6 +39,7 @@ import torch
 
 from opentinker.rpc.process import die_with_parent
 from opentinker.sampler_server.engine import Engine, EngineStats, SequenceUpdate, UpdateCallback
+from opentinker.sampler_server.kernels import Kernel
 from opentinker.sampler_server.sequence import Sequence
 from opentinker.sampler_server.slot_pool import SlotPool
 
@@ -109,7 +110,7 @@ def _engine_main(conn: Connection, build: EngineBuilder, server_pid: int) -> Non
         conn.send(("failed", f"{type(exc).__name__}: {exc}"))
         return
     outbox.engine = engine
-    conn.send(("ready", None))
+    conn.send(("ready", engine.kernel))  # the LoRA kernel it runs, which the server reports
     engine.start()
     while True:
         try:
@@ -186,6 +187,7 @@ class EngineProcess:
         self.died = False  # the engine process exited while the server still served
         self._exit_code: int | None = None
         self.on_exit: Callable[[], None] | None = None  # called (reader thread) if the engine process dies
+        self._kernel: Kernel | None = None  # the engine's, sent when it is ready
 
     def wait_ready(self) -> None:
         """Until the engine process has built its engine (model, KV cache); raises if it could not."""
@@ -196,6 +198,14 @@ class EngineProcess:
         if status[0] != "ready":
             os.waitpid(self.pid, 0)
             raise SystemExit(f"opentinker sampler: the engine process failed to start: {status[1]}")
+        self._kernel = status[1]
+
+    @property
+    def kernel(self) -> Kernel:
+        """The LoRA kernel the engine process runs (known once wait_ready() returned)."""
+        if self._kernel is None:
+            raise RuntimeError("the engine process is not ready yet: call wait_ready()")
+        return self._kernel
 
     # The Engine interface the service uses
 

@@ -78,9 +78,7 @@ class AliasFollower:
         self.last_event_id = ""
         self.traffic: dict[str, float] = {}  # adapter -> monotonic time of its last request
         self.recent: collections.deque[sampler_pb2.ReloadRecord] = collections.deque(maxlen=256)
-        self.reloads_total = 0
-        self.reload_failures = 0
-        self.connected = asyncio.Event()
+        self.reloads_total = 0  # hot reloads served (GetStats.reloads_total)
         self._tasks: dict[tuple[str, str], asyncio.Task[None]] = {}
         self._runner: asyncio.Task[None] | None = None
 
@@ -126,7 +124,6 @@ class AliasFollower:
             )
             try:
                 async for message in self.registry.WatchEvents(request, metadata=self.metadata):
-                    self.connected.set()
                     backoff = 0.1
                     if message.HasField("reconcile"):
                         self._reconcile(message.reconcile)
@@ -134,7 +131,6 @@ class AliasFollower:
                         self._event(message.event)
             except grpc.aio.AioRpcError as exc:
                 log.warning("registry watch interrupted (%s); resuming after %s", exc.code().name, self.last_event_id)
-            self.connected.clear()
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self.max_backoff)
 
@@ -219,5 +215,4 @@ class AliasFollower:
             if target.event_time:
                 RELOAD_SECONDS.observe(latency)
         else:
-            self.reload_failures += 1
             RELOADS.labels("failed").inc()

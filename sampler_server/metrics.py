@@ -9,34 +9,14 @@ from typing import Protocol
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from opentinker.sampler_server.engine_api import EngineAPI
+
 
 class _Pool(Protocol):
     @property
     def capacity(self) -> int: ...
 
     def used(self) -> int: ...
-
-
-class _Stats(Protocol):
-    @property
-    def tokens_generated(self) -> int: ...
-
-    @property
-    def prompt_tokens_computed(self) -> int: ...
-
-    @property
-    def prompt_tokens_shared(self) -> int: ...
-
-
-class _Engine(Protocol):
-    @property
-    def num_running(self) -> int: ...
-
-    @property
-    def num_waiting(self) -> int: ...
-
-    @property
-    def stats(self) -> _Stats: ...
 
 
 class _Loader(Protocol):
@@ -51,7 +31,7 @@ class _Loader(Protocol):
 
 
 class SamplerCollector(Collector):
-    def __init__(self, engine: _Engine, loader: _Loader) -> None:
+    def __init__(self, engine: EngineAPI, loader: _Loader) -> None:
         self.engine = engine
         self.pool = loader.pool
         self.loader = loader

@@ -15,12 +15,12 @@ from typing import Any
 
 from opentinker.rpc.auth import current_principal
 from opentinker.rpc.errors import Internal, InvalidArgument, NotFound, ResourceExhausted
+from opentinker.rpc.model_input import tokens_of
 from opentinker.sampler_server.adapters import AdapterLoader, Resolved
-from opentinker.sampler_server.engine import Engine, SequenceUpdate
-from opentinker.sampler_server.engine_process import EngineProcess
+from opentinker.sampler_server.engine import SequenceUpdate
+from opentinker.sampler_server.engine_api import EngineAPI
 from opentinker.sampler_server.follower import AliasFollower
 from opentinker.sampler_server.sequence import SamplingParams, Sequence
-from opentinker.trainer_server.batch import tokens_of
 from opentinker.v1 import common_pb2, sampler_pb2, sampler_pb2_grpc
 
 Context = Any  # grpc.aio.ServicerContext; untyped in the generated stubs
@@ -94,13 +94,12 @@ class Mailbox:
 class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
     def __init__(
         self,
-        engine: Engine | EngineProcess,
+        engine: EngineAPI,
         loader: AdapterLoader,
         *,
         info: common_pb2.BaseModelInfo,
         tokenizer: Any | None,
         max_waiting: int,
-        lora_kernel: str,
         follower: AliasFollower | None = None,
     ) -> None:
         self.engine = engine
@@ -109,7 +108,6 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
         self.info = info
         self.tokenizer = tokenizer
         self.max_waiting = max_waiting
-        self.lora_kernel = lora_kernel
         self.follower = follower
         self._seq_ids = iter(range(1, 1 << 62))
         self._mailbox: Mailbox | None = None
@@ -139,7 +137,7 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
         return sampler_pb2.GetSamplerInfoResponse(
             base_model=self.info, max_slots=pool.capacity, max_rank=pool.max_rank,
             max_seqs=self.engine.max_seqs, max_batch_tokens=self.engine.max_batch_tokens,
-            lora_kernel=self.lora_kernel,
+            lora_kernel=self.engine.kernel,  # the kernel the engine runs, not a second guess at it
         )  # fmt: skip
 
     async def Sample(self, request: sampler_pb2.SampleRequest, context: Context) -> AsyncIterator[Any]:
@@ -275,9 +273,10 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
             tokens_generated=engine.stats.tokens_generated,
             decode_tokens_per_second=engine.stats.tokens_per_second(),
             kv_cache_usage=engine.num_running / max(engine.max_seqs, 1),
-            reloads_total=self.loader.loads, reload_failures_total=self.loader.load_failures,
+            adapter_loads_total=self.loader.loads, reload_failures_total=self.loader.load_failures,
         )  # fmt: skip
         if follower is not None:
+            stats.reloads_total = follower.reloads_total
             stats.last_event_id = follower.last_event_id
             stats.recent_reloads.extend(r for r in follower.recent if current_principal().can_access(r.adapter))
         return stats

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from opentinker.rpc.errors import InvalidArgument, ResourceExhausted
+from opentinker.rpc.model_input import tokens_of
 from opentinker.trainer_server.losses import required_inputs
 from opentinker.v1 import common_pb2
 
@@ -29,13 +30,6 @@ class Batch:
     @property
     def num_tokens(self) -> int:
         return int(self.targets.numel())
-
-
-def tokens_of(model_input: common_pb2.ModelInput) -> list[int]:
-    tokens: list[int] = []
-    for chunk in model_input.chunks:
-        tokens.extend(chunk.encoded_text.tokens)
-    return tokens
 
 
 def _values(

@@ -47,22 +47,8 @@ def serve(
     print_config: opt.PrintConfig = False,
 ) -> None:
     """Run the trainer gRPC server."""
-    import grpc
-    from prometheus_client import REGISTRY
-
-    from opentinker.rpc import faults
-    from opentinker.rpc.channel import bearer_metadata
-    from opentinker.rpc.progress import spinner
-    from opentinker.rpc.registry_link import registry_channel
-    from opentinker.rpc.server import ServiceBinding, configure_logging, exit_if_unsafe, serve_forever
-    from opentinker.trainer_server.base_model import BaseModel
-    from opentinker.trainer_server.metrics import TrainerCollector
-    from opentinker.trainer_server.scheduler import AdapterScheduler
-    from opentinker.trainer_server.service import TrainerServicer
-    from opentinker.trainer_server.trainer import Trainer
-    from opentinker.v1 import registry_pb2_grpc, trainer_pb2, trainer_pb2_grpc
-    from opentinker.weights.artifact_store import ArtifactStore
-    from opentinker.weights.base_model import pick_device
+    from opentinker.rpc.server import configure_logging, exit_if_unsafe
+    from opentinker.trainer_server.build import TrainerConfig, serve_trainer
 
     configure_logging(log_level)
     # Refuse an unsafe exposure before loading the model, not after.
@@ -70,33 +56,11 @@ def serve(
     exit_if_unsafe("trainer", exposure)
     if dtype not in ("float32", "bfloat16"):
         raise typer.BadParameter("dtype must be float32 or bfloat16", param_hint="--dtype")
-    artifacts = ArtifactStore(store, fault_hook=faults.configure())  # no hook unless a test arms one
-    artifacts.cleanup_temp()
-    with spinner(f"loading {model}"):
-        base = BaseModel(model, device=pick_device(device), dtype=dtype)
-    trainer = Trainer(base, artifacts, max_resident=max_resident_adapters,
-                      spill_dir=spill_dir or store.parent / "trainer-spill")  # fmt: skip
-    scheduler = AdapterScheduler()
-    REGISTRY.register(TrainerCollector(trainer, scheduler))
-    metadata = bearer_metadata(registry_token) or None
-    state: dict[str, object] = {}
-
-    def add(server: grpc.aio.Server) -> None:
-        # The aio channel must be created inside the server's event loop.
-        channel = registry_channel(registry, registry_ca)
-        state["channel"] = channel
-        scheduler.start()
-        servicer = TrainerServicer(trainer, scheduler, registry_pb2_grpc.RegistryServiceStub(channel),
-                                   registry_metadata=metadata, max_batch_tokens=max_batch_tokens)  # fmt: skip
-        trainer_pb2_grpc.add_TrainerServiceServicer_to_server(servicer, server)
-
-    async def on_stop() -> None:
-        await scheduler.stop()
-        channel = state.get("channel")
-        if isinstance(channel, grpc.aio.Channel):
-            await channel.close()
-
-    binding = ServiceBinding(trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"].full_name, add)
     options = opt.server_options(host, port, metrics_port, tokens_file, insecure_public, tls_cert, tls_key, ready_file,
                                  max_message_mb)  # fmt: skip
-    serve_forever("trainer", [binding], options, on_stop=on_stop)
+    config = TrainerConfig(
+        model=model, registry=registry, store=store, server=options, registry_token=registry_token,
+        registry_ca=registry_ca, device=device, dtype="float32" if dtype == "float32" else "bfloat16",
+        max_resident_adapters=max_resident_adapters, spill_dir=spill_dir, max_batch_tokens=max_batch_tokens,
+    )  # fmt: skip
+    serve_trainer(config)

@@ -20,7 +20,9 @@ Three paths compute the same thing:
   segment metadata computed on the device, so there is no host sync and no per-row weight copy. Used on CUDA;
   also runs on CPU under TRITON_INTERPRET=1 for correctness tests on tiny shapes.
 
-"auto" picks triton for CUDA tensors when triton is installed, else segments.
+`resolve_kernel` is the one place that turns the `--kernel` flag into one of the three: "auto" picks triton on
+CUDA when triton is installed, else segments (also on CUDA without triton). The server resolves it once at
+startup; the engine runs exactly that kernel and GetSamplerInfo reports it.
 """
 
 from __future__ import annotations
@@ -35,16 +37,19 @@ from opentinker.sampler_server.kernels.segments import add_lora_segments
 from opentinker.sampler_server.kernels.triton_ops import TRITON_AVAILABLE, add_lora_triton
 
 Backend = Literal["auto", "reference", "segments", "triton"]
+Kernel = Literal["reference", "segments", "triton"]
 
 __all__ = [
     "TRITON_AVAILABLE",
     "Backend",
+    "Kernel",
     "add_lora",
     "add_lora_segments",
     "add_lora_triton",
     "check_lora_shapes",
     "lora_delta_reference",
     "resolve_backend",
+    "resolve_kernel",
 ]
 
 
@@ -70,12 +75,20 @@ def _shapes(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) 
     return f"y {tuple(y.shape)}, x {tuple(x.shape)}, a {tuple(a.shape)}, b {tuple(b.shape)}"
 
 
-def resolve_backend(backend: Backend, x: torch.Tensor) -> Literal["reference", "segments", "triton"]:
+def resolve_kernel(backend: Backend, device_type: str, *, triton_available: bool | None = None) -> Kernel:
+    """The kernel that `backend` means on a device of `device_type` ("cpu", "cuda"); triton_available defaults to
+    whether triton is installed here."""
     if backend == "auto":
-        return "triton" if x.is_cuda and TRITON_AVAILABLE else "segments"
+        installed = TRITON_AVAILABLE if triton_available is None else triton_available
+        return "triton" if device_type == "cuda" and installed else "segments"
     if backend not in ("reference", "segments", "triton"):
         raise ValueError(f"unknown LoRA backend {backend!r}")
     return backend
+
+
+def resolve_backend(backend: Backend, x: torch.Tensor) -> Kernel:
+    """`resolve_kernel` for the device x lives on."""
+    return resolve_kernel(backend, x.device.type)
 
 
 def add_lora(

@@ -1,7 +1,8 @@
 """The sampler's own model forward: the slot KV cache and the Llama-family decoder (its config is read by
 opentinker.weights.model_config, the same reader the trainer uses)."""
 
+from opentinker.sampler_server.model.batch import ForwardBatch
 from opentinker.sampler_server.model.kv_cache import KVCache
-from opentinker.sampler_server.model.llama import ForwardBatch, LlamaForCausalLM, LoraHook
+from opentinker.sampler_server.model.llama import LlamaForCausalLM, LoraHook
 
 __all__ = ["ForwardBatch", "KVCache", "LlamaForCausalLM", "LoraHook"]

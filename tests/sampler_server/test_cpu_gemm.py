@@ -12,8 +12,10 @@ import torch
 from samplerutil import Sampler, greedy, max_diff, prompt, score
 from serverproc import ServerProcess, start_sampler
 
+from opentinker.sampler_server.model.batch import ForwardBatch
 from opentinker.sampler_server.model.kv_cache import KVCache
-from opentinker.sampler_server.model.llama import ForwardBatch, LlamaForCausalLM, onednn_packing_works, packed_rows
+from opentinker.sampler_server.model.linear import onednn_packing_works, packed_rows
+from opentinker.sampler_server.model.llama import LlamaForCausalLM
 from opentinker.v1 import sampler_pb2_grpc
 
 CPU = torch.device("cpu")

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from opentinker.sampler_server.model.llama import TRANSPOSED_GEMM_ROWS, linear
+from opentinker.sampler_server.model.linear import TRANSPOSED_GEMM_ROWS, linear
 
 
 @pytest.mark.parametrize("rows", [1, 4, TRANSPOSED_GEMM_ROWS.start, 32, TRANSPOSED_GEMM_ROWS.stop - 1, 64])

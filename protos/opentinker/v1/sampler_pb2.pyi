@@ -207,7 +207,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("running_requests", "waiting_requests", "max_waiting", "slots_used", "slots_total", "tokens_generated", "decode_tokens_per_second", "kv_cache_usage", "reloads_total", "reload_failures_total", "last_event_id", "recent_reloads")
+    __slots__ = ("running_requests", "waiting_requests", "max_waiting", "slots_used", "slots_total", "tokens_generated", "decode_tokens_per_second", "kv_cache_usage", "reloads_total", "reload_failures_total", "last_event_id", "recent_reloads", "adapter_loads_total")
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     MAX_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -220,6 +220,7 @@ class GetStatsResponse(_message.Message):
     RELOAD_FAILURES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     LAST_EVENT_ID_FIELD_NUMBER: _ClassVar[int]
     RECENT_RELOADS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_LOADS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     running_requests: int
     waiting_requests: int
     max_waiting: int
@@ -232,4 +233,5 @@ class GetStatsResponse(_message.Message):
     reload_failures_total: int
     last_event_id: str
     recent_reloads: _containers.RepeatedCompositeFieldContainer[ReloadRecord]
-    def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., max_waiting: _Optional[int] = ..., slots_used: _Optional[int] = ..., slots_total: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., decode_tokens_per_second: _Optional[float] = ..., kv_cache_usage: _Optional[float] = ..., reloads_total: _Optional[int] = ..., reload_failures_total: _Optional[int] = ..., last_event_id: _Optional[str] = ..., recent_reloads: _Optional[_Iterable[_Union[ReloadRecord, _Mapping]]] = ...) -> None: ...
+    adapter_loads_total: int
+    def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., max_waiting: _Optional[int] = ..., slots_used: _Optional[int] = ..., slots_total: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., decode_tokens_per_second: _Optional[float] = ..., kv_cache_usage: _Optional[float] = ..., reloads_total: _Optional[int] = ..., reload_failures_total: _Optional[int] = ..., last_event_id: _Optional[str] = ..., recent_reloads: _Optional[_Iterable[_Union[ReloadRecord, _Mapping]]] = ..., adapter_loads_total: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,197 @@
+"""The sampler server's wiring, apart from its flags: `SamplerConfig` (what `opentinker sampler serve` parsed) ->
+`build_sampler` (model, slot pool, engine in or out of process, the gRPC service and its shutdown) ->
+`serve_sampler` (runs it until a signal).
+
+Heavy modules (torch, grpc) are imported inside the functions, so importing this (and the CLI) stays fast.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import signal
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from opentinker.rpc.server import ServerOptions, ServiceBinding
+    from opentinker.sampler_server.engine import Engine
+    from opentinker.sampler_server.engine_api import EngineAPI
+    from opentinker.sampler_server.kernels import Backend
+
+log = logging.getLogger("opentinker.sampler")
+Dtype = Literal["float32", "bfloat16"]
+CpuGemm = Literal["onednn", "torch"]  # float32 CPU base matmuls: oneDNN packed weights or torch's dense GEMM
+
+
+class BadOption(ValueError):
+    """Options that do not fit together (found once the device is known); `option` names the flag."""
+
+    def __init__(self, message: str, option: str) -> None:
+        super().__init__(message)
+        self.option = option
+
+
+@dataclass(frozen=True, slots=True)
+class SamplerConfig:
+    model: str  # a local HF directory or a cached HF id
+    registry: str  # host:port
+    store: Path  # artifact store root
+    server: ServerOptions
+    registry_token: str | None = None
+    registry_ca: Path | None = None
+    device: str = "auto"  # auto, cpu or cuda
+    dtype: Dtype = "float32"
+    max_slots: int = 32
+    max_rank: int = 64
+    max_seqs: int = 64
+    max_batch_tokens: int = 4096
+    max_len: int = 0  # 0: the model's, capped at 4096
+    max_waiting: int = 256
+    burst_wait_ms: float = 2.0
+    kernel: Backend = "auto"
+    cpu_gemm: CpuGemm = "onednn"
+    engine_process: bool | None = None  # None: on for the CPU, off for CUDA
+    follow: tuple[str, ...] = ()
+    follow_window: float = 300.0
+
+
+@dataclass(frozen=True, slots=True)
+class BuiltSampler:
+    bindings: list[ServiceBinding]
+    on_stop: Callable[[], Coroutine[Any, Any, None]]
+    engine: EngineAPI
+
+
+def load_tokenizer(model_dir: Path) -> Any | None:
+    """The model's tokenizer, or None when it has none (token-only serving)."""
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError):
+        return None
+
+
+def build_sampler(config: SamplerConfig) -> BuiltSampler:
+    """Loads the model (in the engine process when there is one) and returns the service to serve; raises
+    BadOption for options that do not fit the device."""
+    import grpc
+    import torch
+    from prometheus_client import REGISTRY
+
+    from opentinker.rpc.channel import bearer_metadata
+    from opentinker.rpc.progress import spinner
+    from opentinker.rpc.registry_link import registry_channel
+    from opentinker.rpc.server import ServiceBinding
+    from opentinker.sampler_server.adapters import AdapterLoader
+    from opentinker.sampler_server.engine import Engine
+    from opentinker.sampler_server.engine_process import EngineProcess
+    from opentinker.sampler_server.follower import AliasFollower
+    from opentinker.sampler_server.kernels import resolve_kernel
+    from opentinker.sampler_server.metrics import SamplerCollector
+    from opentinker.sampler_server.model.kv_cache import KVCache
+    from opentinker.sampler_server.model.llama import LlamaForCausalLM
+    from opentinker.sampler_server.model.weights import linear_shapes
+    from opentinker.sampler_server.scheduler import Scheduler
+    from opentinker.sampler_server.service import SamplerServicer
+    from opentinker.sampler_server.slot_pool import SlotPool
+    from opentinker.v1 import common_pb2, registry_pb2_grpc, sampler_pb2, sampler_pb2_grpc
+    from opentinker.weights.artifact_store import ArtifactStore
+    from opentinker.weights.base_model import model_digest, pick_device, resolve_model_dir
+    from opentinker.weights.model_config import load_config
+
+    c = config
+    model, registry, registry_token, registry_ca = c.model, c.registry, c.registry_token, c.registry_ca
+    max_seqs, max_batch_tokens = c.max_seqs, c.max_batch_tokens
+    torch_device = torch.device(pick_device(c.device))
+    torch_dtype = torch.float32 if c.dtype == "float32" else torch.bfloat16
+    lora_kernel = resolve_kernel(c.kernel, torch_device.type)  # the engine runs it, GetSamplerInfo reports it
+    model_dir = resolve_model_dir(model)
+    model_config = load_config(model_dir)
+    context = c.max_len or min(model_config.max_position_embeddings, 4096)
+    shapes = linear_shapes(model_config)
+    if c.engine_process and torch_device.type != "cpu":
+        raise BadOption("the engine process shares its adapter slots in CPU memory; on CUDA the engine "
+                        "runs in the server process", "--engine-process")  # fmt: skip
+    in_process = not (c.engine_process if c.engine_process is not None else torch_device.type == "cpu")
+    tokenizer = load_tokenizer(model_dir)  # loading starts no thread; a forked engine process inherits it
+    # Nothing in this process runs a torch op before the engine process is forked (see SlotPool's `shared`).
+    pool = SlotPool(shapes, max_slots=c.max_slots, max_rank=c.max_rank, device=torch_device, shared=not in_process)
+
+    def build_engine(release: Callable[[int], None], on_iteration: Callable[[], None] | None) -> Engine:
+        runner = LlamaForCausalLM.from_pretrained(model_dir, device=torch_device, dtype=torch_dtype)
+        packed = c.cpu_gemm == "onednn" and runner.pack_for_cpu()
+        if torch_device.type == "cpu" and torch_dtype == torch.float32:
+            log.info("base matmuls: %s", "oneDNN packed weights" if packed else "torch dense weights")
+        cache = KVCache(model_config, max_seqs + 1, context, torch_device, torch_dtype)  # + one for ComputeLogprobs
+        return Engine(runner, cache, pool.tensors, Scheduler(max_seqs=max_seqs, max_batch_tokens=max_batch_tokens),
+                      release=release, max_len=context, eos_token_ids=model_config.eos_token_ids,
+                      tokenizer=tokenizer, kernel=lora_kernel, score_slot=max_seqs,
+                      burst_wait=c.burst_wait_ms / 1000, on_iteration=on_iteration)  # fmt: skip
+
+    engine: EngineAPI
+    if not in_process:
+        # Forked first, while this process has no other thread (the spinner below starts one).
+        engine = EngineProcess(build_engine, pool, max_len=context, max_seqs=max_seqs,
+                               max_batch_tokens=max_batch_tokens, device=torch_device)  # fmt: skip
+        with spinner(f"loading {model} on {torch_device} in the engine process"):
+            engine.wait_ready()
+    else:
+        with spinner(f"loading {model} on {torch_device}"):
+            engine = build_engine(pool.release, None)
+    artifacts = ArtifactStore(c.store)
+    artifacts.cleanup_temp()
+    digest = model_digest(model_dir)
+    info = common_pb2.BaseModelInfo(
+        model=model, model_digest=digest, architecture=model_config.arch, vocab_size=model_config.vocab_size,
+        hidden_size=model_config.hidden_size, num_layers=model_config.num_layers, max_position_embeddings=context,
+        dtype=c.dtype, device=str(torch_device), lora_target_modules=sorted({m.rsplit(".", 1)[-1] for m in shapes}),
+    )  # fmt: skip
+    metadata = bearer_metadata(registry_token) or None
+    state: dict[str, object] = {}
+
+    def add(server: grpc.aio.Server) -> None:
+        channel = registry_channel(registry, registry_ca)  # inside the server's event loop
+        state["channel"] = channel
+        loader = AdapterLoader(pool, artifacts, registry_pb2_grpc.RegistryServiceStub(channel), metadata=metadata,
+                               model_digest=digest)  # fmt: skip
+        follower = AliasFollower(registry_pb2_grpc.RegistryServiceStub(channel), loader, follow=c.follow,
+                                 follow_window=c.follow_window, metadata=metadata)  # fmt: skip
+        loader.follower = follower
+        state["follower"] = follower
+        follower.start()
+        servicer = SamplerServicer(engine, loader, info=info, tokenizer=tokenizer, max_waiting=c.max_waiting,
+                                   follower=follower)  # fmt: skip
+        sampler_pb2_grpc.add_SamplerServiceServicer_to_server(servicer, server)
+        if isinstance(engine, EngineProcess):
+            engine.on_exit = functools.partial(os.kill, os.getpid(), signal.SIGTERM)  # see engine_process.py
+        engine.start()
+        REGISTRY.register(SamplerCollector(engine, loader))
+
+    async def on_stop() -> None:
+        follower = state.get("follower")
+        if isinstance(follower, AliasFollower):
+            await follower.stop()
+        engine.stop()
+        channel = state.get("channel")
+        if isinstance(channel, grpc.aio.Channel):
+            await channel.close()
+
+    binding = ServiceBinding(sampler_pb2.DESCRIPTOR.services_by_name["SamplerService"].full_name, add)
+    return BuiltSampler([binding], on_stop, engine)
+
+
+def serve_sampler(config: SamplerConfig) -> None:
+    """Builds the sampler and serves it until SIGINT/SIGTERM; exits 1 when it stopped because its engine process
+    died (a supervisor should restart it)."""
+    from opentinker.rpc.server import serve_forever
+    from opentinker.sampler_server.engine_process import EngineProcess
+
+    built = build_sampler(config)
+    serve_forever("sampler", built.bindings, config.server, on_stop=built.on_stop)
+    if isinstance(built.engine, EngineProcess) and built.engine.died:
+        raise SystemExit(1)  # stopped because the engine process died: a supervisor should restart this server

@@ -1,0 +1,98 @@
+"""The trainer server's wiring, apart from its flags: `TrainerConfig` (what `opentinker trainer serve` parsed) ->
+`build_trainer` (base model, trainer, scheduler, the gRPC service and its shutdown) -> `serve_trainer` (runs it
+until a signal).
+
+Heavy modules (torch, grpc) are imported inside the functions, so importing this (and the CLI) stays fast.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from opentinker.rpc.server import ServerOptions, ServiceBinding
+    from opentinker.trainer_server.trainer import Trainer
+
+
+@dataclass(frozen=True, slots=True)
+class TrainerConfig:
+    model: str  # a local HF directory or a cached HF id
+    registry: str  # host:port
+    store: Path  # artifact store root
+    server: ServerOptions
+    registry_token: str | None = None
+    registry_ca: Path | None = None
+    device: str = "auto"  # auto, cpu or cuda
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    max_resident_adapters: int = 0  # 0: no limit
+    spill_dir: Path | None = None  # None: <store>/../trainer-spill
+    max_batch_tokens: int = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class BuiltTrainer:
+    bindings: list[ServiceBinding]
+    on_stop: Callable[[], Coroutine[Any, Any, None]]
+    trainer: Trainer
+
+
+def build_trainer(config: TrainerConfig) -> BuiltTrainer:
+    """Loads the base model and returns the service to serve."""
+    import grpc
+    from prometheus_client import REGISTRY
+
+    from opentinker.rpc import faults
+    from opentinker.rpc.channel import bearer_metadata
+    from opentinker.rpc.progress import spinner
+    from opentinker.rpc.registry_link import registry_channel
+    from opentinker.rpc.server import ServiceBinding
+    from opentinker.trainer_server.base_model import BaseModel
+    from opentinker.trainer_server.metrics import TrainerCollector
+    from opentinker.trainer_server.scheduler import AdapterScheduler
+    from opentinker.trainer_server.service import TrainerServicer
+    from opentinker.trainer_server.trainer import Trainer
+    from opentinker.v1 import registry_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+    from opentinker.weights.artifact_store import ArtifactStore
+    from opentinker.weights.base_model import pick_device
+
+    c = config
+    model, store, registry, registry_token, registry_ca = c.model, c.store, c.registry, c.registry_token, c.registry_ca
+    artifacts = ArtifactStore(store, fault_hook=faults.configure())  # no hook unless a test arms one
+    artifacts.cleanup_temp()
+    with spinner(f"loading {model}"):
+        base = BaseModel(model, device=pick_device(c.device), dtype=c.dtype)
+    trainer = Trainer(base, artifacts, max_resident=c.max_resident_adapters,
+                      spill_dir=c.spill_dir or store.parent / "trainer-spill")  # fmt: skip
+    scheduler = AdapterScheduler()
+    REGISTRY.register(TrainerCollector(trainer, scheduler))
+    metadata = bearer_metadata(registry_token) or None
+    state: dict[str, object] = {}
+
+    def add(server: grpc.aio.Server) -> None:
+        # The aio channel must be created inside the server's event loop.
+        channel = registry_channel(registry, registry_ca)
+        state["channel"] = channel
+        scheduler.start()
+        servicer = TrainerServicer(trainer, scheduler, registry_pb2_grpc.RegistryServiceStub(channel),
+                                   registry_metadata=metadata, max_batch_tokens=c.max_batch_tokens)  # fmt: skip
+        trainer_pb2_grpc.add_TrainerServiceServicer_to_server(servicer, server)
+
+    async def on_stop() -> None:
+        await scheduler.stop()
+        channel = state.get("channel")
+        if isinstance(channel, grpc.aio.Channel):
+            await channel.close()
+
+    binding = ServiceBinding(trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"].full_name, add)
+    return BuiltTrainer([binding], on_stop, trainer)
+
+
+def serve_trainer(config: TrainerConfig) -> None:
+    """Builds the trainer and serves it until SIGINT/SIGTERM."""
+    from opentinker.rpc.server import serve_forever
+
+    built = build_trainer(config)
+    serve_forever("trainer", built.bindings, config.server, on_stop=built.on_stop)
