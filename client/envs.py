@@ -30,15 +30,15 @@ count. The ``*_async`` variants send the turn's requests concurrently.
 
 from __future__ import annotations
 
-import asyncio
-import math
-from collections.abc import Callable, Generator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Final, Protocol, TypeAlias, runtime_checkable
 
+from opentinker.client.rollout_engine import play
 from opentinker.client.sampling_client import SamplingClient
-from opentinker.client.trajectory import Trajectory, Transition, datums_for_group, group_advantages
-from opentinker.client.types import Datum, SampledSequence, SampledVersion, SamplingParams, StopReason
+from opentinker.client.sansio import Program, run, run_async
+from opentinker.client.trajectory import SampledTrajectory, Trajectory, datums_for_group, group_advantages
+from opentinker.client.types import Datum, SamplingParams
 
 __all__ = [
     "POLICY_ROLE",
@@ -134,32 +134,6 @@ MultiAgentEnvFactory: TypeAlias = Callable[[int], MultiAgentEnv]
 """``factory(seed)`` -> a fresh MultiAgentEnv; equal seeds must give equivalent games."""
 
 
-# Trajectories with their provenance
-
-
-@dataclass(frozen=True, slots=True)
-class SampledTrajectory(Trajectory):
-    """A Trajectory sampled by a rollout, with what produced it: per turn, the exact adapter version
-    (``versions[k]`` sampled ``transitions[k]``) and why its sample ended; ``done`` False when the episode
-    was cut off at max_turns; ``texts`` the decoded action of every turn."""
-
-    versions: tuple[SampledVersion, ...] = ()
-    stop_reasons: tuple[StopReason, ...] = ()
-    texts: tuple[str, ...] = ()
-    done: bool = True
-
-    def __post_init__(self) -> None:
-        Trajectory.__post_init__(self)
-        object.__setattr__(self, "versions", tuple(self.versions))
-        object.__setattr__(self, "stop_reasons", tuple(self.stop_reasons))
-        object.__setattr__(self, "texts", tuple(self.texts))
-
-    @property
-    def version_numbers(self) -> tuple[int, ...]:
-        """The version number of every turn (0: the base model)."""
-        return tuple(v.version for v in self.versions)
-
-
 # GRPO groups
 
 
@@ -203,9 +177,7 @@ class EnvGroup:
         max_turns: int = DEFAULT_MAX_TURNS,
     ) -> list[SampledTrajectory]:
         """Plays the group of task instance ``seed``; trace ids ``{trace_prefix}/{i}``."""
-        return rollout_group(
-            self.make(seed), sampling_client, params, self.trace_ids(trace_prefix), max_turns=max_turns
-        )
+        return run(_group(self.make(seed), sampling_client, params, self.trace_ids(trace_prefix), max_turns))
 
     async def rollout_async(
         self,
@@ -216,161 +188,11 @@ class EnvGroup:
         trace_prefix: str = "episode",
         max_turns: int = DEFAULT_MAX_TURNS,
     ) -> list[SampledTrajectory]:
-        envs = self.make(seed)
-        return await rollout_group_async(
-            envs, sampling_client, params, self.trace_ids(trace_prefix), max_turns=max_turns
-        )
+        core = _group(self.make(seed), sampling_client, params, self.trace_ids(trace_prefix), max_turns)
+        return await run_async(core)
 
 
-# The rollout engine: a generator that asks for samples and plays the turns; sync and async drivers feed it.
-
-
-@dataclass(frozen=True, slots=True)
-class _Request:
-    role: str
-    observation: tuple[int, ...]
-    num_samples: int
-
-
-@dataclass(slots=True)
-class _Turn:
-    observation: tuple[int, ...]
-    sequence: SampledSequence
-    reward: float = 0.0
-
-
-@dataclass(slots=True)
-class _Record:
-    """One episode's turns, per role."""
-
-    roles: tuple[str, ...]
-    turns: dict[str, list[_Turn]] = field(default_factory=dict)
-    early_rewards: dict[str, float] = field(default_factory=dict)  # rewards of roles that had not acted yet
-    done: bool = False
-
-    def add(self, role: str, observation: tuple[int, ...], sequence: SampledSequence) -> None:
-        turns = self.turns.setdefault(role, [])
-        turns.append(_Turn(observation, sequence, self.early_rewards.pop(role, 0.0)))
-
-    def reward(self, role: str, value: float) -> None:
-        value = float(value)
-        if not math.isfinite(value):
-            raise ValueError(f"the reward of role {role!r} is {value}, not a finite number")
-        turns = self.turns.get(role)
-        if turns:
-            turns[-1].reward += value
-        else:
-            self.early_rewards[role] = self.early_rewards.get(role, 0.0) + value
-
-    def trajectory(self, role: str, trace_id: str) -> SampledTrajectory:
-        turns = self.turns.get(role, [])
-        return SampledTrajectory(
-            tuple(Transition.from_sampled(t.observation, t.sequence, t.reward) for t in turns),
-            trace_id,
-            versions=tuple(t.sequence.version for t in turns),
-            stop_reasons=tuple(t.sequence.stop_reason for t in turns),
-            texts=tuple(t.sequence.text for t in turns),
-            done=self.done,
-        )
-
-
-_Engine: TypeAlias = Generator[list[_Request], Sequence[Sequence[SampledSequence]], list[_Record]]
-
-
-def _play(envs: Sequence[MultiAgentEnv], max_turns: int) -> _Engine:
-    """Plays ``envs`` turn by turn: yields the turn's sample requests, is sent their sequences (one list per
-    request, in order), returns every episode's record."""
-    if max_turns < 1:
-        raise ValueError(f"max_turns must be at least 1, got {max_turns}")
-    records = [_Record(tuple(env.roles)) for env in envs]
-    active = list(range(len(envs)))
-    for _turn in range(max_turns):
-        if not active:
-            break
-        waiting: dict[tuple[str, tuple[int, ...]], list[int]] = {}
-        for index in active:
-            role = envs[index].current_role()
-            if role not in records[index].roles:
-                raise ValueError(f"current_role() returned {role!r}, not one of the roles {records[index].roles}")
-            observation = tuple(int(t) for t in envs[index].observation(role))
-            if not observation:
-                raise ValueError(f"role {role!r} got an empty observation")
-            waiting.setdefault((role, observation), []).append(index)
-        keys = list(waiting)
-        results = yield [_Request(role, observation, len(waiting[role, observation])) for role, observation in keys]
-        if len(results) != len(keys):
-            raise RuntimeError(f"{len(keys)} sample requests but {len(results)} results")
-        still_active: list[int] = []
-        for (role, observation), sequences in zip(keys, results, strict=True):
-            indices = waiting[role, observation]
-            if len(sequences) != len(indices):
-                raise RuntimeError(f"asked for {len(indices)} samples, got {len(sequences)}")
-            for index, sequence in zip(indices, sequences, strict=True):
-                record = records[index]
-                record.add(role, observation, sequence)
-                outcome = envs[index].step(role, sequence.tokens)
-                for rewarded, value in outcome.rewards.items():
-                    if rewarded not in record.roles:
-                        raise ValueError(f"a reward for {rewarded!r}, not one of the roles {record.roles}")
-                    record.reward(rewarded, value)
-                if outcome.done:
-                    record.done = True
-                else:
-                    still_active.append(index)
-        active = sorted(still_active)
-    return records
-
-
-def _with_logprobs(params: SamplingParams) -> SamplingParams:
-    return params if params.logprobs else replace(params, logprobs=True)
-
-
-def _params_for(params: SamplingParams | Mapping[str, SamplingParams], role: str) -> SamplingParams:
-    if isinstance(params, SamplingParams):
-        return _with_logprobs(params)
-    if role not in params:
-        raise ValueError(f"no SamplingParams for role {role!r}")
-    return _with_logprobs(params[role])
-
-
-def _client_for(clients: Mapping[str, SamplingClient], role: str) -> SamplingClient:
-    if role not in clients:
-        raise ValueError(f"no SamplingClient for role {role!r} (clients for {sorted(clients)})")
-    return clients[role]
-
-
-def _drive(
-    engine: _Engine, clients: Mapping[str, SamplingClient], params: SamplingParams | Mapping[str, SamplingParams]
-) -> list[_Record]:
-    try:
-        requests = next(engine)
-        while True:
-            results = [
-                _client_for(clients, r.role).sample(r.observation, _params_for(params, r.role), r.num_samples).sequences
-                for r in requests
-            ]
-            requests = engine.send(results)
-    except StopIteration as stop:
-        records: list[_Record] = stop.value
-        return records
-
-
-async def _drive_async(
-    engine: _Engine, clients: Mapping[str, SamplingClient], params: SamplingParams | Mapping[str, SamplingParams]
-) -> list[_Record]:
-    async def one(request: _Request) -> Sequence[SampledSequence]:
-        client = _client_for(clients, request.role)
-        params_ = _params_for(params, request.role)
-        return (await client.sample_async(request.observation, params_, request.num_samples)).sequences
-
-    try:
-        requests = next(engine)
-        while True:
-            results = list(await asyncio.gather(*(one(r) for r in requests)))
-            requests = engine.send(results)
-    except StopIteration as stop:
-        records: list[_Record] = stop.value
-        return records
+# The rollout cores: one per sync/async pair of rollout functions (sans-IO, see opentinker.client.sansio).
 
 
 class _SingleAgent:
@@ -406,6 +228,36 @@ def _check_ids(trace_ids: Sequence[str], count: int) -> list[str]:
     return ids
 
 
+def _group(
+    envs: Sequence[Env],
+    sampling_client: SamplingClient,
+    params: SamplingParams,
+    trace_ids: Sequence[str],
+    max_turns: int,
+) -> Program[list[SampledTrajectory]]:
+    """The core of every single-agent rollout."""
+    ids = _check_ids(trace_ids, len(envs))
+    players = [_SingleAgent(e) for e in envs]
+    records = yield from play(players, max_turns, {POLICY_ROLE: sampling_client}, params)
+    return [record.trajectory(POLICY_ROLE, trace_id) for record, trace_id in zip(records, ids, strict=True)]
+
+
+def _multi_agent_group(
+    envs: Sequence[MultiAgentEnv],
+    sampling_clients: Mapping[str, SamplingClient],
+    params: SamplingParams | Mapping[str, SamplingParams],
+    trace_ids: Sequence[str],
+    max_turns: int,
+) -> Program[list[dict[str, SampledTrajectory]]]:
+    """The core of every multi-agent rollout: one trajectory per role, trace id ``{trace_id}/{role}``."""
+    ids = _check_ids(trace_ids, len(envs))
+    records = yield from play(envs, max_turns, sampling_clients, params)
+    return [
+        {role: record.trajectory(role, f"{trace_id}/{role}") for role in record.roles}
+        for record, trace_id in zip(records, ids, strict=True)
+    ]
+
+
 # Single-agent rollouts
 
 
@@ -422,7 +274,7 @@ def rollout(
     Each turn becomes a Transition with the sampler's logprobs (logprobs are always requested) and the turn's
     reward; the result also records the exact version of every turn.
     """
-    return rollout_group([env], sampling_client, params, [trace_id], max_turns=max_turns)[0]
+    return run(_group([env], sampling_client, params, [trace_id], max_turns))[0]
 
 
 async def rollout_async(
@@ -433,7 +285,7 @@ async def rollout_async(
     *,
     max_turns: int = DEFAULT_MAX_TURNS,
 ) -> SampledTrajectory:
-    return (await rollout_group_async([env], sampling_client, params, [trace_id], max_turns=max_turns))[0]
+    return (await run_async(_group([env], sampling_client, params, [trace_id], max_turns)))[0]
 
 
 def rollout_group(
@@ -445,9 +297,7 @@ def rollout_group(
     max_turns: int = DEFAULT_MAX_TURNS,
 ) -> list[SampledTrajectory]:
     """Plays several episodes turn by turn; the turns that share an observation are sampled as one request."""
-    ids = _check_ids(trace_ids, len(envs))
-    records = _drive(_play([_SingleAgent(e) for e in envs], max_turns), {POLICY_ROLE: sampling_client}, params)
-    return [record.trajectory(POLICY_ROLE, trace_id) for record, trace_id in zip(records, ids, strict=True)]
+    return run(_group(envs, sampling_client, params, trace_ids, max_turns))
 
 
 async def rollout_group_async(
@@ -459,17 +309,10 @@ async def rollout_group_async(
     max_turns: int = DEFAULT_MAX_TURNS,
 ) -> list[SampledTrajectory]:
     """rollout_group with each turn's requests sent concurrently."""
-    ids = _check_ids(trace_ids, len(envs))
-    engine = _play([_SingleAgent(e) for e in envs], max_turns)
-    records = await _drive_async(engine, {POLICY_ROLE: sampling_client}, params)
-    return [record.trajectory(POLICY_ROLE, trace_id) for record, trace_id in zip(records, ids, strict=True)]
+    return await run_async(_group(envs, sampling_client, params, trace_ids, max_turns))
 
 
 # Multi-agent rollouts
-
-
-def _role_trajectories(record: _Record, trace_id: str) -> dict[str, SampledTrajectory]:
-    return {role: record.trajectory(role, f"{trace_id}/{role}") for role in record.roles}
 
 
 def rollout_multi_agent(
@@ -483,7 +326,7 @@ def rollout_multi_agent(
     """Plays one episode of ``env``, each role sampled from its own client (``params`` one for all roles or
     one per role); returns one trajectory per role (trace id ``{trace_id}/{role}``; a role that never acted
     gets one without transitions)."""
-    return rollout_multi_agent_group([env], sampling_clients, params, [trace_id], max_turns=max_turns)[0]
+    return run(_multi_agent_group([env], sampling_clients, params, [trace_id], max_turns))[0]
 
 
 async def rollout_multi_agent_async(
@@ -494,8 +337,7 @@ async def rollout_multi_agent_async(
     *,
     max_turns: int = DEFAULT_MAX_TURNS,
 ) -> dict[str, SampledTrajectory]:
-    groups = await rollout_multi_agent_group_async([env], sampling_clients, params, [trace_id], max_turns=max_turns)
-    return groups[0]
+    return (await run_async(_multi_agent_group([env], sampling_clients, params, [trace_id], max_turns)))[0]
 
 
 def rollout_multi_agent_group(
@@ -507,9 +349,7 @@ def rollout_multi_agent_group(
     max_turns: int = DEFAULT_MAX_TURNS,
 ) -> list[dict[str, SampledTrajectory]]:
     """Several episodes turn by turn (turns sharing a role and an observation are sampled as one request)."""
-    ids = _check_ids(trace_ids, len(envs))
-    records = _drive(_play(envs, max_turns), sampling_clients, params)
-    return [_role_trajectories(record, trace_id) for record, trace_id in zip(records, ids, strict=True)]
+    return run(_multi_agent_group(envs, sampling_clients, params, trace_ids, max_turns))
 
 
 async def rollout_multi_agent_group_async(
@@ -520,6 +360,4 @@ async def rollout_multi_agent_group_async(
     *,
     max_turns: int = DEFAULT_MAX_TURNS,
 ) -> list[dict[str, SampledTrajectory]]:
-    ids = _check_ids(trace_ids, len(envs))
-    records = await _drive_async(_play(envs, max_turns), sampling_clients, params)
-    return [_role_trajectories(record, trace_id) for record, trace_id in zip(records, ids, strict=True)]
+    return await run_async(_multi_agent_group(envs, sampling_clients, params, trace_ids, max_turns))

@@ -42,6 +42,8 @@ from opentinker.client.types import (
     SamplerStats,
     SamplingParams,
     StopReason,
+)
+from opentinker.client.wire import (
     loaded_adapter_from_proto,
     model_input_to_proto,
     sample_chunk_from_proto,

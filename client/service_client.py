@@ -29,6 +29,8 @@ from opentinker.client.types import (
     LoraConfig,
     TrainerInfo,
     TrainingAdapterInfo,
+)
+from opentinker.client.wire import (
     adam_params_to_proto,
     lora_config_to_proto,
     trainer_info_from_proto,

@@ -36,6 +36,8 @@ from opentinker.client.types import (
     OptimStepResult,
     SavedState,
     TrainingAdapterInfo,
+)
+from opentinker.client.wire import (
     adam_params_to_proto,
     datum_to_proto,
     forward_output_from_proto,

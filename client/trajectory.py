@@ -40,9 +40,16 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from opentinker.client.types import Datum, ModelInput, SampledSequence
+from opentinker.client.types import Datum, ModelInput, SampledSequence, SampledVersion, StopReason
 
-__all__ = ["Trajectory", "Transition", "datums_for_group", "group_advantages", "trajectory_to_datums"]
+__all__ = [
+    "SampledTrajectory",
+    "Trajectory",
+    "Transition",
+    "datums_for_group",
+    "group_advantages",
+    "trajectory_to_datums",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +102,29 @@ class Trajectory:
     def total_reward(self) -> float:
         """The sum of the turns' rewards."""
         return math.fsum(t.reward for t in self.transitions)
+
+
+@dataclass(frozen=True, slots=True)
+class SampledTrajectory(Trajectory):
+    """A Trajectory sampled by a rollout, with what produced it: per turn, the exact adapter version
+    (``versions[k]`` sampled ``transitions[k]``) and why its sample ended; ``done`` False when the episode
+    was cut off at max_turns; ``texts`` the decoded action of every turn."""
+
+    versions: tuple[SampledVersion, ...] = ()
+    stop_reasons: tuple[StopReason, ...] = ()
+    texts: tuple[str, ...] = ()
+    done: bool = True
+
+    def __post_init__(self) -> None:
+        Trajectory.__post_init__(self)
+        object.__setattr__(self, "versions", tuple(self.versions))
+        object.__setattr__(self, "stop_reasons", tuple(self.stop_reasons))
+        object.__setattr__(self, "texts", tuple(self.texts))
+
+    @property
+    def version_numbers(self) -> tuple[int, ...]:
+        """The version number of every turn (0: the base model)."""
+        return tuple(v.version for v in self.versions)
 
 
 def trajectory_to_datums(

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import pytest
 from registryutil import unique_name
@@ -36,10 +36,13 @@ from opentinker.client.envs import (
     SampledTrajectory,
     StepResult,
     rollout,
+    rollout_async,
     rollout_group,
     rollout_group_async,
     rollout_multi_agent,
+    rollout_multi_agent_async,
     rollout_multi_agent_group,
+    rollout_multi_agent_group_async,
 )
 from opentinker.client.tasks import (
     TINY_MODEL_SAMPLING,
@@ -297,6 +300,135 @@ def test_multi_agent_rewards_land_on_each_roles_turns() -> None:
     assert a.transitions[1].observation == (1, 100, 201, 9)  # a's own full context
     with pytest.raises(ValueError, match="no SamplingClient"):
         rollout_multi_agent(TwoRoles(), {"a": clients["a"]}, SamplingParams())
+
+
+# The sync and async twins come from one core: same trajectories, same requests, same errors.
+
+
+class _Factory:
+    """EnvFactory of Conversation(2) (the seed is ignored)."""
+
+    def __call__(self, seed: int) -> Env:
+        return Conversation(2)
+
+
+def test_rollout_twins_play_the_same_episodes() -> None:
+    def both(
+        play: Callable[[SamplingClient], object], play_async: Callable[[SamplingClient], Coroutine[Any, Any, object]]
+    ) -> None:
+        plain, twin = ScriptedSampler(), ScriptedSampler()
+        assert play(_client(plain)) == asyncio.run(play_async(_client(twin)))
+        assert plain.requests == twin.requests and plain.requests
+
+    params = SamplingParams(logprobs=False)
+    both(
+        lambda c: rollout(Conversation(3), c, params, "ep", max_turns=2),
+        lambda c: rollout_async(Conversation(3), c, params, "ep", max_turns=2),
+    )
+    both(
+        lambda c: rollout_group([Conversation(2) for _ in range(3)], c, params, ["a", "b", "c"]),
+        lambda c: rollout_group_async([Conversation(2) for _ in range(3)], c, params, ["a", "b", "c"]),
+    )
+    group = EnvGroup(_Factory(), group_size=3)
+    both(
+        lambda c: group.rollout(c, params, 0, trace_prefix="g"),
+        lambda c: group.rollout_async(c, params, 0, trace_prefix="g"),
+    )
+    both(
+        lambda c: rollout_multi_agent(TwoRoles(), {"a": c, "b": c}, params, "game"),
+        lambda c: rollout_multi_agent_async(TwoRoles(), {"a": c, "b": c}, params, "game"),
+    )
+    both(
+        lambda c: rollout_multi_agent_group(
+            [TwoRoles(), TwoRoles()], {"a": c, "b": c}, {"a": params, "b": params}, ["x", "y"]
+        ),
+        lambda c: rollout_multi_agent_group_async(
+            [TwoRoles(), TwoRoles()], {"a": c, "b": c}, {"a": params, "b": params}, ["x", "y"]
+        ),
+    )
+
+
+def test_rollout_twins_raise_the_same_errors() -> None:
+    client = _client(ScriptedSampler())
+    cases: list[tuple[Callable[[], object], Callable[[], Coroutine[Any, Any, object]], type[Exception], str]] = [
+        (
+            lambda: rollout_group([Conversation(1)], client, SamplingParams(), ["a", "b"]),
+            lambda: rollout_group_async([Conversation(1)], client, SamplingParams(), ["a", "b"]),
+            ValueError,
+            "1 envs but 2 trace ids",
+        ),
+        (
+            lambda: rollout(Conversation(1), client, SamplingParams(), "a", max_turns=0),
+            lambda: rollout_async(Conversation(1), client, SamplingParams(), "a", max_turns=0),
+            ValueError,
+            "max_turns must be at least 1",
+        ),
+        (
+            lambda: rollout_multi_agent(TwoRoles(), {"a": client}, SamplingParams()),
+            lambda: rollout_multi_agent_async(TwoRoles(), {"a": client}, SamplingParams()),
+            ValueError,
+            "no SamplingClient for role 'b'",
+        ),
+        (
+            lambda: rollout_multi_agent(TwoRoles(), {"a": client, "b": client}, {"a": SamplingParams()}),
+            lambda: rollout_multi_agent_async(TwoRoles(), {"a": client, "b": client}, {"a": SamplingParams()}),
+            ValueError,
+            "no SamplingParams for role 'b'",
+        ),
+        (
+            lambda: rollout_group([Conversation(1)], client, SamplingParams(), "a"),
+            lambda: rollout_group_async([Conversation(1)], client, SamplingParams(), "a"),
+            TypeError,
+            "not a single string",
+        ),
+    ]
+    for plain, twin, error, message in cases:
+        with pytest.raises(error, match=message):
+            plain()
+        with pytest.raises(error, match=message):
+            asyncio.run(twin())
+
+
+class _SlowSampler(ScriptedSampler):
+    """sample_async yields to the event loop mid-request and logs when each request starts and ends."""
+
+    def __init__(self, log: list[str], name: str) -> None:
+        super().__init__()
+        self.log = log
+        self.name = name
+
+    async def sample_async(
+        self, prompt: Sequence[int], params: SamplingParams | None = None, num_samples: int = 1
+    ) -> SampleResult:
+        self.log.append(f"start {self.name}")
+        await asyncio.sleep(0.01)
+        self.log.append(f"end {self.name}")
+        return self.sample(prompt, params, num_samples)
+
+
+class _BothAct:
+    """Two games: in one "a" acts first, in the other "b"; one turn each."""
+
+    roles = ("a", "b")
+
+    def __init__(self, first: str) -> None:
+        self.first = first
+
+    def current_role(self) -> str:
+        return self.first
+
+    def observation(self, role: str) -> tuple[int, ...]:
+        return (1,)
+
+    def step(self, role: str, action: tuple[int, ...]) -> MultiStepResult:
+        return MultiStepResult({role: 1.0}, done=True)
+
+
+def test_async_rollouts_send_a_turns_requests_concurrently() -> None:
+    log: list[str] = []
+    clients = {"a": _client(_SlowSampler(log, "a")), "b": _client(_SlowSampler(log, "b"))}
+    asyncio.run(rollout_multi_agent_group_async([_BothAct("a"), _BothAct("b")], clients, SamplingParams(), ["1", "2"]))
+    assert log == ["start a", "start b", "end a", "end b"]
 
 
 # Against the session servers

@@ -7,19 +7,36 @@ import asyncio
 import itertools
 import json
 import statistics
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 from registryutil import unique_name
 from serverproc import ServerProcess
 
-from opentinker.client import AdamParams, LoraConfig, Renderer, ServiceClient
+from opentinker.client import (
+    AdamParams,
+    Datum,
+    ForwardBackwardOutput,
+    LoraConfig,
+    MultiStepResult,
+    OptimStepResult,
+    Renderer,
+    SampledSequence,
+    SampledVersion,
+    SampleResult,
+    SamplingParams,
+    ServiceClient,
+    StepResult,
+)
 from opentinker.client.loops import (
     SFTStepMetrics,
     StepMetrics,
     train_multi_agent_rl,
+    train_multi_agent_rl_async,
     train_rl,
     train_rl_async,
     train_sft,
@@ -200,3 +217,199 @@ def test_train_multi_agent_rl_trains_each_role(service: ServiceClient, renderer:
         assert all(t.endswith(f"/{role}") for m in history for t in m.trace_ids)
     # Both roles get the listener's echo score.
     assert [m.mean_reward for m in histories["speaker"]] == [m.mean_reward for m in histories["listener"]]
+
+
+# The sync and async twins run one core: against scripted clients they make the same calls and return the same
+# metrics (no servers needed).
+
+
+class _ScriptedTraining:
+    """A TrainingClient stand-in: logs every call; each save publishes the next version."""
+
+    def __init__(self, adapter: str, log: list[tuple[object, ...]]) -> None:
+        self.adapter = adapter
+        self.log = log
+        self.number = 0
+
+    def forward_backward(
+        self,
+        data: Sequence[Datum],
+        loss_fn: str = "cross_entropy",
+        loss_fn_config: Mapping[str, float] | None = None,
+        trace_ids: Iterable[str] = (),
+    ) -> ForwardBackwardOutput:
+        self.log.append(
+            ("forward_backward", self.adapter, len(data), loss_fn, dict(loss_fn_config or {}), tuple(trace_ids))
+        )
+        return ForwardBackwardOutput(logprobs=(), loss_fn_outputs=(), metrics={"loss:sum": 0.5 * len(data)})
+
+    async def forward_backward_async(
+        self,
+        data: Sequence[Datum],
+        loss_fn: str = "cross_entropy",
+        loss_fn_config: Mapping[str, float] | None = None,
+        trace_ids: Iterable[str] = (),
+    ) -> ForwardBackwardOutput:
+        await asyncio.sleep(0)
+        return self.forward_backward(data, loss_fn, loss_fn_config, trace_ids)
+
+    def optim_step(self, adam_params: AdamParams | None = None) -> OptimStepResult:
+        self.log.append(("optim_step", self.adapter, adam_params))
+        return OptimStepResult(step=0, metrics={})
+
+    async def optim_step_async(self, adam_params: AdamParams | None = None) -> OptimStepResult:
+        await asyncio.sleep(0)
+        return self.optim_step(adam_params)
+
+    def save_snapshot(self, *, metrics: Mapping[str, float] | None = None) -> SimpleNamespace:
+        self.number += 1
+        self.log.append(("save_snapshot", self.adapter, dict(metrics or {})))
+        return SimpleNamespace(adapter=self.adapter, number=self.number)
+
+    async def save_snapshot_async(self, *, metrics: Mapping[str, float] | None = None) -> SimpleNamespace:
+        await asyncio.sleep(0)
+        return self.save_snapshot(metrics=metrics)
+
+
+class _ScriptedSampler:
+    """Sample i of a request: tokens (i % 3, 9), from the exact version the client was created for."""
+
+    def __init__(self, reference: str, log: list[tuple[object, ...]]) -> None:
+        adapter, number = reference.split("@")
+        self.version = SampledVersion(adapter, int(number), reference, "")
+        self.log = log
+
+    def sample(self, prompt: Sequence[int], params: SamplingParams | None = None, num_samples: int = 1) -> SampleResult:
+        self.log.append(("sample", self.version.exact, tuple(prompt), num_samples))
+        sequences = tuple(
+            SampledSequence((i % 3, 9), (-0.5, -0.25), f"s{i}", "stop_token", self.version) for i in range(num_samples)
+        )
+        return SampleResult(sequences=sequences, prompt_logprobs=None, prompt_tokens=len(prompt))
+
+    async def sample_async(
+        self, prompt: Sequence[int], params: SamplingParams | None = None, num_samples: int = 1
+    ) -> SampleResult:
+        await asyncio.sleep(0)
+        return self.sample(prompt, params, num_samples)
+
+
+class _ScriptedService:
+    def __init__(self) -> None:
+        self.log: list[tuple[object, ...]] = []
+
+    def create_training_client(
+        self, adapter: str, lora: LoraConfig | None = None, *, seed: int = 0
+    ) -> _ScriptedTraining:
+        self.log.append(("create_training_client", adapter, lora, seed))
+        return _ScriptedTraining(adapter, self.log)
+
+    async def create_training_client_async(
+        self, adapter: str, lora: LoraConfig | None = None, *, seed: int = 0
+    ) -> _ScriptedTraining:
+        await asyncio.sleep(0)
+        return self.create_training_client(adapter, lora, seed=seed)
+
+    def create_sampling_client(self, reference: str) -> _ScriptedSampler:
+        return _ScriptedSampler(reference, self.log)
+
+    def by_adapter(self, adapter: str) -> list[tuple[object, ...]]:
+        return [entry for entry in self.log if entry[1] == adapter or str(entry[1]).startswith(f"{adapter}@")]
+
+
+class _FirstToken:
+    """One turn; reward = the action's first token."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+
+    def initial_observation(self) -> tuple[int, ...]:
+        return (1, 2, 3 + self.seed)
+
+    def step(self, action: tuple[int, ...]) -> StepResult:
+        return StepResult(float(action[0]), True)
+
+
+class _TwoTurns:
+    """Role "a" then role "b"; each role is rewarded its action's first token."""
+
+    roles = ("a", "b")
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self.turn = 0
+
+    def current_role(self) -> str:
+        return "ab"[self.turn]
+
+    def observation(self, role: str) -> tuple[int, ...]:
+        return (5, self.seed, self.turn)
+
+    def step(self, role: str, action: tuple[int, ...]) -> MultiStepResult:
+        self.turn += 1
+        return MultiStepResult({role: float(action[0])}, done=self.turn == 2)
+
+
+def _without_seconds(history: Sequence[StepMetrics]) -> list[StepMetrics]:
+    return [replace(m, seconds=0.0) for m in history]
+
+
+def test_train_rl_twins_make_the_same_calls(tmp_path: Path) -> None:
+    kwargs: dict[str, Any] = {
+        "steps": 3,
+        "group_size": 3,
+        "groups_per_step": 2,
+        "adam": ADAM,
+        "lora": RANK8,
+        "seed": 4,
+        "run_id": "r",
+    }
+    sync_service, async_service = _ScriptedService(), _ScriptedService()
+    sync = train_rl(_service(sync_service), "t/a", _FirstToken, metrics_path=tmp_path / "sync.jsonl", **kwargs)
+    concurrent = asyncio.run(
+        train_rl_async(_service(async_service), "t/a", _FirstToken, metrics_path=tmp_path / "async.jsonl", **kwargs)
+    )
+    assert _without_seconds(sync) == _without_seconds(concurrent)
+    assert sync_service.log == async_service.log  # one adapter: the same calls in the same order
+    assert [m.version_sampled for m in sync] == [1, 2, 3] and all(
+        m.num_datums == 4 for m in sync
+    )  # advantage 0 dropped
+    assert sync_service.log[0] == ("create_training_client", "t/a", RANK8, 4)
+    lines = [[{k: v for k, v in json.loads(line).items() if k != "seconds"} for line in p.read_text().splitlines()]
+             for p in (tmp_path / "sync.jsonl", tmp_path / "async.jsonl")]  # fmt: skip
+    assert lines[0] == lines[1] and len(lines[0]) == 3
+
+
+def test_train_multi_agent_rl_twins_make_the_same_calls() -> None:
+    adapters = {"a": "t/ra", "b": "t/rb"}
+    kwargs: dict[str, Any] = {"steps": 2, "group_size": 3, "groups_per_step": 1, "adam": ADAM, "seed": 1, "run_id": "m"}
+    sync_service, async_service = _ScriptedService(), _ScriptedService()
+    sync = train_multi_agent_rl(_service(sync_service), adapters, _TwoTurns, **kwargs)
+    concurrent = asyncio.run(train_multi_agent_rl_async(_service(async_service), adapters, _TwoTurns, **kwargs))
+    assert {role: _without_seconds(h) for role, h in sync.items()} == {
+        role: _without_seconds(h) for role, h in concurrent.items()
+    }
+    for adapter in adapters.values():  # the roles' calls interleave differently; each adapter's are the same
+        assert sync_service.by_adapter(adapter) == async_service.by_adapter(adapter)
+    assert [m.version_saved for m in sync["a"]] == [2, 3]
+
+
+def test_train_rl_twins_raise_the_same_error() -> None:
+    kwargs: dict[str, Any] = {"steps": 1, "group_size": 2, "groups_per_step": 1}
+    with pytest.raises(ValueError, match="at least 1"):
+        train_rl(_service(_ScriptedService()), "t/a", _FirstToken, steps=0)
+    with pytest.raises(ValueError, match="at least 1"):
+        asyncio.run(train_rl_async(_service(_ScriptedService()), "t/a", _FirstToken, steps=0))
+
+    class WrongVersion(_ScriptedService):
+        def create_sampling_client(self, reference: str) -> _ScriptedSampler:
+            return _ScriptedSampler("t/a@99", self.log)
+
+    message = r"sampled from t/a@99, not t/a@1"
+    with pytest.raises(RuntimeError, match=message):
+        train_rl(_service(WrongVersion()), "t/a", _FirstToken, **kwargs)
+    with pytest.raises(RuntimeError, match=message):
+        asyncio.run(train_rl_async(_service(WrongVersion()), "t/a", _FirstToken, **kwargs))
+
+
+def _service(fake: _ScriptedService) -> ServiceClient:
+    return cast("ServiceClient", fake)

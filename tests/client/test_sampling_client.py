@@ -25,7 +25,7 @@ from opentinker.client import (
     SamplingParams,
     ServiceClient,
 )
-from opentinker.client.types import sampling_params_to_proto
+from opentinker.client.wire import sampling_params_to_proto
 from opentinker.v1 import trainer_pb2
 
 PROMPT = (17, 3, 250, 99, 41, 7)

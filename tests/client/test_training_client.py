@@ -26,7 +26,7 @@ from opentinker.client import (
     TensorData,
     TrainingClient,
 )
-from opentinker.client.types import datum_from_proto, datum_to_proto, tensor_data_from_proto, tensor_data_to_proto
+from opentinker.client.wire import datum_from_proto, datum_to_proto, tensor_data_from_proto, tensor_data_to_proto
 from opentinker.v1 import trainer_pb2, trainer_pb2_grpc
 
 VOCAB = 512
