@@ -1,5 +1,6 @@
 """The registry as seen from the trainer and the sampler: calls whose failures keep their status and
-reason, and artifact moves between a local ArtifactStore and the registry's, in 1 MiB chunks.
+reason, and artifact moves between a local ArtifactStore and the registry's, in 1 MiB chunks on the shared
+stream (weights/artifact_stream.py).
 
 The trainer and the sampler normally share the registry's store directory; when they run elsewhere they
 fetch snapshots with `fetch_artifact` and send new ones with `push_artifact`. The receiving store verifies

@@ -135,15 +135,24 @@ def declared_bytes(file: ArtifactFile, path: Path, block_size: int) -> Iterator[
 
 def chunked(pieces: Iterable[bytes], chunk_size: int) -> Iterator[bytes]:
     """The bytes of ``pieces`` back to back, cut into chunks of ``chunk_size`` (the last one shorter; no
-    empty chunk)."""
+    empty chunk). Each byte is copied at most twice (once when it waits for the rest of its chunk)."""
     buffer = bytearray()
     for piece in pieces:
         if not buffer and len(piece) == chunk_size:
             yield piece  # already a whole chunk: no copy
             continue
-        buffer += piece
-        while len(buffer) >= chunk_size:
-            yield bytes(buffer[:chunk_size])
-            del buffer[:chunk_size]
+        view = memoryview(piece)
+        if buffer:
+            take = min(chunk_size - len(buffer), view.nbytes)
+            buffer += view[:take]
+            view = view[take:]
+            if len(buffer) < chunk_size:
+                continue
+            yield bytes(buffer)
+            buffer.clear()
+        while view.nbytes >= chunk_size:
+            yield bytes(view[:chunk_size])
+            view = view[chunk_size:]
+        buffer += view
     if buffer:
         yield bytes(buffer)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import random
 from collections.abc import AsyncIterator, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -94,6 +95,13 @@ def test_chunked_recuts_across_pieces() -> None:
     assert list(chunked([b"abc", b"", b"defgh", b"i"], 4)) == [b"abcd", b"efgh", b"i"]
     assert list(chunked([b"abcd", b"efgh"], 4)) == [b"abcd", b"efgh"]
     assert list(chunked([b"", b""], 4)) == []
+    rng = random.Random(0)
+    for _ in range(300):
+        pieces = [rng.randbytes(rng.randrange(12)) for _ in range(rng.randrange(8))]
+        size = rng.randrange(1, 6)
+        chunks = list(chunked(pieces, size))
+        assert b"".join(chunks) == b"".join(pieces)
+        assert all(len(c) == size for c in chunks[:-1]) and all(0 < len(c) <= size for c in chunks)
 
 
 def download_messages(files: dict[str, bytes], extra: bytes = b"") -> list[registry_pb2.DownloadArtifactResponse]:
