@@ -65,7 +65,7 @@ def status_command(
     token: Annotated[str | None, typer.Option(envvar="OPENTINKER_TOKEN", help="Bearer token.")] = None,
 ) -> None:
     """One screen on the running stack; exits 1 when a named server is not serving."""
-    from opentinker.client.status import show_status
+    from opentinker.cli.status import show_status
 
     if not (registry or trainer or sampler):
         raise typer.BadParameter("name at least one of --registry, --trainer, --sampler")
@@ -84,7 +84,7 @@ def up_command(
     as_json: Annotated[bool, typer.Option("--json", help="One JSON line when serving and one when stopped.")] = False,
 ) -> None:
     """Start registry, trainer and sampler from one config file; Ctrl-C or SIGTERM stops them all."""
-    from opentinker.client.stack import run_up
+    from opentinker.cli.stack import run_up
     from opentinker.rpc.config import ConfigError
 
     try:
@@ -103,7 +103,7 @@ def demo_command(
     steps: Annotated[int, typer.Option(help="Training steps per adapter.")] = 20,
 ) -> None:
     """Run the end-to-end demo on a locally generated tiny model."""
-    from opentinker.client.demo import run_demo
+    from opentinker.cli.demo import run_demo
 
     run_demo(workdir, out, steps)
 

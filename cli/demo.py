@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from opentinker.client.launch import ServerProcess, start_registry, start_sampler, start_trainer
+from opentinker.cli.launch import ServerProcess, start_registry, start_sampler, start_trainer
 
 console = Console()
 
