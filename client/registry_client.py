@@ -15,6 +15,7 @@ gRPC status code and the ErrorInfo reason the server attached.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -33,6 +34,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from opentinker.client.connection import open_channel, translated
 from opentinker.client.errors import OpenTinkerError, from_rpc_error
+from opentinker.client.types import LoraConfig, lora_config_to_proto
 from opentinker.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
 __all__ = [
@@ -111,6 +113,8 @@ class Adapter:
     description: str
     base_model_digest: str = ""
     dropout: float = 0.0
+    # The ADAPTER_CREATED event's id when create_adapter returned this record (watch_events can resume there).
+    event_id: str = field(default="", compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +133,9 @@ class Version:
     lineage: Lineage
     rank: int
     alpha: float
+    # The version's own LoRA shape ("" / empty: all linear modules), which an imported version may set.
+    target_modules: tuple[str, ...] = ()
+    dropout: float = 0.0
 
     @property
     def reference(self) -> str:
@@ -184,6 +191,8 @@ class GarbageCollection:
 
     collected: tuple[tuple[str, int], ...]
     bytes_freed: int
+    # The artifact of each collected version, in the same order.
+    artifacts: tuple[ArtifactInfo, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,6 +269,8 @@ def _version(proto: registry_pb2.Version) -> Version:
         lineage=_lineage(proto.lineage),
         rank=proto.lora_config.rank,
         alpha=proto.lora_config.alpha,
+        target_modules=tuple(proto.lora_config.target_modules),
+        dropout=proto.lora_config.dropout,
     )
 
 
@@ -611,7 +622,7 @@ class RegistryClient:
             description=description,
         )
         response = self._unary(self._stub.CreateAdapter, request, registry_pb2.CreateAdapterResponse)
-        return _adapter(response.adapter)
+        return dataclasses.replace(_adapter(response.adapter), event_id=response.event_id)
 
     def get_adapter(self, name: str) -> Adapter:
         request = registry_pb2.GetAdapterRequest(name=name)
@@ -649,10 +660,12 @@ class RegistryClient:
         skip_latest: bool = False,
         request_id: str = "",
         expected_latest_version: int | None = None,
+        lora: LoraConfig | None = None,
     ) -> Version:
         """Publishes an uploaded artifact as the adapter's next version and moves "latest" (unless
         skip_latest) plus ``aliases`` to it. ``artifact_uri`` may be the ArtifactInfo upload_artifact
-        returned. A retry with the same ``request_id`` returns the first result and creates nothing."""
+        returned. A retry with the same ``request_id`` returns the first result and creates nothing.
+        ``lora``: the version's LoRA shape when it differs from the adapter's (None: the adapter's)."""
         if isinstance(artifact_uri, ArtifactInfo):
             sha256 = sha256 or artifact_uri.sha256
             size_bytes = size_bytes or artifact_uri.size_bytes
@@ -667,6 +680,7 @@ class RegistryClient:
             skip_latest=skip_latest,
             request_id=request_id,
             expected_latest_version=expected_latest_version,  # None leaves it unset: no compare-and-set
+            lora_config=lora_config_to_proto(lora) if lora is not None else None,
         )
         response = self._unary(self._stub.PublishVersion, request, registry_pb2.PublishVersionResponse)
         return _version(response.version)
@@ -705,8 +719,13 @@ class RegistryClient:
 
     def delete_alias(self, adapter: str, alias: str, expected_version: int | None = None) -> int:
         """Removes an alias ("latest" cannot be removed); returns the version it pointed to."""
+        return self.delete_alias_move(adapter, alias, expected_version).previous_version
+
+    def delete_alias_move(self, adapter: str, alias: str, expected_version: int | None = None) -> AliasMove:
+        """delete_alias, returning the move (version 0: the alias is gone) with its event id."""
         request = registry_pb2.DeleteAliasRequest(adapter=adapter, alias=alias, expected_version=expected_version)
-        return self._unary(self._stub.DeleteAlias, request, registry_pb2.DeleteAliasResponse).previous_version
+        response = self._unary(self._stub.DeleteAlias, request, registry_pb2.DeleteAliasResponse)
+        return AliasMove(adapter, alias, response.previous_version, 0, response.event_id)
 
     def rollback(
         self,
@@ -778,6 +797,10 @@ class RegistryClient:
         return GarbageCollection(
             collected=tuple((c.adapter, c.version) for c in response.collected),
             bytes_freed=response.bytes_freed,
+            artifacts=tuple(
+                ArtifactInfo(_URI_PREFIX + c.artifact_sha256, c.artifact_sha256, c.size_bytes)
+                for c in response.collected
+            ),
         )
 
     def upload_artifact(self, directory: Path) -> ArtifactInfo:
