@@ -1,4 +1,7 @@
-"""The `opentinker` command line: one entry point, a subcommand group per component."""
+"""The `opentinker` command line: one entry point, a subcommand group per component.
+
+This is the composition root: it wires each server's `serve` command (from its own package) next to the
+client tools (registry admin, sample, status: all through the SDK), `up` and `demo`."""
 
 from __future__ import annotations
 
@@ -42,11 +45,13 @@ def make_tiny_model_command(
 
 
 def _register_groups() -> None:
+    from opentinker.cli.registry_admin import add_admin_commands
     from opentinker.gateway.cli import app as gateway_app
     from opentinker.registry.cli import registry_app
     from opentinker.sampler_server.cli import sample_command, sampler_app
     from opentinker.trainer_server.cli import trainer_app
 
+    add_admin_commands(registry_app)
     app.add_typer(registry_app, name="registry", help="Run and administer the adapter registry.")
     app.add_typer(trainer_app, name="trainer", help="Run the trainer server.")
     app.add_typer(sampler_app, name="sampler", help="Run the sampler server.")
