@@ -10,6 +10,8 @@ from typing import Annotated
 
 import typer
 
+from opentinker.cli.options import CaCert, Token
+
 app = typer.Typer(no_args_is_help=True, help="OpenTinker: train and serve many LoRA policies on one base LLM.")
 
 
@@ -46,9 +48,10 @@ def make_tiny_model_command(
 
 def _register_groups() -> None:
     from opentinker.cli.registry_admin import add_admin_commands
+    from opentinker.cli.sample import sample_command
     from opentinker.gateway.cli import app as gateway_app
     from opentinker.registry.cli import registry_app
-    from opentinker.sampler_server.cli import sample_command, sampler_app
+    from opentinker.sampler_server.cli import sampler_app
     from opentinker.trainer_server.cli import trainer_app
 
     add_admin_commands(registry_app)
@@ -67,14 +70,15 @@ def status_command(
     registry: Annotated[str | None, typer.Option(envvar="OPENTINKER_REGISTRY", help="Registry address.")] = None,
     trainer: Annotated[str | None, typer.Option(envvar="OPENTINKER_TRAINER", help="Trainer address.")] = None,
     sampler: Annotated[str | None, typer.Option(envvar="OPENTINKER_SAMPLER", help="Sampler address.")] = None,
-    token: Annotated[str | None, typer.Option(envvar="OPENTINKER_TOKEN", help="Bearer token.")] = None,
+    token: Token = None,
+    ca_cert: CaCert = None,
 ) -> None:
     """One screen on the running stack; exits 1 when a named server is not serving."""
     from opentinker.cli.status import show_status
 
     if not (registry or trainer or sampler):
         raise typer.BadParameter("name at least one of --registry, --trainer, --sampler")
-    if not show_status(registry, trainer, sampler, token):
+    if not show_status(registry, trainer, sampler, token, ca_cert):
         raise typer.Exit(1)
 
 

@@ -13,7 +13,10 @@ DEFAULT_REGISTRY = f"127.0.0.1:{REGISTRY_PORT}"
 RegistryAddr = Annotated[
     str, typer.Option("--registry", envvar="OPENTINKER_REGISTRY", help="Registry address host:port.")
 ]
-Token = Annotated[str | None, typer.Option("--token", envvar="OPENTINKER_TOKEN", help="Bearer token.")]
+Token = Annotated[
+    str | None,
+    typer.Option("--token", envvar="OPENTINKER_TOKEN", help="Access token, sent as the authorization bearer."),
+]
 CaCert = Annotated[
     Path | None,
     typer.Option(

@@ -1,81 +1,92 @@
 """`opentinker status`: one screen on the running stack (servers up, adapters, versions, slots, queue,
-tokens/s, last reloads), read over the same gRPC APIs every client uses."""
+tokens/s, last reloads), read through the SDK's clients and connections (plaintext, or TLS with ca_cert)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rich.console import Console
 from rich.table import Table
 
-from opentinker.rpc.errors import describe
-from opentinker.v1 import registry_pb2, registry_pb2_grpc, sampler_pb2, sampler_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+from opentinker.client import OpenTinkerError, RegistryClient, ServiceClient
+from opentinker.client.connection import Connection
+from opentinker.v1 import sampler_pb2, sampler_pb2_grpc
 
 TIMEOUT = 5.0
 
 
-def _health(channel: grpc.Channel) -> str:
+def _health(address: str, ca_cert: Path | None) -> str:
+    # The health service answers without a token, as load balancers ask it.
+    connection = Connection(address, health_pb2_grpc.HealthStub, None, timeout=TIMEOUT, ca_cert=ca_cert)
     try:
-        response = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=TIMEOUT)
-    except grpc.RpcError as exc:
-        return f"DOWN ({describe(exc)})"
+        response = connection.unary("Check", health_pb2.HealthCheckRequest(), health_pb2.HealthCheckResponse)
+    except OpenTinkerError as exc:
+        return f"DOWN ({exc})"
+    finally:
+        connection.close()
     return str(health_pb2.HealthCheckResponse.ServingStatus.Name(response.status))
 
 
-def show_status(registry: str | None, trainer: str | None, sampler: str | None, token: str | None) -> bool:
+def show_status(
+    registry: str | None, trainer: str | None, sampler: str | None, token: str | None, ca_cert: Path | None = None
+) -> bool:
     """Prints the view; returns False when a named server is not SERVING."""
     console = Console()
-    metadata = [("authorization", f"Bearer {token}")] if token else None
     servers = Table("server", "address", "health", title="OpenTinker stack")
     healthy = True
     sections: list[Any] = []
     for name, address in (("registry", registry), ("trainer", trainer), ("sampler", sampler)):
         if not address:
             continue
-        with grpc.insecure_channel(address) as channel:
-            health = _health(channel)
-            servers.add_row(name, address, health)
-            if health != "SERVING":
-                healthy = False
-                continue
-            try:
-                sections.append(_SECTIONS[name](channel, metadata))
-            except grpc.RpcError as exc:
-                sections.append(f"{name}: {describe(exc)}")
+        health = _health(address, ca_cert)
+        servers.add_row(name, address, health)
+        if health != "SERVING":
+            healthy = False
+            continue
+        try:
+            sections.append(_SECTIONS[name](address, token, ca_cert))
+        except OpenTinkerError as exc:
+            sections.append(f"{name}: {exc}")
     console.print(servers)
     for section in sections:
         console.print(section)
     return healthy
 
 
-def _registry(channel: grpc.Channel, metadata: Any) -> Table:
-    stub = registry_pb2_grpc.RegistryServiceStub(channel)
-    adapters = stub.ListAdapters(registry_pb2.ListAdaptersRequest(page_size=1000), metadata=metadata, timeout=TIMEOUT)
-    table = Table("adapter", "versions", "aliases", "rank", title=f"registry: {len(adapters.adapters)} adapters")
-    for adapter in adapters.adapters:
+def _registry(address: str, token: str | None, ca_cert: Path | None) -> Table:
+    with RegistryClient(address, token, timeout=TIMEOUT, ca_cert=ca_cert) as client:
+        adapters = client.list_adapters()
+    table = Table("adapter", "versions", "aliases", "rank", title=f"registry: {len(adapters)} adapters")
+    for adapter in adapters:
         aliases = ", ".join(f"{k}->{v}" for k, v in sorted(adapter.aliases.items()))
-        table.add_row(adapter.name, str(adapter.version_count), aliases, str(adapter.lora_config.rank))
+        table.add_row(adapter.name, str(adapter.version_count), aliases, str(adapter.rank))
     return table
 
 
-def _trainer(channel: grpc.Channel, metadata: Any) -> Table:
-    stub = trainer_pb2_grpc.TrainerServiceStub(channel)
-    info = stub.GetTrainerInfo(trainer_pb2.GetTrainerInfoRequest(), metadata=metadata, timeout=TIMEOUT).base_model
-    adapters = stub.ListAdapters(trainer_pb2.TrainerServiceListAdaptersRequest(), metadata=metadata, timeout=TIMEOUT)
-    title = f"trainer: {info.architecture} on {info.device} ({info.dtype}), {len(adapters.adapters)} adapters"
+def _trainer(address: str, token: str | None, ca_cert: Path | None) -> Table:
+    with ServiceClient(trainer=address, token=token, timeout=TIMEOUT, ca_cert=ca_cert) as client:
+        info = client.get_trainer_info()
+        adapters = client.list_training_adapters()
+    title = f"trainer: {info.architecture} on {info.device} ({info.dtype}), {len(adapters)} adapters"
     table = Table("adapter", "step", "tokens", "pending", "last snapshot", "resident", title=title)
-    for adapter in adapters.adapters:
+    for adapter in adapters:
         table.add_row(adapter.name, str(adapter.step), str(adapter.tokens_trained), str(adapter.pending_batches),
                       str(adapter.last_snapshot_version or "-"), "yes" if adapter.resident else "no")  # fmt: skip
     return table
 
 
-def _sampler(channel: grpc.Channel, metadata: Any) -> Table:
-    stub = sampler_pb2_grpc.SamplerServiceStub(channel)
-    stats = stub.GetStats(sampler_pb2.GetStatsRequest(), metadata=metadata, timeout=TIMEOUT)
-    loaded = stub.ListLoaded(sampler_pb2.ListLoadedRequest(), metadata=metadata, timeout=TIMEOUT)
+def _sampler(address: str, token: str | None, ca_cert: Path | None) -> Table:
+    # The SDK's records of a sampler carry no reload history and no slot listing: read the replies themselves,
+    # over the SDK's connection (channel, credentials and token built in one place).
+    connection = Connection(address, sampler_pb2_grpc.SamplerServiceStub, token, timeout=TIMEOUT, ca_cert=ca_cert)
+    try:
+        stats = connection.unary("GetStats", sampler_pb2.GetStatsRequest(), sampler_pb2.GetStatsResponse)
+        loaded = connection.unary("ListLoaded", sampler_pb2.ListLoadedRequest(), sampler_pb2.ListLoadedResponse)
+    finally:
+        connection.close()
     title = (
         f"sampler: slots {stats.slots_used}/{stats.slots_total}, running {stats.running_requests}, waiting "
         f"{stats.waiting_requests}/{stats.max_waiting}, {stats.decode_tokens_per_second:.1f} tokens/s, "
@@ -92,4 +103,8 @@ def _sampler(channel: grpc.Channel, metadata: Any) -> Table:
     return table
 
 
-_SECTIONS = {"registry": _registry, "trainer": _trainer, "sampler": _sampler}
+_SECTIONS: dict[str, Callable[[str, str | None, Path | None], Table]] = {
+    "registry": _registry,
+    "trainer": _trainer,
+    "sampler": _sampler,
+}
