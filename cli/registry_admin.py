@@ -8,34 +8,31 @@ from collections.abc import Callable, Iterator
 from contextlib import closing, contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated, NoReturn, TypeVar
+from typing import Annotated, NoReturn
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from opentinker.cli import registry_json as out
+from opentinker.cli.failure import describe
 from opentinker.cli.options import DEFAULT_REGISTRY, AsJson, CaCert, RegistryAddr, Token
 from opentinker.client import OpenTinkerError, Reconcile, RegistryClient
 
-T = TypeVar("T")
 console = Console()
 alias_app = typer.Typer(no_args_is_help=True, help="Move or remove aliases.")
 
 
 @contextmanager
 def connect(address: str, token: str | None, ca_cert: Path | None) -> Iterator[RegistryClient]:
+    """The registry's client for the block; a failed call in it prints `error: CODE: message [REASON]` and
+    exits 1 (no traceback)."""
     # No deadline, as before: an admin call (gc, a long watch) takes as long as it takes.
     with RegistryClient(address, token, timeout=None, ca_cert=ca_cert) as client:
-        yield client
-
-
-def call(fn: Callable[[], T]) -> T:
-    """Run one request; a failure prints `error: CODE: message [REASON]` and exits 1 (no traceback)."""
-    try:
-        return fn()
-    except OpenTinkerError as exc:
-        fail(str(exc))
+        try:
+            yield client
+        except OpenTinkerError as exc:
+            fail(describe(exc, ca_cert))
 
 
 def fail(message: str) -> NoReturn:
@@ -61,8 +58,8 @@ def create(
     """Register an adapter name."""
     with connect(registry, token, ca_cert) as client:
         # No --target: the empty list, which the registry reads as its default (all linear modules).
-        created = call(lambda: client.create_adapter(name, rank=rank, alpha=alpha, target_modules=target or [],
-                                                     description=description))  # fmt: skip
+        created = client.create_adapter(name, rank=rank, alpha=alpha, target_modules=target or [],
+                                        description=description)  # fmt: skip
     if as_json:
         out.print_json(out.created_json(created))
     else:
@@ -78,7 +75,7 @@ def adapters(
 ) -> None:
     """List adapters with their aliases."""
     with connect(registry, token, ca_cert) as client:
-        found = call(lambda: client.list_adapters(prefix))
+        found = client.list_adapters(prefix)
     if as_json:
         out.print_json([out.adapter_json(a) for a in found])
         return
@@ -99,7 +96,7 @@ def versions(
 ) -> None:
     """Versions of an adapter, newest first."""
     with connect(registry, token, ca_cert) as client:
-        newest = call(lambda: client.list_versions(name))[: limit or 100]  # 0: the registry's page size
+        newest = client.list_versions(name)[: limit or 100]  # 0: the registry's page size
     if as_json:
         out.print_json([out.version_json(v) for v in newest])
         return
@@ -122,7 +119,7 @@ def show(
 ) -> None:
     """Resolve a reference (name, name@alias, name@N) to its exact version."""
     with connect(registry, token, ca_cert) as client:
-        v = call(lambda: client.resolve(reference))
+        v = client.resolve(reference)
     if as_json:
         out.print_json(out.version_json(v))
         return
@@ -147,7 +144,7 @@ def alias_set(
 ) -> None:
     """Point ALIAS of NAME at VERSION."""
     with connect(registry, token, ca_cert) as client:
-        move = call(lambda: client.set_alias(name, alias, version, expected_version=expect))
+        move = client.set_alias(name, alias, version, expected_version=expect)
     if as_json:
         out.print_json(out.alias_set_json(move))
     else:
@@ -166,7 +163,7 @@ def alias_rm(
 ) -> None:
     """Remove ALIAS of NAME."""
     with connect(registry, token, ca_cert) as client:
-        move = call(lambda: client.delete_alias_move(name, alias, expected_version=expect))
+        move = client.delete_alias_move(name, alias, expected_version=expect)
     if as_json:
         out.print_json(out.alias_rm_json(move))
     else:
@@ -184,7 +181,7 @@ def rollback(
 ) -> None:
     """Move an alias back to an older version."""
     with connect(registry, token, ca_cert) as client:
-        move = call(lambda: client.rollback(name, alias, to))
+        move = client.rollback(name, alias, to)
     if as_json:
         out.print_json(out.rollback_json(move))
     else:
@@ -201,7 +198,7 @@ def lineage(
 ) -> None:
     """The chain of versions back to the first, with their batches."""
     with connect(registry, token, ca_cert) as client:
-        chain = call(lambda: client.get_lineage(reference, max_depth=depth))
+        chain = client.get_lineage(reference, max_depth=depth)
     if as_json:
         out.print_json([out.version_json(v) for v in chain])
         return
@@ -226,29 +223,24 @@ def watch(
     as_json: AsJson = False,
 ) -> None:
     """Stream registry events (one per line)."""
-    with connect(registry, token, ca_cert) as client:
-
-        def consume() -> None:
-            seen = 0
-            # closing(): leaving early (--count) cancels the server stream.
-            with closing(client.watch_events(from_id, adapter or [])) as stream:
-                for message in stream:
-                    if as_json:
-                        print(out.line(out.watch_json(message)), flush=True)
-                    elif isinstance(message, Reconcile):
-                        print(f"{message.event_id} RECONCILE ({message.reason}) {len(message.aliases)} adapters",
-                              flush=True)  # fmt: skip
-                        for name, aliases in message.aliases.items():
-                            print(f"    {name} {dict(sorted(aliases.items()))}", flush=True)
-                    else:
-                        e = message
-                        detail = f"{e.alias} {e.previous_version or '-'} -> {e.version}" if e.alias else f"v{e.version}"
-                        print(f"{e.event_id} {e.type} {e.adapter} {detail} by {e.actor}", flush=True)
-                    seen += 1
-                    if count and seen >= count:
-                        return
-
-        call(consume)
+    seen = 0
+    # closing(): leaving early (--count) cancels the server stream.
+    with connect(registry, token, ca_cert) as client, closing(client.watch_events(from_id, adapter or [])) as stream:
+        for message in stream:
+            if as_json:
+                print(out.line(out.watch_json(message)), flush=True)
+            elif isinstance(message, Reconcile):
+                print(f"{message.event_id} RECONCILE ({message.reason}) {len(message.aliases)} adapters",
+                      flush=True)  # fmt: skip
+                for name, aliases in message.aliases.items():
+                    print(f"    {name} {dict(sorted(aliases.items()))}", flush=True)
+            else:
+                e = message
+                detail = f"{e.alias} {e.previous_version or '-'} -> {e.version}" if e.alias else f"v{e.version}"
+                print(f"{e.event_id} {e.type} {e.adapter} {detail} by {e.actor}", flush=True)
+            seen += 1
+            if count and seen >= count:
+                return
 
 
 def gc(
@@ -262,7 +254,7 @@ def gc(
 ) -> None:
     """Delete artifacts outside the retention policy (admin)."""
     with connect(registry, token, ca_cert) as client:
-        result = call(lambda: client.garbage_collect(keep, adapter, dry_run))
+        result = client.garbage_collect(keep, adapter, dry_run)
     if as_json:
         out.print_json(out.gc_json(result))
         return
@@ -275,7 +267,7 @@ def gc(
 def delete(name: str, registry: RegistryAddr = DEFAULT_REGISTRY, token: Token = None, ca_cert: CaCert = None) -> None:
     """Delete an adapter and its aliases (admin); versions remain until gc."""
     with connect(registry, token, ca_cert) as client:
-        event_id = call(lambda: client.delete_adapter(name))
+        event_id = client.delete_adapter(name)
     console.print(f"deleted {name} (event {event_id})")
 
 

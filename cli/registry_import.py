@@ -18,7 +18,7 @@ import typer
 
 from opentinker.cli import registry_json as out
 from opentinker.cli.options import DEFAULT_REGISTRY, AsJson, CaCert, RegistryAddr, Token
-from opentinker.cli.registry_admin import call, connect, console, fail
+from opentinker.cli.registry_admin import connect, console, fail
 from opentinker.client import BatchRecord, Lineage, LoraConfig, OpenTinkerError, RegistryClient, Version
 from opentinker.rpc.progress import spinner
 from opentinker.weights.peft import PEFT_FILES
@@ -46,7 +46,7 @@ def import_adapter(
     except PeftFolderError as exc:
         fail(str(exc))
     with connect(registry, token, ca_cert) as client:
-        version = call(lambda: _publish_import(client, adapter, name, alias or [], quiet=as_json))
+        version = _publish_import(client, adapter, name, alias or [], quiet=as_json)
     if as_json:
         out.print_json(out.version_json(version))
         return
@@ -111,17 +111,15 @@ def export_adapter(
     if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
         fail(f"{directory}: exists and is not an empty directory")
     with connect(registry, token, ca_cert) as client:
-        version = call(lambda: client.resolve(reference))
+        version = client.resolve(reference)
         if version.artifact_deleted:
             fail(f"{version.reference} was garbage-collected; its weights are gone")
         with tempfile.TemporaryDirectory(prefix="opentinker-export-") as tmp:
             artifact = Path(tmp) / "artifact"
+            with spinner(f"downloading {version.reference}", quiet=as_json):
+                client.download_artifact(version.artifact_uri, artifact)  # a failure: connect() reports it
             try:
-                with spinner(f"downloading {version.reference}", quiet=as_json):
-                    client.download_artifact(version.artifact_uri, artifact)
                 written = write_peft_folder(artifact, directory, base_model_name_or_path=base_model_name)
-            except OpenTinkerError as exc:
-                fail(str(exc))
             except PeftFolderError as exc:
                 fail(str(exc))
     if as_json:

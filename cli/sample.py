@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 
+from opentinker.cli.failure import describe
 from opentinker.cli.options import CaCert, Token
 from opentinker.client import OpenTinkerError, SamplingClient, SamplingParams
 
@@ -41,6 +42,6 @@ def sample_command(
                 if chunk.stop_reason is not None:
                     stop_reason = chunk.stop_reason
         except OpenTinkerError as exc:
-            print(f"error: {exc}", file=sys.stderr)
+            print(f"error: {describe(exc, ca_cert)}", file=sys.stderr)
             raise typer.Exit(1) from None
     print(f"\n[{version}, stop: {stop_reason}]", file=sys.stderr)

@@ -11,6 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rich.console import Console
 from rich.table import Table
 
+from opentinker.cli.failure import describe
 from opentinker.client import OpenTinkerError, RegistryClient, ServiceClient
 from opentinker.client.connection import Connection
 from opentinker.v1 import sampler_pb2, sampler_pb2_grpc
@@ -24,7 +25,7 @@ def _health(address: str, ca_cert: Path | None) -> str:
     try:
         response = connection.unary("Check", health_pb2.HealthCheckRequest(), health_pb2.HealthCheckResponse)
     except OpenTinkerError as exc:
-        return f"DOWN ({exc})"
+        return f"DOWN ({describe(exc, ca_cert)})"
     finally:
         connection.close()
     return str(health_pb2.HealthCheckResponse.ServingStatus.Name(response.status))
@@ -49,7 +50,7 @@ def show_status(
         try:
             sections.append(_SECTIONS[name](address, token, ca_cert))
         except OpenTinkerError as exc:
-            sections.append(f"{name}: {exc}")
+            sections.append(f"{name}: {describe(exc, ca_cert)}")
     console.print(servers)
     for section in sections:
         console.print(section)
