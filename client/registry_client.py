@@ -689,16 +689,19 @@ class RegistryClient:
         request = registry_pb2.GetVersionRequest(adapter=adapter, version=number)
         return _version(self._unary(self._stub.GetVersion, request, registry_pb2.GetVersionResponse).version)
 
-    def list_versions(self, adapter: str) -> list[Version]:
-        """Every version of the adapter, newest first (all pages)."""
+    def list_versions(self, adapter: str, limit: int | None = None) -> list[Version]:
+        """Every version of the adapter (the newest ``limit`` of them, if given), newest first."""
+        if limit is not None and limit < 1:
+            raise ValueError(f"limit must be at least 1, got {limit}")
         versions: list[Version] = []
         token = ""
         while True:
-            request = registry_pb2.ListVersionsRequest(adapter=adapter, page_size=_PAGE_SIZE, page_token=token)
+            size = _PAGE_SIZE if limit is None else min(_PAGE_SIZE, limit - len(versions))
+            request = registry_pb2.ListVersionsRequest(adapter=adapter, page_size=size, page_token=token)
             response = self._unary(self._stub.ListVersions, request, registry_pb2.ListVersionsResponse)
             versions.extend(_version(v) for v in response.versions)
             token = response.next_page_token
-            if not token:
+            if not token or (limit is not None and len(versions) >= limit):
                 return versions
 
     def resolve(self, ref: str) -> Version:
