@@ -88,7 +88,7 @@ def adapters(
 
 def versions(
     name: str,
-    limit: Annotated[int, typer.Option(help="Newest N versions.")] = 20,
+    limit: Annotated[int, typer.Option(min=0, help="Newest N versions.")] = 20,
     registry: RegistryAddr = DEFAULT_REGISTRY,
     token: Token = None,
     ca_cert: CaCert = None,
@@ -96,7 +96,7 @@ def versions(
 ) -> None:
     """Versions of an adapter, newest first."""
     with connect(registry, token, ca_cert) as client:
-        newest = client.list_versions(name)[: limit or 100]  # 0: the registry's page size
+        newest = client.list_versions(name, limit or 100)  # 0: the registry's page size
     if as_json:
         out.print_json([out.version_json(v) for v in newest])
         return

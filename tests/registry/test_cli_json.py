@@ -63,3 +63,13 @@ def test_records_print_as_the_wire_replies(registry_server: ServerProcess, regis
                                            "event_id": back.event_id}  # fmt: skip
         removed = client.delete_alias_move(name, "canary")
         assert out.alias_rm_json(removed) == {"previous_version": "2", "event_id": removed.event_id}
+
+
+def test_versions_limit_reads_only_the_newest(registry_server: ServerProcess, registry: Stub) -> None:
+    name = unique_name("json")
+    with RegistryClient(registry_server.address) as client:
+        client.create_adapter(name, rank=8)
+        for parent in range(3):
+            publish(registry, name, parent=parent)
+        assert [v.number for v in client.list_versions(name, limit=2)] == [3, 2]
+        assert [v.number for v in client.list_versions(name, limit=5)] == [3, 2, 1]
