@@ -30,7 +30,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-PACKAGES := client rpc weights registry trainer_server sampler_server gateway
+PACKAGES := client rpc weights registry trainer_server sampler_server gateway cli
 typecheck: $(STAMP)
 	@mkdir -p build/typecheck/opentinker
 	@for p in $(PACKAGES); do ln -sfn ../../../$$p build/typecheck/opentinker/$$p; done

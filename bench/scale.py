@@ -42,7 +42,7 @@ from workload import (
     zipf_mass,
 )
 
-from opentinker.client.launch import tree_memory
+from opentinker.cli.launch import tree_memory
 from opentinker.v1 import sampler_pb2, sampler_pb2_grpc
 
 ZIPF_S = 1.1

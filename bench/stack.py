@@ -14,7 +14,7 @@ from pathlib import Path
 
 import grpc
 
-from opentinker.client.launch import ServerProcess, opentinker_command, registry_store, start_registry
+from opentinker.cli.launch import ServerProcess, opentinker_command, registry_store, start_registry
 from opentinker.client.registry_client import RegistryClient
 from opentinker.v1 import common_pb2, sampler_pb2, sampler_pb2_grpc
 from opentinker.weights.artifact_store import ArtifactStore

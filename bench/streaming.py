@@ -43,7 +43,7 @@ from workload import (
     spec_config,
 )
 
-from opentinker.client.launch import ServerProcess
+from opentinker.cli.launch import ServerProcess
 from opentinker.v1 import sampler_pb2, sampler_pb2_grpc
 
 MAX_LEN = 128

@@ -15,6 +15,7 @@ gRPC status code and the ErrorInfo reason the server attached.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Generator, Iterable, Mapping
 from pathlib import Path
 from types import TracebackType
@@ -40,7 +41,10 @@ from opentinker.client.registry_wire import (
     reconcile_from_proto,
     version_from_proto,
 )
+from opentinker.client.types import LoraConfig
+from opentinker.client.wire import lora_config_to_proto
 from opentinker.v1 import common_pb2, registry_pb2, registry_pb2_grpc
+from opentinker.weights.artifact_manifest import URI_PREFIX
 
 __all__ = [
     "Adapter",
@@ -141,7 +145,7 @@ class RegistryClient:
             description=description,
         )
         response = self._connection.unary("CreateAdapter", request, registry_pb2.CreateAdapterResponse)
-        return adapter_from_proto(response.adapter)
+        return dataclasses.replace(adapter_from_proto(response.adapter), event_id=response.event_id)
 
     def get_adapter(self, name: str) -> Adapter:
         request = registry_pb2.GetAdapterRequest(name=name)
@@ -181,10 +185,12 @@ class RegistryClient:
         skip_latest: bool = False,
         request_id: str = "",
         expected_latest_version: int | None = None,
+        lora: LoraConfig | None = None,
     ) -> Version:
         """Publishes an uploaded artifact as the adapter's next version and moves "latest" (unless
         skip_latest) plus ``aliases`` to it. ``artifact_uri`` may be the ArtifactInfo upload_artifact
-        returned. A retry with the same ``request_id`` returns the first result and creates nothing."""
+        returned. A retry with the same ``request_id`` returns the first result and creates nothing.
+        ``lora``: the version's LoRA shape when it differs from the adapter's (None: the adapter's)."""
         if isinstance(artifact_uri, ArtifactInfo):
             sha256 = sha256 or artifact_uri.sha256
             size_bytes = size_bytes or artifact_uri.size_bytes
@@ -199,6 +205,7 @@ class RegistryClient:
             skip_latest=skip_latest,
             request_id=request_id,
             expected_latest_version=expected_latest_version,  # None leaves it unset: no compare-and-set
+            lora_config=lora_config_to_proto(lora) if lora is not None else None,
         )
         response = self._connection.unary("PublishVersion", request, registry_pb2.PublishVersionResponse)
         return version_from_proto(response.version)
@@ -209,16 +216,19 @@ class RegistryClient:
             self._connection.unary("GetVersion", request, registry_pb2.GetVersionResponse).version
         )
 
-    def list_versions(self, adapter: str) -> list[Version]:
-        """Every version of the adapter, newest first (all pages)."""
+    def list_versions(self, adapter: str, limit: int | None = None) -> list[Version]:
+        """Every version of the adapter (the newest ``limit`` of them, if given), newest first."""
+        if limit is not None and limit < 1:
+            raise ValueError(f"limit must be at least 1, got {limit}")
         versions: list[Version] = []
         token = ""
         while True:
-            request = registry_pb2.ListVersionsRequest(adapter=adapter, page_size=_PAGE_SIZE, page_token=token)
+            size = _PAGE_SIZE if limit is None else min(_PAGE_SIZE, limit - len(versions))
+            request = registry_pb2.ListVersionsRequest(adapter=adapter, page_size=size, page_token=token)
             response = self._connection.unary("ListVersions", request, registry_pb2.ListVersionsResponse)
             versions.extend(version_from_proto(v) for v in response.versions)
             token = response.next_page_token
-            if not token:
+            if not token or (limit is not None and len(versions) >= limit):
                 return versions
 
     def resolve(self, ref: str) -> Version:
@@ -239,8 +249,13 @@ class RegistryClient:
 
     def delete_alias(self, adapter: str, alias: str, expected_version: int | None = None) -> int:
         """Removes an alias ("latest" cannot be removed); returns the version it pointed to."""
+        return self.delete_alias_move(adapter, alias, expected_version).previous_version
+
+    def delete_alias_move(self, adapter: str, alias: str, expected_version: int | None = None) -> AliasMove:
+        """delete_alias, returning the move (version 0: the alias is gone) with its event id."""
         request = registry_pb2.DeleteAliasRequest(adapter=adapter, alias=alias, expected_version=expected_version)
-        return self._connection.unary("DeleteAlias", request, registry_pb2.DeleteAliasResponse).previous_version
+        response = self._connection.unary("DeleteAlias", request, registry_pb2.DeleteAliasResponse)
+        return AliasMove(adapter, alias, response.previous_version, 0, response.event_id)
 
     def rollback(
         self,
@@ -312,6 +327,10 @@ class RegistryClient:
         return GarbageCollection(
             collected=tuple((c.adapter, c.version) for c in response.collected),
             bytes_freed=response.bytes_freed,
+            artifacts=tuple(
+                ArtifactInfo(URI_PREFIX + c.artifact_sha256, c.artifact_sha256, c.size_bytes)
+                for c in response.collected
+            ),
         )
 
     def upload_artifact(self, directory: Path) -> ArtifactInfo:

@@ -64,6 +64,8 @@ class Adapter:
     description: str
     base_model_digest: str = ""
     dropout: float = 0.0
+    # The ADAPTER_CREATED event's id when create_adapter returned this record (watch_events can resume there).
+    event_id: str = field(default="", compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +84,9 @@ class Version:
     lineage: Lineage
     rank: int
     alpha: float
+    # The version's own LoRA shape ("" / empty: all linear modules), which an imported version may set.
+    target_modules: tuple[str, ...] = ()
+    dropout: float = 0.0
 
     @property
     def reference(self) -> str:
@@ -137,6 +142,8 @@ class GarbageCollection:
 
     collected: tuple[tuple[str, int], ...]
     bytes_freed: int
+    # The artifact of each collected version, in the same order.
+    artifacts: tuple[ArtifactInfo, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

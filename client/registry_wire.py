@@ -78,6 +78,8 @@ def version_from_proto(proto: registry_pb2.Version) -> Version:
         lineage=lineage_from_proto(proto.lineage),
         rank=proto.lora_config.rank,
         alpha=proto.lora_config.alpha,
+        target_modules=tuple(proto.lora_config.target_modules),
+        dropout=proto.lora_config.dropout,
     )
 
 

@@ -1,4 +1,4 @@
-"""`opentinker sampler serve` (the server) and `opentinker sample` (stream from it to the terminal)."""
+"""`opentinker sampler serve`: the sampler's flags, checked, then handed to its builder (`build.py`)."""
 
 from __future__ import annotations
 
@@ -111,45 +111,3 @@ def serve(
         serve_sampler(config)
     except BadOption as exc:
         raise typer.BadParameter(str(exc), param_hint=exc.option) from None
-
-
-def sample_command(
-    reference: Annotated[str, typer.Argument(help="base, name, name@alias or name@N.")],
-    prompt: Annotated[str, typer.Argument(help="Prompt text (tokenized by the sampler, no chat template).")],
-    max_tokens: Annotated[int, typer.Option(min=1, max=(1 << 32) - 1, help="Tokens to generate.")] = 32,
-    temperature: Annotated[float, typer.Option(help="0: greedy.")] = 1.0,
-    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass.")] = 1.0,
-    top_k: Annotated[int, typer.Option(min=0, max=(1 << 32) - 1, help="0: off.")] = 0,
-    seed: Annotated[int | None, typer.Option(min=0, max=(1 << 64) - 1, help="Same seed, same output.")] = None,
-    stop: Annotated[list[str] | None, typer.Option(help="Stop strings.")] = None,
-    sampler: Annotated[
-        str, typer.Option(envvar="OPENTINKER_SAMPLER", help="Sampler address.")
-    ] = f"127.0.0.1:{DEFAULT_PORT}",
-    token: Annotated[str | None, typer.Option(envvar="OPENTINKER_TOKEN", help="Bearer token.")] = None,
-) -> None:
-    """Stream a completion from a sampler to the terminal."""
-    import sys
-
-    import grpc
-
-    from opentinker.rpc.errors import describe
-    from opentinker.v1 import sampler_pb2, sampler_pb2_grpc
-
-    params = sampler_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                                        max_tokens=max_tokens, stop_strings=stop or [])  # fmt: skip
-    request = sampler_pb2.SampleRequest(model=reference, prompt_text=prompt, sampling_params=params)
-    metadata = [("authorization", f"Bearer {token}")] if token else None
-    stop_reason = "?"
-    version = ""
-    with grpc.insecure_channel(sampler) as channel:
-        try:
-            for message in sampler_pb2_grpc.SamplerServiceStub(channel).Sample(request, metadata=metadata):
-                version = f"{message.version.adapter}@{message.version.version}" if message.version.adapter else "base"
-                sys.stdout.write(message.text)
-                sys.stdout.flush()
-                if message.stop_reason:
-                    stop_reason = sampler_pb2.StopReason.Name(message.stop_reason).removeprefix("STOP_REASON_").lower()
-        except grpc.RpcError as exc:
-            print(f"error: {describe(exc)}", file=sys.stderr)
-            raise typer.Exit(1) from None
-    print(f"\n[{version}, stop: {stop_reason}]", file=sys.stderr)

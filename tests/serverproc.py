@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from opentinker.client.launch import (
+from opentinker.cli.launch import (
     ServerProcess,
     opentinker_command,
     registry_store,

@@ -8,7 +8,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from opentinker.client.launch import ServerProcess, start_registry, start_sampler, start_trainer
+from opentinker.cli.launch import ServerProcess, start_registry, start_sampler, start_trainer
 from opentinker.client.tiny_model import TinyModelSpec, make_tiny_model
 
 BINARY = Path(__file__).resolve().parents[2] / "build" / "go" / "bin" / "opentinker-go-example"

@@ -11,7 +11,7 @@ from opentinker.client.tiny_model import model_files_digest
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "opentinker.client.cli", *args], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "opentinker.cli.main", *args], capture_output=True, text=True, timeout=300
     )
 
 

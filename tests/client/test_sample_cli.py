@@ -11,7 +11,7 @@ from serverproc import ServerProcess
 
 
 def sample(sampler: ServerProcess, *args: str) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "opentinker.client.cli", "sample", *args, "--sampler", sampler.address]
+    command = [sys.executable, "-m", "opentinker.cli.main", "sample", *args, "--sampler", sampler.address]
     return subprocess.run(command, capture_output=True, text=True, timeout=60)
 
 

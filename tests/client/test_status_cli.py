@@ -16,7 +16,7 @@ from opentinker.v1 import sampler_pb2, sampler_pb2_grpc, trainer_pb2, trainer_pb
 
 def run_status(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "opentinker.client.cli", "status", *args],
+        [sys.executable, "-m", "opentinker.cli.main", "status", *args],
         capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"},
     )  # fmt: skip
 

@@ -13,7 +13,7 @@ from pathlib import Path
 def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "demo_out"
     result = subprocess.run(
-        [sys.executable, "-m", "opentinker.client.cli", "demo", "--workdir", str(tmp_path / "data"), "--out", str(out)],
+        [sys.executable, "-m", "opentinker.cli.main", "demo", "--workdir", str(tmp_path / "data"), "--out", str(out)],
         capture_output=True, text=True, timeout=600, env={**os.environ, "COLUMNS": "200"},
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -24,10 +24,10 @@ from serverproc import ROOT, ServerProcess, opentinker_command
 from trainerutil import Trainer, create, forward, logprobs, lora, random_tokens, sft_batch, sft_datum, train_step
 from typer.testing import CliRunner
 
-from opentinker.client.cli import app
-from opentinker.registry.peft_io import PeftFolderError, inspect_peft_folder
+from opentinker.cli.main import app
 from opentinker.v1 import registry_pb2, registry_pb2_grpc
 from opentinker.weights.base_model import model_digest
+from opentinker.weights.peft_io import PeftFolderError, inspect_peft_folder
 
 TOL = 1e-4
 PROBES = [random_tokens(900 + i, 10 + 3 * i) for i in range(3)]

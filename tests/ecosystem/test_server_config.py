@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from opentinker.client.cli import app
+from opentinker.cli.main import app
 from opentinker.rpc.cli_options import server_options
 from opentinker.rpc.config import SHARED_KEYS, ServeCommand
 

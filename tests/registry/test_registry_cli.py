@@ -36,7 +36,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("OPENTINKER_REGISTRY", "OPENTINKER_TOKEN")}
     env["COLUMNS"] = "200"  # rich wraps tables at 80 columns when stdout is not a terminal
     return subprocess.run(
-        [sys.executable, "-m", "opentinker.client.cli", "registry", *args],
+        [sys.executable, "-m", "opentinker.cli.main", "registry", *args],
         capture_output=True,
         text=True,
         timeout=30,

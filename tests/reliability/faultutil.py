@@ -1,7 +1,7 @@
 """Helpers for the fault tests (tests/reliability/test_fault_*.py): fast restarts of real server processes,
 valid LoRA artifacts for the tiny model, Prometheus scraping, memory (PSS).
 
-Restarting a trainer or sampler with `python -m opentinker.client.cli` costs 5-10 s here, mostly imports
+Restarting a trainer or sampler with `python -m opentinker.cli.main` costs 5-10 s here, mostly imports
 (torch, transformers). The fault tests kill and restart servers dozens of times, so they start them from a
 *zygote*: one helper process that imports everything once and then forks a child per server. Each child is a
 real, separate OS process that runs the same CLI entry point (`opentinker trainer serve ...`) with its own
@@ -35,7 +35,7 @@ import grpc
 from registryutil import upload
 from serverproc import ServerProcess, registry_store
 
-from opentinker.client.launch import tree_memory
+from opentinker.cli.launch import tree_memory
 from opentinker.v1 import common_pb2, registry_pb2, registry_pb2_grpc, sampler_pb2, sampler_pb2_grpc
 
 SOAK = os.environ.get("OPENTINKER_SOAK") == "1"
@@ -54,7 +54,7 @@ _PRELOAD = (
     "transformers",
     "transformers.models.qwen2.modeling_qwen2",
     "transformers.models.auto.tokenization_auto",
-    "opentinker.client.cli",
+    "opentinker.cli.main",
     "opentinker.rpc.server",
     "opentinker.trainer_server.service",
     "opentinker.trainer_server.trainer",
@@ -131,7 +131,7 @@ def _child(argv: list[str], env: dict[str, str], log: str) -> None:
         sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 -- the process's stdout
         sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
         os.environ.update(env)
-        from opentinker.client.cli import app
+        from opentinker.cli.main import app
 
         try:
             app(args=argv, prog_name="opentinker")

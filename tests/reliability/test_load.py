@@ -20,7 +20,7 @@ from samplerutil import wait_until
 from serverproc import ServerProcess
 from trainerutil import adam, lora, model_input, sft_batch
 
-from opentinker.client.launch import tree_memory
+from opentinker.cli.launch import tree_memory
 from opentinker.v1 import sampler_pb2, sampler_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 
 CLIENTS = 200

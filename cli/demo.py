@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from opentinker.client.launch import ServerProcess, start_registry, start_sampler, start_trainer
+from opentinker.cli.launch import ServerProcess, start_registry, start_sampler, start_trainer
 
 console = Console()
 
@@ -157,12 +157,13 @@ def run_demo(workdir: Path, out_dir: Path = Path("demo_out"), steps: int = 20) -
         reload_count = scrape(sampler_proc.metrics_address, "opentinker_sampler_reload_seconds_count")
         reload_sum = scrape(sampler_proc.metrics_address, "opentinker_sampler_reload_seconds_sum")
         mean_reload_ms = 1000 * reload_sum / reload_count if reload_count else 0.0
-        import grpc
-
+        from opentinker.client.connection import Connection
         from opentinker.v1 import sampler_pb2, sampler_pb2_grpc
 
-        with grpc.insecure_channel(sampler_proc.address) as channel:
-            stats = sampler_pb2_grpc.SamplerServiceStub(channel).GetStats(sampler_pb2.GetStatsRequest())
+        # The reload history is in the sampler's GetStats reply only (the SDK's SamplerStats has no list of it).
+        connection = Connection(sampler_proc.address, sampler_pb2_grpc.SamplerServiceStub, timeout=30.0)
+        stats = connection.unary("GetStats", sampler_pb2.GetStatsRequest(), sampler_pb2.GetStatsResponse)
+        connection.close()
         latencies: dict[str, list[float]] = {}
         for record in stats.recent_reloads:
             if record.ok and record.latency_seconds > 0:

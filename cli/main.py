@@ -1,4 +1,7 @@
-"""The `opentinker` command line: one entry point, a subcommand group per component."""
+"""The `opentinker` command line: one entry point, a subcommand group per component.
+
+This is the composition root: it wires each server's `serve` command (from its own package) next to the
+client tools (registry admin, sample, status: all through the SDK), `up` and `demo`."""
 
 from __future__ import annotations
 
@@ -6,6 +9,8 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+
+from opentinker.cli.options import CaCert, Token
 
 app = typer.Typer(no_args_is_help=True, help="OpenTinker: train and serve many LoRA policies on one base LLM.")
 
@@ -42,11 +47,14 @@ def make_tiny_model_command(
 
 
 def _register_groups() -> None:
+    from opentinker.cli.registry_admin import add_admin_commands
+    from opentinker.cli.sample import sample_command
     from opentinker.gateway.cli import app as gateway_app
     from opentinker.registry.cli import registry_app
-    from opentinker.sampler_server.cli import sample_command, sampler_app
+    from opentinker.sampler_server.cli import sampler_app
     from opentinker.trainer_server.cli import trainer_app
 
+    add_admin_commands(registry_app)
     app.add_typer(registry_app, name="registry", help="Run and administer the adapter registry.")
     app.add_typer(trainer_app, name="trainer", help="Run the trainer server.")
     app.add_typer(sampler_app, name="sampler", help="Run the sampler server.")
@@ -62,14 +70,15 @@ def status_command(
     registry: Annotated[str | None, typer.Option(envvar="OPENTINKER_REGISTRY", help="Registry address.")] = None,
     trainer: Annotated[str | None, typer.Option(envvar="OPENTINKER_TRAINER", help="Trainer address.")] = None,
     sampler: Annotated[str | None, typer.Option(envvar="OPENTINKER_SAMPLER", help="Sampler address.")] = None,
-    token: Annotated[str | None, typer.Option(envvar="OPENTINKER_TOKEN", help="Bearer token.")] = None,
+    token: Token = None,
+    ca_cert: CaCert = None,
 ) -> None:
     """One screen on the running stack; exits 1 when a named server is not serving."""
-    from opentinker.client.status import show_status
+    from opentinker.cli.status import show_status
 
     if not (registry or trainer or sampler):
         raise typer.BadParameter("name at least one of --registry, --trainer, --sampler")
-    if not show_status(registry, trainer, sampler, token):
+    if not show_status(registry, trainer, sampler, token, ca_cert):
         raise typer.Exit(1)
 
 
@@ -84,7 +93,7 @@ def up_command(
     as_json: Annotated[bool, typer.Option("--json", help="One JSON line when serving and one when stopped.")] = False,
 ) -> None:
     """Start registry, trainer and sampler from one config file; Ctrl-C or SIGTERM stops them all."""
-    from opentinker.client.stack import run_up
+    from opentinker.cli.stack import run_up
     from opentinker.rpc.config import ConfigError
 
     try:
@@ -103,7 +112,7 @@ def demo_command(
     steps: Annotated[int, typer.Option(help="Training steps per adapter.")] = 20,
 ) -> None:
     """Run the end-to-end demo on a locally generated tiny model."""
-    from opentinker.client.demo import run_demo
+    from opentinker.cli.demo import run_demo
 
     run_demo(workdir, out, steps)
 

@@ -77,7 +77,7 @@ class ServerProcess:
 
 
 def opentinker_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "opentinker.client.cli", *args]
+    return [sys.executable, "-m", "opentinker.cli.main", *args]
 
 
 def start_registry(workdir: Path, *extra: str, env: dict[str, str] | None = None) -> ServerProcess:

@@ -22,7 +22,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from opentinker.client.launch import ServerProcess, opentinker_command
+from opentinker.cli.launch import ServerProcess, opentinker_command
 from opentinker.rpc.config import SERVER_SECTIONS, UP_SECTION, ConfigError, read_config, resolve_value
 from opentinker.rpc.progress import spinner
 

@@ -1,0 +1,48 @@
+"""The registry server from its settings: Redis (a private embedded one unless a URL is given), the artifact
+store, the servicer, and what `serve_forever` runs. `opentinker registry serve` parses the flags and calls this;
+tests and `opentinker up` reach it through that command."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from opentinker.registry.embedded_redis import EmbeddedRedis
+from opentinker.registry.service import RegistryServicer
+from opentinker.registry.store import RegistryStore
+from opentinker.rpc.server import ServiceBinding
+from opentinker.v1 import registry_pb2, registry_pb2_grpc
+from opentinker.weights.artifact_store import ArtifactStore
+
+
+@dataclass(slots=True)
+class RegistryServer:
+    binding: ServiceBinding
+    store: RegistryStore
+    embedded: EmbeddedRedis | None
+
+    async def on_stop(self) -> None:
+        """After the server stopped: close the Redis connections, then the embedded Redis."""
+        await self.store.close()
+        self.stop_redis()
+
+    def stop_redis(self) -> None:
+        """Stops the embedded Redis (if any); safe to call again, and when the server never started."""
+        if self.embedded is not None:
+            self.embedded.stop()
+
+
+def build_registry(redis_url: str | None, data_dir: Path, store: Path | None, events_maxlen: int) -> RegistryServer:
+    embedded = None
+    if redis_url is None:
+        embedded = EmbeddedRedis(data_dir / "redis").start()
+        redis_url = embedded.url
+    artifacts = ArtifactStore(store or data_dir / "artifacts")
+    artifacts.cleanup_temp()
+    registry_store = RegistryStore.from_url(redis_url, events_maxlen=events_maxlen)
+    servicer = RegistryServicer(registry_store, artifacts)
+    binding = ServiceBinding(
+        registry_pb2.DESCRIPTOR.services_by_name["RegistryService"].full_name,
+        lambda server: registry_pb2_grpc.add_RegistryServiceServicer_to_server(servicer, server),
+    )
+    return RegistryServer(binding, registry_store, embedded)
