@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.stamp-$(shell cat pyproject.toml | sha256sum | cut -c1-16)-$(shell echo '$(TORCH_SPEC)' | sha256sum | cut -c1-8)
 
-.PHONY: venv test lint typecheck protos protos-check go-check demo bench soak clean
+.PHONY: venv test lint typecheck imports linktree protos protos-check go-check demo bench soak clean
 
 venv: $(STAMP)
 
@@ -31,10 +31,13 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 PACKAGES := client rpc weights registry trainer_server sampler_server gateway cli
-typecheck: $(STAMP)
+# mypy and import-linter cannot follow setuptools' package-dir: a link tree build/typecheck/opentinker/<pkg>.
+linktree:
 	@mkdir -p build/typecheck/opentinker
 	@for p in $(PACKAGES); do ln -sfn ../../../$$p build/typecheck/opentinker/$$p; done
 	@ln -sfn ../../../protos/opentinker/v1 build/typecheck/opentinker/v1
+
+typecheck: $(STAMP) linktree
 	$(BIN)/mypy $(addprefix -p opentinker.,$(PACKAGES))
 	@# tests and bench: plain files with unique basenames; untyped fixtures tolerated
 	$(BIN)/mypy --no-explicit-package-bases --allow-untyped-defs --allow-incomplete-defs \
@@ -43,7 +46,11 @@ typecheck: $(STAMP)
 	@for f in $$(find tests -mindepth 2 -name conftest.py); do \
 		$(BIN)/mypy --no-explicit-package-bases --allow-untyped-defs --allow-incomplete-defs $$f || exit 1; done
 
-test: $(STAMP) lint typecheck protos-check
+# The import rule of docs/architecture.md ([tool.importlinter] in pyproject.toml).
+imports: $(STAMP) linktree
+	cd build/typecheck && PYTHONPATH=. ../../$(BIN)/lint-imports ../../pyproject.toml --no-cache
+
+test: $(STAMP) lint typecheck imports protos-check
 	$(BIN)/python -m pytest tests
 
 demo: $(STAMP)
