@@ -307,7 +307,8 @@ class LoadedAdapter:
 @dataclass(frozen=True, slots=True)
 class SamplerStats:
     """A sampler's load: requests, adapter slots, throughput (decode tokens/s over the last seconds) and
-    hot reloads."""
+    adapter loads. ``reloads_total``: hot reloads of followed aliases; ``adapter_loads_total``: every version
+    loaded into a slot (on demand or by hot reload); ``reload_failures_total``: every failed load."""
 
     running_requests: int
     waiting_requests: int
@@ -320,3 +321,4 @@ class SamplerStats:
     reloads_total: int
     reload_failures_total: int
     last_event_id: str
+    adapter_loads_total: int = 0

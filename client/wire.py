@@ -231,4 +231,5 @@ def sampler_stats_from_proto(proto: sampler_pb2.GetStatsResponse) -> SamplerStat
         reloads_total=proto.reloads_total,
         reload_failures_total=proto.reload_failures_total,
         last_event_id=proto.last_event_id,
+        adapter_loads_total=proto.adapter_loads_total,
     )

@@ -229,9 +229,14 @@ def test_load_unload_and_stats(service: ServiceClient, snapshot: Snapshot) -> No
     client = service.create_sampling_client(f"{snapshot.name}@{snapshot.version}")
     loaded = client.load(pin=True)
     assert loaded.version.exact == f"{snapshot.name}@{snapshot.version}" and loaded.pinned and loaded.slot > 0
+    before = client.stats().adapter_loads_total
     assert client.unload() is True
     stats = client.stats()
     assert stats.slots_total >= 1 and stats.tokens_generated > 0
+    assert before >= 1  # at least the load above: every version loaded into a slot counts
+    client.load()  # unloaded above: loading it again is one more load
+    assert client.stats().adapter_loads_total == before + 1
+    assert client.unload() is True
     expect_error(grpc.StatusCode.INVALID_ARGUMENT, "INVALID_REFERENCE", service.create_sampling_client("base").load)
 
 
