@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import secrets
-import shutil
-import subprocess
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -20,6 +18,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from serverproc import ServerProcess
+from tlsutil import make_certificate
 from trainerutil import adam, lora, model_input, sft_batch
 
 from opentinker.client import ModelInput, OpenTinkerError, SamplingParams, ServiceClient
@@ -27,20 +26,6 @@ from opentinker.v1 import registry_pb2, registry_pb2_grpc, sampler_pb2, sampler_
 
 TENANTS = ("team-a", "team-b")
 ADMIN = "ops"
-
-
-def make_certificate(directory: Path) -> tuple[Path, Path]:
-    """A self-signed certificate for 127.0.0.1 and localhost (openssl CLI), valid one day."""
-    if shutil.which("openssl") is None:
-        pytest.skip("needs the openssl CLI to make a test certificate")
-    cert, key = directory / "cert.pem", directory / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-         "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
-         "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
-        check=True, capture_output=True,
-    )  # fmt: skip
-    return cert, key
 
 
 @dataclass
