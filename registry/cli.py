@@ -25,6 +25,9 @@ def serve(
     ),
     store: Annotated[Path | None, typer.Option(help="Artifact store root (default DATA_DIR/artifacts).")] = None,
     events_maxlen: Annotated[int, typer.Option(help="Approximate number of events the stream keeps.")] = 100_000,
+    max_watches_per_tenant: Annotated[
+        int, typer.Option(min=1, help="Open WatchEvents streams per user tenant (admins are not counted).")
+    ] = 16,
     host: opt.Host = "127.0.0.1",
     port: opt.Port = DEFAULT_PORT,
     metrics_port: opt.MetricsPort = 0,
@@ -40,10 +43,12 @@ def serve(
 ) -> None:
     """Run the registry gRPC server (embedded Redis unless --redis-url)."""
     from opentinker.registry.build import build_registry
+    from opentinker.registry.limits import RegistryLimits
     from opentinker.rpc.server import configure_logging, serve_forever
 
     configure_logging(log_level)
-    server = build_registry(redis_url, data_dir, store, events_maxlen)
+    limits = RegistryLimits(max_watches_per_tenant=max_watches_per_tenant)
+    server = build_registry(redis_url, data_dir, store, events_maxlen, limits)
     options = opt.server_options(host, port, metrics_port, tokens_file, insecure_public, tls_cert, tls_key, ready_file,
                                  max_message_mb)  # fmt: skip
     try:

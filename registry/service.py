@@ -12,6 +12,8 @@ import re
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+from opentinker.registry.event_hub import EventHub
+from opentinker.registry.limits import RegistryLimits, WatchSlots
 from opentinker.registry.store import RegistryStore, lora_or_default
 from opentinker.rpc.auth import Principal, current_principal, require_access, require_admin
 from opentinker.rpc.errors import FailedPrecondition, InvalidArgument, PermissionDenied
@@ -70,12 +72,13 @@ def _watch_filter(principal: Principal, patterns: list[str]) -> Any:
 
 
 class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
-    def __init__(self, store: RegistryStore, artifacts: ArtifactStore, *, max_artifact_bytes: int = 8 << 30) -> None:
+    def __init__(self, store: RegistryStore, artifacts: ArtifactStore, limits: RegistryLimits | None = None) -> None:
         self.store = store
         self.artifacts = artifacts
-        self.max_artifact_bytes = max_artifact_bytes
-        # Poll interval of blocking stream reads: bounds how long a cancelled watcher lingers.
-        self.watch_block_ms = 1000
+        self.limits = limits or RegistryLimits()
+        self.max_artifact_bytes = self.limits.max_artifact_bytes
+        self.events = EventHub(store)
+        self.watches = WatchSlots(self.limits.max_watches_per_tenant)
 
     # Adapters
 
@@ -228,16 +231,21 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
     async def WatchEvents(self, request: registry_pb2.WatchEventsRequest, context: Context) -> AsyncIterator[Any]:
         after = _check_event_id(request.after_event_id)
         patterns = [_check_watch_pattern(p) for p in request.adapters]
-        visible = _watch_filter(current_principal(), patterns)
+        principal = current_principal()
+        with self.watches.hold(principal):
+            async for message in self._watch(after, request.send_snapshot, _watch_filter(principal, patterns)):
+                yield message
+
+    async def _watch(self, after: str, send_snapshot: bool, visible: Any) -> AsyncIterator[Any]:
         if after in ("0", "0-0"):
             cursor = "0-0"
-            reconcile_reason = "requested" if request.send_snapshot else ""
+            reconcile_reason = "requested" if send_snapshot else ""
         elif after == "":
             cursor = await self.store.last_event_id()
-            reconcile_reason = "requested" if request.send_snapshot else ""
+            reconcile_reason = "requested" if send_snapshot else ""
         elif await self.store.event_exists(after):
             cursor = after
-            reconcile_reason = "requested" if request.send_snapshot else ""
+            reconcile_reason = "requested" if send_snapshot else ""
         else:
             # The id is gone (trimmed, or from another store): events may be missing. Never a silent gap.
             cursor = ""
@@ -250,11 +258,10 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
             yield registry_pb2.WatchEventsResponse(
                 reconcile=registry_pb2.Reconcile(event_id=cursor, adapters=adapters, reason=reconcile_reason)
             )
-        while True:
-            for record in await self.store.read_events(cursor, self.watch_block_ms):
-                cursor = record.event_id
-                if visible(record.event.adapter):
-                    yield registry_pb2.WatchEventsResponse(event=record.event)
+        # One shared Redis reader for every watch of this process (event_hub.py), not a connection each.
+        async for record in self.events.events(cursor):
+            if visible(record.event.adapter):
+                yield registry_pb2.WatchEventsResponse(event=record.event)
 
     # Garbage collection and artifacts
 

@@ -374,7 +374,8 @@ class RegistryStore:
             except redis.ResponseError:
                 raise InvalidArgument(f"invalid event id {event_id!r}", reason="INVALID_EVENT_ID") from None
 
-    async def read_events(self, after_id: str, block_ms: int, count: int = 256) -> list[EventRecord]:
+    async def read_events(self, after_id: str, block_ms: int | None, count: int = 256) -> list[EventRecord]:
+        """Events after `after_id`, waiting up to block_ms for one (None: answer at once)."""
         with _redis_errors():
             try:
                 streams: Any = await self.redis.xread({EVENTS_KEY: after_id}, count=count, block=block_ms)

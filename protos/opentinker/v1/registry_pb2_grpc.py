@@ -233,8 +233,10 @@ class RegistryServiceServicer:
     def WatchEvents(self, request, context):
         """Streams change events after after_event_id. If that id was trimmed from the log, the first message
         is a Reconcile with the full alias map instead of a silent gap. Other tenants' events are left out.
-        Errors: INVALID_ARGUMENT (INVALID_EVENT_ID, INVALID_ADAPTER_NAME); an open watch ends with
-        UNAVAILABLE (STORE_UNAVAILABLE) when Redis goes away: resume from the last event id.
+        Every watch of a registry process shares one Redis stream reader; a user tenant may hold
+        --max-watches-per-tenant open watches (admins are not counted).
+        Errors: INVALID_ARGUMENT (INVALID_EVENT_ID, INVALID_ADAPTER_NAME), RESOURCE_EXHAUSTED (TOO_MANY_WATCHES);
+        an open watch ends with UNAVAILABLE (STORE_UNAVAILABLE) when Redis goes away: resume from the last event id.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,179 @@
+"""Noisy neighbours at the registry: team-a abuses a shared resource while team-b runs its normal workload at
+the same time, on one registry process (tokens on, its own Redis so the test can read INFO clients). team-b
+gets 0 errors; team-a gets the precise status; the registry's memory after the abuse stays within a stated
+bound of before. (Issue "Noisy neighbours", cases 2, 8, 9 and 11.)"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import pytest
+import redis
+from registryutil import create_adapter, publish, unique_name
+from serverproc import ServerProcess, start_registry
+
+from opentinker.cli.launch import tree_memory
+from opentinker.registry.embedded_redis import EmbeddedRedis
+from opentinker.rpc.errors import error_info
+from opentinker.v1 import registry_pb2, registry_pb2_grpc
+
+MAX_WATCHES = 16
+MiB = 1 << 20
+Stub = registry_pb2_grpc.RegistryServiceStub
+
+
+@dataclass
+class Registry:
+    server: ServerProcess
+    redis_url: str
+    channel: grpc.Channel
+    tokens: dict[str, str]
+
+    def stub(self) -> Stub:
+        return registry_pb2_grpc.RegistryServiceStub(self.channel)
+
+    def md(self, who: str) -> list[tuple[str, str]]:
+        return [("authorization", f"Bearer {self.tokens[who]}")]
+
+    def redis_clients(self) -> int:
+        client = redis.Redis.from_url(self.redis_url)
+        try:
+            return int(client.info("clients")["connected_clients"]) - 1  # not counting this one
+        finally:
+            client.close()
+
+    def memory(self) -> int:
+        return tree_memory(self.server.process.pid)
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
+    workdir = tmp_path_factory.mktemp("noisy-registry")
+    tokens = {who: f"tok-{who}-{secrets.token_hex(8)}" for who in ("team-a", "team-b", "ops")}
+    tokens_file = workdir / "tokens.json"
+    tokens_file.write_text(json.dumps({"tokens": [
+        {"token": t, "tenant": who, "role": "admin" if who == "ops" else "user"} for who, t in tokens.items()
+    ]}))  # fmt: skip
+    redis_server = EmbeddedRedis(workdir / "redis", appendonly=False).start()
+    server = start_registry(
+        workdir / "registry", "--redis-url", redis_server.url, "--tokens-file", str(tokens_file),
+        "--max-watches-per-tenant", str(MAX_WATCHES),
+    )  # fmt: skip
+    channel = grpc.insecure_channel(server.address)
+    try:
+        yield Registry(server, redis_server.url, channel, tokens)
+    finally:
+        channel.close()
+        code = server.terminate()
+        redis_server.stop()
+    assert code == 0
+
+
+def status_of(error: grpc.RpcError) -> tuple[str, str]:
+    info = error_info(error)
+    return error.code().name, info.reason if info else ""
+
+
+def wait_until(check: Callable[[], bool], timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.05)
+    return check()
+
+
+@dataclass
+class TeamB:
+    """team-b's normal registry workload: create, upload + publish, read back, and watch its own events."""
+
+    registry: Registry
+    rounds: int
+    errors: list[str]
+    versions: list[int]
+    watched: list[int]
+
+    def run(self) -> None:
+        stub, md = self.registry.stub(), self.registry.md("team-b")
+        name = f"team-b/{unique_name('steady')}"
+        try:
+            create_adapter(stub, name, metadata=md)
+            watch = stub.WatchEvents(registry_pb2.WatchEventsRequest(adapters=[name], send_snapshot=True), metadata=md)
+            assert next(watch).HasField("reconcile")
+            for i in range(self.rounds):
+                published = publish(stub, name, seed=i, metadata=md)
+                self.versions.append(published.version.version)
+                stub.GetAdapter(registry_pb2.GetAdapterRequest(name=name), metadata=md)
+                self.watched.append(next(watch).event.version)
+            watch.cancel()
+        except grpc.RpcError as error:
+            self.errors.append(f"{error.code().name}: {error.details()}")
+
+
+def team_b(registry: Registry, rounds: int = 8) -> tuple[TeamB, threading.Thread]:
+    workload = TeamB(registry, rounds, [], [], [])
+    thread = threading.Thread(target=workload.run)
+    return workload, thread
+
+
+def test_case2_watch_flood_is_capped_and_shares_one_redis_reader(registry: Registry, figure: Any) -> None:
+    stub, md_a = registry.stub(), registry.md("team-a")
+    own = f"team-a/{unique_name('flood')}"
+    create_adapter(stub, own, metadata=md_a)
+    clients_before, memory_before = registry.redis_clients(), registry.memory()
+    flood_channel = grpc.insecure_channel(registry.server.address)  # team-a's 100 streams on their own channel
+    flood = registry_pb2_grpc.RegistryServiceStub(flood_channel)
+    workload, thread = team_b(registry)
+    thread.start()
+    accepted: list[Any] = []
+    refused: list[tuple[str, str]] = []
+    for _ in range(100):
+        call = flood.WatchEvents(registry_pb2.WatchEventsRequest(send_snapshot=True), metadata=md_a)
+        try:
+            assert next(call).HasField("reconcile")
+            accepted.append(call)
+        except grpc.RpcError as error:
+            refused.append(status_of(error))
+    clients_during = registry.redis_clients()
+    thread.join(120)
+    # The accepted watches see team-a's events and never team-b's (tenant filter on the shared feed).
+    publish(stub, own, seed=7, metadata=md_a)
+    first = [next(call).event for call in accepted[:4]]
+    for call in accepted:
+        call.cancel()
+    flood_channel.close()
+    assert workload.errors == []
+    assert workload.versions == list(range(1, 9)) and workload.watched == workload.versions
+    assert len(accepted) == MAX_WATCHES and refused == [("RESOURCE_EXHAUSTED", "TOO_MANY_WATCHES")] * (
+        100 - MAX_WATCHES
+    )
+    assert [(e.adapter, e.version) for e in first] == [(own, 1)] * 4
+    # One shared stream reader, not a connection per watch: 16 + 1 watches add at most a few connections.
+    assert clients_during <= clients_before + 3, (clients_before, clients_during)
+
+    # The slots come back once the streams are gone: team-a can watch again.
+    def can_watch() -> bool:
+        call = stub.WatchEvents(registry_pb2.WatchEventsRequest(send_snapshot=True), metadata=md_a)
+        try:
+            next(call)
+            return True
+        except grpc.RpcError:
+            return False
+        finally:
+            call.cancel()
+
+    assert wait_until(can_watch)
+    memory_after = registry.memory()
+    assert memory_after - memory_before < 64 * MiB
+    figure(
+        "case 2 watch flood: accepted, refused, redis clients before/during, registry MiB before/after",
+        f"{len(accepted)}, {len(refused)}, {clients_before}/{clients_during}, "
+        f"{memory_before / MiB:.0f}/{memory_after / MiB:.0f}",
+    )
