@@ -18,7 +18,7 @@ from opentinker.registry.store import RegistryStore, lora_or_default
 from opentinker.rpc.auth import Principal, current_principal, require_access, require_admin
 from opentinker.rpc.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from opentinker.v1 import common_pb2, registry_pb2, registry_pb2_grpc
-from opentinker.weights.artifact_manifest import BLOCK_SIZE, ArtifactFile, format_uri, parse_uri
+from opentinker.weights.artifact_manifest import BLOCK_SIZE, ArtifactFile, format_uri, not_found, parse_uri
 from opentinker.weights.artifact_store import ArtifactStore
 from opentinker.weights.artifact_stream import ArtifactReceiver, StreamViolation, Violation, WriterSink, chunked
 from opentinker.weights.artifact_writer import ArtifactWriter
@@ -135,6 +135,8 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         adapter = await self.store.get_adapter(name)
         if request.lineage.parent_version:
             await self.store.get_version(name, request.lineage.parent_version)
+        if not await self._may_publish(principal, digest):
+            raise not_found(digest)  # the answer for a digest that does not exist: no existence oracle
         # Verifies every file: the registry never references a partial or corrupt artifact.
         ref = await asyncio.to_thread(self.artifacts.ref, format_uri(digest))
         version = registry_pb2.Version(
@@ -154,6 +156,16 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
             expected_latest=request.expected_latest_version if request.HasField("expected_latest_version") else None,
         )
         return registry_pb2.PublishVersionResponse(version=published, event_id=event_id)
+
+    async def _may_publish(self, principal: Principal, digest: str) -> bool:
+        """A digest is not a bearer key: a user tenant publishes only bytes it uploaded itself or that a
+        version it can access already uses (what the trainer produced for it). Admins (the trainer's and
+        sampler's service tokens, operators) and the auth-off local principal may publish any stored artifact."""
+        if principal.tenant is None or principal.is_admin:
+            return True
+        if await self.store.uploaded_by(digest, principal.tenant):
+            return True
+        return any(map(principal.can_access, await self.store.artifact_users(digest)))
 
     async def GetVersion(self, request: registry_pb2.GetVersionRequest, context: Context) -> Any:
         name = check_adapter_name(request.adapter)
@@ -324,6 +336,8 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
             for writer in writers:
                 writer.abort()
             raise
+        principal = current_principal()
+        await self.store.record_upload(ref.sha256, principal.tenant or "", ref.size_bytes)
         return registry_pb2.UploadArtifactResponse(
             artifact_uri=ref.uri, artifact_sha256=ref.sha256, artifact_size_bytes=ref.size_bytes
         )

@@ -66,6 +66,17 @@ def _refs_key(sha256: str) -> str:
     return f"ot:artifact:{sha256}:refs"
 
 
+def _uploaders_key(sha256: str) -> str:
+    return f"ot:artifact:{sha256}:uploaders"
+
+
+def _tenant_uploads_key(tenant: str) -> str:
+    return f"ot:tenant:{tenant}:uploads"
+
+
+UPLOADS_KEY = "ot:uploads"
+
+
 def _timestamp(ms: int) -> Timestamp:
     stamp = Timestamp()
     stamp.FromMilliseconds(ms)
@@ -348,6 +359,21 @@ class RegistryStore:
         with _redis_errors():
             members: Any = await self.redis.smembers(_refs_key(sha256))
         return sorted({_text(m).rsplit("@", 1)[0] for m in members})
+
+    # Uploads: who sent which bytes (publishing needs it), how much each tenant stores, what is unpublished
+
+    async def record_upload(self, sha256: str, tenant: str, size_bytes: int) -> None:
+        """tenant: the uploader's tenant ("" with auth off)."""
+        with _redis_errors():
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.sadd(_uploaders_key(sha256), tenant)
+                pipe.hset(_tenant_uploads_key(tenant), sha256, size_bytes)
+                pipe.zadd(UPLOADS_KEY, {sha256: _now_ms()})
+                await pipe.execute()
+
+    async def uploaded_by(self, sha256: str, tenant: str) -> bool:
+        with _redis_errors():
+            return bool(await self.redis.sismember(_uploaders_key(sha256), tenant))
 
     async def all_version_numbers(self, name: str) -> list[int]:
         with _redis_errors():

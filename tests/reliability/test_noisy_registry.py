@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 import pytest
 import redis
-from registryutil import create_adapter, publish, unique_name
+from registryutil import artifact_files, create_adapter, publish, unique_name, upload
 from serverproc import ServerProcess, start_registry
 
 from opentinker.cli.launch import tree_memory
@@ -176,4 +176,47 @@ def test_case2_watch_flood_is_capped_and_shares_one_redis_reader(registry: Regis
         "case 2 watch flood: accepted, refused, redis clients before/during, registry MiB before/after",
         f"{len(accepted)}, {len(refused)}, {clients_before}/{clients_during}, "
         f"{memory_before / MiB:.0f}/{memory_after / MiB:.0f}",
+    )
+
+
+def test_case8_a_digest_is_not_a_bearer_key(registry: Registry, figure: Any) -> None:
+    stub, md_a, md_b = registry.stub(), registry.md("team-a"), registry.md("team-b")
+    mine, theirs = f"team-a/{unique_name('thief')}", f"team-b/{unique_name('owner')}"
+    create_adapter(stub, mine, metadata=md_a)
+    create_adapter(stub, theirs, metadata=md_b)
+    published = publish(stub, theirs, seed=101, metadata=md_b).version.artifact_uri
+    unpublished = upload(stub, artifact_files(seed=102), metadata=md_b)
+    missing = "sha256:" + "0" * 64
+    workload, thread = team_b(registry)
+    thread.start()
+
+    def steal(uri: str) -> tuple[str, str, str]:
+        request = registry_pb2.PublishVersionRequest(adapter=mine, artifact_uri=uri)
+        try:
+            stub.PublishVersion(request, metadata=md_a)
+        except grpc.RpcError as error:
+            return (*status_of(error), (error.details() or "").replace(uri, "<uri>"))
+        return ("OK", "", "")
+
+    def download(uri: str) -> tuple[str, str]:
+        try:
+            list(stub.DownloadArtifact(registry_pb2.DownloadArtifactRequest(artifact_uri=uri), metadata=md_a))
+        except grpc.RpcError as error:
+            return status_of(error)
+        return ("OK", "")
+
+    answers = {uri: steal(uri) for uri in (published, unpublished, missing)}
+    downloads = {uri: download(uri) for uri in (published, unpublished, missing)}
+    thread.join(120)
+    assert workload.errors == [] and workload.versions == list(range(1, 9))
+    # The same answer as for a digest that does not exist: team-a learns nothing about team-b's bytes.
+    assert set(answers.values()) == {("NOT_FOUND", "ARTIFACT_NOT_FOUND", "artifact <uri> not found")}, answers
+    assert set(downloads.values()) == {("PERMISSION_DENIED", "PERMISSION_DENIED")}, downloads
+    assert stub.GetAdapter(registry_pb2.GetAdapterRequest(name=mine), metadata=md_a).adapter.version_count == 0
+    # Bytes team-a uploaded itself it may publish (and then download).
+    own = publish(stub, mine, seed=103, metadata=md_a).version
+    assert own.version == 1 and download(own.artifact_uri) == ("OK", "")
+    figure(
+        "case 8 team-b's published / unpublished / a missing digest: team-a's publish, download",
+        " / ".join(f"{answers[u][:2]}, {downloads[u]}" for u in (published, unpublished, missing)),
     )

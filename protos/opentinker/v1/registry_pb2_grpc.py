@@ -157,6 +157,8 @@ class RegistryServiceServicer:
     def PublishVersion(self, request, context):
         """Records a new version (number from Redis INCR) and, unless skip_latest, moves "latest" to it.
         Idempotent by request_id. The artifact must already be committed to the store; it is verified first.
+        A user tenant may publish only an artifact it uploaded itself or that a version it can access uses;
+        any other digest gets the answer of a digest that does not exist (NOT_FOUND ARTIFACT_NOT_FOUND).
         Errors: INVALID_ARGUMENT (INVALID_ADAPTER_NAME, INVALID_ARTIFACT_URI, INVALID_ALIAS, INVALID_REQUEST_ID,
         INVALID_LORA_CONFIG), NOT_FOUND (ADAPTER_NOT_FOUND, VERSION_NOT_FOUND, ARTIFACT_NOT_FOUND),
         FAILED_PRECONDITION (VERSION_CONFLICT), DATA_LOSS (DIGEST_MISMATCH), PERMISSION_DENIED (PERMISSION_DENIED).
