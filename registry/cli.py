@@ -28,6 +28,9 @@ def serve(
     max_watches_per_tenant: Annotated[
         int, typer.Option(min=1, help="Open WatchEvents streams per user tenant (admins are not counted).")
     ] = 16,
+    max_description_bytes: Annotated[int, typer.Option(min=0, help="Longest adapter description (bytes).")] = 4096,
+    max_labels: Annotated[int, typer.Option(min=0, help="Most labels on one adapter.")] = 32,
+    max_label_bytes: Annotated[int, typer.Option(min=1, help="Longest label key or value (bytes).")] = 256,
     host: opt.Host = "127.0.0.1",
     port: opt.Port = DEFAULT_PORT,
     metrics_port: opt.MetricsPort = 0,
@@ -47,7 +50,12 @@ def serve(
     from opentinker.rpc.server import configure_logging, serve_forever
 
     configure_logging(log_level)
-    limits = RegistryLimits(max_watches_per_tenant=max_watches_per_tenant)
+    limits = RegistryLimits(
+        max_watches_per_tenant=max_watches_per_tenant,
+        max_description_bytes=max_description_bytes,
+        max_labels=max_labels,
+        max_label_bytes=max_label_bytes,
+    )
     server = build_registry(redis_url, data_dir, store, events_maxlen, limits)
     options = opt.server_options(host, port, metrics_port, tokens_file, insecure_public, tls_cert, tls_key, ready_file,
                                  max_message_mb)  # fmt: skip

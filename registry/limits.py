@@ -4,17 +4,43 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from opentinker.rpc.auth import Principal
-from opentinker.rpc.errors import ResourceExhausted
+from opentinker.rpc.errors import InvalidArgument, ResourceExhausted
 
 
 @dataclass(frozen=True, slots=True)
 class RegistryLimits:
     max_watches_per_tenant: int = 16
     max_artifact_bytes: int = 8 << 30
+    max_description_bytes: int = 4096
+    max_labels: int = 32
+    max_label_bytes: int = 256  # each key and each value
+    max_page_bytes: int = 8 << 20  # a listing page ends early past this: far below the 64 MiB receive cap
+
+
+def check_metadata(limits: RegistryLimits, description: str, labels: Mapping[str, str]) -> None:
+    """Descriptions and labels are stored in every adapter record and sent in every listing: bounded."""
+    size = len(description.encode())
+    if size > limits.max_description_bytes:
+        raise InvalidArgument(
+            f"description of {size} bytes is longer than {limits.max_description_bytes}",
+            reason="DESCRIPTION_TOO_LONG",
+            limit=limits.max_description_bytes,
+        )
+    if len(labels) > limits.max_labels:
+        raise InvalidArgument(
+            f"{len(labels)} labels are more than {limits.max_labels}", reason="TOO_MANY_LABELS", limit=limits.max_labels
+        )
+    for key, value in labels.items():
+        if not key or len(key.encode()) > limits.max_label_bytes or len(value.encode()) > limits.max_label_bytes:
+            raise InvalidArgument(
+                f"label {key[:64]!r}: keys must be non-empty, keys and values at most {limits.max_label_bytes} bytes",
+                reason="LABEL_TOO_LONG",
+                limit=limits.max_label_bytes,
+            )
 
 
 class WatchSlots:

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from opentinker.registry.event_hub import EventHub
-from opentinker.registry.limits import RegistryLimits, WatchSlots
+from opentinker.registry.limits import RegistryLimits, WatchSlots, check_metadata
 from opentinker.registry.store import RegistryStore, lora_or_default
 from opentinker.rpc.auth import Principal, current_principal, require_access, require_admin
 from opentinker.rpc.errors import FailedPrecondition, InvalidArgument, PermissionDenied
@@ -88,6 +88,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         if principal.tenant is not None and not principal.is_admin and "/" not in name:
             raise PermissionDenied(f"tenant {principal.tenant!r} must create adapters as '{principal.tenant}/...'")
         check_lora_config(request.lora_config)
+        check_metadata(self.limits, request.description, request.labels)
         adapter = registry_pb2.Adapter(
             name=name,
             lora_config=lora_or_default(request.lora_config),
@@ -112,12 +113,14 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
                 if not own.startswith(prefix):
                     return registry_pb2.ListAdaptersResponse()
                 prefix = own
-        adapters, token = await self.store.list_adapters(prefix, request.page_size, request.page_token)
+        adapters, token = await self.store.list_adapters(
+            prefix, request.page_size, request.page_token, max_bytes=self.limits.max_page_bytes
+        )
         return registry_pb2.ListAdaptersResponse(adapters=adapters, next_page_token=token)
 
     async def DeleteAdapter(self, request: registry_pb2.DeleteAdapterRequest, context: Context) -> Any:
         name = check_adapter_name(request.name)
-        principal = require_admin("DeleteAdapter")
+        principal = require_access(name)  # a tenant deletes its own adapters; garbage collection stays admin
         return registry_pb2.DeleteAdapterResponse(event_id=await self.store.delete_adapter(name, principal.actor))
 
     # Versions

@@ -184,18 +184,24 @@ class RegistryStore:
         return adapter
 
     async def list_adapters(
-        self, prefix: str, page_size: int, page_token: str
+        self, prefix: str, page_size: int, page_token: str, *, max_bytes: int = 8 << 20
     ) -> tuple[list[registry_pb2.Adapter], str]:
+        """One page by name; it ends early once its records pass max_bytes, so a page always fits a message
+        (records written before descriptions and labels were bounded may be large)."""
         size = _page_size(page_size)
         low = f"({_decode_token(page_token)}" if page_token else f"[{prefix}"
         high = f"[{prefix}\xff" if prefix else "+"
         with _redis_errors():
             names = await self.redis.zrangebylex(ADAPTERS_KEY, low, high, start=0, num=size + 1)
         page = [_text(n) for n in names[:size]]
-        adapters = []
-        for name in page:
+        adapters: list[registry_pb2.Adapter] = []
+        total = 0
+        for index, name in enumerate(page):
+            if adapters and total >= max_bytes:
+                return adapters, _encode_token(page[index - 1])
             with contextlib.suppress(NotFound):  # deleted between the two reads
                 adapters.append(await self.get_adapter(name))
+                total += adapters[-1].ByteSize()
         next_token = _encode_token(page[-1]) if len(names) > size else ""
         return adapters, next_token
 

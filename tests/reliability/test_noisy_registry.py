@@ -6,7 +6,9 @@ bound of before. (Issue "Noisy neighbours", cases 2, 8, 9 and 11.)"""
 from __future__ import annotations
 
 import json
+import os
 import secrets
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -17,7 +19,7 @@ import grpc
 import pytest
 import redis
 from registryutil import artifact_files, create_adapter, publish, unique_name, upload
-from serverproc import ServerProcess, start_registry
+from serverproc import ServerProcess, opentinker_command, start_registry
 
 from opentinker.cli.launch import tree_memory
 from opentinker.registry.embedded_redis import EmbeddedRedis
@@ -219,4 +221,66 @@ def test_case8_a_digest_is_not_a_bearer_key(registry: Registry, figure: Any) -> 
     figure(
         "case 8 team-b's published / unpublished / a missing digest: team-a's publish, download",
         " / ".join(f"{answers[u][:2]}, {downloads[u]}" for u in (published, unpublished, missing)),
+    )
+
+
+def admin_cli(registry: Registry, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OPENTINKER_")}
+    return subprocess.run(
+        opentinker_command("registry", *args, "--registry", registry.server.address, "--token", registry.tokens["ops"]),
+        capture_output=True, text=True, timeout=120, env={**env, "COLUMNS": "200"},
+    )  # fmt: skip
+
+
+def test_case11_bounded_metadata_own_deletes_and_a_paged_admin_listing(registry: Registry, figure: Any) -> None:
+    stub, md_a, md_b = registry.stub(), registry.md("team-a"), registry.md("team-b")
+    memory_before = registry.memory()
+    workload, thread = team_b(registry)
+    thread.start()
+
+    def create(name: str, description: str, labels: dict[str, str]) -> tuple[str, str]:
+        request = registry_pb2.CreateAdapterRequest(name=name, description=description, labels=labels)
+        try:
+            stub.CreateAdapter(request, metadata=md_a)
+        except grpc.RpcError as error:
+            return status_of(error)
+        return ("OK", "")
+
+    refused = [
+        create(f"team-a/{unique_name('big')}", "x" * MiB, {}),
+        create(f"team-a/{unique_name('big')}", "", {f"k{i}": "v" for i in range(10_000)}),
+        create(f"team-a/{unique_name('big')}", "", {"k": "v" * MiB}),
+    ]
+    # As many adapters as team-a likes, each with the largest description and labels allowed.
+    prefix = f"team-a/{unique_name('many')}-"
+    labels = {f"{i:02d}".ljust(256, "k"): "v" * 256 for i in range(32)}
+    names = [f"{prefix}{i:04d}" for i in range(300)]
+    created = [create(name, "d" * 4096, labels) for name in names]
+    listing = admin_cli(registry, "adapters", "--prefix", prefix, "--json")
+    thread.join(120)
+    assert workload.errors == [] and workload.versions == list(range(1, 9))
+    assert refused == [
+        ("INVALID_ARGUMENT", "DESCRIPTION_TOO_LONG"),
+        ("INVALID_ARGUMENT", "TOO_MANY_LABELS"),
+        ("INVALID_ARGUMENT", "LABEL_TOO_LONG"),
+    ]
+    assert set(created) == {("OK", "")}
+    assert listing.returncode == 0, listing.stderr
+    assert [a["name"] for a in json.loads(listing.stdout)] == names  # every page, in order
+    # team-a deletes its own adapters; another tenant's it may not.
+    for name in names:
+        stub.DeleteAdapter(registry_pb2.DeleteAdapterRequest(name=name), metadata=md_a)
+    theirs = f"team-b/{unique_name('keep')}"
+    create_adapter(stub, theirs, metadata=md_b)
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.DeleteAdapter(registry_pb2.DeleteAdapterRequest(name=theirs), metadata=md_a)
+    assert status_of(caught.value) == ("PERMISSION_DENIED", "PERMISSION_DENIED")
+    left = stub.ListAdapters(registry_pb2.ListAdaptersRequest(prefix=prefix), metadata=md_a).adapters
+    assert list(left) == []
+    memory_after = registry.memory()
+    assert memory_after - memory_before < 64 * MiB
+    figure(
+        "case 11 metadata: refused, created + listed by the admin CLI, registry MiB before/after",
+        f"{refused}, {len(created)} + {len(json.loads(listing.stdout))}, "
+        f"{memory_before / MiB:.0f}/{memory_after / MiB:.0f}",
     )

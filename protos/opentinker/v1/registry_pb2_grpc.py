@@ -120,8 +120,10 @@ class RegistryServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def CreateAdapter(self, request, context):
-        """Registers an adapter name. A tenant's names must start with "<tenant>/".
-        Errors: INVALID_ARGUMENT (INVALID_ADAPTER_NAME, INVALID_LORA_CONFIG), ALREADY_EXISTS (ADAPTER_EXISTS),
+        """Registers an adapter name. A tenant's names must start with "<tenant>/". Descriptions and labels are
+        bounded (--max-description-bytes, --max-labels, --max-label-bytes).
+        Errors: INVALID_ARGUMENT (INVALID_ADAPTER_NAME, INVALID_LORA_CONFIG, DESCRIPTION_TOO_LONG, TOO_MANY_LABELS,
+        LABEL_TOO_LONG), ALREADY_EXISTS (ADAPTER_EXISTS),
         PERMISSION_DENIED (PERMISSION_DENIED).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -138,7 +140,8 @@ class RegistryServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListAdapters(self, request, context):
-        """Adapters visible to the caller, ordered by name, paged.
+        """Adapters visible to the caller, ordered by name, paged; a page ends early past 8 MiB of records
+        (follow next_page_token).
         Errors: INVALID_ARGUMENT (INVALID_PAGE_SIZE, INVALID_PAGE_TOKEN).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -146,7 +149,8 @@ class RegistryServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def DeleteAdapter(self, request, context):
-        """Deletes the adapter record and its aliases; versions stay until garbage collection. Admin only.
+        """Deletes the adapter record and its aliases; versions stay until garbage collection (admin only).
+        A tenant may delete its own adapters.
         Errors: INVALID_ARGUMENT (INVALID_ADAPTER_NAME), NOT_FOUND (ADAPTER_NOT_FOUND),
         PERMISSION_DENIED (PERMISSION_DENIED).
         """
