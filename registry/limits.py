@@ -19,6 +19,9 @@ class RegistryLimits:
     max_labels: int = 32
     max_label_bytes: int = 256  # each key and each value
     max_page_bytes: int = 8 << 20  # a listing page ends early past this: far below the 64 MiB receive cap
+    max_artifact_files: int = 64
+    tenant_storage_quota_bytes: int = 20 << 30  # 0: no quota
+    upload_grace_s: float = 3600.0  # unpublished uploads older than this are collected (0: never)
 
 
 def check_metadata(limits: RegistryLimits, description: str, labels: Mapping[str, str]) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 from opentinker.registry.event_hub import EventHub
 from opentinker.registry.limits import RegistryLimits, WatchSlots, check_metadata
 from opentinker.registry.store import RegistryStore, lora_or_default
+from opentinker.registry.uploads import UploadSweeper, check_file_count, check_upload, stored_bytes, sweep_unpublished
 from opentinker.rpc.auth import Principal, current_principal, require_access, require_admin
 from opentinker.rpc.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from opentinker.v1 import common_pb2, registry_pb2, registry_pb2_grpc
@@ -78,6 +79,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         self.limits = limits or RegistryLimits()
         self.max_artifact_bytes = self.limits.max_artifact_bytes
         self.events = EventHub(store)
+        self.sweeper = UploadSweeper(store, artifacts, self.limits.upload_grace_s)
         self.watches = WatchSlots(self.limits.max_watches_per_tenant)
 
     # Adapters
@@ -300,6 +302,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
                 freed = 0
                 if remaining == 0 and not request.dry_run:
                     freed = await asyncio.to_thread(self.artifacts.delete, version.artifact_uri)
+                    await self.store.forget_upload(version.artifact_sha256)
                 response.collected.append(
                     registry_pb2.CollectedVersion(
                         adapter=name,
@@ -309,29 +312,37 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
                     )
                 )
                 response.bytes_freed += freed if not request.dry_run else version.artifact_size_bytes
+        if not request.dry_run and not request.adapter:
+            # Uploads nobody published within the grace period: no version references them.
+            _count, freed = await sweep_unpublished(self.store, self.artifacts, self.limits.upload_grace_s)
+            response.bytes_freed += freed
         return response
 
     async def UploadArtifact(self, request_iterator: AsyncIterator[Any], context: Context) -> Any:
+        principal = current_principal()
+        used = await stored_bytes(self.store, principal)
+        self.sweeper.ensure_running()
         writers: list[ArtifactWriter] = []
 
         def open_sink(files: Sequence[ArtifactFile]) -> WriterSink:
-            if sum(f.size for f in files) > self.max_artifact_bytes:
-                raise InvalidArgument(
-                    f"artifact larger than {self.max_artifact_bytes} bytes", reason="ARTIFACT_TOO_LARGE"
-                )
+            check_upload(self.limits, files, used)  # before the first file is created
             writers.append(self.artifacts.begin())
             return WriterSink(writers[0])
 
         receiver = ArtifactReceiver(open_sink)
         try:
             try:
+                # Creating, writing and fsyncing files happens in a worker thread, never on the event loop
+                # that every other tenant's calls share. One message at a time: the receiver is not shared.
                 async for message in request_iterator:
                     kind = message.WhichOneof("message")
                     if kind == "manifest":
-                        receiver.header([ArtifactFile(h.path, h.sha256, h.size_bytes) for h in message.manifest.files])
+                        check_file_count(self.limits, len(message.manifest.files))  # before building a list
+                        files = [ArtifactFile(h.path, h.sha256, h.size_bytes) for h in message.manifest.files]
+                        await asyncio.to_thread(receiver.header, files)
                     elif kind == "chunk":
-                        receiver.chunk(message.chunk)
-                receiver.close()
+                        await asyncio.to_thread(receiver.chunk, message.chunk)
+                await asyncio.to_thread(receiver.close)
             except StreamViolation as violation:
                 raise InvalidArgument(_UPLOAD_PROBLEMS[violation.kind], reason="INVALID_UPLOAD") from None
             ref = await asyncio.to_thread(writers[0].commit)
@@ -339,7 +350,6 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
             for writer in writers:
                 writer.abort()
             raise
-        principal = current_principal()
         await self.store.record_upload(ref.sha256, principal.tenant or "", ref.size_bytes)
         return registry_pb2.UploadArtifactResponse(
             artifact_uri=ref.uri, artifact_sha256=ref.sha256, artifact_size_bytes=ref.size_bytes

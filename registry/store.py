@@ -381,6 +381,38 @@ class RegistryStore:
         with _redis_errors():
             return bool(await self.redis.sismember(_uploaders_key(sha256), tenant))
 
+    async def tenant_usage(self, tenant: str) -> int:
+        """Bytes of the artifacts this tenant uploaded that are still stored."""
+        with _redis_errors():
+            sizes: Any = await self.redis.hvals(_tenant_uploads_key(tenant))
+        return sum(int(size) for size in sizes)
+
+    async def uploads_before(self, before_ms: int, count: int = 1000) -> list[str]:
+        """Digests uploaded (last) before before_ms that the sweep has not looked at yet, oldest first."""
+        with _redis_errors():
+            digests: Any = await self.redis.zrangebyscore(UPLOADS_KEY, "-inf", before_ms, start=0, num=count)
+        return [_text(d) for d in digests]
+
+    async def artifact_in_use(self, sha256: str) -> bool:
+        with _redis_errors():
+            return bool(await self.redis.scard(_refs_key(sha256)))
+
+    async def settle_upload(self, sha256: str) -> None:
+        """A published upload: the version GC owns its bytes from now on; it still counts to its uploaders."""
+        with _redis_errors():
+            await self.redis.zrem(UPLOADS_KEY, sha256)
+
+    async def forget_upload(self, sha256: str) -> None:
+        """The artifact's bytes are gone: it no longer counts to any tenant's storage."""
+        with _redis_errors():
+            tenants: Any = await self.redis.smembers(_uploaders_key(sha256))
+            async with self.redis.pipeline(transaction=True) as pipe:
+                for tenant in tenants:
+                    pipe.hdel(_tenant_uploads_key(_text(tenant)), sha256)
+                pipe.delete(_uploaders_key(sha256))
+                pipe.zrem(UPLOADS_KEY, sha256)
+                await pipe.execute()
+
     async def all_version_numbers(self, name: str) -> list[int]:
         with _redis_errors():
             numbers: Any = await self.redis.zrevrange(f"{_adapter_key(name)}:versions", 0, -1)

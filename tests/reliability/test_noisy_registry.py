@@ -19,14 +19,18 @@ import grpc
 import pytest
 import redis
 from registryutil import artifact_files, create_adapter, publish, unique_name, upload
-from serverproc import ServerProcess, opentinker_command, start_registry
+from serverproc import ServerProcess, opentinker_command, registry_store, start_registry
 
 from opentinker.cli.launch import tree_memory
 from opentinker.registry.embedded_redis import EmbeddedRedis
 from opentinker.rpc.errors import error_info
 from opentinker.v1 import registry_pb2, registry_pb2_grpc
+from opentinker.weights.artifact_store import ArtifactStore
 
 MAX_WATCHES = 16
+MAX_FILES = 64
+QUOTA_MB = 2
+GRACE_S = 4
 MiB = 1 << 20
 Stub = registry_pb2_grpc.RegistryServiceStub
 
@@ -66,7 +70,8 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
     redis_server = EmbeddedRedis(workdir / "redis", appendonly=False).start()
     server = start_registry(
         workdir / "registry", "--redis-url", redis_server.url, "--tokens-file", str(tokens_file),
-        "--max-watches-per-tenant", str(MAX_WATCHES),
+        "--max-watches-per-tenant", str(MAX_WATCHES), "--max-artifact-files", str(MAX_FILES),
+        "--tenant-storage-quota-mb", str(QUOTA_MB), "--upload-grace-s", str(GRACE_S),
     )  # fmt: skip
     channel = grpc.insecure_channel(server.address)
     try:
@@ -282,5 +287,42 @@ def test_case11_bounded_metadata_own_deletes_and_a_paged_admin_listing(registry:
     figure(
         "case 11 metadata: refused, created + listed by the admin CLI, registry MiB before/after",
         f"{refused}, {len(created)} + {len(json.loads(listing.stdout))}, "
+        f"{memory_before / MiB:.0f}/{memory_after / MiB:.0f}",
+    )
+
+
+def test_case9_many_files_quota_and_unpublished_uploads(registry: Registry, figure: Any) -> None:
+    stub, md_a = registry.stub(), registry.md("team-a")
+    store = ArtifactStore(registry_store(registry.server))
+    memory_before = registry.memory()
+    workload, thread = team_b(registry, rounds=12)
+
+    def try_upload(files: dict[str, bytes]) -> tuple[str, str]:
+        try:
+            return ("OK", upload(stub, files, metadata=md_a))
+        except grpc.RpcError as error:
+            return status_of(error)
+
+    thread.start()
+    # While team-b works: one artifact of 50,000 empty files (the issue's), then four of 5,000.
+    flood = [try_upload({f"f{i:05d}": b"" for i in range(n)}) for n in (50_000, 5_000, 5_000, 5_000, 5_000)]
+    at_limit = try_upload({f"f{i:02d}": bytes([i]) for i in range(MAX_FILES)})
+    big = try_upload({"w": b"a" * (3 * MiB // 2)})
+    over_quota = try_upload({"w": b"b" * MiB})
+    thread.join(120)
+    assert workload.errors == [] and workload.versions == list(range(1, 13))
+    assert flood == [("INVALID_ARGUMENT", "TOO_MANY_FILES")] * 5
+    assert at_limit[0] == "OK" and big[0] == "OK"
+    assert over_quota == ("RESOURCE_EXHAUSTED", "STORAGE_QUOTA_EXCEEDED")
+    # Nobody publishes team-a's uploads: after the grace period they are collected and the quota is free again.
+    assert wait_until(lambda: not store.exists(big[1]) and not store.exists(at_limit[1]), timeout=60)
+    again = try_upload({"w": b"b" * MiB})
+    assert again[0] == "OK"
+    memory_after = registry.memory()
+    assert memory_after - memory_before < 64 * MiB
+    figure(
+        "case 9 uploads: 50,000 + 4 x 5,000-file artifacts refused, 64 files / 1.5 MiB ok, quota refusal, "
+        "collected after the grace period, registry MiB before/after",
+        f"{len(flood)} x {flood[0]}, {at_limit[0]} / {big[0]}, {over_quota}, yes, "
         f"{memory_before / MiB:.0f}/{memory_after / MiB:.0f}",
     )

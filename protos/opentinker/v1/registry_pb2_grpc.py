@@ -250,7 +250,7 @@ class RegistryServiceServicer:
 
     def GarbageCollect(self, request, context):
         """Deletes artifacts of versions outside the retention policy (last K per adapter + every aliased
-        version). Admin only.
+        version), and (over all adapters, not dry_run) uploads no version used within the grace period. Admin only.
         Errors: INVALID_ARGUMENT (INVALID_ADAPTER_NAME), PERMISSION_DENIED (PERMISSION_DENIED).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -259,8 +259,11 @@ class RegistryServiceServicer:
 
     def UploadArtifact(self, request_iterator, context):
         """Stores an artifact sent in chunks (first message carries the header); nothing is stored on error.
-        Errors: INVALID_ARGUMENT (INVALID_UPLOAD, ARTIFACT_TOO_LARGE, INVALID_ARTIFACT_PATH, INVALID_ARTIFACT_FILE,
-        EMPTY_ARTIFACT), DATA_LOSS (DIGEST_MISMATCH), RESOURCE_EXHAUSTED (STORAGE_FULL),
+        At most --max-artifact-files files; a user tenant's uploads count to its --tenant-storage-quota-mb; an
+        upload no version uses is collected after --upload-grace-s.
+        Errors: INVALID_ARGUMENT (INVALID_UPLOAD, ARTIFACT_TOO_LARGE, TOO_MANY_FILES, INVALID_ARTIFACT_PATH,
+        INVALID_ARTIFACT_FILE, EMPTY_ARTIFACT), DATA_LOSS (DIGEST_MISMATCH),
+        RESOURCE_EXHAUSTED (STORAGE_FULL, STORAGE_QUOTA_EXCEEDED),
         UNAVAILABLE (ARTIFACT_COMMIT_CONFLICT).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
