@@ -265,7 +265,7 @@ def gc(
 
 
 def delete(name: str, registry: RegistryAddr = DEFAULT_REGISTRY, token: Token = None, ca_cert: CaCert = None) -> None:
-    """Delete an adapter and its aliases (admin); versions remain until gc."""
+    """Delete an adapter and its aliases (its tenant or an admin); versions remain until gc."""
     with connect(registry, token, ca_cert) as client:
         event_id = client.delete_adapter(name)
     console.print(f"deleted {name} (event {event_id})")

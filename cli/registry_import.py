@@ -22,7 +22,13 @@ from opentinker.cli.registry_admin import connect, console, fail
 from opentinker.client import BatchRecord, Lineage, LoraConfig, OpenTinkerError, RegistryClient, Version
 from opentinker.rpc.progress import spinner
 from opentinker.weights.peft import PEFT_FILES
-from opentinker.weights.peft_io import PeftAdapter, PeftFolderError, inspect_peft_folder, write_peft_folder
+from opentinker.weights.peft_io import (
+    PeftAdapter,
+    PeftFolderError,
+    check_export_target,
+    inspect_peft_folder,
+    write_peft_folder,
+)
 
 
 def import_adapter(
@@ -108,8 +114,10 @@ def export_adapter(
     as_json: AsJson = False,
 ) -> None:
     """Write a version as a plain peft folder (PeftModel.from_pretrained loads it)."""
-    if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
-        fail(f"{directory}: exists and is not an empty directory")
+    try:
+        check_export_target(directory)  # before anything is downloaded or written
+    except PeftFolderError as exc:
+        fail(str(exc))
     with connect(registry, token, ca_cert) as client:
         version = client.resolve(reference)
         if version.artifact_deleted:

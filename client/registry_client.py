@@ -166,7 +166,7 @@ class RegistryClient:
                 return adapters
 
     def delete_adapter(self, name: str) -> str:
-        """Deletes the adapter and its aliases (admin only; versions stay until garbage collection).
+        """Deletes the adapter and its aliases (its own tenant or an admin; versions stay until garbage collection).
         Returns the event id."""
         request = registry_pb2.DeleteAdapterRequest(name=name)
         return self._connection.unary("DeleteAdapter", request, registry_pb2.DeleteAdapterResponse).event_id

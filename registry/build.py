@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from opentinker.registry.embedded_redis import EmbeddedRedis
+from opentinker.registry.limits import RegistryLimits
 from opentinker.registry.service import RegistryServicer
 from opentinker.registry.store import RegistryStore
 from opentinker.rpc.server import ServiceBinding
@@ -20,9 +21,12 @@ class RegistryServer:
     binding: ServiceBinding
     store: RegistryStore
     embedded: EmbeddedRedis | None
+    servicer: RegistryServicer
 
     async def on_stop(self) -> None:
-        """After the server stopped: close the Redis connections, then the embedded Redis."""
+        """After the server stopped: stop the event reader, close the Redis connections, then the embedded Redis."""
+        await self.servicer.events.close()
+        await self.servicer.sweeper.close()
         await self.store.close()
         self.stop_redis()
 
@@ -32,7 +36,13 @@ class RegistryServer:
             self.embedded.stop()
 
 
-def build_registry(redis_url: str | None, data_dir: Path, store: Path | None, events_maxlen: int) -> RegistryServer:
+def build_registry(
+    redis_url: str | None,
+    data_dir: Path,
+    store: Path | None,
+    events_maxlen: int,
+    limits: RegistryLimits | None = None,
+) -> RegistryServer:
     embedded = None
     if redis_url is None:
         embedded = EmbeddedRedis(data_dir / "redis").start()
@@ -40,9 +50,9 @@ def build_registry(redis_url: str | None, data_dir: Path, store: Path | None, ev
     artifacts = ArtifactStore(store or data_dir / "artifacts")
     artifacts.cleanup_temp()
     registry_store = RegistryStore.from_url(redis_url, events_maxlen=events_maxlen)
-    servicer = RegistryServicer(registry_store, artifacts)
+    servicer = RegistryServicer(registry_store, artifacts, limits)
     binding = ServiceBinding(
         registry_pb2.DESCRIPTOR.services_by_name["RegistryService"].full_name,
         lambda server: registry_pb2_grpc.add_RegistryServiceServicer_to_server(servicer, server),
     )
-    return RegistryServer(binding, registry_store, embedded)
+    return RegistryServer(binding, registry_store, embedded, servicer)

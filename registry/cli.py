@@ -25,6 +25,19 @@ def serve(
     ),
     store: Annotated[Path | None, typer.Option(help="Artifact store root (default DATA_DIR/artifacts).")] = None,
     events_maxlen: Annotated[int, typer.Option(help="Approximate number of events the stream keeps.")] = 100_000,
+    max_watches_per_tenant: Annotated[
+        int, typer.Option(min=1, help="Open WatchEvents streams per user tenant (admins are not counted).")
+    ] = 16,
+    max_description_bytes: Annotated[int, typer.Option(min=0, help="Longest adapter description (bytes).")] = 4096,
+    max_labels: Annotated[int, typer.Option(min=0, help="Most labels on one adapter.")] = 32,
+    max_label_bytes: Annotated[int, typer.Option(min=1, help="Longest label key or value (bytes).")] = 256,
+    max_artifact_files: Annotated[int, typer.Option(min=1, help="Most files in one uploaded artifact.")] = 64,
+    tenant_storage_quota_mb: Annotated[
+        int, typer.Option(min=0, help="Bytes of uploaded artifacts one user tenant may store, in MiB (0: no quota).")
+    ] = 20480,
+    upload_grace_s: Annotated[
+        float, typer.Option(min=0, help="Unpublished uploads older than this are collected (0: never).")
+    ] = 3600.0,
     host: opt.Host = "127.0.0.1",
     port: opt.Port = DEFAULT_PORT,
     metrics_port: opt.MetricsPort = 0,
@@ -40,10 +53,20 @@ def serve(
 ) -> None:
     """Run the registry gRPC server (embedded Redis unless --redis-url)."""
     from opentinker.registry.build import build_registry
+    from opentinker.registry.limits import RegistryLimits
     from opentinker.rpc.server import configure_logging, serve_forever
 
     configure_logging(log_level)
-    server = build_registry(redis_url, data_dir, store, events_maxlen)
+    limits = RegistryLimits(
+        max_watches_per_tenant=max_watches_per_tenant,
+        max_description_bytes=max_description_bytes,
+        max_labels=max_labels,
+        max_label_bytes=max_label_bytes,
+        max_artifact_files=max_artifact_files,
+        tenant_storage_quota_bytes=tenant_storage_quota_mb << 20,
+        upload_grace_s=upload_grace_s,
+    )
+    server = build_registry(redis_url, data_dir, store, events_maxlen, limits)
     options = opt.server_options(host, port, metrics_port, tokens_file, insecure_public, tls_cert, tls_key, ready_file,
                                  max_message_mb)  # fmt: skip
     try:

@@ -12,11 +12,14 @@ import re
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+from opentinker.registry.event_hub import EventHub
+from opentinker.registry.limits import RegistryLimits, WatchSlots, check_metadata
 from opentinker.registry.store import RegistryStore, lora_or_default
+from opentinker.registry.uploads import UploadSweeper, check_file_count, check_upload, stored_bytes, sweep_unpublished
 from opentinker.rpc.auth import Principal, current_principal, require_access, require_admin
 from opentinker.rpc.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from opentinker.v1 import common_pb2, registry_pb2, registry_pb2_grpc
-from opentinker.weights.artifact_manifest import BLOCK_SIZE, ArtifactFile, format_uri, parse_uri
+from opentinker.weights.artifact_manifest import BLOCK_SIZE, ArtifactFile, format_uri, not_found, parse_uri
 from opentinker.weights.artifact_store import ArtifactStore
 from opentinker.weights.artifact_stream import ArtifactReceiver, StreamViolation, Violation, WriterSink, chunked
 from opentinker.weights.artifact_writer import ArtifactWriter
@@ -70,12 +73,14 @@ def _watch_filter(principal: Principal, patterns: list[str]) -> Any:
 
 
 class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
-    def __init__(self, store: RegistryStore, artifacts: ArtifactStore, *, max_artifact_bytes: int = 8 << 30) -> None:
+    def __init__(self, store: RegistryStore, artifacts: ArtifactStore, limits: RegistryLimits | None = None) -> None:
         self.store = store
         self.artifacts = artifacts
-        self.max_artifact_bytes = max_artifact_bytes
-        # Poll interval of blocking stream reads: bounds how long a cancelled watcher lingers.
-        self.watch_block_ms = 1000
+        self.limits = limits or RegistryLimits()
+        self.max_artifact_bytes = self.limits.max_artifact_bytes
+        self.events = EventHub(store)
+        self.sweeper = UploadSweeper(store, artifacts, self.limits.upload_grace_s)
+        self.watches = WatchSlots(self.limits.max_watches_per_tenant)
 
     # Adapters
 
@@ -85,6 +90,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         if principal.tenant is not None and not principal.is_admin and "/" not in name:
             raise PermissionDenied(f"tenant {principal.tenant!r} must create adapters as '{principal.tenant}/...'")
         check_lora_config(request.lora_config)
+        check_metadata(self.limits, request.description, request.labels)
         adapter = registry_pb2.Adapter(
             name=name,
             lora_config=lora_or_default(request.lora_config),
@@ -109,12 +115,14 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
                 if not own.startswith(prefix):
                     return registry_pb2.ListAdaptersResponse()
                 prefix = own
-        adapters, token = await self.store.list_adapters(prefix, request.page_size, request.page_token)
+        adapters, token = await self.store.list_adapters(
+            prefix, request.page_size, request.page_token, max_bytes=self.limits.max_page_bytes
+        )
         return registry_pb2.ListAdaptersResponse(adapters=adapters, next_page_token=token)
 
     async def DeleteAdapter(self, request: registry_pb2.DeleteAdapterRequest, context: Context) -> Any:
         name = check_adapter_name(request.name)
-        principal = require_admin("DeleteAdapter")
+        principal = require_access(name)  # a tenant deletes its own adapters; garbage collection stays admin
         return registry_pb2.DeleteAdapterResponse(event_id=await self.store.delete_adapter(name, principal.actor))
 
     # Versions
@@ -132,6 +140,8 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         adapter = await self.store.get_adapter(name)
         if request.lineage.parent_version:
             await self.store.get_version(name, request.lineage.parent_version)
+        if not await self._may_publish(principal, digest):
+            raise not_found(digest)  # the answer for a digest that does not exist: no existence oracle
         # Verifies every file: the registry never references a partial or corrupt artifact.
         ref = await asyncio.to_thread(self.artifacts.ref, format_uri(digest))
         version = registry_pb2.Version(
@@ -151,6 +161,16 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
             expected_latest=request.expected_latest_version if request.HasField("expected_latest_version") else None,
         )
         return registry_pb2.PublishVersionResponse(version=published, event_id=event_id)
+
+    async def _may_publish(self, principal: Principal, digest: str) -> bool:
+        """A digest is not a bearer key: a user tenant publishes only bytes it uploaded itself or that a
+        version it can access already uses (what the trainer produced for it). Admins (the trainer's and
+        sampler's service tokens, operators) and the auth-off local principal may publish any stored artifact."""
+        if principal.tenant is None or principal.is_admin:
+            return True
+        if await self.store.uploaded_by(digest, principal.tenant):
+            return True
+        return any(map(principal.can_access, await self.store.artifact_users(digest)))
 
     async def GetVersion(self, request: registry_pb2.GetVersionRequest, context: Context) -> Any:
         name = check_adapter_name(request.adapter)
@@ -228,16 +248,21 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
     async def WatchEvents(self, request: registry_pb2.WatchEventsRequest, context: Context) -> AsyncIterator[Any]:
         after = _check_event_id(request.after_event_id)
         patterns = [_check_watch_pattern(p) for p in request.adapters]
-        visible = _watch_filter(current_principal(), patterns)
+        principal = current_principal()
+        with self.watches.hold(principal):
+            async for message in self._watch(after, request.send_snapshot, _watch_filter(principal, patterns)):
+                yield message
+
+    async def _watch(self, after: str, send_snapshot: bool, visible: Any) -> AsyncIterator[Any]:
         if after in ("0", "0-0"):
             cursor = "0-0"
-            reconcile_reason = "requested" if request.send_snapshot else ""
+            reconcile_reason = "requested" if send_snapshot else ""
         elif after == "":
             cursor = await self.store.last_event_id()
-            reconcile_reason = "requested" if request.send_snapshot else ""
+            reconcile_reason = "requested" if send_snapshot else ""
         elif await self.store.event_exists(after):
             cursor = after
-            reconcile_reason = "requested" if request.send_snapshot else ""
+            reconcile_reason = "requested" if send_snapshot else ""
         else:
             # The id is gone (trimmed, or from another store): events may be missing. Never a silent gap.
             cursor = ""
@@ -250,11 +275,10 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
             yield registry_pb2.WatchEventsResponse(
                 reconcile=registry_pb2.Reconcile(event_id=cursor, adapters=adapters, reason=reconcile_reason)
             )
-        while True:
-            for record in await self.store.read_events(cursor, self.watch_block_ms):
-                cursor = record.event_id
-                if visible(record.event.adapter):
-                    yield registry_pb2.WatchEventsResponse(event=record.event)
+        # One shared Redis reader for every watch of this process (event_hub.py), not a connection each.
+        async for record in self.events.events(cursor):
+            if visible(record.event.adapter):
+                yield registry_pb2.WatchEventsResponse(event=record.event)
 
     # Garbage collection and artifacts
 
@@ -278,6 +302,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
                 freed = 0
                 if remaining == 0 and not request.dry_run:
                     freed = await asyncio.to_thread(self.artifacts.delete, version.artifact_uri)
+                    await self.store.forget_upload(version.artifact_sha256)
                 response.collected.append(
                     registry_pb2.CollectedVersion(
                         adapter=name,
@@ -287,29 +312,37 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
                     )
                 )
                 response.bytes_freed += freed if not request.dry_run else version.artifact_size_bytes
+        if not request.dry_run and not request.adapter:
+            # Uploads nobody published within the grace period: no version references them.
+            _count, freed = await sweep_unpublished(self.store, self.artifacts, self.limits.upload_grace_s)
+            response.bytes_freed += freed
         return response
 
     async def UploadArtifact(self, request_iterator: AsyncIterator[Any], context: Context) -> Any:
+        principal = current_principal()
+        used = await stored_bytes(self.store, principal)
+        self.sweeper.ensure_running()
         writers: list[ArtifactWriter] = []
 
         def open_sink(files: Sequence[ArtifactFile]) -> WriterSink:
-            if sum(f.size for f in files) > self.max_artifact_bytes:
-                raise InvalidArgument(
-                    f"artifact larger than {self.max_artifact_bytes} bytes", reason="ARTIFACT_TOO_LARGE"
-                )
+            check_upload(self.limits, files, used)  # before the first file is created
             writers.append(self.artifacts.begin())
             return WriterSink(writers[0])
 
         receiver = ArtifactReceiver(open_sink)
         try:
             try:
+                # Creating, writing and fsyncing files happens in a worker thread, never on the event loop
+                # that every other tenant's calls share. One message at a time: the receiver is not shared.
                 async for message in request_iterator:
                     kind = message.WhichOneof("message")
                     if kind == "manifest":
-                        receiver.header([ArtifactFile(h.path, h.sha256, h.size_bytes) for h in message.manifest.files])
+                        check_file_count(self.limits, len(message.manifest.files))  # before building a list
+                        files = [ArtifactFile(h.path, h.sha256, h.size_bytes) for h in message.manifest.files]
+                        await asyncio.to_thread(receiver.header, files)
                     elif kind == "chunk":
-                        receiver.chunk(message.chunk)
-                receiver.close()
+                        await asyncio.to_thread(receiver.chunk, message.chunk)
+                await asyncio.to_thread(receiver.close)
             except StreamViolation as violation:
                 raise InvalidArgument(_UPLOAD_PROBLEMS[violation.kind], reason="INVALID_UPLOAD") from None
             ref = await asyncio.to_thread(writers[0].commit)
@@ -317,6 +350,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
             for writer in writers:
                 writer.abort()
             raise
+        await self.store.record_upload(ref.sha256, principal.tenant or "", ref.size_bytes)
         return registry_pb2.UploadArtifactResponse(
             artifact_uri=ref.uri, artifact_sha256=ref.sha256, artifact_size_bytes=ref.size_bytes
         )

@@ -66,6 +66,17 @@ def _refs_key(sha256: str) -> str:
     return f"ot:artifact:{sha256}:refs"
 
 
+def _uploaders_key(sha256: str) -> str:
+    return f"ot:artifact:{sha256}:uploaders"
+
+
+def _tenant_uploads_key(tenant: str) -> str:
+    return f"ot:tenant:{tenant}:uploads"
+
+
+UPLOADS_KEY = "ot:uploads"
+
+
 def _timestamp(ms: int) -> Timestamp:
     stamp = Timestamp()
     stamp.FromMilliseconds(ms)
@@ -173,18 +184,24 @@ class RegistryStore:
         return adapter
 
     async def list_adapters(
-        self, prefix: str, page_size: int, page_token: str
+        self, prefix: str, page_size: int, page_token: str, *, max_bytes: int = 8 << 20
     ) -> tuple[list[registry_pb2.Adapter], str]:
+        """One page by name; it ends early once its records pass max_bytes, so a page always fits a message
+        (records written before descriptions and labels were bounded may be large)."""
         size = _page_size(page_size)
         low = f"({_decode_token(page_token)}" if page_token else f"[{prefix}"
         high = f"[{prefix}\xff" if prefix else "+"
         with _redis_errors():
             names = await self.redis.zrangebylex(ADAPTERS_KEY, low, high, start=0, num=size + 1)
         page = [_text(n) for n in names[:size]]
-        adapters = []
-        for name in page:
+        adapters: list[registry_pb2.Adapter] = []
+        total = 0
+        for index, name in enumerate(page):
+            if adapters and total >= max_bytes:
+                return adapters, _encode_token(page[index - 1])
             with contextlib.suppress(NotFound):  # deleted between the two reads
                 adapters.append(await self.get_adapter(name))
+                total += adapters[-1].ByteSize()
         next_token = _encode_token(page[-1]) if len(names) > size else ""
         return adapters, next_token
 
@@ -349,6 +366,53 @@ class RegistryStore:
             members: Any = await self.redis.smembers(_refs_key(sha256))
         return sorted({_text(m).rsplit("@", 1)[0] for m in members})
 
+    # Uploads: who sent which bytes (publishing needs it), how much each tenant stores, what is unpublished
+
+    async def record_upload(self, sha256: str, tenant: str, size_bytes: int) -> None:
+        """tenant: the uploader's tenant ("" with auth off)."""
+        with _redis_errors():
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.sadd(_uploaders_key(sha256), tenant)
+                pipe.hset(_tenant_uploads_key(tenant), sha256, size_bytes)
+                pipe.zadd(UPLOADS_KEY, {sha256: _now_ms()})
+                await pipe.execute()
+
+    async def uploaded_by(self, sha256: str, tenant: str) -> bool:
+        with _redis_errors():
+            return bool(await self.redis.sismember(_uploaders_key(sha256), tenant))
+
+    async def tenant_usage(self, tenant: str) -> int:
+        """Bytes of the artifacts this tenant uploaded that are still stored."""
+        with _redis_errors():
+            sizes: Any = await self.redis.hvals(_tenant_uploads_key(tenant))
+        return sum(int(size) for size in sizes)
+
+    async def uploads_before(self, before_ms: int, count: int = 1000) -> list[str]:
+        """Digests uploaded (last) before before_ms that the sweep has not looked at yet, oldest first."""
+        with _redis_errors():
+            digests: Any = await self.redis.zrangebyscore(UPLOADS_KEY, "-inf", before_ms, start=0, num=count)
+        return [_text(d) for d in digests]
+
+    async def artifact_in_use(self, sha256: str) -> bool:
+        with _redis_errors():
+            return bool(await self.redis.scard(_refs_key(sha256)))
+
+    async def settle_upload(self, sha256: str) -> None:
+        """A published upload: the version GC owns its bytes from now on; it still counts to its uploaders."""
+        with _redis_errors():
+            await self.redis.zrem(UPLOADS_KEY, sha256)
+
+    async def forget_upload(self, sha256: str) -> None:
+        """The artifact's bytes are gone: it no longer counts to any tenant's storage."""
+        with _redis_errors():
+            tenants: Any = await self.redis.smembers(_uploaders_key(sha256))
+            async with self.redis.pipeline(transaction=True) as pipe:
+                for tenant in tenants:
+                    pipe.hdel(_tenant_uploads_key(_text(tenant)), sha256)
+                pipe.delete(_uploaders_key(sha256))
+                pipe.zrem(UPLOADS_KEY, sha256)
+                await pipe.execute()
+
     async def all_version_numbers(self, name: str) -> list[int]:
         with _redis_errors():
             numbers: Any = await self.redis.zrevrange(f"{_adapter_key(name)}:versions", 0, -1)
@@ -374,7 +438,8 @@ class RegistryStore:
             except redis.ResponseError:
                 raise InvalidArgument(f"invalid event id {event_id!r}", reason="INVALID_EVENT_ID") from None
 
-    async def read_events(self, after_id: str, block_ms: int, count: int = 256) -> list[EventRecord]:
+    async def read_events(self, after_id: str, block_ms: int | None, count: int = 256) -> list[EventRecord]:
+        """Events after `after_id`, waiting up to block_ms for one (None: answer at once)."""
         with _redis_errors():
             try:
                 streams: Any = await self.redis.xread({EVENTS_KEY: after_id}, count=count, block=block_ms)

@@ -16,6 +16,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from opentinker.weights.base_model import LORA_TARGETS
 
@@ -26,10 +27,28 @@ PEFT_FILES = (CONFIG_FILE, WEIGHTS_FILE)
 PEFT_PREFIX = "base_model.model."
 # The largest LoRA rank any process accepts (the sampler may serve less: its --max-rank).
 MAX_RANK = 1024
+# The largest LoRA scaling (alpha / r) and weight magnitude any process accepts. Trained adapters stay far below
+# (|w| ~ 1e-3..10, scaling <= ~64); beyond these an adapter's delta overflows half precision or saturates the
+# softmax, and one tenant's adapter could poison a shared batch. Refused at import, snapshot and load.
+MAX_LORA_SCALING = 1024.0
+MAX_LORA_WEIGHT = 1e4
 
 
 class PeftFormatError(ValueError):
     """Not a usable peft LoRA adapter; the message says which file or tensor and why."""
+
+
+class LoraMagnitudeError(PeftFormatError):
+    """Weights that are not finite, or a weight or scaling beyond MAX_LORA_WEIGHT / MAX_LORA_SCALING."""
+
+
+class _Tensor(Protocol):  # a torch.Tensor, typed structurally: this module does not import torch
+    def abs(self) -> _Tensor: ...
+    def max(self) -> _Tensor: ...
+    def isfinite(self) -> _Tensor: ...
+    def all(self) -> _Tensor: ...
+    def item(self) -> float | int | bool: ...
+    def numel(self) -> int: ...
 
 
 def lora_a_key(module: str) -> str:
@@ -48,6 +67,22 @@ def alpha_or_rank(alpha: float, rank: int) -> float:
 def lora_scaling(alpha: float, rank: int, *, use_rslora: bool = False) -> float:
     """peft's scaling of the LoRA delta: alpha / r, or alpha / sqrt(r) for rsLoRA."""
     return alpha / math.sqrt(rank) if use_rslora else alpha / rank
+
+
+def check_lora_magnitudes(tensors: Mapping[str, _Tensor], scaling: float) -> None:
+    """Refuses (LoraMagnitudeError naming the tensor) non-finite weights, a weight beyond MAX_LORA_WEIGHT and a
+    scaling beyond MAX_LORA_SCALING: the one rule the registry's import, the trainer and the sampler apply."""
+    if not math.isfinite(scaling) or abs(scaling) > MAX_LORA_SCALING:
+        raise LoraMagnitudeError(f"LoRA scaling {scaling:g} (alpha / r) is beyond the limit of {MAX_LORA_SCALING:g}")
+    for key, tensor in tensors.items():
+        if tensor.numel() == 0:
+            continue
+        if not bool(tensor.isfinite().all().item()):
+            raise LoraMagnitudeError(f"{key} holds non-finite values (inf or NaN)")
+        largest = float(tensor.abs().max().item())
+        if largest > MAX_LORA_WEIGHT:
+            raise LoraMagnitudeError(f"{key} holds a weight of magnitude {largest:.3g}, beyond the limit of "
+                                     f"{MAX_LORA_WEIGHT:g}")  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

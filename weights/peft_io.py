@@ -22,7 +22,9 @@ from opentinker.weights.peft import (
     CONFIG_FILE,
     PEFT_FILES,
     WEIGHTS_FILE,
+    LoraMagnitudeError,
     PeftFormatError,
+    check_lora_magnitudes,
     lora_modules,
     read_peft_config,
 )
@@ -77,8 +79,19 @@ def _base_shapes(base_model: Path) -> dict[str, tuple[int, int]]:
     return shapes
 
 
-def _read_shapes(directory: Path) -> dict[str, list[int]]:
-    """Tensor name -> shape of the weights file; refuses an unreadable file and non-finite values."""
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors dtype names; LoRA weights are floats
+
+
+def _refuse_symlinks(directory: Path) -> None:
+    """The peft files must be regular files inside the folder: a symlink could pull bytes from anywhere."""
+    for name in PEFT_FILES:
+        if (directory / name).is_symlink():
+            raise _fail(directory, f"{name} is a symlink (copy the file itself into the folder)")
+
+
+def _read_weights(directory: Path, scaling: float) -> dict[str, list[int]]:
+    """Tensor name -> shape of the weights file; refuses an unreadable file, non-float dtypes, and weights or a
+    scaling beyond the one magnitude rule (`check_lora_magnitudes`: finite, |w| <= 1e4, scaling <= 1024)."""
     path = directory / WEIGHTS_FILE
     if not path.is_file():
         hint = " (adapter_model.bin found: re-save it with safe_serialization=True)" if (
@@ -86,11 +99,17 @@ def _read_shapes(directory: Path) -> dict[str, list[int]]:
         raise _fail(directory, f"missing {WEIGHTS_FILE}{hint}")
     shapes: dict[str, list[int]] = {}
     try:
+        check_lora_magnitudes({}, scaling)
         with safe_open(str(path), framework="pt") as handle:
             for key in handle.keys():  # noqa: SIM118 -- safe_open handles are not iterable
-                shapes[key] = list(handle.get_slice(key).get_shape())
-                if not bool(handle.get_tensor(key).float().isfinite().all()):
-                    raise _fail(directory, f"{WEIGHTS_FILE}: {key} has non-finite values")
+                piece = handle.get_slice(key)
+                if piece.get_dtype() not in FLOAT_DTYPES:
+                    raise _fail(directory, f"{WEIGHTS_FILE}: {key} has dtype {piece.get_dtype()} "
+                                f"(LoRA weights must be one of {', '.join(FLOAT_DTYPES)})")  # fmt: skip
+                shapes[key] = list(piece.get_shape())
+                check_lora_magnitudes({key: handle.get_tensor(key)}, scaling)
+    except LoraMagnitudeError as exc:
+        raise _fail(directory, f"{WEIGHTS_FILE}: {exc}") from None
     except (SafetensorError, OSError) as exc:
         raise _fail(directory, f"{WEIGHTS_FILE} is not a readable safetensors file: {exc}") from None
     return shapes
@@ -101,9 +120,10 @@ def inspect_peft_folder(directory: Path, base_model: Path | None = None) -> Peft
     the config's base_model_name_or_path when that is a local folder. PeftFolderError otherwise."""
     if not directory.is_dir():
         raise PeftFolderError(f"{directory}: not a directory")
+    _refuse_symlinks(directory)
     try:
         config = read_peft_config(directory / CONFIG_FILE)
-        modules = lora_modules(_read_shapes(directory), config)
+        modules = lora_modules(_read_weights(directory, config.scaling), config)
     except PeftFormatError as exc:
         raise _fail(directory, str(exc)) from None
     named_base = config.base_model_name_or_path
@@ -133,15 +153,23 @@ def inspect_peft_folder(directory: Path, base_model: Path | None = None) -> Peft
                        base_model_digest=digest, base_model_checked=checked, notes=notes)  # fmt: skip
 
 
+def check_export_target(out_dir: Path) -> None:
+    """An export writes only into a new or empty real directory: never through a symlink (dangling or not)."""
+    if out_dir.is_symlink():
+        raise PeftFolderError(f"{out_dir}: is a symlink; export into a new or empty directory")
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise PeftFolderError(f"{out_dir}: exists and is not an empty directory")
+
+
 def write_peft_folder(artifact: Path, out_dir: Path, *, base_model_name_or_path: str | None = None) -> list[Path]:
     """Copies a stored artifact's peft files to `out_dir` (new or empty); optionally renames the base model in
     adapter_config.json (the weights file is copied byte for byte). Returns the files written."""
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise PeftFolderError(f"{out_dir}: exists and is not an empty directory")
+    check_export_target(out_dir)
     missing = [name for name in PEFT_FILES if not (artifact / name).is_file()]
     if missing:
         raise PeftFolderError(f"this version's artifact is not a peft folder (no {', '.join(missing)})")
     out_dir.mkdir(parents=True, exist_ok=True)
+    check_export_target(out_dir)  # nothing slipped in between
     written = []
     for name in PEFT_FILES:
         target = out_dir / name

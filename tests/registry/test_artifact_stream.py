@@ -145,6 +145,19 @@ def test_fetch_round_trip_and_extra_bytes_are_data_loss(tmp_path: Path) -> None:
     assert not again.exists(ref.uri) and list((tmp_path / "again" / "tmp").iterdir()) == []
 
 
+class UploadLedger:
+    """The part of the RegistryStore an upload touches: the record of who uploaded what."""
+
+    def __init__(self) -> None:
+        self.uploads: dict[str, int] = {}
+
+    async def record_upload(self, sha256: str, tenant: str, size_bytes: int) -> None:
+        self.uploads[sha256] = size_bytes
+
+    async def tenant_usage(self, tenant: str) -> int:
+        return sum(self.uploads.values())
+
+
 def upload(servicer: RegistryServicer, messages: list[registry_pb2.UploadArtifactRequest]) -> Any:
     async def requests() -> AsyncIterator[registry_pb2.UploadArtifactRequest]:
         for message in messages:
@@ -174,7 +187,7 @@ def upload_messages(files: dict[str, bytes], extra: bytes = b"") -> list[registr
 )
 def test_registry_upload_refuses_a_broken_stream(tmp_path: Path, messages: Any, message: str) -> None:
     store = ArtifactStore(tmp_path)
-    servicer = RegistryServicer(None, store)  # type: ignore[arg-type]  # uploads never touch Redis
+    servicer = RegistryServicer(UploadLedger(), store)  # type: ignore[arg-type]  # uploads only record who sent what
     with pytest.raises(InvalidArgument) as caught:
         upload(servicer, messages(upload_messages(FILES)))
     assert (caught.value.reason, caught.value.message) == ("INVALID_UPLOAD", message)

@@ -240,7 +240,7 @@ def test_tenant_isolation_and_admin_only_operations(secured_registry: ServerProc
             lambda: stub.Rollback(registry_pb2.RollbackRequest(adapter=theirs), metadata=a),
             lambda: create_adapter(stub, "team-b/" + unique_name(), metadata=a),
             lambda: create_adapter(stub, unique_name(), metadata=a),
-            lambda: stub.DeleteAdapter(registry_pb2.DeleteAdapterRequest(name=mine), metadata=a),
+            lambda: stub.DeleteAdapter(registry_pb2.DeleteAdapterRequest(name=theirs), metadata=a),
             lambda: stub.GarbageCollect(registry_pb2.GarbageCollectRequest(), metadata=a),
         ):
             assert rpc_error(call).code() == grpc.StatusCode.PERMISSION_DENIED

@@ -120,8 +120,10 @@ class RegistryServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def CreateAdapter(self, request, context):
-        """Registers an adapter name. A tenant's names must start with "<tenant>/".
-        Errors: INVALID_ARGUMENT (INVALID_ADAPTER_NAME, INVALID_LORA_CONFIG), ALREADY_EXISTS (ADAPTER_EXISTS),
+        """Registers an adapter name. A tenant's names must start with "<tenant>/". Descriptions and labels are
+        bounded (--max-description-bytes, --max-labels, --max-label-bytes).
+        Errors: INVALID_ARGUMENT (INVALID_ADAPTER_NAME, INVALID_LORA_CONFIG, DESCRIPTION_TOO_LONG, TOO_MANY_LABELS,
+        LABEL_TOO_LONG), ALREADY_EXISTS (ADAPTER_EXISTS),
         PERMISSION_DENIED (PERMISSION_DENIED).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -138,7 +140,8 @@ class RegistryServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListAdapters(self, request, context):
-        """Adapters visible to the caller, ordered by name, paged.
+        """Adapters visible to the caller, ordered by name, paged; a page ends early past 8 MiB of records
+        (follow next_page_token).
         Errors: INVALID_ARGUMENT (INVALID_PAGE_SIZE, INVALID_PAGE_TOKEN).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -146,7 +149,8 @@ class RegistryServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def DeleteAdapter(self, request, context):
-        """Deletes the adapter record and its aliases; versions stay until garbage collection. Admin only.
+        """Deletes the adapter record and its aliases; versions stay until garbage collection (admin only).
+        A tenant may delete its own adapters.
         Errors: INVALID_ARGUMENT (INVALID_ADAPTER_NAME), NOT_FOUND (ADAPTER_NOT_FOUND),
         PERMISSION_DENIED (PERMISSION_DENIED).
         """
@@ -157,6 +161,8 @@ class RegistryServiceServicer:
     def PublishVersion(self, request, context):
         """Records a new version (number from Redis INCR) and, unless skip_latest, moves "latest" to it.
         Idempotent by request_id. The artifact must already be committed to the store; it is verified first.
+        A user tenant may publish only an artifact it uploaded itself or that a version it can access uses;
+        any other digest gets the answer of a digest that does not exist (NOT_FOUND ARTIFACT_NOT_FOUND).
         Errors: INVALID_ARGUMENT (INVALID_ADAPTER_NAME, INVALID_ARTIFACT_URI, INVALID_ALIAS, INVALID_REQUEST_ID,
         INVALID_LORA_CONFIG), NOT_FOUND (ADAPTER_NOT_FOUND, VERSION_NOT_FOUND, ARTIFACT_NOT_FOUND),
         FAILED_PRECONDITION (VERSION_CONFLICT), DATA_LOSS (DIGEST_MISMATCH), PERMISSION_DENIED (PERMISSION_DENIED).
@@ -233,8 +239,10 @@ class RegistryServiceServicer:
     def WatchEvents(self, request, context):
         """Streams change events after after_event_id. If that id was trimmed from the log, the first message
         is a Reconcile with the full alias map instead of a silent gap. Other tenants' events are left out.
-        Errors: INVALID_ARGUMENT (INVALID_EVENT_ID, INVALID_ADAPTER_NAME); an open watch ends with
-        UNAVAILABLE (STORE_UNAVAILABLE) when Redis goes away: resume from the last event id.
+        Every watch of a registry process shares one Redis stream reader; a user tenant may hold
+        --max-watches-per-tenant open watches (admins are not counted).
+        Errors: INVALID_ARGUMENT (INVALID_EVENT_ID, INVALID_ADAPTER_NAME), RESOURCE_EXHAUSTED (TOO_MANY_WATCHES);
+        an open watch ends with UNAVAILABLE (STORE_UNAVAILABLE) when Redis goes away: resume from the last event id.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -242,7 +250,7 @@ class RegistryServiceServicer:
 
     def GarbageCollect(self, request, context):
         """Deletes artifacts of versions outside the retention policy (last K per adapter + every aliased
-        version). Admin only.
+        version), and (over all adapters, not dry_run) uploads no version used within the grace period. Admin only.
         Errors: INVALID_ARGUMENT (INVALID_ADAPTER_NAME), PERMISSION_DENIED (PERMISSION_DENIED).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -251,8 +259,11 @@ class RegistryServiceServicer:
 
     def UploadArtifact(self, request_iterator, context):
         """Stores an artifact sent in chunks (first message carries the header); nothing is stored on error.
-        Errors: INVALID_ARGUMENT (INVALID_UPLOAD, ARTIFACT_TOO_LARGE, INVALID_ARTIFACT_PATH, INVALID_ARTIFACT_FILE,
-        EMPTY_ARTIFACT), DATA_LOSS (DIGEST_MISMATCH), RESOURCE_EXHAUSTED (STORAGE_FULL),
+        At most --max-artifact-files files; a user tenant's uploads count to its --tenant-storage-quota-mb; an
+        upload no version uses is collected after --upload-grace-s.
+        Errors: INVALID_ARGUMENT (INVALID_UPLOAD, ARTIFACT_TOO_LARGE, TOO_MANY_FILES, INVALID_ARTIFACT_PATH,
+        INVALID_ARTIFACT_FILE, EMPTY_ARTIFACT), DATA_LOSS (DIGEST_MISMATCH),
+        RESOURCE_EXHAUSTED (STORAGE_FULL, STORAGE_QUOTA_EXCEEDED),
         UNAVAILABLE (ARTIFACT_COMMIT_CONFLICT).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

@@ -1,0 +1,328 @@
+"""Noisy neighbours at the registry: team-a abuses a shared resource while team-b runs its normal workload at
+the same time, on one registry process (tokens on, its own Redis so the test can read INFO clients). team-b
+gets 0 errors; team-a gets the precise status; the registry's memory after the abuse stays within a stated
+bound of before. (Issue "Noisy neighbours", cases 2, 8, 9 and 11.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import pytest
+import redis
+from registryutil import artifact_files, create_adapter, publish, unique_name, upload
+from serverproc import ServerProcess, opentinker_command, registry_store, start_registry
+
+from opentinker.cli.launch import tree_memory
+from opentinker.registry.embedded_redis import EmbeddedRedis
+from opentinker.rpc.errors import error_info
+from opentinker.v1 import registry_pb2, registry_pb2_grpc
+from opentinker.weights.artifact_store import ArtifactStore
+
+MAX_WATCHES = 16
+MAX_FILES = 64
+QUOTA_MB = 2
+GRACE_S = 4
+MiB = 1 << 20
+Stub = registry_pb2_grpc.RegistryServiceStub
+
+
+@dataclass
+class Registry:
+    server: ServerProcess
+    redis_url: str
+    channel: grpc.Channel
+    tokens: dict[str, str]
+
+    def stub(self) -> Stub:
+        return registry_pb2_grpc.RegistryServiceStub(self.channel)
+
+    def md(self, who: str) -> list[tuple[str, str]]:
+        return [("authorization", f"Bearer {self.tokens[who]}")]
+
+    def redis_clients(self) -> int:
+        client = redis.Redis.from_url(self.redis_url)
+        try:
+            return int(client.info("clients")["connected_clients"]) - 1  # not counting this one
+        finally:
+            client.close()
+
+    def memory(self) -> int:
+        return tree_memory(self.server.process.pid)
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
+    workdir = tmp_path_factory.mktemp("noisy-registry")
+    tokens = {who: f"tok-{who}-{secrets.token_hex(8)}" for who in ("team-a", "team-b", "ops")}
+    tokens_file = workdir / "tokens.json"
+    tokens_file.write_text(json.dumps({"tokens": [
+        {"token": t, "tenant": who, "role": "admin" if who == "ops" else "user"} for who, t in tokens.items()
+    ]}))  # fmt: skip
+    redis_server = EmbeddedRedis(workdir / "redis", appendonly=False).start()
+    server = start_registry(
+        workdir / "registry", "--redis-url", redis_server.url, "--tokens-file", str(tokens_file),
+        "--max-watches-per-tenant", str(MAX_WATCHES), "--max-artifact-files", str(MAX_FILES),
+        "--tenant-storage-quota-mb", str(QUOTA_MB), "--upload-grace-s", str(GRACE_S),
+    )  # fmt: skip
+    channel = grpc.insecure_channel(server.address)
+    try:
+        yield Registry(server, redis_server.url, channel, tokens)
+    finally:
+        channel.close()
+        code = server.terminate()
+        redis_server.stop()
+    assert code == 0
+
+
+def status_of(error: grpc.RpcError) -> tuple[str, str]:
+    info = error_info(error)
+    return error.code().name, info.reason if info else ""
+
+
+def wait_until(check: Callable[[], bool], timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.05)
+    return check()
+
+
+@dataclass
+class TeamB:
+    """team-b's normal registry workload: create, upload + publish, read back, and watch its own events."""
+
+    registry: Registry
+    rounds: int
+    errors: list[str]
+    versions: list[int]
+    watched: list[int]
+
+    def run(self) -> None:
+        stub, md = self.registry.stub(), self.registry.md("team-b")
+        name = f"team-b/{unique_name('steady')}"
+        try:
+            create_adapter(stub, name, metadata=md)
+            watch = stub.WatchEvents(registry_pb2.WatchEventsRequest(adapters=[name], send_snapshot=True), metadata=md)
+            assert next(watch).HasField("reconcile")
+            for i in range(self.rounds):
+                published = publish(stub, name, seed=i, metadata=md)
+                self.versions.append(published.version.version)
+                stub.GetAdapter(registry_pb2.GetAdapterRequest(name=name), metadata=md)
+                self.watched.append(next(watch).event.version)
+            watch.cancel()
+        except grpc.RpcError as error:
+            self.errors.append(f"{error.code().name}: {error.details()}")
+
+
+def team_b(registry: Registry, rounds: int = 8) -> tuple[TeamB, threading.Thread]:
+    workload = TeamB(registry, rounds, [], [], [])
+    thread = threading.Thread(target=workload.run)
+    return workload, thread
+
+
+def test_case2_watch_flood_is_capped_and_shares_one_redis_reader(registry: Registry, figure: Any) -> None:
+    stub, md_a = registry.stub(), registry.md("team-a")
+    own = f"team-a/{unique_name('flood')}"
+    create_adapter(stub, own, metadata=md_a)
+    clients_before, memory_before = registry.redis_clients(), registry.memory()
+    flood_channel = grpc.insecure_channel(registry.server.address)  # team-a's 100 streams on their own channel
+    flood = registry_pb2_grpc.RegistryServiceStub(flood_channel)
+    workload, thread = team_b(registry)
+    thread.start()
+    accepted: list[Any] = []
+    refused: list[tuple[str, str]] = []
+    for _ in range(100):
+        call = flood.WatchEvents(registry_pb2.WatchEventsRequest(send_snapshot=True), metadata=md_a)
+        try:
+            assert next(call).HasField("reconcile")
+            accepted.append(call)
+        except grpc.RpcError as error:
+            refused.append(status_of(error))
+    clients_during = registry.redis_clients()
+    thread.join(120)
+    # The accepted watches see team-a's events and never team-b's (tenant filter on the shared feed).
+    publish(stub, own, seed=7, metadata=md_a)
+    first = [next(call).event for call in accepted[:4]]
+    for call in accepted:
+        call.cancel()
+    flood_channel.close()
+    assert workload.errors == []
+    assert workload.versions == list(range(1, 9)) and workload.watched == workload.versions
+    assert len(accepted) == MAX_WATCHES and refused == [("RESOURCE_EXHAUSTED", "TOO_MANY_WATCHES")] * (
+        100 - MAX_WATCHES
+    )
+    assert [(e.adapter, e.version) for e in first] == [(own, 1)] * 4
+    # One shared stream reader, not a connection per watch: 16 + 1 watches add at most a few connections.
+    assert clients_during <= clients_before + 3, (clients_before, clients_during)
+
+    # The slots come back once the streams are gone: team-a can watch again.
+    def can_watch() -> bool:
+        call = stub.WatchEvents(registry_pb2.WatchEventsRequest(send_snapshot=True), metadata=md_a)
+        try:
+            next(call)
+            return True
+        except grpc.RpcError:
+            return False
+        finally:
+            call.cancel()
+
+    assert wait_until(can_watch)
+    memory_after = registry.memory()
+    assert memory_after - memory_before < 64 * MiB
+    figure(
+        "case 2 watch flood: accepted, refused, redis clients before/during, registry MiB before/after",
+        f"{len(accepted)}, {len(refused)}, {clients_before}/{clients_during}, "
+        f"{memory_before / MiB:.0f}/{memory_after / MiB:.0f}",
+    )
+
+
+def test_case8_a_digest_is_not_a_bearer_key(registry: Registry, figure: Any) -> None:
+    stub, md_a, md_b = registry.stub(), registry.md("team-a"), registry.md("team-b")
+    mine, theirs = f"team-a/{unique_name('thief')}", f"team-b/{unique_name('owner')}"
+    create_adapter(stub, mine, metadata=md_a)
+    create_adapter(stub, theirs, metadata=md_b)
+    published = publish(stub, theirs, seed=101, metadata=md_b).version.artifact_uri
+    unpublished = upload(stub, artifact_files(seed=102), metadata=md_b)
+    missing = "sha256:" + "0" * 64
+    workload, thread = team_b(registry)
+    thread.start()
+
+    def steal(uri: str) -> tuple[str, str, str]:
+        request = registry_pb2.PublishVersionRequest(adapter=mine, artifact_uri=uri)
+        try:
+            stub.PublishVersion(request, metadata=md_a)
+        except grpc.RpcError as error:
+            return (*status_of(error), (error.details() or "").replace(uri, "<uri>"))
+        return ("OK", "", "")
+
+    def download(uri: str) -> tuple[str, str]:
+        try:
+            list(stub.DownloadArtifact(registry_pb2.DownloadArtifactRequest(artifact_uri=uri), metadata=md_a))
+        except grpc.RpcError as error:
+            return status_of(error)
+        return ("OK", "")
+
+    answers = {uri: steal(uri) for uri in (published, unpublished, missing)}
+    downloads = {uri: download(uri) for uri in (published, unpublished, missing)}
+    thread.join(120)
+    assert workload.errors == [] and workload.versions == list(range(1, 9))
+    # The same answer as for a digest that does not exist: team-a learns nothing about team-b's bytes.
+    assert set(answers.values()) == {("NOT_FOUND", "ARTIFACT_NOT_FOUND", "artifact <uri> not found")}, answers
+    assert set(downloads.values()) == {("PERMISSION_DENIED", "PERMISSION_DENIED")}, downloads
+    assert stub.GetAdapter(registry_pb2.GetAdapterRequest(name=mine), metadata=md_a).adapter.version_count == 0
+    # Bytes team-a uploaded itself it may publish (and then download).
+    own = publish(stub, mine, seed=103, metadata=md_a).version
+    assert own.version == 1 and download(own.artifact_uri) == ("OK", "")
+    figure(
+        "case 8 team-b's published / unpublished / a missing digest: team-a's publish, download",
+        " / ".join(f"{answers[u][:2]}, {downloads[u]}" for u in (published, unpublished, missing)),
+    )
+
+
+def admin_cli(registry: Registry, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OPENTINKER_")}
+    return subprocess.run(
+        opentinker_command("registry", *args, "--registry", registry.server.address, "--token", registry.tokens["ops"]),
+        capture_output=True, text=True, timeout=120, env={**env, "COLUMNS": "200"},
+    )  # fmt: skip
+
+
+def test_case11_bounded_metadata_own_deletes_and_a_paged_admin_listing(registry: Registry, figure: Any) -> None:
+    stub, md_a, md_b = registry.stub(), registry.md("team-a"), registry.md("team-b")
+    memory_before = registry.memory()
+    workload, thread = team_b(registry)
+    thread.start()
+
+    def create(name: str, description: str, labels: dict[str, str]) -> tuple[str, str]:
+        request = registry_pb2.CreateAdapterRequest(name=name, description=description, labels=labels)
+        try:
+            stub.CreateAdapter(request, metadata=md_a)
+        except grpc.RpcError as error:
+            return status_of(error)
+        return ("OK", "")
+
+    refused = [
+        create(f"team-a/{unique_name('big')}", "x" * MiB, {}),
+        create(f"team-a/{unique_name('big')}", "", {f"k{i}": "v" for i in range(10_000)}),
+        create(f"team-a/{unique_name('big')}", "", {"k": "v" * MiB}),
+    ]
+    # As many adapters as team-a likes, each with the largest description and labels allowed.
+    prefix = f"team-a/{unique_name('many')}-"
+    labels = {f"{i:02d}".ljust(256, "k"): "v" * 256 for i in range(32)}
+    names = [f"{prefix}{i:04d}" for i in range(300)]
+    created = [create(name, "d" * 4096, labels) for name in names]
+    listing = admin_cli(registry, "adapters", "--prefix", prefix, "--json")
+    thread.join(120)
+    assert workload.errors == [] and workload.versions == list(range(1, 9))
+    assert refused == [
+        ("INVALID_ARGUMENT", "DESCRIPTION_TOO_LONG"),
+        ("INVALID_ARGUMENT", "TOO_MANY_LABELS"),
+        ("INVALID_ARGUMENT", "LABEL_TOO_LONG"),
+    ]
+    assert set(created) == {("OK", "")}
+    assert listing.returncode == 0, listing.stderr
+    assert [a["name"] for a in json.loads(listing.stdout)] == names  # every page, in order
+    # team-a deletes its own adapters; another tenant's it may not.
+    for name in names:
+        stub.DeleteAdapter(registry_pb2.DeleteAdapterRequest(name=name), metadata=md_a)
+    theirs = f"team-b/{unique_name('keep')}"
+    create_adapter(stub, theirs, metadata=md_b)
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.DeleteAdapter(registry_pb2.DeleteAdapterRequest(name=theirs), metadata=md_a)
+    assert status_of(caught.value) == ("PERMISSION_DENIED", "PERMISSION_DENIED")
+    left = stub.ListAdapters(registry_pb2.ListAdaptersRequest(prefix=prefix), metadata=md_a).adapters
+    assert list(left) == []
+    memory_after = registry.memory()
+    assert memory_after - memory_before < 64 * MiB
+    figure(
+        "case 11 metadata: refused, created + listed by the admin CLI, registry MiB before/after",
+        f"{refused}, {len(created)} + {len(json.loads(listing.stdout))}, "
+        f"{memory_before / MiB:.0f}/{memory_after / MiB:.0f}",
+    )
+
+
+def test_case9_many_files_quota_and_unpublished_uploads(registry: Registry, figure: Any) -> None:
+    stub, md_a = registry.stub(), registry.md("team-a")
+    store = ArtifactStore(registry_store(registry.server))
+    memory_before = registry.memory()
+    workload, thread = team_b(registry, rounds=12)
+
+    def try_upload(files: dict[str, bytes]) -> tuple[str, str]:
+        try:
+            return ("OK", upload(stub, files, metadata=md_a))
+        except grpc.RpcError as error:
+            return status_of(error)
+
+    thread.start()
+    # While team-b works: one artifact of 50,000 empty files (the issue's), then four of 5,000.
+    flood = [try_upload({f"f{i:05d}": b"" for i in range(n)}) for n in (50_000, 5_000, 5_000, 5_000, 5_000)]
+    at_limit = try_upload({f"f{i:02d}": bytes([i]) for i in range(MAX_FILES)})
+    big = try_upload({"w": b"a" * (3 * MiB // 2)})
+    over_quota = try_upload({"w": b"b" * MiB})
+    thread.join(120)
+    assert workload.errors == [] and workload.versions == list(range(1, 13))
+    assert flood == [("INVALID_ARGUMENT", "TOO_MANY_FILES")] * 5
+    assert at_limit[0] == "OK" and big[0] == "OK"
+    assert over_quota == ("RESOURCE_EXHAUSTED", "STORAGE_QUOTA_EXCEEDED")
+    # Nobody publishes team-a's uploads: after the grace period they are collected and the quota is free again.
+    assert wait_until(lambda: not store.exists(big[1]) and not store.exists(at_limit[1]), timeout=60)
+    again = try_upload({"w": b"b" * MiB})
+    assert again[0] == "OK"
+    memory_after = registry.memory()
+    assert memory_after - memory_before < 64 * MiB
+    figure(
+        "case 9 uploads: 50,000 + 4 x 5,000-file artifacts refused, 64 files / 1.5 MiB ok, quota refusal, "
+        "collected after the grace period, registry MiB before/after",
+        f"{len(flood)} x {flood[0]}, {at_limit[0]} / {big[0]}, {over_quota}, yes, "
+        f"{memory_before / MiB:.0f}/{memory_after / MiB:.0f}",
+    )
