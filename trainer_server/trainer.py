@@ -29,11 +29,13 @@ from opentinker.trainer_server.adapter import AdapterState, Ledger, adam_or_defa
 from opentinker.trainer_server.base_model import BaseModel
 from opentinker.trainer_server.batch import Batch
 from opentinker.trainer_server.losses import compute_loss
+from opentinker.trainer_server.step_guard import check_weights, mark_step, undo_step
 from opentinker.v1 import common_pb2, registry_pb2
 from opentinker.weights.artifact_manifest import ArtifactRef
 from opentinker.weights.artifact_store import ArtifactStore
 from opentinker.weights.peft import (
     CONFIG_FILE,
+    MAX_LORA_SCALING,
     MAX_RANK,
     WEIGHTS_FILE,
     alpha_or_rank,
@@ -65,6 +67,10 @@ def check_lora(lora: common_pb2.LoraConfig) -> None:
                               reason="INVALID_LORA_CONFIG", field="lora_config.rank")  # fmt: skip
     if not math.isfinite(lora.alpha) or lora.alpha < 0:
         raise InvalidArgument("lora_config.alpha must be >= 0", reason="INVALID_LORA_CONFIG", field="lora_config.alpha")
+    scaling = alpha_or_rank(lora.alpha, lora.rank) / lora.rank
+    if scaling > MAX_LORA_SCALING:
+        raise InvalidArgument(f"lora_config.alpha / rank = {scaling:g} is beyond the limit of {MAX_LORA_SCALING:g}",
+                              reason="INVALID_LORA_CONFIG", field="lora_config.alpha")  # fmt: skip
     if not 0 <= lora.dropout < 1:
         raise InvalidArgument("lora_config.dropout must be in [0, 1)", reason="INVALID_LORA_CONFIG",
                               field="lora_config.dropout")  # fmt: skip
@@ -215,6 +221,7 @@ class Trainer:
                 f"no gradients accumulated for {name!r} since its last optim_step: call forward_backward first",
                 reason="NO_GRADIENTS", adapter=name,
             )  # fmt: skip
+        mark = mark_step(state)  # before clipping, which scales the gradients in place
         grads = [p.grad for p in state.params if p.grad is not None]
         grad_norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
         if params.grad_clip_norm > 0:
@@ -222,7 +229,20 @@ class Trainer:
         for group in state.optimizer.param_groups:
             group.update(lr=params.learning_rate, betas=(params.beta1, params.beta2), eps=params.eps,
                          weight_decay=params.weight_decay)  # fmt: skip
-        state.optimizer.step()
+        what = f"OptimStep (learning_rate {params.learning_rate:g}) was undone"
+        try:
+            try:
+                state.optimizer.step()
+            except RuntimeError as exc:  # e.g. "value cannot be converted to type float without overflow"
+                if "overflow" not in str(exc):
+                    raise
+                raise FailedPrecondition(f"{what}: the update overflows ({exc})", reason="WEIGHTS_OUT_OF_RANGE",
+                                         adapter=name) from None  # fmt: skip
+            check_weights(state, what)
+        except BaseException:
+            undo_step(state, mark)  # weights, gradients, moments and hyperparameters as before the call
+            raise
+        del mark
         state.optimizer.zero_grad(set_to_none=True)
         state.step += 1
         for record in state.ledger.pending:
@@ -236,6 +256,7 @@ class Trainer:
 
     def write_snapshot(self, name: str) -> ArtifactRef:
         state = self._use(name)
+        check_weights(state, "SaveSnapshot refused")  # e.g. a state loaded from elsewhere
         config = json.dumps(state.peft_config(self.base.model_path), indent=2, sort_keys=True) + "\n"
         files = {
             "adapter_config.json": config.encode(),

@@ -163,9 +163,11 @@ class TrainerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def OptimStep(self, request, context):
-        """One AdamW step on the adapter's own parameter list, then zeroes its gradients.
+        """One AdamW step on the adapter's own parameter list, then zeroes its gradients. A step that would leave a
+        weight non-finite or beyond the magnitude rule (weights/peft.py: |w| <= 1e4) is undone: weights, gradients,
+        AdamW moments and step stay bitwise as before the call (WEIGHTS_OUT_OF_RANGE).
         Errors: INVALID_ARGUMENT (INVALID_ADAPTER_NAME, INVALID_ADAM_PARAMS), NOT_FOUND (ADAPTER_NOT_FOUND),
-        FAILED_PRECONDITION (NO_GRADIENTS), PERMISSION_DENIED (PERMISSION_DENIED).
+        FAILED_PRECONDITION (NO_GRADIENTS, WEIGHTS_OUT_OF_RANGE), PERMISSION_DENIED (PERMISSION_DENIED).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -173,9 +175,9 @@ class TrainerServiceServicer:
 
     def SaveSnapshot(self, request, context):
         """Writes the adapter's weights to the artifact store (peft format) and publishes a registry version
-        with its lineage.
+        with its lineage. Weights that break the magnitude rule (e.g. from a loaded state) are refused.
         Errors: INVALID_ARGUMENT (INVALID_ADAPTER_NAME, INVALID_ALIAS, INVALID_REQUEST_ID), NOT_FOUND (ADAPTER_NOT_FOUND),
-        RESOURCE_EXHAUSTED (STORAGE_FULL), PERMISSION_DENIED (PERMISSION_DENIED), UNAVAILABLE (REGISTRY_UNAVAILABLE).
+        FAILED_PRECONDITION (WEIGHTS_OUT_OF_RANGE), RESOURCE_EXHAUSTED (STORAGE_FULL), PERMISSION_DENIED (PERMISSION_DENIED), UNAVAILABLE (REGISTRY_UNAVAILABLE).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

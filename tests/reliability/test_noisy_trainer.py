@@ -1,0 +1,134 @@
+"""Noisy neighbours, the trainer's part: team-a abuses the trainer while team-b runs its normal seeded workload
+at the same time. team-b gets 0 errors and the same outputs as a run alone; team-a gets a precise status;
+the trainer's memory after the abuse stays within a stated bound of before. One registry and one trainer
+(tokens on, loopback) for the whole module."""
+
+from __future__ import annotations
+
+import functools
+import json
+import secrets
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+import trainerutil
+from noisyutil import Tenant, alongside, memory_mib, seeded_training, status, tenant
+from safetensors.torch import load, save
+from serverproc import ServerProcess, registry_store, start_registry, start_trainer
+from trainerutil import assert_same, read_state, sft_batch
+
+from opentinker.v1 import trainer_pb2
+from opentinker.weights.artifact_store import ArtifactStore
+
+TENANTS = ("team-a", "team-b")
+ADMIN = "ops"
+MEMORY_BOUND_MIB = 64  # the trainer's PSS after an abuse, over its PSS before
+
+
+@dataclass
+class Stack:
+    registry: ServerProcess
+    trainer: ServerProcess
+    store: Path
+    tenants: dict[str, Tenant]
+
+    def __getitem__(self, who: str) -> Tenant:
+        return self.tenants[who]
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    workdir = tmp_path_factory.mktemp("noisy-trainer")
+    tokens = {who: f"tok-{who}-{secrets.token_hex(8)}" for who in (*TENANTS, ADMIN, "svc")}
+    roles = {ADMIN: "admin", "svc": "admin"}
+    tokens_file = workdir / "tokens.json"
+    tokens_file.write_text(json.dumps({"tokens": [
+        {"token": token, "tenant": who, "role": roles.get(who, "user")} for who, token in tokens.items()
+    ]}))  # fmt: skip
+    registry = start_registry(workdir / "registry", "--tokens-file", str(tokens_file))
+    try:
+        trainer = start_trainer(workdir / "trainer", tiny_model, registry, "--tokens-file", str(tokens_file),
+                                "--registry-token", tokens["svc"])  # fmt: skip
+    except BaseException:
+        registry.terminate()
+        raise
+    tenants = {who: tenant(trainer, who, tokens[who]) for who in (*TENANTS, ADMIN)}
+    yield Stack(registry, trainer, registry_store(registry), tenants)
+    assert {"trainer": trainer.terminate(), "registry": registry.terminate()} == {"trainer": 0, "registry": 0}
+
+
+def fresh(who: str) -> str:
+    return f"{who}/{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="module")
+def alone(stack: Stack) -> list[float]:
+    """team-b's seeded workload with nobody else on the trainer: the reference every abuse test compares to."""
+    outputs: list[float] = seeded_training(stack["team-b"], fresh("team-b"))
+    return outputs
+
+
+def beside(stack: Stack, abuse: Callable[[], object], reference: list[float]) -> object:
+    """team-a's abuse while team-b runs its workload on a fresh adapter: team-b's outputs equal the run alone."""
+    result, outputs = alongside(abuse, lambda: seeded_training(stack["team-b"], fresh("team-b")))
+    assert outputs == reference, "team-b's seeded training changed while team-a abused the trainer"
+    return result
+
+
+# --- case 1: an optimizer step that blows the weights up is undone and refused ---------------------------------
+
+
+def test_exploding_step_is_undone_and_refused(
+    stack: Stack, alone: list[float], figure: Callable[[str, object], None]
+) -> None:
+    a = stack["team-a"]
+    name = fresh("team-a")
+    a.create(name, seed=3)
+    a.forward_backward(name, sft_batch(1, count=3))
+    before_id = a.save_state(name)
+    before_logprobs = a.forward_logprobs(name, sft_batch(5))
+    memory_before = memory_mib(stack.trainer)
+
+    def abuse() -> list[tuple[grpc.StatusCode | None, str]]:
+        return [status(functools.partial(a.optim_step, name, lr=lr)) for lr in (1e30, 1e12, 3e38)]
+
+    refused = beside(stack, abuse, alone)
+    assert refused == [(grpc.StatusCode.FAILED_PRECONDITION, "WEIGHTS_OUT_OF_RANGE")] * 3
+    # Bitwise as before: weights, gradients, AdamW moments, step, ledger (the state artifact is content-addressed).
+    after_id = a.save_state(name)
+    assert_same(read_state(stack.store, before_id).weights, read_state(stack.store, after_id).weights)
+    assert_same(read_state(stack.store, before_id).grads, read_state(stack.store, after_id).grads)
+    assert read_state(stack.store, before_id).meta == read_state(stack.store, after_id).meta
+    assert after_id == before_id
+    assert a.forward_logprobs(name, sft_batch(5)) == before_logprobs
+    # The adapter still trains (its pending gradients were kept) and snapshots at a sane learning rate.
+    assert a.optim_step(name).step == 1
+    assert a.call("SaveSnapshot", trainer_pb2.SaveSnapshotRequest(adapter=name)).version.version == 1
+    memory_after = memory_mib(stack.trainer)
+    figure("case 1 trainer PSS before/after exploding steps (MiB)", f"{memory_before:.0f} -> {memory_after:.0f}")
+    assert memory_after <= memory_before + MEMORY_BOUND_MIB
+
+
+def test_snapshot_refuses_out_of_range_weights_of_a_loaded_state(stack: Stack) -> None:
+    """A state whose weights break the rule (written elsewhere, here by hand into the store) loads, but cannot be
+    snapshotted: SaveSnapshot answers FAILED_PRECONDITION WEIGHTS_OUT_OF_RANGE and publishes nothing."""
+    a = stack["team-a"]
+    name = fresh("team-a")
+    a.create(name)
+    saved = trainerutil.artifact_dir(stack.store, a.save_state(name))
+    files = {p.name: p.read_bytes() for p in saved.iterdir() if p.name != "manifest.json"}
+    weights = load(files["weights.safetensors"])
+    weights = {key: torch.full_like(value, 3e38) for key, value in weights.items()}
+    files["weights.safetensors"] = save(weights)
+    forged = ArtifactStore(stack.store).commit_files(files).uri
+    a.call("LoadState", trainer_pb2.LoadStateRequest(adapter=name, state_id=forged))
+    refused = status(lambda: a.call("SaveSnapshot", trainer_pb2.SaveSnapshotRequest(adapter=name)))
+    assert refused == (grpc.StatusCode.FAILED_PRECONDITION, "WEIGHTS_OUT_OF_RANGE")
+    assert (
+        a.call("GetAdapter", trainer_pb2.TrainerServiceGetAdapterRequest(name=name)).adapter.last_snapshot_version == 0
+    )
