@@ -362,7 +362,8 @@ class Trainer:
         state.generator.set_state(torch.load(io.BytesIO((directory / "rng.pt").read_bytes()), weights_only=True))
         state.adam = ParseDict(meta["adam"], common_pb2.AdamParams())
         state.step = int(meta["step"])
-        state.last_snapshot_version = int(meta["last_snapshot_version"])
+        if meta["adapter"] == name:  # a state of another adapter: the next snapshot's parent is this one's own
+            state.last_snapshot_version = int(meta["last_snapshot_version"])
         state.ledger = Ledger.from_json(json.dumps(meta["ledger"]))
         return state
 

@@ -22,6 +22,7 @@ from safetensors.torch import load, save
 from serverproc import ServerProcess, registry_store, start_registry, start_trainer
 from trainerutil import assert_same, read_state, sft_batch
 
+from opentinker.client import Datum, LoraConfig, ModelInput, ServiceClient
 from opentinker.v1 import trainer_pb2
 from opentinker.weights.artifact_store import ArtifactStore
 
@@ -132,3 +133,58 @@ def test_snapshot_refuses_out_of_range_weights_of_a_loaded_state(stack: Stack) -
     assert (
         a.call("GetAdapter", trainer_pb2.TrainerServiceGetAdapterRequest(name=name)).adapter.last_snapshot_version == 0
     )
+
+
+# --- case 7: a state resumed into another adapter trains and snapshots from that adapter's own history ---------
+
+
+def _snapshot(who: Tenant, name: str) -> tuple[int, int]:
+    """(version, lineage parent) of a new snapshot of `name`."""
+    version = who.call("SaveSnapshot", trainer_pb2.SaveSnapshotRequest(adapter=name)).version
+    return int(version.version), int(version.lineage.parent_version)
+
+
+def test_resumed_state_snapshots_in_its_own_history(stack: Stack, alone: list[float]) -> None:
+    a = stack["team-a"]
+    source, copy = fresh("team-a"), fresh("team-a")
+
+    def resume_and_snapshot() -> list[tuple[int, int]]:
+        a.create(source, seed=1)
+        versions = []
+        for step in range(2):  # the source has versions 1 and 2: the copy must not take 2 as its parent
+            a.forward_backward(source, sft_batch(10 + step))
+            a.optim_step(source)
+            versions.append(_snapshot(a, source))
+        state_id = a.save_state(source)
+        created = a.create(copy, resume_state=state_id)
+        assert created.step == 2 and created.last_snapshot_version == 0
+        for step in range(2):
+            a.forward_backward(copy, sft_batch(20 + step))
+            a.optim_step(copy)
+            versions.append(_snapshot(a, copy))
+        return versions
+
+    versions = beside(stack, resume_and_snapshot, alone)
+    assert versions == [(1, 0), (2, 1), (1, 0), (2, 1)]
+
+
+def test_resume_into_another_adapter_through_the_sdk(stack: Stack) -> None:
+    """The SDK's create_training_client(..., resume_state=...) on a state of another adapter: trains, snapshots."""
+    token = stack["team-a"].metadata[0][1].removeprefix("Bearer ")
+    datums = [
+        Datum(
+            model_input=ModelInput.from_ints([5, 6, 7, 8]),
+            loss_fn_inputs={"target_tokens": [6, 7, 8, 9], "weights": [1.0] * 4},
+        )
+    ]
+    with ServiceClient(stack.trainer.address, token=token, timeout=120) as client:
+        source = client.create_training_client(fresh("team-a"), LoraConfig(rank=4), seed=2)
+        source.forward_backward(datums)
+        source.optim_step()
+        assert source.save_snapshot().number == 1
+        resumed = client.create_training_client(fresh("team-a"), LoraConfig(rank=4),
+                                                resume_state=source.save_state().state_id)  # fmt: skip
+        resumed.forward_backward(datums)
+        assert resumed.optim_step().step == 2
+        first, second = resumed.save_snapshot(), resumed.save_snapshot()
+        assert (first.number, second.number) == (1, 2)
