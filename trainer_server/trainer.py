@@ -24,11 +24,13 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from opentinker.rpc import faults
+from opentinker.rpc.auth import LOCAL_PRINCIPAL, Principal
 from opentinker.rpc.errors import AlreadyExists, DataLoss, FailedPrecondition, InvalidArgument, NotFound
 from opentinker.trainer_server.adapter import AdapterState, Ledger, adam_or_default, new_adapter
 from opentinker.trainer_server.base_model import BaseModel
 from opentinker.trainer_server.batch import Batch
 from opentinker.trainer_server.losses import compute_loss
+from opentinker.trainer_server.ownership import may_load
 from opentinker.trainer_server.step_guard import check_weights, mark_step, undo_step
 from opentinker.v1 import common_pb2, registry_pb2
 from opentinker.weights.artifact_manifest import ArtifactRef
@@ -300,10 +302,12 @@ class Trainer:
             raise FailedPrecondition(f"snapshot {uri} does not fit adapter {name!r}: {exc}",
                                      reason="INCOMPATIBLE_SNAPSHOT") from None  # fmt: skip
 
-    def save_state(self, name: str, label: str) -> ArtifactRef:
+    def save_state(self, name: str, label: str, *, owner: str | None = None) -> ArtifactRef:
+        """owner: the tenant the state belongs to (ownership.py), recorded for LoadState's check."""
         state = self._use(name)
         meta = {
-            "format": STATE_FORMAT, "adapter": name, "label": label, "base_model_digest": self.base.digest,
+            "format": STATE_FORMAT, "adapter": name, "owner": owner, "label": label,
+            "base_model_digest": self.base.digest,
             "lora": MessageToDict(state.lora), "adam": MessageToDict(state.adam), "seed": state.seed,
             "step": state.step, "last_snapshot_version": state.last_snapshot_version,
             "ledger": json.loads(state.ledger.to_json()),
@@ -319,18 +323,24 @@ class Trainer:
         with faults.scope("save_state"):
             return self.artifacts.commit_files(files)
 
-    def check_state(self, uri: str, lora: common_pb2.LoraConfig) -> tuple[Path, dict[str, Any]]:
+    def check_state(
+        self, uri: str, lora: common_pb2.LoraConfig, principal: Principal = LOCAL_PRINCIPAL
+    ) -> tuple[Path, dict[str, Any]]:
         """The directory and metadata of a saved state that fits an adapter with this LoRA config.
 
-        NOT_FOUND STATE_NOT_FOUND when no state has this id (a snapshot is not a state); FAILED_PRECONDITION
-        when it was saved on another base model or with another LoRA config. Reads only: changes nothing."""
+        NOT_FOUND STATE_NOT_FOUND when no state has this id (a snapshot is not a state) or `principal` may not
+        load it (the same answer: existence is not revealed); FAILED_PRECONDITION when it was saved on another
+        base model or with another LoRA config. Reads only: changes nothing."""
+        missing = NotFound(f"state {uri} not found", reason="STATE_NOT_FOUND", state_id=uri)
         try:
             directory = self.artifacts.path(uri)  # verifies every digest (DATA_LOSS otherwise)
         except NotFound:
-            raise NotFound(f"state {uri} not found", reason="STATE_NOT_FOUND", state_id=uri) from None
+            raise missing from None
         if not (directory / "state.json").is_file():
-            raise NotFound(f"{uri} is not a saved state", reason="STATE_NOT_FOUND", state_id=uri)
+            raise missing
         meta: dict[str, Any] = json.loads((directory / "state.json").read_text())
+        if not isinstance(meta, dict) or not may_load(meta, principal):
+            raise missing
         if meta.get("format") != STATE_FORMAT:
             raise DataLoss(f"state {uri} has unknown format {meta.get('format')}", reason="INVALID_STATE")
         if meta["base_model_digest"] != self.base.digest:
@@ -343,9 +353,11 @@ class Trainer:
             )
         return directory, meta
 
-    def load_state(self, name: str, uri: str, *, weights_only: bool = False) -> AdapterState:
+    def load_state(
+        self, name: str, uri: str, *, weights_only: bool = False, principal: Principal = LOCAL_PRINCIPAL
+    ) -> AdapterState:
         state = self._use(name)
-        directory, meta = self.check_state(uri, state.lora)
+        directory, meta = self.check_state(uri, state.lora, principal)
         state.load_peft_state_dict(load_safetensors((directory / "weights.safetensors").read_bytes()))
         if weights_only:
             for param in state.params:

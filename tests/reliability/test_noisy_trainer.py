@@ -23,6 +23,7 @@ from serverproc import ServerProcess, registry_store, start_registry, start_trai
 from trainerutil import assert_same, read_state, sft_batch
 
 from opentinker.client import Datum, LoraConfig, ModelInput, ServiceClient
+from opentinker.rpc.errors import error_info
 from opentinker.v1 import trainer_pb2
 from opentinker.weights.artifact_store import ArtifactStore
 
@@ -188,3 +189,59 @@ def test_resume_into_another_adapter_through_the_sdk(stack: Stack) -> None:
         assert resumed.optim_step().step == 2
         first, second = resumed.save_snapshot(), resumed.save_snapshot()
         assert (first.number, second.number) == (1, 2)
+
+
+# --- case 8: another tenant's saved states and versions are unreachable, and their existence is not revealed ----
+
+
+def refusal(call: Callable[[], object], *ids: str) -> tuple[grpc.StatusCode | None, str, str]:
+    """(code, reason, message with the given ids blanked) of a refused call."""
+    try:
+        call()
+    except grpc.RpcError as error:
+        info = error_info(error)
+        message = str(error.details())
+        for value in ids:
+            message = message.replace(value, "<id>")
+        return error.code(), info.reason if info is not None else "", message
+    return None, "", ""
+
+
+def test_states_and_versions_of_another_tenant_are_unreachable(stack: Stack, alone: list[float]) -> None:
+    a, b, admin = stack["team-a"], stack["team-b"], stack[ADMIN]
+    victim = fresh("team-b")
+    b.create(victim, seed=4)
+    b.forward_backward(victim, sft_batch(30))
+    b.optim_step(victim)
+    b.call("SaveSnapshot", trainer_pb2.SaveSnapshotRequest(adapter=victim))
+    stolen = b.save_state(victim)
+    attacker = fresh("team-a")
+    a.create(attacker, seed=5)
+    before = a.save_state(attacker)
+    nowhere = "sha256:" + "0" * 64
+
+    def load(state_id: str) -> Callable[[], object]:
+        return lambda: a.call("LoadState", trainer_pb2.LoadStateRequest(adapter=attacker, state_id=state_id))
+
+    def abuse() -> dict[str, tuple[object, object]]:
+        return {
+            "LoadState": (refusal(load(stolen), stolen), refusal(load(nowhere), nowhere)),
+            "resume_state": (refusal(lambda: a.create(fresh("team-a"), resume_state=stolen), stolen),
+                             refusal(lambda: a.create(fresh("team-a"), resume_state=nowhere), nowhere)),
+            "init_from": (refusal(lambda: a.create(fresh("team-a"), init_from=f"{victim}@1"), victim),
+                          refusal(lambda: a.create(fresh("team-a"), init_from="team-b/no-such@1"), "team-b/no-such")),
+        }  # fmt: skip
+
+    answers = beside(stack, abuse, alone)
+    assert isinstance(answers, dict)
+    for what, (theirs, missing) in answers.items():
+        assert theirs == missing, f"{what}: another tenant's answer differs from a missing one's: {theirs} {missing}"
+    assert answers["LoadState"][0][:2] == (grpc.StatusCode.NOT_FOUND, "STATE_NOT_FOUND")
+    assert answers["resume_state"][0][:2] == (grpc.StatusCode.NOT_FOUND, "STATE_NOT_FOUND")
+    assert answers["init_from"][0][:2] == (grpc.StatusCode.PERMISSION_DENIED, "PERMISSION_DENIED")
+    assert a.save_state(attacker) == before  # nothing of team-b's reached team-a's adapter
+    assert read_state(stack.store, stolen).meta["owner"] == "team-b"
+    # The owner and an admin still may.
+    b.create(fresh("team-b"), resume_state=stolen)
+    admin.create(fresh(ADMIN), resume_state=stolen)
+    a.call("LoadState", trainer_pb2.LoadStateRequest(adapter=attacker, state_id=before))

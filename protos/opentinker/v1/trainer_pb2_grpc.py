@@ -104,7 +104,9 @@ class TrainerServiceServicer:
 
     def CreateAdapter(self, request, context):
         """Creates an adapter (fresh LoRA weights from its seed, a registry version, or a saved state) and
-        registers it in the registry. A snapshot or state that does not fit creates nothing.
+        registers it in the registry. A snapshot or state that does not fit creates nothing. resume_state follows
+        LoadState's ownership rule; init_from the caller's own access rule (another tenant's: PERMISSION_DENIED,
+        whether it exists or not). A state resumed from another adapter keeps this adapter's own snapshot history.
         Errors: INVALID_ARGUMENT (INVALID_ADAPTER_NAME, INVALID_LORA_CONFIG, INVALID_ADAM_PARAMS, INVALID_REFERENCE,
         INVALID_ARTIFACT_URI), NOT_FOUND (ADAPTER_NOT_FOUND, ALIAS_NOT_FOUND, VERSION_NOT_FOUND, STATE_NOT_FOUND),
         ALREADY_EXISTS (ADAPTER_EXISTS), FAILED_PRECONDITION (BASE_MODEL_MISMATCH, INCOMPATIBLE_SNAPSHOT,
@@ -184,7 +186,8 @@ class TrainerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def SaveState(self, request, context):
-        """Saves weights + optimizer state + step + RNG + ledger for an exact resume.
+        """Saves weights + optimizer state + step + RNG + ledger for an exact resume. The state belongs to the
+        adapter's tenant (recorded in it): only that tenant and admins may load it.
         Errors: INVALID_ARGUMENT (INVALID_ADAPTER_NAME), NOT_FOUND (ADAPTER_NOT_FOUND), RESOURCE_EXHAUSTED (STORAGE_FULL),
         PERMISSION_DENIED (PERMISSION_DENIED).
         """
@@ -194,7 +197,8 @@ class TrainerServiceServicer:
 
     def LoadState(self, request, context):
         """Restores a saved state into the adapter; training continues bitwise as if never interrupted
-        (weights_only: only the LoRA weights, with fresh AdamW moments).
+        (weights_only: only the LoRA weights, with fresh AdamW moments). A state of another tenant answers exactly as
+        a state that does not exist (NOT_FOUND STATE_NOT_FOUND): a state id is not a bearer key.
         Errors: INVALID_ARGUMENT (INVALID_ADAPTER_NAME, INVALID_STATE_ID, INVALID_ARTIFACT_URI),
         NOT_FOUND (ADAPTER_NOT_FOUND, STATE_NOT_FOUND), FAILED_PRECONDITION (BASE_MODEL_MISMATCH, INCOMPATIBLE_STATE),
         DATA_LOSS (DIGEST_MISMATCH, INVALID_STATE), PERMISSION_DENIED (PERMISSION_DENIED).
