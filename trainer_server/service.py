@@ -18,7 +18,7 @@ from opentinker.rpc.errors import (
 from opentinker.rpc.faults import fault_point
 from opentinker.rpc.registry_link import fetch_artifact, push_artifact, registry_call
 from opentinker.trainer_server.adapter import AdapterState
-from opentinker.trainer_server.batch import build_batch
+from opentinker.trainer_server.batch import DEFAULT_MAX_BATCH_POSITIONS, build_batch
 from opentinker.trainer_server.losses import LOSS_FNS, resolve_config
 from opentinker.trainer_server.ownership import state_owner
 from opentinker.trainer_server.scheduler import AdapterScheduler
@@ -60,12 +60,14 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         *,
         registry_metadata: list[tuple[str, str]] | None = None,
         max_batch_tokens: int = 1 << 20,
+        max_batch_positions: int = DEFAULT_MAX_BATCH_POSITIONS,
     ) -> None:
         self.trainer = trainer
         self.scheduler = scheduler
         self.registry = registry
         self.metadata = registry_metadata
         self.max_batch_tokens = max_batch_tokens
+        self.max_batch_positions = max_batch_positions
 
     def _known(self, name: str) -> str:
         check_adapter_name(name)
@@ -171,7 +173,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
     def _batch(self, datums: Iterable[common_pb2.Datum], loss_fn: str, config: dict[str, float]) -> Any:
         base = self.trainer.base
         batch = build_batch(list(datums), loss_fn, vocab_size=base.vocab_size, max_positions=base.max_positions,
-                            pad_id=self.trainer.pad_id)  # fmt: skip
+                            pad_id=self.trainer.pad_id, max_batch_positions=self.max_batch_positions)  # fmt: skip
         if batch.num_tokens > self.max_batch_tokens:
             raise ResourceExhausted(f"batch has {batch.num_tokens} tokens; the limit is {self.max_batch_tokens}",
                                     reason="BATCH_TOO_LARGE", field="datums")  # fmt: skip

@@ -20,11 +20,11 @@ import trainerutil
 from noisyutil import Tenant, alongside, memory_mib, seeded_training, status, tenant
 from safetensors.torch import load, save
 from serverproc import ServerProcess, registry_store, start_registry, start_trainer
-from trainerutil import assert_same, read_state, sft_batch
+from trainerutil import assert_same, random_tokens, read_state, sft_batch, sft_datum
 
 from opentinker.client import Datum, LoraConfig, ModelInput, ServiceClient
 from opentinker.rpc.errors import error_info
-from opentinker.v1 import trainer_pb2
+from opentinker.v1 import common_pb2, trainer_pb2
 from opentinker.weights.artifact_store import ArtifactStore
 
 TENANTS = ("team-a", "team-b")
@@ -245,3 +245,37 @@ def test_states_and_versions_of_another_tenant_are_unreachable(stack: Stack, alo
     b.create(fresh("team-b"), resume_state=stolen)
     admin.create(fresh(ADMIN), resume_state=stolen)
     a.call("LoadState", trainer_pb2.LoadStateRequest(adapter=attacker, state_id=before))
+
+
+# --- case 3: padding counts: a batch is limited in padded positions (datums x longest), not only real tokens ---
+
+DEFAULT_MAX_BATCH_POSITIONS = 131072  # the trainer's --max-batch-positions default (64 x 2048)
+
+
+def padded(short: int) -> list[common_pb2.Datum]:
+    """One 2,047-position datum and `short` one-position datums: few real tokens, (short + 1) x 2047 padded."""
+    return [sft_datum(random_tokens(1, 2048)), *(sft_datum([5, 6]) for _ in range(short))]
+
+
+def test_padded_batches_are_bounded(stack: Stack, alone: list[float], figure: Callable[[str, object], None]) -> None:
+    a = stack["team-a"]
+    name = fresh("team-a")
+    a.create(name)
+    memory_before = memory_mib(stack.trainer)
+    too_wide = (DEFAULT_MAX_BATCH_POSITIONS // 2047) + 1  # 65 rows of 2,047: just over the default
+
+    def abuse() -> list[tuple[grpc.StatusCode | None, str]]:
+        answers = []
+        for short in (too_wide - 1, 4095):  # 65 and 4,096 datums: only 2,111 and 6,142 real tokens
+            answers.append(status(lambda short=short: a.forward_backward(name, padded(short))))
+            request = trainer_pb2.ForwardRequest(adapter=name, datums=padded(short), loss_fn="cross_entropy")
+            answers.append(status(lambda request=request: a.call("Forward", request)))
+        return answers
+
+    answers = beside(stack, abuse, alone)
+    assert answers == [(grpc.StatusCode.RESOURCE_EXHAUSTED, "BATCH_TOO_LARGE")] * 4
+    adapter = a.call("GetAdapter", trainer_pb2.TrainerServiceGetAdapterRequest(name=name)).adapter
+    assert adapter.pending_batches == 0 and adapter.tokens_trained == 0  # refused before anything was computed
+    memory_after = memory_mib(stack.trainer)
+    figure("case 3 trainer PSS before/after padded batches (MiB)", f"{memory_before:.0f} -> {memory_after:.0f}")
+    assert memory_after <= memory_before + MEMORY_BOUND_MIB
