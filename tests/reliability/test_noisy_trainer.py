@@ -267,9 +267,9 @@ def test_padded_batches_are_bounded(stack: Stack, alone: list[float], figure: Ca
     def abuse() -> list[tuple[grpc.StatusCode | None, str]]:
         answers = []
         for short in (too_wide - 1, 4095):  # 65 and 4,096 datums: only 2,111 and 6,142 real tokens
-            answers.append(status(lambda short=short: a.forward_backward(name, padded(short))))
+            answers.append(status(functools.partial(a.forward_backward, name, padded(short))))
             request = trainer_pb2.ForwardRequest(adapter=name, datums=padded(short), loss_fn="cross_entropy")
-            answers.append(status(lambda request=request: a.call("Forward", request)))
+            answers.append(status(functools.partial(a.call, "Forward", request)))
         return answers
 
     answers = beside(stack, abuse, alone)
