@@ -16,6 +16,9 @@ from opentinker.trainer_server.losses import required_inputs
 from opentinker.v1 import common_pb2
 
 MAX_DATUMS = 4096
+# Padded positions (datums x longest datum) per request: the compute and memory a batch costs, whatever its real
+# token count (one long datum padded 63 short ones to 64 x 2048). 64 x 2048, a cookbook-sized SFT batch, fits.
+DEFAULT_MAX_BATCH_POSITIONS = 1 << 17
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +62,13 @@ def _values(
 
 
 def build_batch(
-    datums: Sequence[common_pb2.Datum], loss_fn: str, *, vocab_size: int, max_positions: int, pad_id: int
+    datums: Sequence[common_pb2.Datum],
+    loss_fn: str,
+    *,
+    vocab_size: int,
+    max_positions: int,
+    pad_id: int,
+    max_batch_positions: int = DEFAULT_MAX_BATCH_POSITIONS,
 ) -> Batch:
     if not datums:
         raise InvalidArgument("empty batch: send at least one datum", reason="EMPTY_BATCH", field="datums")
@@ -70,11 +79,20 @@ def build_batch(
     targets: list[int] = []
     inputs: dict[str, list[float]] = {key: [] for key in needed if key != "target_tokens"}
     digest = hashlib.sha256(loss_fn.encode())
+    longest = 0
     for index, datum in enumerate(datums):
         tokens = tokens_of(datum.model_input)
         if not tokens:
             raise InvalidArgument(f"datums[{index}].model_input is empty", reason="INVALID_DATUM",
                                   field=f"datums[{index}].model_input", datum=index)  # fmt: skip
+        longest = max(longest, len(tokens))
+        if len(datums) * longest > max_batch_positions:  # refused as soon as it is known, before any tensor
+            raise ResourceExhausted(
+                f"{len(datums)} datums padded to the longest (datums[{index}], {longest} tokens) make "
+                f"{len(datums) * longest} positions; the limit is {max_batch_positions} (--max-batch-positions): "
+                "send fewer or similar-length datums per request",
+                reason="BATCH_TOO_LARGE", field="datums", datum=index,
+            )  # fmt: skip
         if len(tokens) > max_positions:
             raise InvalidArgument(
                 f"datums[{index}] has {len(tokens)} tokens; the model's limit is {max_positions}",

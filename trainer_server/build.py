@@ -30,6 +30,7 @@ class TrainerConfig:
     max_resident_adapters: int = 0  # 0: no limit
     spill_dir: Path | None = None  # None: <store>/../trainer-spill
     max_batch_tokens: int = 1 << 20
+    max_batch_positions: int = 1 << 17  # datums x longest datum per request (batch.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +78,8 @@ def build_trainer(config: TrainerConfig) -> BuiltTrainer:
         state["channel"] = channel
         scheduler.start()
         servicer = TrainerServicer(trainer, scheduler, registry_pb2_grpc.RegistryServiceStub(channel),
-                                   registry_metadata=metadata, max_batch_tokens=c.max_batch_tokens)  # fmt: skip
+                                   registry_metadata=metadata, max_batch_tokens=c.max_batch_tokens,
+                                   max_batch_positions=c.max_batch_positions)  # fmt: skip
         trainer_pb2_grpc.add_TrainerServiceServicer_to_server(servicer, server)
 
     async def on_stop() -> None:

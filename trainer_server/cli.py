@@ -32,6 +32,10 @@ def serve(
         Path | None, typer.Option(help="Where offloaded adapters go when the device is the CPU.")
     ] = None,
     max_batch_tokens: Annotated[int, typer.Option(help="Largest ForwardBackward batch, in tokens.")] = 1 << 20,
+    max_batch_positions: Annotated[
+        int,
+        typer.Option(help="Largest Forward/ForwardBackward batch in padded positions (datums x longest datum)."),
+    ] = 1 << 17,
     registry_ca: opt.RegistryCa = None,
     host: opt.Host = "127.0.0.1",
     port: opt.Port = DEFAULT_PORT,
@@ -56,11 +60,14 @@ def serve(
     exit_if_unsafe("trainer", exposure)
     if dtype not in ("float32", "bfloat16"):
         raise typer.BadParameter("dtype must be float32 or bfloat16", param_hint="--dtype")
+    if max_batch_positions < 1:
+        raise typer.BadParameter("must be at least 1", param_hint="--max-batch-positions")
     options = opt.server_options(host, port, metrics_port, tokens_file, insecure_public, tls_cert, tls_key, ready_file,
                                  max_message_mb)  # fmt: skip
     config = TrainerConfig(
         model=model, registry=registry, store=store, server=options, registry_token=registry_token,
         registry_ca=registry_ca, device=device, dtype="float32" if dtype == "float32" else "bfloat16",
         max_resident_adapters=max_resident_adapters, spill_dir=spill_dir, max_batch_tokens=max_batch_tokens,
+        max_batch_positions=max_batch_positions,
     )  # fmt: skip
     serve_trainer(config)

@@ -18,8 +18,9 @@ from opentinker.rpc.errors import (
 from opentinker.rpc.faults import fault_point
 from opentinker.rpc.registry_link import fetch_artifact, push_artifact, registry_call
 from opentinker.trainer_server.adapter import AdapterState
-from opentinker.trainer_server.batch import build_batch
+from opentinker.trainer_server.batch import DEFAULT_MAX_BATCH_POSITIONS, build_batch
 from opentinker.trainer_server.losses import LOSS_FNS, resolve_config
+from opentinker.trainer_server.ownership import state_owner
 from opentinker.trainer_server.scheduler import AdapterScheduler
 from opentinker.trainer_server.trainer import GradientMark, StepOutput, Trainer, check_adam, check_lora
 from opentinker.v1 import common_pb2, registry_pb2, registry_pb2_grpc, trainer_pb2, trainer_pb2_grpc
@@ -59,12 +60,14 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         *,
         registry_metadata: list[tuple[str, str]] | None = None,
         max_batch_tokens: int = 1 << 20,
+        max_batch_positions: int = DEFAULT_MAX_BATCH_POSITIONS,
     ) -> None:
         self.trainer = trainer
         self.scheduler = scheduler
         self.registry = registry
         self.metadata = registry_metadata
         self.max_batch_tokens = max_batch_tokens
+        self.max_batch_positions = max_batch_positions
 
     def _known(self, name: str) -> str:
         check_adapter_name(name)
@@ -83,7 +86,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
 
     async def CreateAdapter(self, request: trainer_pb2.TrainerServiceCreateAdapterRequest, context: Context) -> Any:
         name = check_adapter_name(request.name)
-        require_access(name)
+        principal = require_access(name)
         check_lora(request.lora_config)
         self.trainer.base.resolve_targets(list(request.lora_config.target_modules))
         adam = request.adam_params if request.HasField("adam_params") else None
@@ -98,7 +101,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             await fetch_artifact(self.registry, self.trainer.artifacts, init_version.artifact_uri, self.metadata)
             await asyncio.to_thread(self.trainer.check_snapshot, init_version.artifact_uri, request.lora_config)
         if request.resume_state:
-            await asyncio.to_thread(self.trainer.check_state, request.resume_state, request.lora_config)
+            await asyncio.to_thread(self.trainer.check_state, request.resume_state, request.lora_config, principal)
         create = registry_pb2.CreateAdapterRequest(
             name=name,
             lora_config=request.lora_config,
@@ -128,7 +131,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
                 if init_version.adapter == name:
                     state.last_snapshot_version = init_version.version
             if request.resume_state:
-                await self.scheduler.run(name, lambda: self.trainer.load_state(name, request.resume_state))
+                await self.scheduler.run(
+                    name, lambda: self.trainer.load_state(name, request.resume_state, principal=principal)
+                )
         except BaseException:
             await self.scheduler.run(name, lambda: self.trainer.delete(name))
             raise
@@ -168,7 +173,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
     def _batch(self, datums: Iterable[common_pb2.Datum], loss_fn: str, config: dict[str, float]) -> Any:
         base = self.trainer.base
         batch = build_batch(list(datums), loss_fn, vocab_size=base.vocab_size, max_positions=base.max_positions,
-                            pad_id=self.trainer.pad_id)  # fmt: skip
+                            pad_id=self.trainer.pad_id, max_batch_positions=self.max_batch_positions)  # fmt: skip
         if batch.num_tokens > self.max_batch_tokens:
             raise ResourceExhausted(f"batch has {batch.num_tokens} tokens; the limit is {self.max_batch_tokens}",
                                     reason="BATCH_TOO_LARGE", field="datums")  # fmt: skip
@@ -253,8 +258,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
     async def SaveState(self, request: trainer_pb2.SaveStateRequest, context: Context) -> Any:
         name = self._known(request.adapter)
         label = request.label or "state"
+        owner = state_owner(name, current_principal())
         ref, step = await self.scheduler.run(
-            name, lambda: (self.trainer.save_state(name, label), self.trainer.get(name).step)
+            name, lambda: (self.trainer.save_state(name, label, owner=owner), self.trainer.get(name).step)
         )
         fault_point("save_state/before_reply")
         return trainer_pb2.SaveStateResponse(state_id=ref.uri, step=step, size_bytes=ref.size_bytes)
@@ -263,7 +269,11 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         name = self._known(request.adapter)
         if not request.state_id:
             raise InvalidArgument("state_id is required", reason="INVALID_STATE_ID", field="state_id")
+        principal = current_principal()
         state = await self.scheduler.run(
-            name, lambda: self.trainer.load_state(name, request.state_id, weights_only=request.weights_only)
+            name,
+            lambda: self.trainer.load_state(
+                name, request.state_id, weights_only=request.weights_only, principal=principal
+            ),
         )
         return trainer_pb2.LoadStateResponse(adapter=adapter_message(state))

@@ -24,16 +24,20 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from opentinker.rpc import faults
+from opentinker.rpc.auth import LOCAL_PRINCIPAL, Principal
 from opentinker.rpc.errors import AlreadyExists, DataLoss, FailedPrecondition, InvalidArgument, NotFound
 from opentinker.trainer_server.adapter import AdapterState, Ledger, adam_or_default, new_adapter
 from opentinker.trainer_server.base_model import BaseModel
 from opentinker.trainer_server.batch import Batch
 from opentinker.trainer_server.losses import compute_loss
+from opentinker.trainer_server.ownership import may_load
+from opentinker.trainer_server.step_guard import check_weights, mark_step, undo_step
 from opentinker.v1 import common_pb2, registry_pb2
 from opentinker.weights.artifact_manifest import ArtifactRef
 from opentinker.weights.artifact_store import ArtifactStore
 from opentinker.weights.peft import (
     CONFIG_FILE,
+    MAX_LORA_SCALING,
     MAX_RANK,
     WEIGHTS_FILE,
     alpha_or_rank,
@@ -65,6 +69,10 @@ def check_lora(lora: common_pb2.LoraConfig) -> None:
                               reason="INVALID_LORA_CONFIG", field="lora_config.rank")  # fmt: skip
     if not math.isfinite(lora.alpha) or lora.alpha < 0:
         raise InvalidArgument("lora_config.alpha must be >= 0", reason="INVALID_LORA_CONFIG", field="lora_config.alpha")
+    scaling = alpha_or_rank(lora.alpha, lora.rank) / lora.rank
+    if scaling > MAX_LORA_SCALING:
+        raise InvalidArgument(f"lora_config.alpha / rank = {scaling:g} is beyond the limit of {MAX_LORA_SCALING:g}",
+                              reason="INVALID_LORA_CONFIG", field="lora_config.alpha")  # fmt: skip
     if not 0 <= lora.dropout < 1:
         raise InvalidArgument("lora_config.dropout must be in [0, 1)", reason="INVALID_LORA_CONFIG",
                               field="lora_config.dropout")  # fmt: skip
@@ -215,6 +223,7 @@ class Trainer:
                 f"no gradients accumulated for {name!r} since its last optim_step: call forward_backward first",
                 reason="NO_GRADIENTS", adapter=name,
             )  # fmt: skip
+        mark = mark_step(state)  # before clipping, which scales the gradients in place
         grads = [p.grad for p in state.params if p.grad is not None]
         grad_norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
         if params.grad_clip_norm > 0:
@@ -222,7 +231,20 @@ class Trainer:
         for group in state.optimizer.param_groups:
             group.update(lr=params.learning_rate, betas=(params.beta1, params.beta2), eps=params.eps,
                          weight_decay=params.weight_decay)  # fmt: skip
-        state.optimizer.step()
+        what = f"OptimStep (learning_rate {params.learning_rate:g}) was undone"
+        try:
+            try:
+                state.optimizer.step()
+            except RuntimeError as exc:  # e.g. "value cannot be converted to type float without overflow"
+                if "overflow" not in str(exc):
+                    raise
+                raise FailedPrecondition(f"{what}: the update overflows ({exc})", reason="WEIGHTS_OUT_OF_RANGE",
+                                         adapter=name) from None  # fmt: skip
+            check_weights(state, what)
+        except BaseException:
+            undo_step(state, mark)  # weights, gradients, moments and hyperparameters as before the call
+            raise
+        del mark
         state.optimizer.zero_grad(set_to_none=True)
         state.step += 1
         for record in state.ledger.pending:
@@ -236,6 +258,7 @@ class Trainer:
 
     def write_snapshot(self, name: str) -> ArtifactRef:
         state = self._use(name)
+        check_weights(state, "SaveSnapshot refused")  # e.g. a state loaded from elsewhere
         config = json.dumps(state.peft_config(self.base.model_path), indent=2, sort_keys=True) + "\n"
         files = {
             "adapter_config.json": config.encode(),
@@ -279,10 +302,12 @@ class Trainer:
             raise FailedPrecondition(f"snapshot {uri} does not fit adapter {name!r}: {exc}",
                                      reason="INCOMPATIBLE_SNAPSHOT") from None  # fmt: skip
 
-    def save_state(self, name: str, label: str) -> ArtifactRef:
+    def save_state(self, name: str, label: str, *, owner: str | None = None) -> ArtifactRef:
+        """owner: the tenant the state belongs to (ownership.py), recorded for LoadState's check."""
         state = self._use(name)
         meta = {
-            "format": STATE_FORMAT, "adapter": name, "label": label, "base_model_digest": self.base.digest,
+            "format": STATE_FORMAT, "adapter": name, "owner": owner, "label": label,
+            "base_model_digest": self.base.digest,
             "lora": MessageToDict(state.lora), "adam": MessageToDict(state.adam), "seed": state.seed,
             "step": state.step, "last_snapshot_version": state.last_snapshot_version,
             "ledger": json.loads(state.ledger.to_json()),
@@ -298,18 +323,24 @@ class Trainer:
         with faults.scope("save_state"):
             return self.artifacts.commit_files(files)
 
-    def check_state(self, uri: str, lora: common_pb2.LoraConfig) -> tuple[Path, dict[str, Any]]:
+    def check_state(
+        self, uri: str, lora: common_pb2.LoraConfig, principal: Principal = LOCAL_PRINCIPAL
+    ) -> tuple[Path, dict[str, Any]]:
         """The directory and metadata of a saved state that fits an adapter with this LoRA config.
 
-        NOT_FOUND STATE_NOT_FOUND when no state has this id (a snapshot is not a state); FAILED_PRECONDITION
-        when it was saved on another base model or with another LoRA config. Reads only: changes nothing."""
+        NOT_FOUND STATE_NOT_FOUND when no state has this id (a snapshot is not a state) or `principal` may not
+        load it (the same answer: existence is not revealed); FAILED_PRECONDITION when it was saved on another
+        base model or with another LoRA config. Reads only: changes nothing."""
+        missing = NotFound(f"state {uri} not found", reason="STATE_NOT_FOUND", state_id=uri)
         try:
             directory = self.artifacts.path(uri)  # verifies every digest (DATA_LOSS otherwise)
         except NotFound:
-            raise NotFound(f"state {uri} not found", reason="STATE_NOT_FOUND", state_id=uri) from None
+            raise missing from None
         if not (directory / "state.json").is_file():
-            raise NotFound(f"{uri} is not a saved state", reason="STATE_NOT_FOUND", state_id=uri)
+            raise missing
         meta: dict[str, Any] = json.loads((directory / "state.json").read_text())
+        if not isinstance(meta, dict) or not may_load(meta, principal):
+            raise missing
         if meta.get("format") != STATE_FORMAT:
             raise DataLoss(f"state {uri} has unknown format {meta.get('format')}", reason="INVALID_STATE")
         if meta["base_model_digest"] != self.base.digest:
@@ -322,9 +353,11 @@ class Trainer:
             )
         return directory, meta
 
-    def load_state(self, name: str, uri: str, *, weights_only: bool = False) -> AdapterState:
+    def load_state(
+        self, name: str, uri: str, *, weights_only: bool = False, principal: Principal = LOCAL_PRINCIPAL
+    ) -> AdapterState:
         state = self._use(name)
-        directory, meta = self.check_state(uri, state.lora)
+        directory, meta = self.check_state(uri, state.lora, principal)
         state.load_peft_state_dict(load_safetensors((directory / "weights.safetensors").read_bytes()))
         if weights_only:
             for param in state.params:
@@ -341,7 +374,8 @@ class Trainer:
         state.generator.set_state(torch.load(io.BytesIO((directory / "rng.pt").read_bytes()), weights_only=True))
         state.adam = ParseDict(meta["adam"], common_pb2.AdamParams())
         state.step = int(meta["step"])
-        state.last_snapshot_version = int(meta["last_snapshot_version"])
+        if meta["adapter"] == name:  # a state of another adapter: the next snapshot's parent is this one's own
+            state.last_snapshot_version = int(meta["last_snapshot_version"])
         state.ledger = Ledger.from_json(json.dumps(meta["ledger"]))
         return state
 

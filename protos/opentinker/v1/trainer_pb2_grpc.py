@@ -104,7 +104,9 @@ class TrainerServiceServicer:
 
     def CreateAdapter(self, request, context):
         """Creates an adapter (fresh LoRA weights from its seed, a registry version, or a saved state) and
-        registers it in the registry. A snapshot or state that does not fit creates nothing.
+        registers it in the registry. A snapshot or state that does not fit creates nothing. resume_state follows
+        LoadState's ownership rule; init_from the caller's own access rule (another tenant's: PERMISSION_DENIED,
+        whether it exists or not). A state resumed from another adapter keeps this adapter's own snapshot history.
         Errors: INVALID_ARGUMENT (INVALID_ADAPTER_NAME, INVALID_LORA_CONFIG, INVALID_ADAM_PARAMS, INVALID_REFERENCE,
         INVALID_ARTIFACT_URI), NOT_FOUND (ADAPTER_NOT_FOUND, ALIAS_NOT_FOUND, VERSION_NOT_FOUND, STATE_NOT_FOUND),
         ALREADY_EXISTS (ADAPTER_EXISTS), FAILED_PRECONDITION (BASE_MODEL_MISMATCH, INCOMPATIBLE_SNAPSHOT,
@@ -163,9 +165,11 @@ class TrainerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def OptimStep(self, request, context):
-        """One AdamW step on the adapter's own parameter list, then zeroes its gradients.
+        """One AdamW step on the adapter's own parameter list, then zeroes its gradients. A step that would leave a
+        weight non-finite or beyond the magnitude rule (weights/peft.py: |w| <= 1e4) is undone: weights, gradients,
+        AdamW moments and step stay bitwise as before the call (WEIGHTS_OUT_OF_RANGE).
         Errors: INVALID_ARGUMENT (INVALID_ADAPTER_NAME, INVALID_ADAM_PARAMS), NOT_FOUND (ADAPTER_NOT_FOUND),
-        FAILED_PRECONDITION (NO_GRADIENTS), PERMISSION_DENIED (PERMISSION_DENIED).
+        FAILED_PRECONDITION (NO_GRADIENTS, WEIGHTS_OUT_OF_RANGE), PERMISSION_DENIED (PERMISSION_DENIED).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -173,16 +177,17 @@ class TrainerServiceServicer:
 
     def SaveSnapshot(self, request, context):
         """Writes the adapter's weights to the artifact store (peft format) and publishes a registry version
-        with its lineage.
+        with its lineage. Weights that break the magnitude rule (e.g. from a loaded state) are refused.
         Errors: INVALID_ARGUMENT (INVALID_ADAPTER_NAME, INVALID_ALIAS, INVALID_REQUEST_ID), NOT_FOUND (ADAPTER_NOT_FOUND),
-        RESOURCE_EXHAUSTED (STORAGE_FULL), PERMISSION_DENIED (PERMISSION_DENIED), UNAVAILABLE (REGISTRY_UNAVAILABLE).
+        FAILED_PRECONDITION (WEIGHTS_OUT_OF_RANGE), RESOURCE_EXHAUSTED (STORAGE_FULL), PERMISSION_DENIED (PERMISSION_DENIED), UNAVAILABLE (REGISTRY_UNAVAILABLE).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def SaveState(self, request, context):
-        """Saves weights + optimizer state + step + RNG + ledger for an exact resume.
+        """Saves weights + optimizer state + step + RNG + ledger for an exact resume. The state belongs to the
+        adapter's tenant (recorded in it): only that tenant and admins may load it.
         Errors: INVALID_ARGUMENT (INVALID_ADAPTER_NAME), NOT_FOUND (ADAPTER_NOT_FOUND), RESOURCE_EXHAUSTED (STORAGE_FULL),
         PERMISSION_DENIED (PERMISSION_DENIED).
         """
@@ -192,7 +197,8 @@ class TrainerServiceServicer:
 
     def LoadState(self, request, context):
         """Restores a saved state into the adapter; training continues bitwise as if never interrupted
-        (weights_only: only the LoRA weights, with fresh AdamW moments).
+        (weights_only: only the LoRA weights, with fresh AdamW moments). A state of another tenant answers exactly as
+        a state that does not exist (NOT_FOUND STATE_NOT_FOUND): a state id is not a bearer key.
         Errors: INVALID_ARGUMENT (INVALID_ADAPTER_NAME, INVALID_STATE_ID, INVALID_ARTIFACT_URI),
         NOT_FOUND (ADAPTER_NOT_FOUND, STATE_NOT_FOUND), FAILED_PRECONDITION (BASE_MODEL_MISMATCH, INCOMPATIBLE_STATE),
         DATA_LOSS (DIGEST_MISMATCH, INVALID_STATE), PERMISSION_DENIED (PERMISSION_DENIED).

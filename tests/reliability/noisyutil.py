@@ -1,0 +1,99 @@
+"""Helpers of the trainer's noisy-neighbour tests: a tenant's stub, its seeded workload, the abuse run beside it,
+the status a refused call got, and the trainer's memory."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+from serverproc import ServerProcess
+from trainerutil import adam, logprobs, lora, sft_batch
+
+from opentinker.cli.launch import tree_memory
+from opentinker.rpc.errors import error_info
+from opentinker.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
+
+T = TypeVar("T")
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """One principal's view of the trainer: every call carries its bearer token."""
+
+    name: str
+    stub: trainer_pb2_grpc.TrainerServiceStub
+    metadata: list[tuple[str, str]]
+
+    def call(self, method: str, request: Any) -> Any:
+        return getattr(self.stub, method)(request, metadata=self.metadata, timeout=120)
+
+    def create(self, adapter: str, seed: int = 0, **fields: Any) -> trainer_pb2.TrainingAdapter:
+        request = trainer_pb2.TrainerServiceCreateAdapterRequest(
+            name=adapter, lora_config=lora(), adam_params=adam(), seed=seed, **fields
+        )
+        created: trainer_pb2.TrainingAdapter = self.call("CreateAdapter", request).adapter
+        return created
+
+    def delete(self, adapter: str) -> None:
+        self.call("DeleteAdapter", trainer_pb2.TrainerServiceDeleteAdapterRequest(name=adapter))
+
+    def forward_backward(self, adapter: str, datums: list[common_pb2.Datum]) -> trainer_pb2.ForwardBackwardResponse:
+        request = trainer_pb2.ForwardBackwardRequest(adapter=adapter, datums=datums, loss_fn="cross_entropy")
+        response: trainer_pb2.ForwardBackwardResponse = self.call("ForwardBackward", request)
+        return response
+
+    def optim_step(self, adapter: str, lr: float = 1e-2) -> trainer_pb2.OptimStepResponse:
+        request = trainer_pb2.OptimStepRequest(adapter=adapter, adam_params=adam(lr))
+        response: trainer_pb2.OptimStepResponse = self.call("OptimStep", request)
+        return response
+
+    def forward_logprobs(self, adapter: str, datums: list[common_pb2.Datum]) -> list[list[float]]:
+        request = trainer_pb2.ForwardRequest(adapter=adapter, datums=datums, loss_fn="cross_entropy")
+        return logprobs(self.call("Forward", request))
+
+    def save_state(self, adapter: str, label: str = "s") -> str:
+        state_id: str = self.call("SaveState", trainer_pb2.SaveStateRequest(adapter=adapter, label=label)).state_id
+        return state_id
+
+
+def tenant(server: ServerProcess, name: str, token: str) -> Tenant:
+    channel = grpc.insecure_channel(server.address)
+    return Tenant(name, trainer_pb2_grpc.TrainerServiceStub(channel), [("authorization", f"Bearer {token}")])
+
+
+def seeded_training(who: Tenant, adapter: str, *, seed: int = 7, steps: int = 3) -> list[float]:
+    """team-b's normal workload: a fresh adapter from a seed, `steps` seeded SFT steps, then the logprobs of a
+    held-out batch. Returns every loss and logprob (the same on every run of the same seed)."""
+    who.create(adapter, seed=seed)
+    outputs: list[float] = []
+    for step in range(steps):
+        outputs.append(who.forward_backward(adapter, sft_batch(100 + step, count=3)).metrics["loss:sum"])
+        who.optim_step(adapter)
+    outputs.extend(v for row in who.forward_logprobs(adapter, sft_batch(999, count=2)) for v in row)
+    return outputs
+
+
+def status(call: Callable[[], object]) -> tuple[grpc.StatusCode | None, str]:
+    """(code, ErrorInfo reason) of a call that fails; (None, "") when it succeeds."""
+    try:
+        call()
+    except grpc.RpcError as error:
+        info = error_info(error)
+        return error.code(), info.reason if info is not None else ""
+    return None, ""
+
+
+def alongside(abuse: Callable[[], T], workload: Callable[[], list[float]]) -> tuple[T, list[float]]:
+    """Runs team-a's abuse and team-b's workload at the same time; returns both results (raises their errors)."""
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        abused, normal = pool.submit(abuse), pool.submit(workload)
+        return abused.result(), normal.result()
+
+
+def memory_mib(server: ServerProcess) -> float:
+    """The trainer's proportional set size (PSS), MiB."""
+    return tree_memory(server.process.pid) / MiB

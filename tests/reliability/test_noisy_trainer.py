@@ -1,0 +1,281 @@
+"""Noisy neighbours, the trainer's part: team-a abuses the trainer while team-b runs its normal seeded workload
+at the same time. team-b gets 0 errors and the same outputs as a run alone; team-a gets a precise status;
+the trainer's memory after the abuse stays within a stated bound of before. One registry and one trainer
+(tokens on, loopback) for the whole module."""
+
+from __future__ import annotations
+
+import functools
+import json
+import secrets
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+import trainerutil
+from noisyutil import Tenant, alongside, memory_mib, seeded_training, status, tenant
+from safetensors.torch import load, save
+from serverproc import ServerProcess, registry_store, start_registry, start_trainer
+from trainerutil import assert_same, random_tokens, read_state, sft_batch, sft_datum
+
+from opentinker.client import Datum, LoraConfig, ModelInput, ServiceClient
+from opentinker.rpc.errors import error_info
+from opentinker.v1 import common_pb2, trainer_pb2
+from opentinker.weights.artifact_store import ArtifactStore
+
+TENANTS = ("team-a", "team-b")
+ADMIN = "ops"
+MEMORY_BOUND_MIB = 64  # the trainer's PSS after an abuse, over its PSS before
+
+
+@dataclass
+class Stack:
+    registry: ServerProcess
+    trainer: ServerProcess
+    store: Path
+    tenants: dict[str, Tenant]
+
+    def __getitem__(self, who: str) -> Tenant:
+        return self.tenants[who]
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    workdir = tmp_path_factory.mktemp("noisy-trainer")
+    tokens = {who: f"tok-{who}-{secrets.token_hex(8)}" for who in (*TENANTS, ADMIN, "svc")}
+    roles = {ADMIN: "admin", "svc": "admin"}
+    tokens_file = workdir / "tokens.json"
+    tokens_file.write_text(json.dumps({"tokens": [
+        {"token": token, "tenant": who, "role": roles.get(who, "user")} for who, token in tokens.items()
+    ]}))  # fmt: skip
+    registry = start_registry(workdir / "registry", "--tokens-file", str(tokens_file))
+    try:
+        trainer = start_trainer(workdir / "trainer", tiny_model, registry, "--tokens-file", str(tokens_file),
+                                "--registry-token", tokens["svc"])  # fmt: skip
+    except BaseException:
+        registry.terminate()
+        raise
+    tenants = {who: tenant(trainer, who, tokens[who]) for who in (*TENANTS, ADMIN)}
+    yield Stack(registry, trainer, registry_store(registry), tenants)
+    assert {"trainer": trainer.terminate(), "registry": registry.terminate()} == {"trainer": 0, "registry": 0}
+
+
+def fresh(who: str) -> str:
+    return f"{who}/{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="module")
+def alone(stack: Stack) -> list[float]:
+    """team-b's seeded workload with nobody else on the trainer: the reference every abuse test compares to."""
+    outputs: list[float] = seeded_training(stack["team-b"], fresh("team-b"))
+    return outputs
+
+
+def beside(stack: Stack, abuse: Callable[[], object], reference: list[float]) -> object:
+    """team-a's abuse while team-b runs its workload on a fresh adapter: team-b's outputs equal the run alone."""
+    result, outputs = alongside(abuse, lambda: seeded_training(stack["team-b"], fresh("team-b")))
+    assert outputs == reference, "team-b's seeded training changed while team-a abused the trainer"
+    return result
+
+
+# --- case 1: an optimizer step that blows the weights up is undone and refused ---------------------------------
+
+
+def test_exploding_step_is_undone_and_refused(
+    stack: Stack, alone: list[float], figure: Callable[[str, object], None]
+) -> None:
+    a = stack["team-a"]
+    name = fresh("team-a")
+    a.create(name, seed=3)
+    a.forward_backward(name, sft_batch(1, count=3))
+    before_id = a.save_state(name)
+    before_logprobs = a.forward_logprobs(name, sft_batch(5))
+    memory_before = memory_mib(stack.trainer)
+
+    def abuse() -> list[tuple[grpc.StatusCode | None, str]]:
+        return [status(functools.partial(a.optim_step, name, lr=lr)) for lr in (1e30, 1e12, 3e38)]
+
+    refused = beside(stack, abuse, alone)
+    assert refused == [(grpc.StatusCode.FAILED_PRECONDITION, "WEIGHTS_OUT_OF_RANGE")] * 3
+    # Bitwise as before: weights, gradients, AdamW moments, step, ledger (the state artifact is content-addressed).
+    after_id = a.save_state(name)
+    assert_same(read_state(stack.store, before_id).weights, read_state(stack.store, after_id).weights)
+    assert_same(read_state(stack.store, before_id).grads, read_state(stack.store, after_id).grads)
+    assert read_state(stack.store, before_id).meta == read_state(stack.store, after_id).meta
+    assert after_id == before_id
+    assert a.forward_logprobs(name, sft_batch(5)) == before_logprobs
+    # The adapter still trains (its pending gradients were kept) and snapshots at a sane learning rate.
+    assert a.optim_step(name).step == 1
+    assert a.call("SaveSnapshot", trainer_pb2.SaveSnapshotRequest(adapter=name)).version.version == 1
+    memory_after = memory_mib(stack.trainer)
+    figure("case 1 trainer PSS before/after exploding steps (MiB)", f"{memory_before:.0f} -> {memory_after:.0f}")
+    assert memory_after <= memory_before + MEMORY_BOUND_MIB
+
+
+def test_snapshot_refuses_out_of_range_weights_of_a_loaded_state(stack: Stack) -> None:
+    """A state whose weights break the rule (written elsewhere, here by hand into the store) loads, but cannot be
+    snapshotted: SaveSnapshot answers FAILED_PRECONDITION WEIGHTS_OUT_OF_RANGE and publishes nothing."""
+    a = stack["team-a"]
+    name = fresh("team-a")
+    a.create(name)
+    saved = trainerutil.artifact_dir(stack.store, a.save_state(name))
+    files = {p.name: p.read_bytes() for p in saved.iterdir() if p.name != "manifest.json"}
+    weights = load(files["weights.safetensors"])
+    weights = {key: torch.full_like(value, 3e38) for key, value in weights.items()}
+    files["weights.safetensors"] = save(weights)
+    forged = ArtifactStore(stack.store).commit_files(files).uri
+    a.call("LoadState", trainer_pb2.LoadStateRequest(adapter=name, state_id=forged))
+    refused = status(lambda: a.call("SaveSnapshot", trainer_pb2.SaveSnapshotRequest(adapter=name)))
+    assert refused == (grpc.StatusCode.FAILED_PRECONDITION, "WEIGHTS_OUT_OF_RANGE")
+    assert (
+        a.call("GetAdapter", trainer_pb2.TrainerServiceGetAdapterRequest(name=name)).adapter.last_snapshot_version == 0
+    )
+
+
+# --- case 7: a state resumed into another adapter trains and snapshots from that adapter's own history ---------
+
+
+def _snapshot(who: Tenant, name: str) -> tuple[int, int]:
+    """(version, lineage parent) of a new snapshot of `name`."""
+    version = who.call("SaveSnapshot", trainer_pb2.SaveSnapshotRequest(adapter=name)).version
+    return int(version.version), int(version.lineage.parent_version)
+
+
+def test_resumed_state_snapshots_in_its_own_history(stack: Stack, alone: list[float]) -> None:
+    a = stack["team-a"]
+    source, copy = fresh("team-a"), fresh("team-a")
+
+    def resume_and_snapshot() -> list[tuple[int, int]]:
+        a.create(source, seed=1)
+        versions = []
+        for step in range(2):  # the source has versions 1 and 2: the copy must not take 2 as its parent
+            a.forward_backward(source, sft_batch(10 + step))
+            a.optim_step(source)
+            versions.append(_snapshot(a, source))
+        state_id = a.save_state(source)
+        created = a.create(copy, resume_state=state_id)
+        assert created.step == 2 and created.last_snapshot_version == 0
+        for step in range(2):
+            a.forward_backward(copy, sft_batch(20 + step))
+            a.optim_step(copy)
+            versions.append(_snapshot(a, copy))
+        return versions
+
+    versions = beside(stack, resume_and_snapshot, alone)
+    assert versions == [(1, 0), (2, 1), (1, 0), (2, 1)]
+
+
+def test_resume_into_another_adapter_through_the_sdk(stack: Stack) -> None:
+    """The SDK's create_training_client(..., resume_state=...) on a state of another adapter: trains, snapshots."""
+    token = stack["team-a"].metadata[0][1].removeprefix("Bearer ")
+    datums = [
+        Datum(
+            model_input=ModelInput.from_ints([5, 6, 7, 8]),
+            loss_fn_inputs={"target_tokens": [6, 7, 8, 9], "weights": [1.0] * 4},
+        )
+    ]
+    with ServiceClient(stack.trainer.address, token=token, timeout=120) as client:
+        source = client.create_training_client(fresh("team-a"), LoraConfig(rank=4), seed=2)
+        source.forward_backward(datums)
+        source.optim_step()
+        assert source.save_snapshot().number == 1
+        resumed = client.create_training_client(fresh("team-a"), LoraConfig(rank=4),
+                                                resume_state=source.save_state().state_id)  # fmt: skip
+        resumed.forward_backward(datums)
+        assert resumed.optim_step().step == 2
+        first, second = resumed.save_snapshot(), resumed.save_snapshot()
+        assert (first.number, second.number) == (1, 2)
+
+
+# --- case 8: another tenant's saved states and versions are unreachable, and their existence is not revealed ----
+
+
+def refusal(call: Callable[[], object], *ids: str) -> tuple[grpc.StatusCode | None, str, str]:
+    """(code, reason, message with the given ids blanked) of a refused call."""
+    try:
+        call()
+    except grpc.RpcError as error:
+        info = error_info(error)
+        message = str(error.details())
+        for value in ids:
+            message = message.replace(value, "<id>")
+        return error.code(), info.reason if info is not None else "", message
+    return None, "", ""
+
+
+def test_states_and_versions_of_another_tenant_are_unreachable(stack: Stack, alone: list[float]) -> None:
+    a, b, admin = stack["team-a"], stack["team-b"], stack[ADMIN]
+    victim = fresh("team-b")
+    b.create(victim, seed=4)
+    b.forward_backward(victim, sft_batch(30))
+    b.optim_step(victim)
+    b.call("SaveSnapshot", trainer_pb2.SaveSnapshotRequest(adapter=victim))
+    stolen = b.save_state(victim)
+    attacker = fresh("team-a")
+    a.create(attacker, seed=5)
+    before = a.save_state(attacker)
+    nowhere = "sha256:" + "0" * 64
+
+    def load(state_id: str) -> Callable[[], object]:
+        return lambda: a.call("LoadState", trainer_pb2.LoadStateRequest(adapter=attacker, state_id=state_id))
+
+    def abuse() -> dict[str, tuple[object, object]]:
+        return {
+            "LoadState": (refusal(load(stolen), stolen), refusal(load(nowhere), nowhere)),
+            "resume_state": (refusal(lambda: a.create(fresh("team-a"), resume_state=stolen), stolen),
+                             refusal(lambda: a.create(fresh("team-a"), resume_state=nowhere), nowhere)),
+            "init_from": (refusal(lambda: a.create(fresh("team-a"), init_from=f"{victim}@1"), victim),
+                          refusal(lambda: a.create(fresh("team-a"), init_from="team-b/no-such@1"), "team-b/no-such")),
+        }  # fmt: skip
+
+    answers = beside(stack, abuse, alone)
+    assert isinstance(answers, dict)
+    for what, (theirs, missing) in answers.items():
+        assert theirs == missing, f"{what}: another tenant's answer differs from a missing one's: {theirs} {missing}"
+    assert answers["LoadState"][0][:2] == (grpc.StatusCode.NOT_FOUND, "STATE_NOT_FOUND")
+    assert answers["resume_state"][0][:2] == (grpc.StatusCode.NOT_FOUND, "STATE_NOT_FOUND")
+    assert answers["init_from"][0][:2] == (grpc.StatusCode.PERMISSION_DENIED, "PERMISSION_DENIED")
+    assert a.save_state(attacker) == before  # nothing of team-b's reached team-a's adapter
+    assert read_state(stack.store, stolen).meta["owner"] == "team-b"
+    # The owner and an admin still may.
+    b.create(fresh("team-b"), resume_state=stolen)
+    admin.create(fresh(ADMIN), resume_state=stolen)
+    a.call("LoadState", trainer_pb2.LoadStateRequest(adapter=attacker, state_id=before))
+
+
+# --- case 3: padding counts: a batch is limited in padded positions (datums x longest), not only real tokens ---
+
+DEFAULT_MAX_BATCH_POSITIONS = 131072  # the trainer's --max-batch-positions default (64 x 2048)
+
+
+def padded(short: int) -> list[common_pb2.Datum]:
+    """One 2,047-position datum and `short` one-position datums: few real tokens, (short + 1) x 2047 padded."""
+    return [sft_datum(random_tokens(1, 2048)), *(sft_datum([5, 6]) for _ in range(short))]
+
+
+def test_padded_batches_are_bounded(stack: Stack, alone: list[float], figure: Callable[[str, object], None]) -> None:
+    a = stack["team-a"]
+    name = fresh("team-a")
+    a.create(name)
+    memory_before = memory_mib(stack.trainer)
+    too_wide = (DEFAULT_MAX_BATCH_POSITIONS // 2047) + 1  # 65 rows of 2,047: just over the default
+
+    def abuse() -> list[tuple[grpc.StatusCode | None, str]]:
+        answers = []
+        for short in (too_wide - 1, 4095):  # 65 and 4,096 datums: only 2,111 and 6,142 real tokens
+            answers.append(status(functools.partial(a.forward_backward, name, padded(short))))
+            request = trainer_pb2.ForwardRequest(adapter=name, datums=padded(short), loss_fn="cross_entropy")
+            answers.append(status(functools.partial(a.call, "Forward", request)))
+        return answers
+
+    answers = beside(stack, abuse, alone)
+    assert answers == [(grpc.StatusCode.RESOURCE_EXHAUSTED, "BATCH_TOO_LARGE")] * 4
+    adapter = a.call("GetAdapter", trainer_pb2.TrainerServiceGetAdapterRequest(name=name)).adapter
+    assert adapter.pending_batches == 0 and adapter.tokens_trained == 0  # refused before anything was computed
+    memory_after = memory_mib(stack.trainer)
+    figure("case 3 trainer PSS before/after padded batches (MiB)", f"{memory_before:.0f} -> {memory_after:.0f}")
+    assert memory_after <= memory_before + MEMORY_BOUND_MIB
