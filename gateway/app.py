@@ -63,9 +63,8 @@ async def errors_and_auth(request: web.Request, handler: Handler) -> web.StreamR
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return _error(
-            exc.status, exc.reason.upper().replace(" ", "_"), f"{request.method} {request.path}: {exc.reason}"
-        )
+        code = "BODY_TOO_LARGE" if exc.status == 413 else exc.reason.upper().replace(" ", "_")
+        return _error(exc.status, code, f"{request.method} {request.path[:200]}: {exc.reason}")
     except Exception:
         incident = uuid.uuid4().hex[:12]
         log.exception("%s %s failed (incident %s)", request.method, request.path, incident)

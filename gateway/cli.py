@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -59,11 +58,11 @@ def serve(
 ) -> None:
     """Run the Tinker-compatible HTTP gateway (tinker SDK 0.38.0)."""
     from opentinker.gateway.auth import KeysFileError, KeyStore
+    from opentinker.gateway.logsafe import configure
     from opentinker.gateway.state import GatewayConfig
     from opentinker.rpc.server import is_loopback
 
-    logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
+    configure(log_level)
     if not is_loopback(host) and not insecure_public:
         typer.echo(f"refusing to bind {host}: plain HTTP carries API keys; pass --insecure-public", err=True)
         raise typer.Exit(2)

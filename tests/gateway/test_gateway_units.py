@@ -191,3 +191,23 @@ def test_json_bodies_are_bounded_before_handlers_see_them() -> None:
     assert code(b'{"a": "123456789"}') == code(b'{"123456789": 1}') == "STRING_TOO_LONG"
     assert code(b"\xff{}") == code(b"[1]") == "MALFORMED_JSON"
     assert code(b" " * (2 << 20)) == "BODY_TOO_LARGE"
+
+
+def test_client_strings_cannot_forge_log_lines() -> None:
+    import logging
+
+    from opentinker.gateway.logsafe import FORMAT, SafeFormatter
+
+    forged = "0.38.0\n2026-01-01 00:00:00,000 ERROR opentinker.gateway: forged\r\x1b[2J\u2028"
+    record = logging.LogRecord("opentinker.gateway", logging.WARNING, __file__, 1, "sdk %s", (forged,), None)
+    text = SafeFormatter(FORMAT).format(record)
+    assert "\n" not in text and "\r" not in text and "\x1b" not in text and "\u2028" not in text
+    assert "\\x0a2026-01-01" in text and "\\u2028" in text
+    try:
+        raise ValueError(forged)
+    except ValueError:
+        import sys
+
+        failed = logging.LogRecord("opentinker.gateway", logging.ERROR, __file__, 1, "boom", (), sys.exc_info())
+    lines = SafeFormatter(FORMAT).format(failed).splitlines()
+    assert all(line.startswith("    | ") for line in lines[1:]) and len(lines) > 2

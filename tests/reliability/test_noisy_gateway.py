@@ -348,3 +348,49 @@ def test_parked_bodies_are_bounded_and_expire_while_team_b_runs(
     refused(gateway.post("get_info", {"model_id": abuse_a.model_id}), 404, "UNKNOWN_MODEL")
     refused(gateway.post("session_heartbeat", {"session_id": abuse_a.session}), 410, "SESSION_FINISHED")
     assert gateway.http.get("/api/v1/healthz").json() == {"status": "ok"}
+
+
+# --- case 10: strings bounded, client strings escaped in the log ---------------------------------------------
+
+FORGED = "0.1\n2026-01-01 00:00:00 ERROR gateway: forged-by-team-a"  # at most 64 characters
+
+
+def _abuse_strings(gw: Gateway) -> None:
+    session = _session(gw)
+    refused(gw.post("create_session", {"tags": [], "sdk_version": "x" * (20 * MiB)}), 413, "BODY_TOO_LARGE")
+    refused(gw.post("create_session", {"tags": [], "sdk_version": "x" * 5000}), 400, "STRING_TOO_LONG")
+    refused(gw.post("create_session", {"tags": [], "sdk_version": "x" * 65}), 400, "INVALID_FIELD")
+    refused(gw.post("create_session", {"tags": [], "sdk_version": 7}), 400, "INVALID_FIELD")
+    refused(gw.post("create_session", {"tags": ["t" * 5000], "sdk_version": "0.38.0"}), 400, "STRING_TOO_LONG")
+    refused(gw.post("create_session", {"tags": [], "sdk_version": "0.38.0", "user_metadata": {"k" * 5000: 1}}), 400,
+            "STRING_TOO_LONG")  # fmt: skip
+    long = "m" * 5000
+    for route, body in (
+        ("create_model", {"session_id": session, "model_seq_id": 2, "base_model": long}),
+        ("get_info", {"model_id": long}),
+        ("retrieve_future", {"request_id": long}),
+        ("session_heartbeat", {"session_id": long}),
+        ("asample", _sample_body(base_model=long)),
+        ("save_weights", {"model_id": "x", "seq_id": 1, "path": long}),
+    ):
+        refused(gw.post(route, body), 400, "STRING_TOO_LONG")
+    message = tpb.ForwardBackwardRequest(model_id=long, seq_id=1, loss_fn="cross_entropy")
+    message.data.add().model_input.add().encoded_text.tokens = bytes(8)
+    refused(_post_fwdbwd(gw, zstandard.ZstdCompressor().compress(message.SerializeToString())), 400, "STRING_TOO_LONG")
+    # A newline in a string the gateway logs (an unsupported sdk_version is logged as a warning).
+    warned = gw.post("create_session", {"tags": [], "sdk_version": FORGED})
+    assert warned.status_code == 200 and "forged-by-team-a" in warned.json()["warning_message"]
+
+
+def test_strings_are_bounded_and_escaped_in_the_log_while_team_b_runs(
+    gateway: Gateway, alone: Outputs, figure: Callable[[str, object], None]
+) -> None:
+    before = gateway.memory()
+    outputs = during(gateway, lambda: _abuse_strings(gateway))
+    after = gateway.memory()
+    assert outputs == alone
+    figure("gateway_strings_memory_mb", f"{before / MiB:.0f} -> {after / MiB:.0f}")
+    assert after - before < 32 * MiB
+    log = gateway.server.log()
+    assert "forged-by-team-a" in log  # logged, escaped, on the warning's own line
+    assert not [line for line in log.splitlines() if "forged-by-team-a" in line and " WARNING " not in line]
