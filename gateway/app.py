@@ -4,15 +4,15 @@ training.py and sampling.py. Every path is under /api/v1/."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from opentinker.gateway import sampling, training
+from opentinker.gateway import expiry, sampling, training
 from opentinker.gateway.auth import KEY_PREFIX
-from opentinker.gateway.convert import MAX_BODY_BYTES
 from opentinker.gateway.errors import GatewayError, RequestFailed
 from opentinker.gateway.state import (
     GATEWAY,
@@ -63,9 +63,8 @@ async def errors_and_auth(request: web.Request, handler: Handler) -> web.StreamR
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return _error(
-            exc.status, exc.reason.upper().replace(" ", "_"), f"{request.method} {request.path}: {exc.reason}"
-        )
+        code = "BODY_TOO_LARGE" if exc.status == 413 else exc.reason.upper().replace(" ", "_")
+        return _error(exc.status, code, f"{request.method} {request.path[:200]}: {exc.reason}")
     except Exception:
         incident = uuid.uuid4().hex[:12]
         log.exception("%s %s failed (incident %s)", request.method, request.path, incident)
@@ -93,6 +92,7 @@ async def client_config(request: web.Request) -> web.Response:
             "parallel_fwdbwd_chunks": True,
             "proto_compress_fwdbwd": config.compress_fwdbwd,
             "fwdbwd_max_chunk_len": config.fwdbwd_max_chunk_len,
+            "fwdbwd_max_chunk_bytes_count": min(5_000_000, config.max_body_bytes // 2),
             "sample_use_retrieve_futures": False,
             "custom_loss_server_side": False,
             "sample_join_sampling_session": False,
@@ -114,10 +114,10 @@ async def server_capabilities(request: web.Request) -> web.Response:
 async def create_session(request: web.Request) -> web.Response:
     gw, principal = gateway_of(request), principal_of(request)
     body = await json_body(request)
-    version = str(body.get("sdk_version", ""))
-    session = gw.sessions.create(principal.tenant, version)
-    reply: dict[str, object] = {"type": "create_session", "session_id": session.session_id}
+    version = body.get("sdk_version")
     warning = check_sdk_version(version)
+    session = gw.sessions.create(principal.tenant, str(version or ""))
+    reply: dict[str, object] = {"type": "create_session", "session_id": session.session_id}
     if warning is not None:
         reply["warning_message"] = warning
     return web.json_response(reply)
@@ -171,7 +171,7 @@ async def telemetry(request: web.Request) -> web.Response:
 
 
 def create_app(gateway: Gateway) -> web.Application:
-    app = web.Application(middlewares=[errors_and_auth], client_max_size=MAX_BODY_BYTES)
+    app = web.Application(middlewares=[errors_and_auth], client_max_size=gateway.config.max_body_bytes)
     app[GATEWAY] = gateway
     app.router.add_get("/api/v1/healthz", healthz)
     app.router.add_post("/api/v1/client/config", client_config)
@@ -186,9 +186,18 @@ def create_app(gateway: Gateway) -> web.Application:
     training.add_routes(app)
     sampling.add_routes(app)
 
+    sweeps: list[asyncio.Task[None]] = []
+
+    async def startup(app: web.Application) -> None:
+        sweeps.append(asyncio.get_running_loop().create_task(expiry.run_sweeps(gateway)))
+
     async def cleanup(app: web.Application) -> None:
+        for task in sweeps:
+            task.cancel()
+        await asyncio.gather(*sweeps, return_exceptions=True)
         await gateway.futures.close()
         await gateway.backends.close()
 
+    app.on_startup.append(startup)
     app.on_cleanup.append(cleanup)
     return app

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -38,16 +37,32 @@ def serve(
     compress_fwdbwd: Annotated[bool, typer.Option(help="Ask the SDK to zstd-compress forward_backward.")] = True,
     default_max_tokens: Annotated[int, typer.Option(help="max_tokens when a request leaves it unset.")] = 16,
     poll_seconds: Annotated[float, typer.Option(help="Longest retrieve_future long-poll, in seconds.")] = 20.0,
+    max_num_samples: Annotated[int, typer.Option(help="num_samples per asample (the sampler's limit).")] = 64,
+    max_body_bytes: Annotated[
+        int, typer.Option(help="A forward_backward body, as sent and decompressed (the SDK sends <= 5 MB).")
+    ] = 64 << 20,
+    max_json_bytes: Annotated[int, typer.Option(help="A JSON request body.")] = 8 << 20,
+    max_string_length: Annotated[int, typer.Option(help="Characters of any string in a request.")] = 4096,
+    seq_window: Annotated[int, typer.Option(help="How far ahead of a model's next seq_id a request may be.")] = 256,
+    max_pending_bytes: Annotated[
+        int, typer.Option(help="forward_backward bytes one model may have waiting for their turn.")
+    ] = 256 << 20,
+    pending_ttl_seconds: Annotated[
+        float, typer.Option(help="How long a request waits for an earlier seq_id before it fails.")
+    ] = 300.0,
+    session_ttl_seconds: Annotated[
+        float, typer.Option(help="A session without heartbeats expires (its models' waiting requests fail).")
+    ] = 900.0,
     ready_file: Annotated[Path | None, typer.Option(help="Write {address, metrics_address} JSON once serving.")] = None,
     log_level: Annotated[str, typer.Option(help="Logging level.")] = "INFO",
 ) -> None:
     """Run the Tinker-compatible HTTP gateway (tinker SDK 0.38.0)."""
     from opentinker.gateway.auth import KeysFileError, KeyStore
+    from opentinker.gateway.logsafe import configure
     from opentinker.gateway.state import GatewayConfig
     from opentinker.rpc.server import is_loopback
 
-    logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
+    configure(log_level)
     if not is_loopback(host) and not insecure_public:
         typer.echo(f"refusing to bind {host}: plain HTTP carries API keys; pass --insecure-public", err=True)
         raise typer.Exit(2)
@@ -59,10 +74,17 @@ def serve(
     if not len(keys):
         typer.echo("no API keys: pass --keys-file or set OPENTINKER_GATEWAY_KEYS(_FILE)", err=True)
         raise typer.Exit(2)
-    if fwdbwd_max_chunk_len < 1 or default_max_tokens < 1 or poll_seconds <= 0:
-        typer.echo("--fwdbwd-max-chunk-len, --default-max-tokens and --poll-seconds must be positive", err=True)
+    config = GatewayConfig(
+        fwdbwd_max_chunk_len=fwdbwd_max_chunk_len, compress_fwdbwd=compress_fwdbwd,
+        default_max_tokens=default_max_tokens, poll_seconds=poll_seconds, max_num_samples=max_num_samples,
+        max_body_bytes=max_body_bytes, max_json_bytes=max_json_bytes, max_string_length=max_string_length,
+        seq_window=seq_window, max_pending_bytes=max_pending_bytes, pending_ttl_seconds=pending_ttl_seconds,
+        session_ttl_seconds=session_ttl_seconds,
+    )  # fmt: skip
+    positive = {name: value for name, value in config.limits().items() if not value > 0}
+    if positive:
+        typer.echo(f"these must be positive: {', '.join('--' + n.replace('_', '-') for n in positive)}", err=True)
         raise typer.Exit(2)
-    config = GatewayConfig(fwdbwd_max_chunk_len, compress_fwdbwd, default_max_tokens, poll_seconds)
     asyncio.run(_run(keys, (trainer, sampler, registry), config, host, port, ready_file))
 
 

@@ -7,6 +7,7 @@ fields. Results the SDK reads as protobuf (ForwardBackwardOutput, SampleResponse
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -16,10 +17,13 @@ import zstandard
 from google.protobuf.message import DecodeError
 from tinker.proto import tinker_public_pb2 as tpb
 
-from opentinker.gateway.errors import RequestFailed, bad_request
+from opentinker.gateway import fields
+from opentinker.gateway.errors import GatewayError, RequestFailed, bad_request
 from opentinker.v1 import common_pb2, sampler_pb2, trainer_pb2
+from opentinker.weights.peft import MAX_RANK
 
-MAX_BODY_BYTES = 256 << 20  # decompressed forward_backward body
+MAX_BODY_BYTES = 64 << 20  # decompressed forward_backward body (default; --max-body-bytes); the SDK sends <= 5 MB
+MAX_TENSOR_VALUES = 1 << 22  # cells of all loss_fn_inputs tensors of one request (sparse ones are densified here)
 _INT_KEYS = frozenset({"target_tokens"})
 _NUMPY: dict[object, np.dtype[Any]] = {
     tpb.DTYPE_FLOAT32: np.dtype(np.float32),
@@ -30,7 +34,9 @@ _NUMPY: dict[object, np.dtype[Any]] = {
 # Requests
 
 
-def decompress(body: bytes, content_encoding: str) -> bytes:
+def decompress(body: bytes, content_encoding: str, limit: int | None = None) -> bytes:
+    """The body as sent, or zstd-decoded: at most ``limit`` bytes (MAX_BODY_BYTES by default) come out."""
+    limit = MAX_BODY_BYTES if limit is None else limit
     encoding = content_encoding.strip().lower()
     if encoding in ("", "identity"):
         return body
@@ -38,17 +44,18 @@ def decompress(body: bytes, content_encoding: str) -> bytes:
         raise bad_request(f"unsupported Content-Encoding {content_encoding!r} (zstd or none)", "BAD_ENCODING")
     try:
         declared = zstandard.frame_content_size(body)
-        if declared > MAX_BODY_BYTES:
-            raise bad_request(f"decompressed body exceeds {MAX_BODY_BYTES} bytes", "BODY_TOO_LARGE")
+        if declared > limit:
+            raise GatewayError(413, "BODY_TOO_LARGE", f"decompressed body exceeds {limit} bytes")
         # A truncated or corrupt frame raises; an undeclared size is bounded by max_output_size.
-        data = zstandard.ZstdDecompressor().decompress(body, max_output_size=MAX_BODY_BYTES)
+        data = zstandard.ZstdDecompressor().decompress(body, max_output_size=limit)
     except zstandard.ZstdError as exc:
         raise bad_request(f"body is not valid zstd: {exc}", "BAD_ENCODING") from exc
     return data
 
 
-def parse_forward_backward(body: bytes) -> Any:
-    """A tinker ForwardBackwardRequest; 400 when the bytes are not one."""
+def parse_forward_backward(body: bytes, max_string: int = 4096) -> Any:
+    """A tinker ForwardBackwardRequest; 400 when the bytes are not one or its names are longer than
+    ``max_string``."""
     message = tpb.ForwardBackwardRequest()
     try:
         message.ParseFromString(body)
@@ -56,7 +63,27 @@ def parse_forward_backward(body: bytes) -> Any:
         raise bad_request(f"body is not a tinker ForwardBackwardRequest protobuf: {exc}", "MALFORMED_PROTOBUF") from exc
     if not message.model_id:
         raise bad_request("model_id is required", "MISSING_MODEL_ID")
+    if len(message.model_id) > max_string or len(message.loss_fn) > max_string:
+        raise bad_request(f"model_id and loss_fn are at most {max_string} characters", "STRING_TOO_LONG")
     return message
+
+
+def check_sizes(message: Any) -> None:
+    """Refuses (400) a request whose tensors declare negative dimensions or more cells in all than
+    MAX_TENSOR_VALUES, before anything is built from it: a small sparse tensor can declare a huge shape."""
+    cells = 0
+    for i, datum in enumerate(message.data):
+        for key, tensor in datum.loss_fn_inputs.items():
+            shape = list(tensor.shape)
+            if len(key) > 128:
+                raise bad_request(f"datum {i}: a loss_fn_inputs key is longer than 128 characters", "STRING_TOO_LONG")
+            if any(d < 0 for d in shape) or len(shape) > 8:
+                raise bad_request(f"datum {i} loss_fn_inputs[{key[:64]!r}]: invalid shape", "INVALID_TENSOR")
+            cells += math.prod(shape) if shape else 0
+            if cells > MAX_TENSOR_VALUES:
+                raise bad_request(
+                    f"loss_fn_inputs tensors declare more than {MAX_TENSOR_VALUES} cells in all", "INVALID_TENSOR"
+                )
 
 
 def _tensor_values(tensor: Any, key: str) -> tuple[npt.NDArray[Any], list[int]]:
@@ -89,7 +116,7 @@ def _tensor_values(tensor: Any, key: str) -> tuple[npt.NDArray[Any], list[int]]:
         flat = (flat.astype(np.uint32) << 16).view(np.float32)
     if not shape:
         shape = [len(flat)]
-    if int(np.prod(shape)) != len(flat):
+    if math.prod(shape) != len(flat):
         raise RequestFailed(f"loss_fn_inputs[{key!r}]: shape {shape} does not hold {len(flat)} values")
     return flat, shape
 
@@ -151,29 +178,33 @@ def trace_ids(message: Any, session_id: str) -> list[str]:
     return [f"tinker-session:{session_id}", *(f"tinker-sequence:{s}" for s in sequences)]
 
 
-def lora_config(rank: int, train_attn: bool, train_mlp: bool) -> common_pb2.LoraConfig:
-    """Tinker's "which parts to train" as target modules (the unembedding is never trained here)."""
-    if rank < 1:
-        raise RequestFailed(f"lora rank must be at least 1, got {rank}")
+def lora_config(lora: Mapping[str, object]) -> tuple[common_pb2.LoraConfig, int | None]:
+    """tinker LoraConfig JSON -> ours and its seed (None: draw one). Tinker's "which parts to train" become target
+    modules (the unembedding is never trained here). 400 INVALID_FIELD for a rank or seed out of range."""
+    rank = fields.integer(lora, "rank", 1, MAX_RANK, default=32, where="lora_config.")
+    seed = fields.integer(lora, "seed", 0, fields.UINT64_MAX, where="lora_config.")
+    train_attn = fields.boolean(lora, "train_attn", default=True, where="lora_config.")
+    train_mlp = fields.boolean(lora, "train_mlp", default=True, where="lora_config.")
+    fields.boolean(lora, "train_unembed", default=True, where="lora_config.")
     if train_attn and train_mlp:
         targets = ["all-linear"]
     elif train_attn or train_mlp:
         targets = ["attn" if train_attn else "mlp"]
     else:
-        raise RequestFailed("train_attn or train_mlp must be set: this server trains no unembedding LoRA")
-    return common_pb2.LoraConfig(rank=rank, target_modules=targets)
+        raise bad_request(
+            "train_attn or train_mlp must be set: this server trains no unembedding LoRA", "INVALID_FIELD"
+        )
+    return common_pb2.LoraConfig(rank=rank, target_modules=targets), seed
 
 
 def adam_params(params: Mapping[str, object]) -> common_pb2.AdamParams:
-    fields = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
+    """tinker AdamParams JSON -> ours: each a finite float32 (400 INVALID_FIELD otherwise); the trainer checks
+    what values make sense."""
     values: dict[str, float] = {}
-    for name in fields:
-        value = params.get(name)
-        if value is None:
-            continue
-        if not isinstance(value, int | float) or isinstance(value, bool):
-            raise RequestFailed(f"adam_params.{name} must be a number")
-        values[name] = float(value)
+    for name in ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm"):
+        value = fields.number(params, name, where="adam_params.")
+        if value is not None:
+            values[name] = value
     return common_pb2.AdamParams(**values)
 
 
@@ -197,67 +228,68 @@ def forward_backward_output(outputs: Sequence[trainer_pb2.LossFnOutput], metrics
     return bytes(message.SerializeToString())
 
 
+MAX_SAMPLE_TOKENS = 1 << 20  # max_tokens: above any context this gateway serves (the sampler checks the context)
+MAX_STOP = 16  # stop strings or stop tokens (the sampler's MAX_STOP_STRINGS)
+_P = "sampling_params."
+
+
 def sampling_params(params: Mapping[str, object], default_max_tokens: int) -> sampler_pb2.SamplingParams:
-    """tinker SamplingParams JSON -> ours. ``stop``: a string or strings are stop strings, integers stop
-    tokens; None (and []) keep the model's end-of-sequence tokens."""
-
-    def number(name: str, default: float) -> float:
-        value = params.get(name)
-        if value is None:
-            return default
-        if not isinstance(value, int | float) or isinstance(value, bool):
-            raise RequestFailed(f"sampling_params.{name} must be a number")
-        return float(value)
-
-    max_tokens = int(number("max_tokens", default_max_tokens))
-    if max_tokens < 1:
-        raise RequestFailed(f"sampling_params.max_tokens must be at least 1, got {max_tokens}")
-    top_k = int(number("top_k", -1))
+    """tinker SamplingParams JSON -> ours, every field in range (400 INVALID_FIELD otherwise). ``stop``: a string
+    or strings are stop strings, integers stop tokens; None (and []) keep the model's end-of-sequence tokens."""
+    max_tokens = fields.integer(params, "max_tokens", 1, MAX_SAMPLE_TOKENS, default=default_max_tokens, where=_P)
+    top_k = fields.integer(params, "top_k", -1, fields.INT32_MAX, default=-1, where=_P)
+    assert max_tokens is not None and top_k is not None
     result = sampler_pb2.SamplingParams(
-        temperature=number("temperature", 1.0),
-        top_k=0 if top_k < 0 else top_k,
-        top_p=number("top_p", 1.0),
+        temperature=fields.number(params, "temperature", 0.0, 1e4, default=1.0, where=_P),
+        top_k=max(top_k, 0),
+        top_p=fields.number(params, "top_p", 0.0, 1.0, default=1.0, where=_P),
         max_tokens=max_tokens,
         logprobs=True,
     )
-    seed = params.get("seed")
+    seed = fields.integer(params, "seed", 0, fields.UINT64_MAX, where=_P)
     if seed is not None:
-        if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
-            raise RequestFailed("sampling_params.seed must be a non-negative integer")
         result.seed = seed
     stop = params.get("stop")
     if isinstance(stop, str):
-        result.stop_strings.append(stop)
-    elif isinstance(stop, list):
+        stop = [stop]
+    if isinstance(stop, list):
+        if len(stop) > MAX_STOP:
+            raise bad_request(f"sampling_params.stop holds {len(stop)} entries; at most {MAX_STOP}", "INVALID_FIELD")
         strings = [s for s in stop if isinstance(s, str)]
         ids = [s for s in stop if isinstance(s, int) and not isinstance(s, bool)]
         if len(strings) == len(stop):
             result.stop_strings.extend(strings)
-        elif len(ids) == len(stop):
+        elif len(ids) == len(stop) and all(0 <= t <= fields.INT32_MAX for t in ids):
             result.stop_token_ids.extend(ids)
         else:
-            raise RequestFailed("sampling_params.stop must be a string, a list of strings or a list of token ids")
+            raise bad_request(_STOP_FORMS, "INVALID_FIELD")
     elif stop is not None:
-        raise RequestFailed("sampling_params.stop must be a string, a list of strings or a list of token ids")
+        raise bad_request(_STOP_FORMS, "INVALID_FIELD")
     return result
 
 
+_STOP_FORMS = "sampling_params.stop must be a string, a list of strings or a list of token ids (0..2**31-1)"
+
+
 def prompt_tokens(prompt: object) -> list[int]:
-    """tinker ModelInput JSON (``{"chunks": [{"type": "encoded_text", "tokens": [...]}]}``) -> token ids."""
+    """tinker ModelInput JSON (``{"chunks": [{"type": "encoded_text", "tokens": [...]}]}``) -> token ids, each a
+    non-negative int32 (what the SDK's token ids are); 400 otherwise."""
     chunks = prompt.get("chunks") if isinstance(prompt, dict) else None
     if not isinstance(chunks, list):
-        raise RequestFailed("prompt must be a ModelInput with chunks")
+        raise bad_request("prompt must be a ModelInput with chunks", "INVALID_FIELD")
     tokens: list[int] = []
     for chunk in chunks:
         if not isinstance(chunk, dict) or chunk.get("type", "encoded_text") != "encoded_text":
             kind = chunk.get("type") if isinstance(chunk, dict) else None
-            raise RequestFailed(f"prompt: {kind or 'unknown'} chunks are not supported (text tokens only)")
+            raise bad_request(
+                f"prompt: {str(kind or 'unknown')[:64]} chunks are not supported (text tokens only)", "INVALID_FIELD"
+            )
         values = chunk.get("tokens")
-        if not isinstance(values, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in values):
-            raise RequestFailed("prompt chunk tokens must be a list of integers")
+        if not isinstance(values, list) or not all(type(t) is int and 0 <= t <= fields.INT32_MAX for t in values):
+            raise bad_request("prompt chunk tokens must be a list of token ids (0..2**31-1)", "INVALID_FIELD")
         tokens.extend(values)
     if not tokens:
-        raise RequestFailed("prompt must hold at least one token")
+        raise bad_request("prompt must hold at least one token", "INVALID_FIELD")
     return tokens
 
 

@@ -6,12 +6,21 @@ from contextlib import aclosing
 
 from aiohttp import web
 
-from opentinker.gateway import convert
+from opentinker.gateway import convert, fields
 from opentinker.gateway.backend import Backend
 from opentinker.gateway.errors import RequestFailed, bad_request, not_found
 from opentinker.gateway.futures import Outcome
 from opentinker.gateway.sessions import SamplingSession, new_id
-from opentinker.gateway.state import Gateway, backend_of, field_of, gateway_of, json_body, principal_of, required
+from opentinker.gateway.state import (
+    Gateway,
+    Json,
+    backend_of,
+    field_of,
+    gateway_of,
+    json_body,
+    principal_of,
+    required,
+)
 from opentinker.v1 import common_pb2, sampler_pb2
 
 # SampleRequest fields this gateway cannot honour; asking for them fails the request instead of silently
@@ -44,7 +53,7 @@ async def create_sampling_session(request: web.Request) -> web.Response:
     gw, principal = gateway_of(request), principal_of(request)
     body = await json_body(request)
     session_id = required(body, "session_id", str)
-    seq = required(body, "sampling_session_seq_id", int)
+    seq = fields.required_integer(body, "sampling_session_seq_id", 0, fields.INT32_MAX)
     gw.sessions.active(session_id, principal.tenant)
     model_path = field_of(body, "model_path", str, required=False)
     base_model = field_of(body, "base_model", str, required=False)
@@ -89,24 +98,47 @@ async def _sample(
     return Outcome(proto=convert.sample_response(sequences, prompt_logprobs if want_prompt_logprobs else None))
 
 
+def _sample_request(gw: Gateway, body: Json, reference: str, request_id: str) -> tuple[sampler_pb2.SampleRequest, int]:
+    """The sampler's request and the number of samples, every field checked first (400 INVALID_FIELD): nothing
+    is sized from ``num_samples`` before it is known to be within ``--max-num-samples``."""
+    num_samples = fields.integer(body, "num_samples", 1, gw.config.max_num_samples, default=1)
+    assert num_samples is not None
+    want_prompt_logprobs = fields.boolean(body, "prompt_logprobs")
+    for name in _UNSUPPORTED:
+        fields.integer(body, name, 0, fields.INT32_MAX)
+    fields.integer(body, "prompt_logprobs_last_n", 0, fields.INT32_MAX)
+    params = fields.mapping(body, "sampling_params")
+    sample = sampler_pb2.SampleRequest(
+        model=reference,
+        prompt=common_pb2.ModelInput(
+            chunks=[
+                common_pb2.ModelInputChunk(
+                    encoded_text=common_pb2.EncodedTextChunk(tokens=convert.prompt_tokens(body.get("prompt")))
+                )
+            ]
+        ),
+        sampling_params=convert.sampling_params(params, gw.config.default_max_tokens),
+        num_samples=num_samples,
+        prompt_logprobs=want_prompt_logprobs,
+        request_id=request_id,
+    )
+    return sample, num_samples
+
+
 async def asample(request: web.Request) -> web.Response:
     gw, principal, backend = gateway_of(request), principal_of(request), backend_of(request)
     body = await json_body(request)
     sampler_id = field_of(body, "sampling_session_id", str, required=False)
     if sampler_id is not None:
         reference = gw.sessions.sampler(sampler_id, principal.tenant).reference
-        seq = required(body, "seq_id", int)
+        seq = fields.required_integer(body, "seq_id", 0, fields.INT64_MAX)
         prefix = f"{sampler_id}:{seq}"
     else:
         model_path = field_of(body, "model_path", str, required=False)
         base_model = field_of(body, "base_model", str, required=False)
         reference = await _reference(gw, principal.tenant, principal.token, model_path, base_model)
         prefix = new_id()
-    num_samples = field_of(body, "num_samples", int, required=False) or 1
-    if num_samples < 1:
-        raise bad_request(f"num_samples must be at least 1, got {num_samples}", "INVALID_FIELD")
-    want_prompt_logprobs = bool(body.get("prompt_logprobs"))
-    prompt, params = body.get("prompt"), field_of(body, "sampling_params", dict, required=False) or {}
+    sample, num_samples = _sample_request(gw, body, reference, prefix)
 
     async def job() -> Outcome:
         for name in _UNSUPPORTED:
@@ -114,21 +146,7 @@ async def asample(request: web.Request) -> web.Response:
                 raise RequestFailed(f"{name} is not supported by this server")
         if body.get("target_prompt_logprobs") is not None or body.get("prompt_logprobs_last_n") is not None:
             raise RequestFailed("target_prompt_logprobs and prompt_logprobs_last_n are not supported by this server")
-        sample = sampler_pb2.SampleRequest(
-            model=reference,
-            prompt=common_pb2.ModelInput(
-                chunks=[
-                    common_pb2.ModelInputChunk(
-                        encoded_text=common_pb2.EncodedTextChunk(tokens=convert.prompt_tokens(prompt))
-                    )
-                ]
-            ),
-            sampling_params=convert.sampling_params(params, gw.config.default_max_tokens),
-            num_samples=num_samples,
-            prompt_logprobs=want_prompt_logprobs,
-            request_id=prefix,
-        )
-        return await _sample(backend, sample, num_samples, want_prompt_logprobs)
+        return await _sample(backend, sample, num_samples, sample.prompt_logprobs)
 
     future = gw.futures.create(principal.tenant)
     gw.futures.start(future, job)

@@ -64,6 +64,27 @@ class SessionTable:
     def heartbeat(self, session_id: str, tenant: str) -> None:
         self.active(session_id, tenant).last_heartbeat = time.monotonic()
 
+    def expire(self, idle_before: float, forget_before: float) -> set[str]:
+        """Sessions whose last heartbeat is older than ``idle_before`` end as "expired" (their sampling sessions
+        go; a heartbeat then answers 410, which stops the SDK's heartbeat loop); expired ones idle since before
+        ``forget_before`` are forgotten. The ids that expired now."""
+        expired = set()
+        for session_id, session in list(self._sessions.items()):
+            if session.last_heartbeat >= idle_before:
+                continue
+            if session.finished == "expired":
+                if session.last_heartbeat < forget_before:
+                    del self._sessions[session_id]
+                continue
+            session.finished, session.sdk_version = "expired", ""
+            expired.add(session_id)
+        for sampler_id in [s for s, sampler in self._samplers.items() if sampler.session_id in expired]:
+            del self._samplers[sampler_id]
+        return expired
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
     def add_sampler(self, sampler: SamplingSession) -> None:
         self._samplers[sampler.sampling_session_id] = sampler
 

@@ -10,10 +10,11 @@ from aiohttp import web
 
 from opentinker.gateway.auth import KeyStore, Principal
 from opentinker.gateway.backend import Backend, Backends
+from opentinker.gateway.bodies import parse_json
 from opentinker.gateway.checkpoints import CheckpointTable
 from opentinker.gateway.errors import bad_request
 from opentinker.gateway.futures import FutureStore
-from opentinker.gateway.models import ModelTable
+from opentinker.gateway.models import Lane, ModelTable
 from opentinker.gateway.sessions import SessionTable
 
 log = logging.getLogger(__name__)
@@ -22,12 +23,34 @@ SUPPORTED_SDK_VERSION = "0.38.0"
 """The tinker SDK version whose protocol this gateway speaks; others are served with a warning."""
 
 
+MAX_SDK_VERSION = 64  # characters of a create_session's sdk_version
+
+
 @dataclass(frozen=True, slots=True)
 class GatewayConfig:
+    """The gateway's flags (``opentinker gateway serve --help``); the bounds keep one key from holding the
+    event loop or the memory every other key shares."""
+
     fwdbwd_max_chunk_len: int = 1024  # datums per forward_backward request the SDK sends
     compress_fwdbwd: bool = True  # ask the SDK to zstd-compress forward_backward bodies
     default_max_tokens: int = 16  # when SamplingParams.max_tokens is None
     poll_seconds: float = 20.0  # longest retrieve_future long-poll
+    max_num_samples: int = 64  # samples per asample (the sampler's own limit)
+    max_body_bytes: int = 64 << 20  # a forward_backward body, sent and decompressed
+    max_json_bytes: int = 8 << 20  # a JSON body
+    max_string_length: int = 4096  # characters of any string (or key) in a JSON body
+    seq_window: int = 256  # how far ahead of a model's next expected seq_id a request may be
+    max_pending_bytes: int = 256 << 20  # forward_backward bytes one model may have waiting for their turn
+    pending_ttl_seconds: float = 300.0  # how long a request may wait for an earlier seq_id that never comes
+    session_ttl_seconds: float = 900.0  # a session without heartbeats expires (the SDK sends one every 10 s)
+
+    def limits(self) -> dict[str, float]:
+        """The numeric flags (each must be positive)."""
+        return {
+            name: getattr(self, name)
+            for name in self.__dataclass_fields__
+            if isinstance(getattr(self, name), int | float) and not isinstance(getattr(self, name), bool)
+        }
 
 
 @dataclass(slots=True)
@@ -42,6 +65,10 @@ class Gateway:
 
     def __post_init__(self) -> None:
         self.futures.poll_seconds = self.config.poll_seconds
+
+    def lane(self, model_id: str) -> Lane:
+        """A new model's request lane, within the configured window and pending bytes."""
+        return Lane(model_id, window=self.config.seq_window, max_pending_bytes=self.config.max_pending_bytes)
 
 
 GATEWAY = web.AppKey("gateway", Gateway)
@@ -62,14 +89,19 @@ def backend_of(request: web.Request) -> Backend:
 
 
 def check_sdk_version(version: object) -> str | None:
-    """A warning for an SDK version this gateway was not built against (it is still served)."""
+    """A warning for an SDK version this gateway was not built against (it is still served); 400 for a version
+    that is not a short string."""
+    if version is None:
+        version = ""
+    if not isinstance(version, str) or len(version) > MAX_SDK_VERSION:
+        raise bad_request(f"sdk_version must be a string of at most {MAX_SDK_VERSION} characters", "INVALID_FIELD")
     if version == SUPPORTED_SDK_VERSION:
         return None
     message = (
-        f"tinker SDK {version} is not the version this OpenTinker gateway supports ({SUPPORTED_SDK_VERSION}); "
+        f"tinker SDK {version!r} is not the version this OpenTinker gateway supports ({SUPPORTED_SDK_VERSION}); "
         "requests are served, but some may not work"
     )
-    log.warning(message)
+    log.warning("%s", message)
     return message
 
 
@@ -80,13 +112,9 @@ _T = TypeVar("_T")
 
 
 async def json_body(request: web.Request) -> Json:
-    try:
-        body = await request.json()
-    except ValueError as exc:
-        raise bad_request(f"body is not JSON: {exc}", "MALFORMED_JSON") from exc
-    if not isinstance(body, dict):
-        raise bad_request("body must be a JSON object", "MALFORMED_JSON")
-    return body
+    """The body as a JSON object within the configured size, depth and string bounds (see bodies.py)."""
+    config = gateway_of(request).config
+    return parse_json(await request.read(), max_bytes=config.max_json_bytes, max_string=config.max_string_length)
 
 
 def field_of(body: Json, name: str, kind: type[_T], *, required: bool = True) -> _T | None:

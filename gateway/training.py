@@ -8,12 +8,12 @@ import secrets
 
 from aiohttp import web
 
-from opentinker.gateway import convert
+from opentinker.gateway import convert, fields
 from opentinker.gateway.backend import Backend
 from opentinker.gateway.checkpoints import Checkpoint, checkpoint_path
 from opentinker.gateway.errors import RequestFailed, bad_request
 from opentinker.gateway.futures import Future, Job, Outcome
-from opentinker.gateway.models import Lane, TrainingModel
+from opentinker.gateway.models import TrainingModel
 from opentinker.gateway.sessions import SamplingSession
 from opentinker.gateway.state import (
     Gateway,
@@ -44,7 +44,7 @@ def _adapter_name(tenant: str, session_id: str, model_seq_id: int) -> str:
 def _model_to_create(gw: Gateway, body: Json, session_id: str, tenant: str) -> tuple[int, str, str | None]:
     """(model_seq_id, model_id, the future of an earlier request creating it): a resent creation gets the
     first one's future instead of a second model."""
-    model_seq_id = required(body, "model_seq_id", int)
+    model_seq_id = fields.required_integer(body, "model_seq_id", 0, fields.INT32_MAX)
     gw.sessions.active(session_id, tenant)
     model_id = f"{session_id}:train:{model_seq_id}"
     return model_seq_id, model_id, gw.models.creating.get(model_id)
@@ -86,8 +86,8 @@ async def create_model(request: web.Request) -> web.Response:
     if resent is not None:
         return _future_reply(resent, model_id)
     base_model = required(body, "base_model", str)
-    lora = field_of(body, "lora_config", dict, required=False) or {}
-    optimizer = field_of(body, "optimizer_config", dict, required=False) or {}
+    config, seed = convert.lora_config(fields.mapping(body, "lora_config"))
+    optimizer = fields.mapping(body, "optimizer_config")
 
     async def job() -> Outcome:
         base = await gw.backends.base_model(principal.token)
@@ -95,17 +95,13 @@ async def create_model(request: web.Request) -> web.Response:
             raise RequestFailed(f"base_model {base_model!r} is not served here; this server trains {base.model!r}")
         if optimizer.get("type", "adamw") != "adamw":
             raise RequestFailed(f"optimizer {optimizer.get('type')!r} is not supported (adamw only)")
-        rank = lora.get("rank", 32)
-        if not isinstance(rank, int):
-            raise RequestFailed("lora_config.rank must be an integer")
-        config = convert.lora_config(rank, bool(lora.get("train_attn", True)), bool(lora.get("train_mlp", True)))
-        seed = lora.get("seed")
         create = trainer_pb2.TrainerServiceCreateAdapterRequest(
             name=_adapter_name(principal.tenant, session_id, model_seq_id),
             lora_config=config,
-            seed=seed if isinstance(seed, int) and seed >= 0 else secrets.randbits(32),
+            seed=secrets.randbits(32) if seed is None else seed,
         )
-        model = TrainingModel(model_id, principal.tenant, session_id, create.name, config, base.model, Lane(model_id))
+        lane = gw.lane(model_id)
+        model = TrainingModel(model_id, principal.tenant, session_id, create.name, config, base.model, lane)
         await _create_adapter(gw, backend, create, model)
         return Outcome(json={"model_id": model_id, "type": "create_model"})
 
@@ -130,24 +126,32 @@ async def get_info(request: web.Request) -> web.Response:
     )
 
 
-def _submit(request: web.Request, model: TrainingModel, seq_id: int, job: Job) -> web.Response:
-    """Queues a numbered request on its model's lane; a resent seq_id gets its first answer again."""
+async def _submit(
+    request: web.Request, model: TrainingModel, seq_id: int, job: Job, size: int | None = None
+) -> web.Response:
+    """Queues a numbered request on its model's lane; a resent seq_id gets its first answer again. ``size``: the
+    bytes the waiting request holds (its JSON body unless given)."""
     if seq_id < 1:
         raise bad_request(f"seq_id must be at least 1, got {seq_id}", "INVALID_SEQ_ID")
     resent = model.lane.resent(seq_id)
     if resent is not None:
         return _future_reply(resent, model.model_id)
     gw = gateway_of(request)
+    if size is None:
+        size = len(await request.read())  # aiohttp keeps the body it read
     future = gw.futures.create(model.tenant)
-    model.lane.submit(seq_id, future, job)
+    model.lane.submit(seq_id, future, job, size)
     return _future_reply(future.request_id, model.model_id)
 
 
 async def forward_backward(request: web.Request) -> web.Response:
     gw, principal, backend = gateway_of(request), principal_of(request), backend_of(request)
     raw = await request.read()
-    message = convert.parse_forward_backward(convert.decompress(raw, request.headers.get("Content-Encoding", "")))
+    body = convert.decompress(raw, request.headers.get("Content-Encoding", ""), gw.config.max_body_bytes)
+    del raw
+    message = convert.parse_forward_backward(body, gw.config.max_string_length)
     model = gw.models.get(message.model_id, principal.tenant)
+    convert.check_sizes(message)
     forward_only = bool(message.forward_only)
 
     async def job() -> Outcome:
@@ -176,7 +180,7 @@ async def forward_backward(request: web.Request) -> web.Response:
             outputs, metrics = list(fb_reply.loss_fn_outputs), dict(fb_reply.metrics)
         return Outcome(proto=convert.forward_backward_output(outputs, metrics))
 
-    return _submit(request, model, int(message.seq_id), job)
+    return await _submit(request, model, int(message.seq_id), job, len(body))
 
 
 async def optim_step(request: web.Request) -> web.Response:
@@ -185,16 +189,17 @@ async def optim_step(request: web.Request) -> web.Response:
     model = gw.models.get(required(body, "model_id", str), principal.tenant)
     adam = field_of(body, "adam_params", dict, required=False)
     other = field_of(body, "optimizer_params", dict, required=False)
+    params = convert.adam_params(adam) if adam is not None else None
 
     async def job() -> Outcome:
-        if adam is None:
+        if params is None:
             kind = other.get("type") if other else None
-            raise RequestFailed(f"optimizer {kind!r} is not supported (AdamParams only)")
-        step = trainer_pb2.OptimStepRequest(adapter=model.adapter, adam_params=convert.adam_params(adam))
+            raise RequestFailed(f"optimizer {str(kind)[:64]!r} is not supported (AdamParams only)")
+        step = trainer_pb2.OptimStepRequest(adapter=model.adapter, adam_params=params)
         reply = await backend.trainer.unary_async("OptimStep", step, trainer_pb2.OptimStepResponse)
         return Outcome(json={"metrics": dict(reply.metrics)})
 
-    return _submit(request, model, required(body, "seq_id", int), job)
+    return await _submit(request, model, fields.required_integer(body, "seq_id", 1, fields.INT64_MAX), job)
 
 
 async def save_weights(request: web.Request) -> web.Response:
@@ -203,7 +208,7 @@ async def save_weights(request: web.Request) -> web.Response:
     body = await json_body(request)
     model = gw.models.get(required(body, "model_id", str), principal.tenant)
     name = field_of(body, "path", str, required=False) or "state"
-    overwrite = bool(body.get("overwrite", False))
+    overwrite = fields.boolean(body, "overwrite")
 
     async def job() -> Outcome:
         path = checkpoint_path(model.model_id, "state", name)
@@ -214,7 +219,7 @@ async def save_weights(request: web.Request) -> web.Response:
         gw.checkpoints.add(Checkpoint(path, model.tenant, "state", reply.state_id, model.lora, model.model_id))
         return Outcome(json={"path": path, "type": "save_weights"})
 
-    return _submit(request, model, required(body, "seq_id", int), job)
+    return await _submit(request, model, fields.required_integer(body, "seq_id", 1, fields.INT64_MAX), job)
 
 
 async def save_weights_for_sampler(request: web.Request) -> web.Response:
@@ -224,7 +229,7 @@ async def save_weights_for_sampler(request: web.Request) -> web.Response:
     body = await json_body(request)
     model = gw.models.get(required(body, "model_id", str), principal.tenant)
     name = field_of(body, "path", str, required=False)
-    sampler_seq = field_of(body, "sampling_session_seq_id", int, required=False)
+    sampler_seq = fields.integer(body, "sampling_session_seq_id", 0, fields.INT32_MAX)
     kind = body.get("kind", "snapshot")
 
     async def job() -> Outcome:
@@ -245,7 +250,7 @@ async def save_weights_for_sampler(request: web.Request) -> web.Response:
         )
         return Outcome(json={"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"})
 
-    return _submit(request, model, required(body, "seq_id", int), job)
+    return await _submit(request, model, fields.required_integer(body, "seq_id", 1, fields.INT64_MAX), job)
 
 
 def _load_request(
@@ -272,7 +277,7 @@ async def load_weights(request: web.Request) -> web.Response:
     gw, principal, backend = gateway_of(request), principal_of(request), backend_of(request)
     body = await json_body(request)
     path = required(body, "path", str)
-    optimizer = bool(body.get("optimizer", False))
+    optimizer = fields.boolean(body, "optimizer")
     session_id = field_of(body, "session_id", str, required=False)
     if session_id is None:
         model = gw.models.get(required(body, "model_id", str), principal.tenant)
@@ -290,7 +295,7 @@ async def load_weights(request: web.Request) -> web.Response:
             await backend.trainer.unary_async("LoadState", load, trainer_pb2.LoadStateResponse)
             return Outcome(json={"path": path, "model_id": model.model_id, "type": "load_weights"})
 
-        return _submit(request, model, required(body, "seq_id", int), load_into)
+        return await _submit(request, model, fields.required_integer(body, "seq_id", 1, fields.INT64_MAX), load_into)
 
     model_seq_id, model_id, resent = _model_to_create(gw, body, session_id, principal.tenant)
     if resent is not None:
@@ -307,7 +312,7 @@ async def load_weights(request: web.Request) -> web.Response:
         )
         lora = common_pb2.LoraConfig()
         lora.CopyFrom(checkpoint.lora)
-        model = TrainingModel(model_id, principal.tenant, session_id, create.name, lora, base.model, Lane(model_id))
+        model = TrainingModel(model_id, principal.tenant, session_id, create.name, lora, base.model, gw.lane(model_id))
         await _create_adapter(gw, backend, create, model, weights_from)
         return Outcome(json={"path": path, "model_id": model_id, "type": "load_weights"})
 

@@ -77,7 +77,7 @@ def test_tenants_are_isolated(
     assert future.status_code == 200
     request_id = http.post(
         "/api/v1/optim_step",
-        json={"model_id": training_a.model_id, "seq_id": 10_000, "adam_params": {"learning_rate": 1e-3}},
+        json={"model_id": training_a.model_id, "seq_id": 200, "adam_params": {"learning_rate": 1e-3}},
         headers={"X-API-Key": KEY_A},
     ).json()["request_id"]
     assert (

@@ -144,3 +144,70 @@ def test_lane_runs_in_seq_order_and_a_failure_poisons_later_requests() -> None:
     assert outcomes[1] is not None and outcomes[1].failure is not None and outcomes[1].failure.message == "boom"
     for later in outcomes[2:]:
         assert later is not None and later.failure is not None and "seq_id 2) failed: boom" in later.failure.message
+
+
+def test_lane_bounds_its_window_and_pending_bytes_and_expires_a_stalled_gap() -> None:
+    async def scenario() -> None:
+        lane = Lane("m", window=4, max_pending_bytes=10)
+
+        async def run() -> Outcome:
+            return Outcome(json={})
+
+        futures = [Future(request_id=str(i), tenant="t") for i in range(4)]
+        lane.submit(2, futures[0], run, 6)  # seq_id 1 never comes
+        with pytest.raises(GatewayError) as too_much:
+            lane.submit(3, futures[1], run, 6)
+        with pytest.raises(GatewayError) as too_far:
+            lane.submit(5, futures[1], run, 1)
+        assert (too_much.value.status, too_much.value.code) == (429, "TOO_MUCH_PENDING")
+        assert (too_far.value.status, too_far.value.code) == (400, "SEQ_ID_TOO_FAR_AHEAD")
+        lane.submit(4, futures[2], run, 4)
+        await asyncio.sleep(0)  # the drain finds seq_id 1 missing: the lane is stalled
+        assert lane.pending_bytes == 10 and lane.stalled_since is not None
+        assert lane.expire(lane.stalled_since, "gone") == 0  # not stalled long enough
+        assert lane.expire(lane.stalled_since + 1, "gone") == 10
+        assert lane.pending == {} and lane.pending_bytes == 0
+        lane.submit(1, futures[3], run, 1)  # the gap's own request fails at once: nothing is kept
+        for future in (futures[0], futures[2], futures[3]):
+            assert future.outcome is not None and future.outcome.failure is not None
+            assert future.outcome.failure.message == "model m: gone"
+
+    asyncio.run(scenario())
+
+
+def test_json_bodies_are_bounded_before_handlers_see_them() -> None:
+    from opentinker.gateway.bodies import parse_json
+
+    def code(raw: bytes) -> str:
+        with pytest.raises(GatewayError) as caught:
+            parse_json(raw, max_bytes=1 << 20, max_string=8)
+        return caught.value.code
+
+    ok = {"a": [1, {"b": "12345678"}]}
+    assert parse_json(json.dumps(ok).encode(), max_bytes=1 << 20, max_string=8) == ok
+    assert code(b"[" * 100_000 + b"]" * 100_000) == "JSON_TOO_DEEP"
+    assert code(b'{"a":' * 40 + b"1" + b"}" * 40) == "JSON_TOO_DEEP"
+    assert code(b'{"a": NaN}') == code(b'{"a": -Infinity}') == "MALFORMED_JSON"
+    assert code(b'{"a": "123456789"}') == code(b'{"123456789": 1}') == "STRING_TOO_LONG"
+    assert code(b"\xff{}") == code(b"[1]") == "MALFORMED_JSON"
+    assert code(b" " * (2 << 20)) == "BODY_TOO_LARGE"
+
+
+def test_client_strings_cannot_forge_log_lines() -> None:
+    import logging
+
+    from opentinker.gateway.logsafe import FORMAT, SafeFormatter
+
+    forged = "0.38.0\n2026-01-01 00:00:00,000 ERROR opentinker.gateway: forged\r\x1b[2J\u2028"
+    record = logging.LogRecord("opentinker.gateway", logging.WARNING, __file__, 1, "sdk %s", (forged,), None)
+    text = SafeFormatter(FORMAT).format(record)
+    assert "\n" not in text and "\r" not in text and "\x1b" not in text and "\u2028" not in text
+    assert "\\x0a2026-01-01" in text and "\\u2028" in text
+    try:
+        raise ValueError(forged)
+    except ValueError:
+        import sys
+
+        failed = logging.LogRecord("opentinker.gateway", logging.ERROR, __file__, 1, "boom", (), sys.exc_info())
+    lines = SafeFormatter(FORMAT).format(failed).splitlines()
+    assert all(line.startswith("    | ") for line in lines[1:]) and len(lines) > 2

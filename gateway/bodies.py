@@ -1,0 +1,73 @@
+"""Reading a JSON body within bounds, before any handler looks at it.
+
+Python's json module recurses once per nesting level (100k-deep JSON raises RecursionError), accepts
+``NaN``/``Infinity`` (not JSON; they would reach the numeric fields as floats) and keeps strings of any length.
+Here a body is refused with 400 when it nests deeper than ``MAX_JSON_DEPTH``, holds a non-finite constant,
+or holds a string (or object key) longer than the configured bound, naming where.
+"""
+
+from __future__ import annotations
+
+import json
+
+from opentinker.gateway.errors import GatewayError, bad_request
+
+MAX_JSON_DEPTH = 32  # the SDK's bodies nest 4 levels (user_metadata aside)
+
+
+def _no_constant(name: str) -> object:
+    raise bad_request(f"body holds {name}, which is not JSON (numbers must be finite)", "MALFORMED_JSON")
+
+
+def _path(parents: tuple[object, ...]) -> str:
+    text = ""
+    for key in parents:
+        text += f"[{key}]" if isinstance(key, int) else (f".{key}" if text else str(key))
+    return text or "the body"
+
+
+def check_json(body: object, *, max_string: int, max_depth: int = MAX_JSON_DEPTH) -> None:
+    """Every string and object key of ``body`` at most ``max_string`` characters, nesting at most
+    ``max_depth`` levels; 400 naming the first place that is not. Iterative: any depth is safe to walk."""
+    stack: list[tuple[object, tuple[object, ...]]] = [(body, ())]
+    while stack:
+        item, parents = stack.pop()
+        if isinstance(item, str):
+            if len(item) > max_string:
+                raise bad_request(
+                    f"{_path(parents)} is {len(item)} characters long; at most {max_string}", "STRING_TOO_LONG"
+                )
+            continue
+        if not isinstance(item, dict | list):
+            continue
+        if len(parents) >= max_depth:
+            raise bad_request(f"JSON nests deeper than {max_depth} levels (at {_path(parents)})", "JSON_TOO_DEEP")
+        if isinstance(item, dict):
+            for key, child in item.items():
+                if len(key) > max_string:
+                    raise bad_request(f"a key of {_path(parents)} is longer than {max_string}", "STRING_TOO_LONG")
+                if isinstance(child, str | dict | list):
+                    stack.append((child, (*parents, key)))
+        else:
+            stack.extend((child, (*parents, i)) for i, child in enumerate(item) if isinstance(child, str | dict | list))
+
+
+def parse_json(raw: bytes, *, max_bytes: int, max_string: int) -> dict[str, object]:
+    """The body as a JSON object; 413 (BODY_TOO_LARGE) or 400 (MALFORMED_JSON, JSON_TOO_DEEP,
+    STRING_TOO_LONG) otherwise."""
+    if len(raw) > max_bytes:
+        raise GatewayError(413, "BODY_TOO_LARGE", f"JSON body of {len(raw)} bytes; at most {max_bytes}")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise bad_request(f"body is not UTF-8: {exc}", "MALFORMED_JSON") from exc
+    try:
+        body = json.loads(text, parse_constant=_no_constant)
+    except RecursionError:
+        raise bad_request(f"JSON nests deeper than {MAX_JSON_DEPTH} levels", "JSON_TOO_DEEP") from None
+    except ValueError as exc:
+        raise bad_request(f"body is not JSON: {str(exc)[:200]}", "MALFORMED_JSON") from exc
+    if not isinstance(body, dict):
+        raise bad_request("body must be a JSON object", "MALFORMED_JSON")
+    check_json(body, max_string=max_string)
+    return body
