@@ -22,7 +22,9 @@ from opentinker.weights.names import BASE, parse_reference
 from opentinker.weights.peft import (
     CONFIG_FILE,
     WEIGHTS_FILE,
+    LoraMagnitudeError,
     PeftFormatError,
+    check_lora_magnitudes,
     lora_a_key,
     lora_b_key,
     lora_modules,
@@ -170,9 +172,10 @@ class AdapterLoader:
             want_in, want_out = self.pool.a[module].shape[2], self.pool.b[module].shape[1]
             if (d_in, d_out) != (want_in, want_out):
                 raise unusable(f"{module} maps {d_in} -> {d_out} features, this base model {want_in} -> {want_out}")
-            a, b = tensors[lora_a_key(module)], tensors[lora_b_key(module)]
-            if not (bool(a.isfinite().all()) and bool(b.isfinite().all())):
-                raise unusable(f"{module} has non-finite weights")  # NaN logits would fail every batch it joins
-            weights[module] = (a.float(), b.float())
+            weights[module] = (tensors[lora_a_key(module)].float(), tensors[lora_b_key(module)].float())
         scaling = config.scaling
+        try:  # the one rule of import, snapshot and load: non-finite or huge weights would poison shared batches
+            check_lora_magnitudes(tensors, scaling)
+        except LoraMagnitudeError as error:
+            raise FailedPrecondition(f"{name} is refused: {error}", reason="ADAPTER_OUT_OF_RANGE") from None
         return weights, rank, scaling

@@ -47,6 +47,9 @@ from opentinker.v1 import sampler_pb2
 
 log = logging.getLogger("opentinker.sampler")
 
+NON_FINITE_OUTPUT = "NON_FINITE_OUTPUT"  # SequenceUpdate.error_reason: the request's adapter, not the engine, failed
+NON_FINITE_MESSAGE = "the adapter made the model's logits non-finite (inf or NaN)"
+
 
 @dataclass(frozen=True, slots=True)
 class SequenceUpdate:
@@ -60,7 +63,10 @@ class SequenceUpdate:
     finished: bool
     stop_reason: int = sampler_pb2.STOP_REASON_UNSPECIFIED  # set when finished
     prompt_logprobs: list[float] | None = None  # on a sample's first update, when they were asked for
-    error: str = ""  # set when the engine failed this sequence (the request ends with INTERNAL)
+    error: str = ""  # set when the engine failed this sequence (the request ends with an error status)
+    error_reason: str = (
+        ""  # NON_FINITE_OUTPUT: this request's adapter made its logits non-finite; else an engine failure
+    )
 
 
 UpdateCallback = Callable[[SequenceUpdate], None]
@@ -91,6 +97,7 @@ class EngineStats:
     prompt_tokens_computed: int = 0  # prompt tokens run through a prefill forward
     prompt_tokens_shared: int = 0  # prompt tokens whose K/V a sample copied from another sample of its request
     recent: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens) of recent decode steps
+    non_finite_failures: int = 0  # requests ended because their adapter made their logits non-finite
 
     def tokens_per_second(self, window: float = 5.0) -> float:
         now = time.monotonic()
@@ -264,13 +271,31 @@ class Engine:
             self._copy_prompts(batch.sequences, [computed.sequences[i] for i in leaders])
         if batch.is_prefill:
             self.stats.prompt_tokens_computed += forward.tokens.numel()
-        tokens, logprobs = sample(last, batch.sequences)
-        for seq, token, logprob in zip(batch.sequences, tokens, logprobs, strict=True):
+        draw = sample(last, batch.sequences)
+        failed = {batch.sequences[row].request_id for row in draw.failed}
+        for request_id in failed:  # only those requests end; the step goes on for every other row
+            self._fail_request(request_id, NON_FINITE_MESSAGE, NON_FINITE_OUTPUT)
+        appended = 0
+        for seq, token, logprob in zip(batch.sequences, draw.tokens, draw.logprobs, strict=True):
+            if seq.request_id in failed:
+                continue
             seq.num_cached = seq.num_tokens
             self._append(seq, token, logprob)
+            appended += 1
         self.stats.steps += 1
-        self.stats.tokens_generated += len(tokens)
-        self.stats.recent = [*self.stats.recent[-63:], (time.monotonic(), len(tokens))]
+        self.stats.tokens_generated += appended
+        self.stats.recent = [*self.stats.recent[-63:], (time.monotonic(), appended)]
+        self.stats.non_finite_failures += len(failed)
+
+    def _fail_request(self, request_id: str, error: str, reason: str) -> None:
+        """Ends every sample of one request with an error; the others in the batch are not touched."""
+        callback = self._callbacks.pop(request_id, None)
+        for seq in [*self.scheduler.waiting, *self.scheduler.running]:
+            if seq.request_id == request_id:
+                self._retire(seq)
+                if callback is not None:
+                    callback(SequenceUpdate(request_id, seq.sample_index, [], [], "", finished=True, error=error,
+                                            error_reason=reason))  # fmt: skip
 
     @staticmethod
     def _prompt_leaders(batch: ScheduledBatch) -> tuple[ScheduledBatch, list[int]]:

@@ -2,24 +2,43 @@
 
 Reported logprobs are the model's own (log_softmax of the raw logits, temperature 1), so that they are
 comparable to the trainer's logprobs for importance sampling.
+
+A row whose logits are not finite (an adapter whose delta overflowed the residual stream), or whose
+probabilities are not after the temperature (finite logits that overflow when divided by it), draws no token:
+its index is reported in `Draw.failed` and the other rows are sampled as if it were not there. One tenant's
+adapter must not fail the batch it shares with every other tenant (torch.multinomial raises for the whole call).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from opentinker.sampler_server.sequence import Sequence
 
 
-def sample(logits: torch.Tensor, sequences: list[Sequence]) -> tuple[list[int], list[float]]:
-    """logits: [B, V] float32, one row per sequence -> (token, logprob) per sequence."""
-    logprobs = logits.log_softmax(-1)  # [B, V]
+@dataclass(frozen=True, slots=True)
+class Draw:
+    tokens: list[int]  # one per row; 0 for a failed row
+    logprobs: list[float]  # one per row; NaN for a failed row
+    failed: frozenset[int]  # rows that drew nothing: their logits or probabilities are not finite
+
+
+def sample(logits: torch.Tensor, sequences: list[Sequence]) -> Draw:
+    """logits: [B, V] float32, one row per sequence -> (token, logprob) per sequence, and the rows that failed."""
+    finite = logits.isfinite().all(-1)  # [B]: one reduction for the batch, the common case all True
+    failed = set() if bool(finite.all()) else {int(i) for i in (~finite).nonzero().flatten().tolist()}
+    logprobs = logits.log_softmax(-1)  # [B, V]; a failed row's values are never read
     if all(s.params.greedy for s in sequences):
         tokens = logits.argmax(-1)  # [B]
-        return tokens.tolist(), logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
+        return _drawn(tokens.tolist(), logprobs, failed)
     chosen: list[int] = []
     for row, seq in enumerate(sequences):
         params = seq.params
+        if row in failed:
+            chosen.append(0)
+            continue
         if params.greedy:
             chosen.append(int(logits[row].argmax()))
             continue
@@ -33,6 +52,17 @@ def sample(logits: torch.Tensor, sequences: list[Sequence]) -> tuple[list[int], 
             drop = cumulative - ordered.softmax(-1) >= params.top_p  # keep the smallest prefix reaching top_p
             scores = scores.scatter(0, order[drop], float("-inf"))
         probs = scores.softmax(-1)
+        if not bool(probs.isfinite().all()):  # finite logits that overflowed once divided by the temperature
+            failed.add(row)
+            chosen.append(0)
+            continue
         chosen.append(int(torch.multinomial(probs, 1, generator=seq.generator)))
-    index = torch.tensor(chosen, dtype=torch.long, device=logits.device)
-    return chosen, logprobs.gather(1, index[:, None]).squeeze(1).tolist()
+    return _drawn(chosen, logprobs, failed)
+
+
+def _drawn(tokens: list[int], logprobs: torch.Tensor, failed: set[int]) -> Draw:
+    index = torch.tensor(tokens, dtype=torch.long, device=logprobs.device)
+    picked: list[float] = logprobs.gather(1, index[:, None]).squeeze(1).tolist()
+    for row in failed:
+        tokens[row], picked[row] = 0, float("nan")
+    return Draw(tokens, picked, frozenset(failed))

@@ -14,10 +14,10 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from opentinker.rpc.auth import current_principal
-from opentinker.rpc.errors import Internal, InvalidArgument, NotFound, ResourceExhausted
+from opentinker.rpc.errors import FailedPrecondition, Internal, InvalidArgument, NotFound, ResourceExhausted
 from opentinker.rpc.model_input import tokens_of
 from opentinker.sampler_server.adapters import AdapterLoader, Resolved
-from opentinker.sampler_server.engine import SequenceUpdate
+from opentinker.sampler_server.engine import NON_FINITE_OUTPUT, SequenceUpdate
 from opentinker.sampler_server.engine_api import EngineAPI
 from opentinker.sampler_server.follower import AliasFollower
 from opentinker.sampler_server.sequence import SamplingParams, Sequence
@@ -63,8 +63,25 @@ def coalesce(updates: list[SequenceUpdate]) -> list[SequenceUpdate]:
         merged[index] = new if old is None else SequenceUpdate(
             new.request_id, index, old.tokens + new.tokens, old.logprobs + new.logprobs, old.text + new.text,
             new.finished, new.stop_reason, old.prompt_logprobs, new.error or old.error,
+            new.error_reason or old.error_reason,
         )  # fmt: skip
     return list(merged.values())
+
+
+def _non_finite(resolved: Resolved) -> FailedPrecondition:
+    name = resolved.message.reference if resolved.version is None else f"{resolved.key[0]}@{resolved.key[1]}"
+    return FailedPrecondition(
+        f"{name} made the model's logits non-finite (inf or NaN): its weights overflow the model's activations; "
+        "this request ended, other requests were not affected",
+        reason="NON_FINITE_OUTPUT",
+    )
+
+
+def _engine_error(update: SequenceUpdate, resolved: Resolved) -> Exception:
+    """The status a request ends with when the engine failed one of its samples."""
+    if update.error_reason == NON_FINITE_OUTPUT:
+        return _non_finite(resolved)
+    return Internal(update.error, reason="ENGINE_FAILED")
 
 
 class Mailbox:
@@ -174,7 +191,7 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
                 for update in coalesce(pending):
                     if update.error:
                         remaining = 0
-                        raise Internal(update.error, reason="ENGINE_FAILED")
+                        raise _engine_error(update, resolved)
                     if update.finished:
                         remaining -= 1
                     yield self._response(update, resolved, params, prompt, first)
@@ -221,6 +238,8 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
         for tokens in sequences:
             slot = await self.loader.acquire(resolved)  # released by the engine after scoring
             logprobs = await asyncio.wrap_future(self.engine.score(tokens, slot))
+            if not all(math.isfinite(x) for x in logprobs):
+                raise _non_finite(resolved)
             response.results.append(sampler_pb2.TokenLogprobs(logprobs=logprobs))
         return response
 

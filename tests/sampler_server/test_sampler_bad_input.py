@@ -259,12 +259,24 @@ UNUSABLE: dict[str, dict[str, bytes]] = {
     ),
     "rank above max": _artifact({**LORA_CONFIG, "r": 128}, _lora_tensors(128, {Q0: (64, 64)})),
     "dora": _artifact({**LORA_CONFIG, "use_dora": True}, _lora_tensors(4, {Q0: (64, 64)})),
+    "per-module alpha": _artifact({**LORA_CONFIG, "alpha_pattern": {"q_proj": 64}}, _lora_tensors(4, {Q0: (64, 64)})),
+}
+
+
+# Beyond the one magnitude rule (weights.peft.check_lora_magnitudes): refused with ADAPTER_OUT_OF_RANGE.
+OUT_OF_RANGE: dict[str, dict[str, bytes]] = {
     "non-finite weights": _artifact(
         LORA_CONFIG,
         {**_lora_tensors(4, {Q0: (64, 64)}), f"base_model.model.{Q0}.lora_B.weight": torch.full((64, 4), math.nan)},
     ),
-    "per-module alpha": _artifact({**LORA_CONFIG, "alpha_pattern": {"q_proj": 64}}, _lora_tensors(4, {Q0: (64, 64)})),
+    "weight beyond 1e4": _artifact(
+        LORA_CONFIG,
+        {**_lora_tensors(4, {Q0: (64, 64)}), f"base_model.model.{Q0}.lora_A.weight": torch.full((4, 64), 3e38)},
+    ),
+    "lora_alpha 1e38": _artifact({**LORA_CONFIG, "lora_alpha": 1e38}, _lora_tensors(4, {Q0: (64, 64)})),
 }
+REASONS = {**dict.fromkeys(UNUSABLE, "INCOMPATIBLE_ADAPTER"), **dict.fromkeys(OUT_OF_RANGE, "ADAPTER_OUT_OF_RANGE"),
+           "other base model": "INCOMPATIBLE_ADAPTER"}  # fmt: skip
 
 
 def publish_files(
@@ -282,21 +294,21 @@ def publish_files(
 
 @pytest.fixture(scope="module")
 def unusable(registry: registry_pb2_grpc.RegistryServiceStub) -> dict[str, registry_pb2.Version]:
-    versions = {case: publish_files(registry, files) for case, files in UNUSABLE.items()}
+    versions = {case: publish_files(registry, files) for case, files in {**UNUSABLE, **OUT_OF_RANGE}.items()}
     versions["other base model"] = publish_files(
         registry, _artifact(LORA_CONFIG, _lora_tensors(4, {Q0: (64, 64)})), base_model_digest="sha256:" + "0" * 64
     )
     return versions
 
 
-@pytest.mark.parametrize("case", [*UNUSABLE, "other base model"])
+@pytest.mark.parametrize("case", list(REASONS))
 def test_unusable_artifact_is_rejected_and_nothing_is_loaded(
     sampler: Sampler, good: Published, unusable: dict[str, registry_pb2.Version], case: str
 ) -> None:
     version = unusable[case]
     ref = f"{version.adapter}@{version.version}"
     error = sample_error(sampler, request(ref, [1, 2, 3]))
-    assert_status(error, grpc.StatusCode.FAILED_PRECONDITION, "INCOMPATIBLE_ADAPTER")
+    assert_status(error, grpc.StatusCode.FAILED_PRECONDITION, REASONS[case])
     assert ref in str(error.details())
     assert not any(key.startswith(version.adapter) for key in loaded(sampler))
     assert stats(sampler).running_requests == 0

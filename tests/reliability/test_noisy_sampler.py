@@ -1,0 +1,198 @@
+"""Noisy neighbours on the sampler (issue 22, cases 1, 6 and 14): two user tenants and an admin with tokens, one
+registry and one sampler (engine process, the CPU default), real processes. In each test team-a does the abuse
+while team-b runs its normal workload at the same time (seeded samples of its own adapter and of the base
+model): team-b gets 0 errors and the outputs of a run without the abuse, team-a gets the precise status, and the
+sampler's memory (PSS of its processes) after the abuse is within a stated bound of before."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import secrets
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+from faultutil import lora_files, wait_for
+from noisyutil import out_of_range_lora_files, overflowing_lora_files
+from registryutil import upload
+from samplerutil import collect, params, prompt, request
+from serverproc import ServerProcess, start_registry, start_sampler
+from tlsutil import write_tokens
+from trainerutil import assert_status, model_input, rpc_error
+
+from opentinker.cli.launch import tree_memory
+from opentinker.v1 import common_pb2, registry_pb2, registry_pb2_grpc, sampler_pb2, sampler_pb2_grpc
+
+MiB = 2**20
+MEMORY_BOUND = 64 * MiB  # the sampler's PSS after an abuse, above its PSS before
+WORKLOAD_ROUNDS = 2
+Outputs = list[dict[int, list[int]]]  # per request of the workload: sample index -> tokens
+
+
+@dataclass
+class Noisy:
+    model: Path
+    registry_server: ServerProcess
+    sampler_server: ServerProcess
+    tokens: dict[str, str]  # principal -> token
+    registry: registry_pb2_grpc.RegistryServiceStub
+    sampler: sampler_pb2_grpc.SamplerServiceStub
+    baseline: Outputs  # team-b's workload alone
+
+    def md(self, who: str) -> list[tuple[str, str]]:
+        return [("authorization", f"Bearer {self.tokens[who]}")]
+
+    def publish(self, who: str, adapter: str, files: dict[str, bytes], *, alpha: float) -> registry_pb2.Version:
+        """UploadArtifact + PublishVersion as `who` (moves the adapter's latest alias)."""
+        uri = upload(self.registry, files, metadata=self.md(who), timeout=60)
+        config = common_pb2.LoraConfig(rank=4, alpha=alpha)
+        request_ = registry_pb2.PublishVersionRequest(adapter=adapter, artifact_uri=uri, lora_config=config)
+        response: registry_pb2.PublishVersionResponse = self.registry.PublishVersion(
+            request_, metadata=self.md(who), timeout=60
+        )
+        return response.version
+
+    def memory(self) -> int:
+        return tree_memory(self.sampler_server.process.pid)
+
+
+def workload(noisy: Noisy) -> Outputs:
+    """team-b's normal traffic: seeded samples (n=2) of its adapter and one of the base model, one after another."""
+    requests = [
+        request("team-b/policy@1", prompt(10 + i), params(temperature=1.0, seed=100 + i, max_tokens=10), num_samples=2)
+        for i in range(3)
+    ]
+    requests.append(request("base", prompt(20), params(temperature=0.8, seed=7, max_tokens=10), num_samples=2))
+    outputs: Outputs = []
+    for req in requests:
+        result = collect(noisy.sampler.Sample(req, metadata=noisy.md("team-b"), timeout=120))
+        outputs.append({i: s.tokens for i, s in result.samples.items()})
+    return outputs
+
+
+def during(noisy: Noisy, abuse: Callable[[], object]) -> tuple[object, list[Outputs], list[BaseException]]:
+    """Runs the abuse and WORKLOAD_ROUNDS of team-b's workload at the same time: (abuse result, team-b's outputs,
+    team-b's errors)."""
+    with concurrent.futures.ThreadPoolExecutor(WORKLOAD_ROUNDS + 1) as pool:
+        attack = pool.submit(abuse)
+        rounds = [pool.submit(workload, noisy) for _ in range(WORKLOAD_ROUNDS)]
+        outputs: list[Outputs] = []
+        errors: list[BaseException] = []
+        for future in rounds:
+            try:
+                outputs.append(future.result())
+            except Exception as error:  # counted: team-b must see none
+                errors.append(error)
+        return attack.result(), outputs, errors
+
+
+@pytest.fixture(scope="module")
+def noisy(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Noisy]:
+    workdir = tmp_path_factory.mktemp("noisy-sampler")
+    tokens = {who: f"tok-{who}-{secrets.token_hex(8)}" for who in ("team-a", "team-b", "ops", "svc")}
+    roles = {"ops": "admin", "svc": "admin"}
+    tokens_file = write_tokens(workdir / "tokens.json", {t: (who, roles.get(who, "user")) for who, t in tokens.items()})
+    registry_server = start_registry(workdir / "registry", "--tokens-file", str(tokens_file))
+    sampler_server = start_sampler(
+        workdir / "sampler", tiny_model, registry_server, "--tokens-file", str(tokens_file),
+        "--registry-token", tokens["svc"], "--follow", "team-a/*", "--max-slots", "4",
+    )  # fmt: skip
+    with grpc.insecure_channel(registry_server.address) as reg, grpc.insecure_channel(sampler_server.address) as smp:
+        noisy = Noisy(tiny_model, registry_server, sampler_server, tokens, registry_pb2_grpc.RegistryServiceStub(reg),
+                      sampler_pb2_grpc.SamplerServiceStub(smp), [])  # fmt: skip
+        for tenant in ("team-a", "team-b"):
+            create = registry_pb2.CreateAdapterRequest(
+                name=f"{tenant}/policy", lora_config=common_pb2.LoraConfig(rank=4)
+            )
+            noisy.registry.CreateAdapter(create, metadata=noisy.md(tenant), timeout=60)
+        noisy.publish("team-b", "team-b/policy", lora_files(tiny_model, seed=5), alpha=4.0)
+        noisy.baseline = workload(noisy)
+        assert noisy.baseline == workload(noisy)  # seeded: the same outputs every run
+        yield noisy
+    for server in (sampler_server, registry_server):
+        assert server.terminate() == 0, server.log()
+
+
+def assert_team_b_unharmed(noisy: Noisy, outputs: list[Outputs], errors: list[BaseException]) -> None:
+    assert errors == []
+    assert len(outputs) == WORKLOAD_ROUNDS and all(run == noisy.baseline for run in outputs)
+
+
+# --- case 1: an adapter that makes its logits non-finite ----------------------------------------------------
+
+
+def test_an_exploding_adapter_fails_only_its_own_requests(noisy: Noisy, figure: Callable[[str, object], None]) -> None:
+    name = "team-a/exploding"
+    create = registry_pb2.CreateAdapterRequest(name=name, lora_config=common_pb2.LoraConfig(rank=4))
+    noisy.registry.CreateAdapter(create, metadata=noisy.md("team-a"), timeout=60)
+    # Within the load-time magnitude rule (|w| = 1e4, scaling 1024), so it loads; its logits are NaN.
+    version = noisy.publish("team-a", name, overflowing_lora_files(noisy.model), alpha=4096.0)
+    reference = f"{name}@{version.version}"
+    memory_before = noisy.memory()
+
+    def abuse() -> list[grpc.RpcError]:
+        errors = []
+        for i in range(6):  # at temperature 1 (n=3) and greedy, like any client would sample it
+            sampling = params(temperature=1.0 if i % 2 else 0.0, max_tokens=16)
+            req = request(reference, prompt(30 + i), sampling, num_samples=3 if i % 2 else 1)
+            errors.append(
+                rpc_error(lambda r=req: list(noisy.sampler.Sample(r, metadata=noisy.md("team-a"), timeout=120)))
+            )
+        scoring = sampler_pb2.ComputeLogprobsRequest(model=reference, inputs=[model_input(prompt(40))])
+        errors.append(
+            rpc_error(lambda: noisy.sampler.ComputeLogprobs(scoring, metadata=noisy.md("team-a"), timeout=120))
+        )
+        return errors
+
+    errors, outputs, team_b_errors = during(noisy, abuse)
+    assert isinstance(errors, list) and len(errors) == 7
+    for error in errors:
+        assert_status(error, grpc.StatusCode.FAILED_PRECONDITION, "NON_FINITE_OUTPUT")
+        assert reference in str(error.details())
+    assert_team_b_unharmed(noisy, outputs, team_b_errors)
+    stats = noisy.sampler.GetStats(sampler_pb2.GetStatsRequest(), metadata=noisy.md("ops"), timeout=60)
+    assert stats.running_requests == 0 and stats.waiting_requests == 0
+    listed = noisy.sampler.ListLoaded(sampler_pb2.ListLoadedRequest(), metadata=noisy.md("ops"), timeout=60).adapters
+    assert [a.active_requests for a in listed if a.version.adapter == name] == [0]  # every pin ended
+    memory_after = noisy.memory()
+    figure("noisy case 1 (exploding adapter): team-a errors, team-b errors, sampler PSS before -> after (MiB)",
+           f"{len(errors)} FAILED_PRECONDITION NON_FINITE_OUTPUT, {len(team_b_errors)}, "
+           f"{memory_before / MiB:.0f} -> {memory_after / MiB:.0f}")  # fmt: skip
+    assert memory_after - memory_before < MEMORY_BOUND, (memory_before / MiB, memory_after / MiB)
+
+
+def test_a_version_beyond_the_magnitude_rule_is_refused_and_the_alias_keeps_the_previous(noisy: Noisy) -> None:
+    name = "team-a/policy"  # followed (--follow team-a/*): each publish moves latest and the sampler reloads
+    good = noisy.publish("team-a", name, lora_files(noisy.model, seed=11), alpha=4.0)
+
+    def served() -> int:
+        req = request(name, prompt(50), params(max_tokens=1))
+        first = next(iter(noisy.sampler.Sample(req, metadata=noisy.md("team-a"), timeout=60)))
+        return int(first.version.version)
+
+    assert wait_for(lambda: served() == good.version)
+
+    def abuse() -> registry_pb2.Version:
+        bad = noisy.publish("team-a", name, out_of_range_lora_files(noisy.model), alpha=4.0)  # latest -> bad
+        load = sampler_pb2.LoadAdapterRequest(reference=f"{name}@{bad.version}")
+        error = rpc_error(lambda: noisy.sampler.LoadAdapter(load, metadata=noisy.md("team-a"), timeout=60))
+        assert_status(error, grpc.StatusCode.FAILED_PRECONDITION, "ADAPTER_OUT_OF_RANGE")
+        assert f"{name}@{bad.version}" in str(error.details()) and "3e+38" in str(error.details())
+
+        def failure_recorded() -> bool:
+            stats = noisy.sampler.GetStats(sampler_pb2.GetStatsRequest(), metadata=noisy.md("team-a"), timeout=60)
+            return any(r.adapter == name and r.to_version == bad.version and not r.ok
+                       and r.error.startswith("FAILED_PRECONDITION") for r in stats.recent_reloads)  # fmt: skip
+
+        assert wait_for(failure_recorded)
+        return bad
+
+    bad, outputs, team_b_errors = during(noisy, abuse)
+    assert isinstance(bad, registry_pb2.Version)
+    assert_team_b_unharmed(noisy, outputs, team_b_errors)
+    assert served() == good.version  # the registry's latest is the refused version; the sampler kept the good one
+    listed = noisy.sampler.ListLoaded(sampler_pb2.ListLoadedRequest(), metadata=noisy.md("team-a"), timeout=60)
+    versions = {a.version.version: a for a in listed.adapters if a.version.adapter == name}
+    assert bad.version not in versions and "latest" in versions[good.version].serving_aliases
