@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 from faultutil import lora_files, wait_for
-from noisyutil import out_of_range_lora_files, overflowing_lora_files
+from overflowutil import out_of_range_lora_files, overflowing_lora_files
 from registryutil import upload
 from samplerutil import collect, params, prompt, request
 from serverproc import ServerProcess, start_registry, start_sampler

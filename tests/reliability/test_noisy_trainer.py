@@ -17,9 +17,9 @@ import grpc
 import pytest
 import torch
 import trainerutil
-from noisyutil import Tenant, alongside, memory_mib, seeded_training, status, tenant
 from safetensors.torch import load, save
 from serverproc import ServerProcess, registry_store, start_registry, start_trainer
+from trainerabuse import Tenant, alongside, memory_mib, seeded_training, status, tenant
 from trainerutil import assert_same, random_tokens, read_state, sft_batch, sft_datum
 
 from opentinker.client import Datum, LoraConfig, ModelInput, ServiceClient

@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from noisyutil import overflowing_lora_files
+from overflowutil import overflowing_lora_files
 from registryutil import create_adapter, unique_name, upload
 from samplerutil import collect, params, prompt, request, stats, wait_until
 from serverproc import ServerProcess, start_sampler
