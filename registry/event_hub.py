@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 from opentinker.registry.store import EventRecord, RegistryStore
@@ -57,7 +57,7 @@ class EventHub:
     def subscriber_count(self) -> int:
         return len(self._subscribers)
 
-    async def events(self, cursor: str) -> AsyncIterator[EventRecord]:
+    async def events(self, cursor: str) -> AsyncGenerator[EventRecord, None]:
         """Every event after `cursor`, in order, live until the caller stops iterating."""
         while True:
             subscriber = await self._subscribe()
