@@ -5,7 +5,7 @@ A tokens file (JSON) maps tokens to a tenant and a role:
                 {"token_sha256": "<hex>", "tenant": "ops", "role": "admin"}]}
 or the environment: OPENTINKER_TOKENS_FILE=<path>, or OPENTINKER_TOKENS="tok=team-a:user,tok2=ops:admin".
 A user of tenant t sees only adapters named "t/..."; the admin role sees everything and alone may delete
-adapters, roll back other tenants' adapters and collect garbage.
+other tenants' adapters, roll back other tenants' adapters and collect garbage (a tenant deletes its own).
 """
 
 from __future__ import annotations

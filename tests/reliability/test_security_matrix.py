@@ -132,7 +132,7 @@ def _registry_create(c: Client, r: Resource, s: Secured) -> None:
 
 
 def _registry_delete(c: Client, r: Resource, s: Secured) -> None:
-    """Admin only, even for the owner: on a throwaway adapter the admin makes (and removes if refused)."""
+    """The owner or an admin: on a throwaway adapter the admin makes (and removes if refused)."""
     admin = s.client(ADMIN)
     name = f"{r.name.split('/')[0]}/doomed-{uuid.uuid4().hex[:8]}"
     admin.registry.CreateAdapter(registry_pb2.CreateAdapterRequest(name=name), metadata=admin.metadata)
@@ -179,7 +179,7 @@ OPERATIONS: dict[str, tuple[Operation, bool]] = {
     "registry.DownloadArtifact": (lambda c, r, s: list(c.registry.DownloadArtifact(
         registry_pb2.DownloadArtifactRequest(artifact_uri=r.artifact_uri), metadata=c.metadata)), False),
     "registry.CreateAdapter": (_registry_create, False),
-    "registry.DeleteAdapter": (_registry_delete, True),
+    "registry.DeleteAdapter": (_registry_delete, False),
     "registry.GarbageCollect": (lambda c, r, s: c.registry.GarbageCollect(registry_pb2.GarbageCollectRequest(
         adapter=r.name, dry_run=True), metadata=c.metadata), True),
     "trainer.GetAdapter": (lambda c, r, s: c.trainer.GetAdapter(
