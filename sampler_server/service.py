@@ -5,6 +5,7 @@ each message names is the one that produced its tokens, whatever aliases do mean
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import math
 import os
@@ -26,6 +27,7 @@ from opentinker.v1 import common_pb2, sampler_pb2, sampler_pb2_grpc
 Context = Any  # grpc.aio.ServicerContext; untyped in the generated stubs
 MAX_SAMPLES = 64
 MAX_STOP_STRINGS = 16
+REQUEST_SLACK = 65536  # bytes of a text SampleRequest besides its prompt_text, before the text is read
 
 
 def sampling_params(message: sampler_pb2.SamplingParams, *, vocab_size: int) -> SamplingParams:
@@ -118,6 +120,7 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
         tokenizer: Any | None,
         max_waiting: int,
         follower: AliasFollower | None = None,
+        max_prompt_bytes: int = 65536,
     ) -> None:
         self.engine = engine
         self.pool = loader.pool  # the slot books: which version is in which slot, pins, references
@@ -126,15 +129,28 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
         self.tokenizer = tokenizer
         self.max_waiting = max_waiting
         self.follower = follower
+        self.max_prompt_bytes = max_prompt_bytes
+        # Tokenizing runs here, off the event loop, one prompt at a time (a fast tokenizer is not safe to share
+        # between threads): a long prompt_text delays no other tenant's stream, only other text prompts.
+        self._tokenize = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sampler-tokenize")
         self._seq_ids = iter(range(1, 1 << 62))
         self._mailbox: Mailbox | None = None
 
-    def _prompt(self, request: sampler_pb2.SampleRequest) -> list[int]:
+    async def _prompt(self, request: sampler_pb2.SampleRequest) -> list[int]:
         tokens = tokens_of(request.prompt)
-        if not tokens and request.prompt_text:
+        if tokens:
+            return self._check_tokens(tokens, "prompt")
+        # A text prompt is bounded before it is tokenized, and a huge one before it is even copied out of the
+        # request: the request's serialized size is at least the text's bytes (its other fields are small).
+        limit = self.max_prompt_bytes
+        if request.ByteSize() > limit + REQUEST_SLACK or len((text := request.prompt_text).encode()) > limit:
+            raise InvalidArgument(f"prompt_text is longer than {limit:,} bytes, the most this sampler tokenizes "
+                                  "(--max-prompt-bytes)", reason="PROMPT_TOO_LONG", field="prompt_text")  # fmt: skip
+        if text:
             if self.tokenizer is None:
                 raise InvalidArgument("this sampler has no tokenizer: send prompt tokens", reason="INVALID_PROMPT")
-            tokens = list(self.tokenizer.encode(request.prompt_text, add_special_tokens=False))
+            encode = functools.partial(self.tokenizer.encode, text, add_special_tokens=False)
+            tokens = list(await asyncio.get_running_loop().run_in_executor(self._tokenize, encode))
         return self._check_tokens(tokens, "prompt")
 
     def _check_tokens(self, tokens: list[int], field: str) -> list[int]:
@@ -158,7 +174,7 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
         )  # fmt: skip
 
     async def Sample(self, request: sampler_pb2.SampleRequest, context: Context) -> AsyncIterator[Any]:
-        prompt = self._prompt(request)
+        prompt = await self._prompt(request)
         params = sampling_params(request.sampling_params, vocab_size=self.info.vocab_size)
         if len(prompt) + params.max_tokens > self.engine.max_len:
             raise InvalidArgument(

@@ -27,6 +27,9 @@ from opentinker.v1 import common_pb2, registry_pb2, registry_pb2_grpc, sampler_p
 
 MiB = 2**20
 MEMORY_BOUND = 64 * MiB  # the sampler's PSS after an abuse, above its PSS before
+# After 10 MiB requests: gRPC's receive buffers and the parsed messages leave the allocator's high-water mark
+# (a plateau, measured +60..+200 MiB over 4..40 such requests, not a leak); tokenizing them cost +1.2 GB before.
+HUGE_REQUEST_MEMORY_BOUND = 192 * MiB
 WORKLOAD_ROUNDS = 2
 Outputs = list[dict[int, list[int]]]  # per request of the workload: sample index -> tokens
 
@@ -196,3 +199,50 @@ def test_a_version_beyond_the_magnitude_rule_is_refused_and_the_alias_keeps_the_
     listed = noisy.sampler.ListLoaded(sampler_pb2.ListLoadedRequest(), metadata=noisy.md("team-a"), timeout=60)
     versions = {a.version.version: a for a in listed.adapters if a.version.adapter == name}
     assert bad.version not in versions and "latest" in versions[good.version].serving_aliases
+
+
+# --- case 6: huge text prompts --------------------------------------------------------------------------------
+
+
+def test_huge_prompt_text_is_refused_before_tokenizing_and_blocks_no_one(
+    noisy: Noisy, figure: Callable[[str, object], None]
+) -> None:
+    info = noisy.sampler.GetSamplerInfo(sampler_pb2.GetSamplerInfoRequest(), metadata=noisy.md("team-a"), timeout=60)
+    limit = 16 * info.base_model.max_position_embeddings  # --max-prompt-bytes' default: 16 bytes per context token
+    sentence = "The quick brown fox jumps over the lazy dog. "
+
+    def text(size: int) -> str:
+        return (sentence * (size // len(sentence) + 1))[:size]
+
+    def sample_text(prompt_text: str, max_tokens: int = 4) -> list[sampler_pb2.SampleResponse]:
+        req = sampler_pb2.SampleRequest(
+            model="base", prompt_text=prompt_text, sampling_params=params(max_tokens=max_tokens)
+        )
+        return list(noisy.sampler.Sample(req, metadata=noisy.md("team-a"), timeout=120))
+
+    sample_text(text(1000))  # warm: the first text prompt starts the tokenizing thread
+    memory_before = noisy.memory()
+
+    def abuse() -> tuple[list[grpc.RpcError], list[grpc.RpcError], int]:
+        refused = [rpc_error(sample_text, text(10 * 2**20)) for _ in range(4)]  # 10 MiB, as in the issue
+        refused += [rpc_error(sample_text, text(limit + 1)), rpc_error(sample_text, "é" * (limit // 2 + 1))]
+        tokenized = [rpc_error(sample_text, text(limit)) for _ in range(3)]  # allowed: tokenized, then too many tokens
+        allowed = sample_text(text(3000))  # large but within the context: served
+        return refused, tokenized, sum(len(m.tokens) for m in allowed)
+
+    result, outputs, team_b_errors = during(noisy, abuse)
+    assert isinstance(result, tuple)
+    refused, tokenized, generated = result
+    for error in refused:
+        metadata = assert_status(error, grpc.StatusCode.INVALID_ARGUMENT, "PROMPT_TOO_LONG")
+        assert metadata.get("field") == "prompt_text" and "--max-prompt-bytes" in str(error.details())
+    for error in tokenized:
+        metadata = assert_status(error, grpc.StatusCode.INVALID_ARGUMENT, "PROMPT_TOO_LONG")
+        assert metadata.get("field") == "prompt" and "tokens; the context holds" in str(error.details())
+    assert generated == 4
+    assert_team_b_unharmed(noisy, outputs, team_b_errors)
+    memory_after = noisy.memory()
+    figure("noisy case 6 (10 MiB prompt_text): team-a refusals, team-b errors, sampler PSS before -> after (MiB)",
+           f"{len(refused)} + {len(tokenized)} PROMPT_TOO_LONG, {len(team_b_errors)}, "
+           f"{memory_before / MiB:.0f} -> {memory_after / MiB:.0f}")  # fmt: skip
+    assert memory_after - memory_before < HUGE_REQUEST_MEMORY_BOUND, (memory_before / MiB, memory_after / MiB)
