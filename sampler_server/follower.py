@@ -79,6 +79,7 @@ class AliasFollower:
         self.traffic: dict[str, float] = {}  # adapter -> monotonic time of its last request
         self.recent: collections.deque[sampler_pb2.ReloadRecord] = collections.deque(maxlen=256)
         self.reloads_total = 0  # hot reloads served (GetStats.reloads_total)
+        self.reloads_by_adapter: collections.Counter[str] = collections.Counter()  # a tenant's GetStats sums its own
         self._tasks: dict[tuple[str, str], asyncio.Task[None]] = {}
         self._runner: asyncio.Task[None] | None = None
 
@@ -211,6 +212,7 @@ class AliasFollower:
         self.recent.append(record)
         if ok:
             self.reloads_total += 1
+            self.reloads_by_adapter[target.adapter] += 1
             RELOADS.labels("ok").inc()
             if target.event_time:
                 RELOAD_SECONDS.observe(latency)

@@ -14,7 +14,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from opentinker.rpc.auth import current_principal
+from opentinker.rpc.auth import Principal, current_principal
 from opentinker.rpc.errors import FailedPrecondition, Internal, InvalidArgument, NotFound, ResourceExhausted
 from opentinker.rpc.model_input import tokens_of
 from opentinker.sampler_server.adapters import AdapterLoader, Resolved
@@ -22,6 +22,7 @@ from opentinker.sampler_server.engine import NON_FINITE_OUTPUT, SequenceUpdate
 from opentinker.sampler_server.engine_api import EngineAPI
 from opentinker.sampler_server.follower import AliasFollower
 from opentinker.sampler_server.sequence import SamplingParams, Sequence
+from opentinker.sampler_server.tenant_stats import TenantStats
 from opentinker.v1 import common_pb2, sampler_pb2, sampler_pb2_grpc
 
 Context = Any  # grpc.aio.ServicerContext; untyped in the generated stubs
@@ -130,6 +131,7 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
         self.max_waiting = max_waiting
         self.follower = follower
         self.max_prompt_bytes = max_prompt_bytes
+        self.tenants = TenantStats()  # each tenant's own GetStats figures
         # Tokenizing runs here, off the event loop, one prompt at a time (a fast tokenizer is not safe to share
         # between threads): a long prompt_text delays no other tenant's stream, only other text prompts.
         self._tokenize = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sampler-tokenize")
@@ -196,9 +198,13 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
         loop = asyncio.get_running_loop()
         if self._mailbox is None or self._mailbox.loop is not loop:
             self._mailbox = Mailbox(loop)
+        activity = self.tenants.of(current_principal().tenant or "")
         self.engine.submit(sequences, functools.partial(self._mailbox.post, updates))
+        activity.waiting += count
         remaining = count
         first = [True] * count
+        started: set[int] = set()
+        done: set[int] = set()
         try:
             while remaining:
                 pending = [await updates.get()]
@@ -208,10 +214,18 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
                     if update.error:
                         remaining = 0
                         raise _engine_error(update, resolved)
+                    if update.sample_index not in started:
+                        started.add(update.sample_index)
+                        activity.waiting, activity.running = activity.waiting - 1, activity.running + 1
+                    activity.add_tokens(len(update.tokens))
                     if update.finished:
                         remaining -= 1
+                        done.add(update.sample_index)
+                        activity.running -= 1
                     yield self._response(update, resolved, params, prompt, first)
         finally:
+            activity.running -= len(started - done)
+            activity.waiting -= count - len(started)
             if remaining:  # the client went away or the server is stopping: free the sequences now
                 self.engine.abort(request_id)
 
@@ -301,6 +315,12 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
         return sampler_pb2.ListLoadedResponse(adapters=loaded, slots_total=pool.capacity)
 
     async def GetStats(self, request: sampler_pb2.GetStatsRequest, context: Context) -> Any:
+        principal = current_principal()
+        if principal.tenant is None or principal.is_admin:
+            return self._all_stats()
+        return self._tenant_stats(principal)
+
+    def _all_stats(self) -> sampler_pb2.GetStatsResponse:
         engine, pool, follower = self.engine, self.pool, self.follower
         stats = sampler_pb2.GetStatsResponse(
             running_requests=engine.num_running, waiting_requests=engine.num_waiting, max_waiting=self.max_waiting,
@@ -313,5 +333,23 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
         if follower is not None:
             stats.reloads_total = follower.reloads_total
             stats.last_event_id = follower.last_event_id
-            stats.recent_reloads.extend(r for r in follower.recent if current_principal().can_access(r.adapter))
+            stats.recent_reloads.extend(follower.recent)
+        return stats
+
+    def _tenant_stats(self, principal: Principal) -> sampler_pb2.GetStatsResponse:
+        """A tenant's own figures: its requests, its tokens, its adapters' slots, loads and reloads."""
+        mine, follower, loader = principal.can_access, self.follower, self.loader
+        activity = self.tenants.of(principal.tenant or "")
+        stats = sampler_pb2.GetStatsResponse(
+            running_requests=activity.running, waiting_requests=activity.waiting, max_waiting=self.max_waiting,
+            slots_used=sum(1 for s in self.pool.slots[1:] if s.key is not None and mine(s.key[0])),
+            slots_total=self.pool.capacity, tokens_generated=activity.tokens_generated,
+            decode_tokens_per_second=activity.tokens_per_second(),
+            kv_cache_usage=activity.running / max(self.engine.max_seqs, 1),
+            adapter_loads_total=sum(n for a, n in loader.loads_by_adapter.items() if mine(a)),
+            reload_failures_total=sum(n for a, n in loader.load_failures_by_adapter.items() if mine(a)),
+        )  # fmt: skip
+        if follower is not None:
+            stats.reloads_total = sum(n for a, n in follower.reloads_by_adapter.items() if mine(a))
+            stats.recent_reloads.extend(r for r in follower.recent if mine(r.adapter))
         return stats

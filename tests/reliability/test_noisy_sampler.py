@@ -246,3 +246,48 @@ def test_huge_prompt_text_is_refused_before_tokenizing_and_blocks_no_one(
            f"{len(refused)} + {len(tokenized)} PROMPT_TOO_LONG, {len(team_b_errors)}, "
            f"{memory_before / MiB:.0f} -> {memory_after / MiB:.0f}")  # fmt: skip
     assert memory_after - memory_before < HUGE_REQUEST_MEMORY_BOUND, (memory_before / MiB, memory_after / MiB)
+
+
+# --- case 14: GetStats --------------------------------------------------------------------------------------
+
+
+def test_get_stats_shows_a_tenant_only_its_own_figures(noisy: Noisy) -> None:
+    def stats(who: str) -> sampler_pb2.GetStatsResponse:
+        response: sampler_pb2.GetStatsResponse = noisy.sampler.GetStats(
+            sampler_pb2.GetStatsRequest(), metadata=noisy.md(who), timeout=60
+        )
+        return response
+
+    def own_slots(who: str) -> int:
+        listed = noisy.sampler.ListLoaded(sampler_pb2.ListLoadedRequest(), metadata=noisy.md(who), timeout=60)
+        return len(listed.adapters)
+
+    before = {who: stats(who) for who in ("team-a", "team-b", "ops")}
+    team_b_tokens = WORKLOAD_ROUNDS * sum(len(t) for run in noisy.baseline for t in run.values())
+
+    def abuse() -> list[sampler_pb2.GetStatsResponse]:  # team-a watches the sampler while team-b works
+        seen = []
+        for _ in range(40):
+            seen.append(stats("team-a"))
+        return seen
+
+    seen, outputs, team_b_errors = during(noisy, abuse)
+    assert_team_b_unharmed(noisy, outputs, team_b_errors)
+    assert isinstance(seen, list) and len(seen) == 40
+    for figures in seen:  # nothing of team-b's activity shows (its rate is of its own tokens, which stay the same)
+        assert figures.tokens_generated == before["team-a"].tokens_generated
+        assert figures.running_requests == figures.waiting_requests == 0 and figures.kv_cache_usage == 0.0
+        assert figures.last_event_id == ""
+        assert all(r.adapter.startswith("team-a/") for r in figures.recent_reloads)
+    after = {who: stats(who) for who in ("team-a", "team-b", "ops")}
+    assert after["team-b"].tokens_generated - before["team-b"].tokens_generated == team_b_tokens
+    assert after["ops"].tokens_generated - before["ops"].tokens_generated >= team_b_tokens
+    assert after["team-b"].running_requests == after["team-b"].waiting_requests == 0
+    for who in ("team-a", "team-b"):  # its own slots, loads and reloads; the sampler's limits
+        assert after[who].slots_used == own_slots(who) and after[who].slots_total == after["ops"].slots_total
+        assert after[who].max_waiting == after["ops"].max_waiting
+        assert all(r.adapter.startswith(f"{who}/") for r in after[who].recent_reloads)
+    assert after["team-b"].adapter_loads_total >= 1 and after["team-b"].reloads_total == 0  # not followed
+    assert after["team-a"].adapter_loads_total + after["team-b"].adapter_loads_total <= after["ops"].adapter_loads_total
+    assert after["ops"].slots_used == own_slots("ops") >= after["team-a"].slots_used + after["team-b"].slots_used
+    assert after["ops"].last_event_id != ""  # the admin sees the sampler's figures
