@@ -14,7 +14,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from faultutil import lora_files, wait_for
+from faultutil import lora_files, metric, scrape, wait_for
 from noisyutil import out_of_range_lora_files, overflowing_lora_files
 from registryutil import upload
 from samplerutil import collect, params, prompt, request
@@ -31,6 +31,7 @@ MEMORY_BOUND = 64 * MiB  # the sampler's PSS after an abuse, above its PSS befor
 # (a plateau, measured +60..+200 MiB over 4..40 such requests, not a leak); tokenizing them cost +1.2 GB before.
 HUGE_REQUEST_MEMORY_BOUND = 192 * MiB
 WORKLOAD_ROUNDS = 2
+NON_FINITE = "opentinker_sampler_non_finite_requests_total"
 Outputs = list[dict[int, list[int]]]  # per request of the workload: sample index -> tokens
 
 
@@ -134,6 +135,7 @@ def test_an_exploding_adapter_fails_only_its_own_requests(noisy: Noisy, figure: 
     version = noisy.publish("team-a", name, overflowing_lora_files(noisy.model), alpha=4096.0)
     reference = f"{name}@{version.version}"
     memory_before = noisy.memory()
+    counted_before = metric(scrape(noisy.sampler_server.metrics_address), NON_FINITE)
 
     def abuse() -> list[grpc.RpcError]:
         errors = []
@@ -155,6 +157,7 @@ def test_an_exploding_adapter_fails_only_its_own_requests(noisy: Noisy, figure: 
         assert_status(error, grpc.StatusCode.FAILED_PRECONDITION, "NON_FINITE_OUTPUT")
         assert reference in str(error.details())
     assert_team_b_unharmed(noisy, outputs, team_b_errors)
+    assert metric(scrape(noisy.sampler_server.metrics_address), NON_FINITE) - counted_before == 6  # the Samples
     stats = noisy.sampler.GetStats(sampler_pb2.GetStatsRequest(), metadata=noisy.md("ops"), timeout=60)
     assert stats.running_requests == 0 and stats.waiting_requests == 0
     listed = noisy.sampler.ListLoaded(sampler_pb2.ListLoadedRequest(), metadata=noisy.md("ops"), timeout=60).adapters
