@@ -4,6 +4,7 @@ fits this base model, load it into the slot pool. A version that fails any step 
 from __future__ import annotations
 
 import asyncio
+import collections
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -68,6 +69,8 @@ class AdapterLoader:
         self.follower: AliasFollowerLike | None = None  # set when the sampler follows registry events
         self.loads = 0
         self.load_failures = 0
+        self.loads_by_adapter: collections.Counter[str] = collections.Counter()  # a tenant's GetStats sums its own
+        self.load_failures_by_adapter: collections.Counter[str] = collections.Counter()
 
     async def resolve(self, reference: str) -> Resolved:
         ref = parse_reference(reference)
@@ -138,8 +141,10 @@ class AdapterLoader:
             await asyncio.shield(asyncio.to_thread(fill))
         except BaseException:
             self.load_failures += 1
+            self.load_failures_by_adapter[version.adapter] += 1
             raise
         self.loads += 1
+        self.loads_by_adapter[version.adapter] += 1
         return index
 
     def _read(self, version: registry_pb2.Version) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], int, float]:

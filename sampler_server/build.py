@@ -25,6 +25,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("opentinker.sampler")
 Dtype = Literal["float32", "bfloat16"]
 CpuGemm = Literal["onednn", "torch"]  # float32 CPU base matmuls: oneDNN packed weights or torch's dense GEMM
+# The default bound of a text prompt: a prompt_text of more bytes than this per token of the context would hardly
+# fit it anyway (English runs ~4 bytes a token, CJK ~3), and tokenizing it costs CPU and memory per byte.
+PROMPT_BYTES_PER_TOKEN = 16
 
 
 class BadOption(ValueError):
@@ -51,6 +54,7 @@ class SamplerConfig:
     max_batch_tokens: int = 4096
     max_len: int = 0  # 0: the model's, capped at 4096
     max_waiting: int = 256
+    max_prompt_bytes: int = 0  # 0: PROMPT_BYTES_PER_TOKEN per token of the context
     burst_wait_ms: float = 2.0
     kernel: Backend = "auto"
     cpu_gemm: CpuGemm = "onednn"
@@ -165,7 +169,8 @@ def build_sampler(config: SamplerConfig) -> BuiltSampler:
         state["follower"] = follower
         follower.start()
         servicer = SamplerServicer(engine, loader, info=info, tokenizer=tokenizer, max_waiting=c.max_waiting,
-                                   follower=follower)  # fmt: skip
+                                   follower=follower,
+                                   max_prompt_bytes=c.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * context)  # fmt: skip
         sampler_pb2_grpc.add_SamplerServiceServicer_to_server(servicer, server)
         if isinstance(engine, EngineProcess):
             engine.on_exit = functools.partial(os.kill, os.getpid(), signal.SIGTERM)  # see engine_process.py

@@ -31,6 +31,14 @@ def serve(
     max_batch_tokens: Annotated[int, typer.Option(help="Prompt tokens per prefill step.")] = 4096,
     max_len: Annotated[int, typer.Option(help="Context per sequence (0: the model's, capped at 4096).")] = 0,
     max_waiting: Annotated[int, typer.Option(help="Queued sequences before RESOURCE_EXHAUSTED.")] = 256,
+    max_prompt_bytes: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Largest prompt_text in UTF-8 bytes, refused (PROMPT_TOO_LONG) before it is tokenized. "
+            "0: 16 bytes per token of the context (--max-len), 64 KiB at 4,096 tokens.",
+        ),
+    ] = 0,
     burst_wait_ms: Annotated[
         float,
         typer.Option(
@@ -103,9 +111,9 @@ def serve(
         model=model, registry=registry, store=store, server=options, registry_token=registry_token,
         registry_ca=registry_ca, device=device, dtype=cast("Dtype", dtype), max_slots=max_slots,
         max_rank=max_rank, max_seqs=max_seqs, max_batch_tokens=max_batch_tokens, max_len=max_len,
-        max_waiting=max_waiting, burst_wait_ms=burst_wait_ms, kernel=cast("Backend", kernel),
-        cpu_gemm=cast("CpuGemm", cpu_gemm), engine_process=engine_process, follow=tuple(follow or ()),
-        follow_window=follow_window,
+        max_waiting=max_waiting, max_prompt_bytes=max_prompt_bytes, burst_wait_ms=burst_wait_ms,
+        kernel=cast("Backend", kernel), cpu_gemm=cast("CpuGemm", cpu_gemm), engine_process=engine_process,
+        follow=tuple(follow or ()), follow_window=follow_window,
     )  # fmt: skip
     try:
         serve_sampler(config)

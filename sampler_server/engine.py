@@ -64,9 +64,7 @@ class SequenceUpdate:
     stop_reason: int = sampler_pb2.STOP_REASON_UNSPECIFIED  # set when finished
     prompt_logprobs: list[float] | None = None  # on a sample's first update, when they were asked for
     error: str = ""  # set when the engine failed this sequence (the request ends with an error status)
-    error_reason: str = (
-        ""  # NON_FINITE_OUTPUT: this request's adapter made its logits non-finite; else an engine failure
-    )
+    error_reason: str = ""  # NON_FINITE_OUTPUT: the request's adapter made its logits non-finite; "": the engine
 
 
 UpdateCallback = Callable[[SequenceUpdate], None]
@@ -289,6 +287,7 @@ class Engine:
 
     def _fail_request(self, request_id: str, error: str, reason: str) -> None:
         """Ends every sample of one request with an error; the others in the batch are not touched."""
+        log.warning("request %s ended: %s", request_id, error)
         callback = self._callbacks.pop(request_id, None)
         for seq in [*self.scheduler.waiting, *self.scheduler.running]:
             if seq.request_id == request_id:

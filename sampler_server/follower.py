@@ -3,8 +3,8 @@
 The follower holds the alias map the sampler *serves*: an alias flips to a new version only after that
 version is loaded into a slot and verified, so a request never waits on, or gets, a half-loaded version.
 Requests already running keep the version they pinned at admission; the old version's slot is freed when
-its last request ends. A version that fails to load is logged, counted and retried with backoff, and the
-alias keeps serving the previous version meanwhile.
+its last request ends. A version that fails to load is logged, counted and retried with backoff (not when
+it is refused for what it is: FAILED_PRECONDITION), and the alias keeps serving the previous version meanwhile.
 
 Which adapters are followed (preloaded on every alias move): those matching `--follow` patterns and those
 with traffic in the last `--follow-window` seconds. For the others the follower only forgets stale
@@ -79,6 +79,7 @@ class AliasFollower:
         self.traffic: dict[str, float] = {}  # adapter -> monotonic time of its last request
         self.recent: collections.deque[sampler_pb2.ReloadRecord] = collections.deque(maxlen=256)
         self.reloads_total = 0  # hot reloads served (GetStats.reloads_total)
+        self.reloads_by_adapter: collections.Counter[str] = collections.Counter()  # a tenant's GetStats sums its own
         self._tasks: dict[tuple[str, str], asyncio.Task[None]] = {}
         self._runner: asyncio.Task[None] | None = None
 
@@ -185,6 +186,8 @@ class AliasFollower:
                 RELOAD_FAILURES.labels(error.code.name, error.reason).inc()
                 log.warning("loading %s@%s failed (%s); still serving the previous version", target.adapter,
                             target.version, error.message)  # fmt: skip
+                if error.code == grpc.StatusCode.FAILED_PRECONDITION:
+                    return  # refused for what the version is (out of range, incompatible): no retry will load it
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, self.max_backoff)
                 continue
@@ -211,6 +214,7 @@ class AliasFollower:
         self.recent.append(record)
         if ok:
             self.reloads_total += 1
+            self.reloads_by_adapter[target.adapter] += 1
             RELOADS.labels("ok").inc()
             if target.event_time:
                 RELOAD_SECONDS.observe(latency)

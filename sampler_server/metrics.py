@@ -53,6 +53,9 @@ class SamplerCollector(Collector):
         prompt.add_metric(["computed"], engine.stats.prompt_tokens_computed)
         prompt.add_metric(["shared"], engine.stats.prompt_tokens_shared)
         yield prompt
+        yield CounterMetricFamily("opentinker_sampler_non_finite_requests", "Requests ended (FAILED_PRECONDITION "
+                                  "NON_FINITE_OUTPUT) because their adapter made their logits inf or NaN",
+                                  value=engine.stats.non_finite_failures)  # fmt: skip
         loads = CounterMetricFamily("opentinker_sampler_adapter_loads", "Adapter versions loaded into a slot",
                                     labels=["result"])  # fmt: skip
         loads.add_metric(["ok"], self.loader.loads)

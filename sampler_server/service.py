@@ -5,6 +5,7 @@ each message names is the one that produced its tokens, whatever aliases do mean
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import math
 import os
@@ -13,7 +14,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from opentinker.rpc.auth import current_principal
+from opentinker.rpc.auth import Principal, current_principal
 from opentinker.rpc.errors import FailedPrecondition, Internal, InvalidArgument, NotFound, ResourceExhausted
 from opentinker.rpc.model_input import tokens_of
 from opentinker.sampler_server.adapters import AdapterLoader, Resolved
@@ -21,11 +22,13 @@ from opentinker.sampler_server.engine import NON_FINITE_OUTPUT, SequenceUpdate
 from opentinker.sampler_server.engine_api import EngineAPI
 from opentinker.sampler_server.follower import AliasFollower
 from opentinker.sampler_server.sequence import SamplingParams, Sequence
+from opentinker.sampler_server.tenant_stats import TenantStats
 from opentinker.v1 import common_pb2, sampler_pb2, sampler_pb2_grpc
 
 Context = Any  # grpc.aio.ServicerContext; untyped in the generated stubs
 MAX_SAMPLES = 64
 MAX_STOP_STRINGS = 16
+REQUEST_SLACK = 65536  # bytes of a text SampleRequest besides its prompt_text, before the text is read
 
 
 def sampling_params(message: sampler_pb2.SamplingParams, *, vocab_size: int) -> SamplingParams:
@@ -118,6 +121,7 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
         tokenizer: Any | None,
         max_waiting: int,
         follower: AliasFollower | None = None,
+        max_prompt_bytes: int = 65536,
     ) -> None:
         self.engine = engine
         self.pool = loader.pool  # the slot books: which version is in which slot, pins, references
@@ -126,15 +130,29 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
         self.tokenizer = tokenizer
         self.max_waiting = max_waiting
         self.follower = follower
+        self.max_prompt_bytes = max_prompt_bytes
+        self.tenants = TenantStats()  # each tenant's own GetStats figures
+        # Tokenizing runs here, off the event loop, one prompt at a time (a fast tokenizer is not safe to share
+        # between threads): a long prompt_text delays no other tenant's stream, only other text prompts.
+        self._tokenize = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sampler-tokenize")
         self._seq_ids = iter(range(1, 1 << 62))
         self._mailbox: Mailbox | None = None
 
-    def _prompt(self, request: sampler_pb2.SampleRequest) -> list[int]:
+    async def _prompt(self, request: sampler_pb2.SampleRequest) -> list[int]:
         tokens = tokens_of(request.prompt)
-        if not tokens and request.prompt_text:
+        if tokens:
+            return self._check_tokens(tokens, "prompt")
+        # A text prompt is bounded before it is tokenized, and a huge one before it is even copied out of the
+        # request: the request's serialized size is at least the text's bytes (its other fields are small).
+        limit = self.max_prompt_bytes
+        if request.ByteSize() > limit + REQUEST_SLACK or len((text := request.prompt_text).encode()) > limit:
+            raise InvalidArgument(f"prompt_text is longer than {limit:,} bytes, the most this sampler tokenizes "
+                                  "(--max-prompt-bytes)", reason="PROMPT_TOO_LONG", field="prompt_text")  # fmt: skip
+        if text:
             if self.tokenizer is None:
                 raise InvalidArgument("this sampler has no tokenizer: send prompt tokens", reason="INVALID_PROMPT")
-            tokens = list(self.tokenizer.encode(request.prompt_text, add_special_tokens=False))
+            encode = functools.partial(self.tokenizer.encode, text, add_special_tokens=False)
+            tokens = list(await asyncio.get_running_loop().run_in_executor(self._tokenize, encode))
         return self._check_tokens(tokens, "prompt")
 
     def _check_tokens(self, tokens: list[int], field: str) -> list[int]:
@@ -158,7 +176,7 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
         )  # fmt: skip
 
     async def Sample(self, request: sampler_pb2.SampleRequest, context: Context) -> AsyncIterator[Any]:
-        prompt = self._prompt(request)
+        prompt = await self._prompt(request)
         params = sampling_params(request.sampling_params, vocab_size=self.info.vocab_size)
         if len(prompt) + params.max_tokens > self.engine.max_len:
             raise InvalidArgument(
@@ -180,9 +198,13 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
         loop = asyncio.get_running_loop()
         if self._mailbox is None or self._mailbox.loop is not loop:
             self._mailbox = Mailbox(loop)
+        activity = self.tenants.of(current_principal().tenant or "")
         self.engine.submit(sequences, functools.partial(self._mailbox.post, updates))
+        activity.waiting += count
         remaining = count
         first = [True] * count
+        started: set[int] = set()
+        done: set[int] = set()
         try:
             while remaining:
                 pending = [await updates.get()]
@@ -192,10 +214,18 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
                     if update.error:
                         remaining = 0
                         raise _engine_error(update, resolved)
+                    if update.sample_index not in started:
+                        started.add(update.sample_index)
+                        activity.waiting, activity.running = activity.waiting - 1, activity.running + 1
+                    activity.add_tokens(len(update.tokens))
                     if update.finished:
                         remaining -= 1
+                        done.add(update.sample_index)
+                        activity.running -= 1
                     yield self._response(update, resolved, params, prompt, first)
         finally:
+            activity.running -= len(started - done)
+            activity.waiting -= count - len(started)
             if remaining:  # the client went away or the server is stopping: free the sequences now
                 self.engine.abort(request_id)
 
@@ -285,6 +315,12 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
         return sampler_pb2.ListLoadedResponse(adapters=loaded, slots_total=pool.capacity)
 
     async def GetStats(self, request: sampler_pb2.GetStatsRequest, context: Context) -> Any:
+        principal = current_principal()
+        if principal.tenant is None or principal.is_admin:
+            return self._all_stats()
+        return self._tenant_stats(principal)
+
+    def _all_stats(self) -> sampler_pb2.GetStatsResponse:
         engine, pool, follower = self.engine, self.pool, self.follower
         stats = sampler_pb2.GetStatsResponse(
             running_requests=engine.num_running, waiting_requests=engine.num_waiting, max_waiting=self.max_waiting,
@@ -297,5 +333,23 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
         if follower is not None:
             stats.reloads_total = follower.reloads_total
             stats.last_event_id = follower.last_event_id
-            stats.recent_reloads.extend(r for r in follower.recent if current_principal().can_access(r.adapter))
+            stats.recent_reloads.extend(follower.recent)
+        return stats
+
+    def _tenant_stats(self, principal: Principal) -> sampler_pb2.GetStatsResponse:
+        """A tenant's own figures: its requests, its tokens, its adapters' slots, loads and reloads."""
+        mine, follower, loader = principal.can_access, self.follower, self.loader
+        activity = self.tenants.of(principal.tenant or "")
+        stats = sampler_pb2.GetStatsResponse(
+            running_requests=activity.running, waiting_requests=activity.waiting, max_waiting=self.max_waiting,
+            slots_used=sum(1 for s in self.pool.slots[1:] if s.key is not None and mine(s.key[0])),
+            slots_total=self.pool.capacity, tokens_generated=activity.tokens_generated,
+            decode_tokens_per_second=activity.tokens_per_second(),
+            kv_cache_usage=activity.running / max(self.engine.max_seqs, 1),
+            adapter_loads_total=sum(n for a, n in loader.loads_by_adapter.items() if mine(a)),
+            reload_failures_total=sum(n for a, n in loader.load_failures_by_adapter.items() if mine(a)),
+        )  # fmt: skip
+        if follower is not None:
+            stats.reloads_total = sum(n for a, n in follower.reloads_by_adapter.items() if mine(a))
+            stats.recent_reloads.extend(r for r in follower.recent if mine(r.adapter))
         return stats

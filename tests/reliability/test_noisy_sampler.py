@@ -14,7 +14,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from faultutil import lora_files, wait_for
+from faultutil import lora_files, metric, scrape, wait_for
 from overflowutil import out_of_range_lora_files, overflowing_lora_files
 from registryutil import upload
 from samplerutil import collect, params, prompt, request
@@ -27,7 +27,11 @@ from opentinker.v1 import common_pb2, registry_pb2, registry_pb2_grpc, sampler_p
 
 MiB = 2**20
 MEMORY_BOUND = 64 * MiB  # the sampler's PSS after an abuse, above its PSS before
+# After 10 MiB requests: gRPC's receive buffers and the parsed messages leave the allocator's high-water mark
+# (a plateau, measured +60..+200 MiB over 4..40 such requests, not a leak); tokenizing them cost +1.2 GB before.
+HUGE_REQUEST_MEMORY_BOUND = 192 * MiB
 WORKLOAD_ROUNDS = 2
+NON_FINITE = "opentinker_sampler_non_finite_requests_total"
 Outputs = list[dict[int, list[int]]]  # per request of the workload: sample index -> tokens
 
 
@@ -131,6 +135,7 @@ def test_an_exploding_adapter_fails_only_its_own_requests(noisy: Noisy, figure: 
     version = noisy.publish("team-a", name, overflowing_lora_files(noisy.model), alpha=4096.0)
     reference = f"{name}@{version.version}"
     memory_before = noisy.memory()
+    counted_before = metric(scrape(noisy.sampler_server.metrics_address), NON_FINITE)
 
     def abuse() -> list[grpc.RpcError]:
         errors = []
@@ -152,6 +157,7 @@ def test_an_exploding_adapter_fails_only_its_own_requests(noisy: Noisy, figure: 
         assert_status(error, grpc.StatusCode.FAILED_PRECONDITION, "NON_FINITE_OUTPUT")
         assert reference in str(error.details())
     assert_team_b_unharmed(noisy, outputs, team_b_errors)
+    assert metric(scrape(noisy.sampler_server.metrics_address), NON_FINITE) - counted_before == 6  # the Samples
     stats = noisy.sampler.GetStats(sampler_pb2.GetStatsRequest(), metadata=noisy.md("ops"), timeout=60)
     assert stats.running_requests == 0 and stats.waiting_requests == 0
     listed = noisy.sampler.ListLoaded(sampler_pb2.ListLoadedRequest(), metadata=noisy.md("ops"), timeout=60).adapters
@@ -196,3 +202,95 @@ def test_a_version_beyond_the_magnitude_rule_is_refused_and_the_alias_keeps_the_
     listed = noisy.sampler.ListLoaded(sampler_pb2.ListLoadedRequest(), metadata=noisy.md("team-a"), timeout=60)
     versions = {a.version.version: a for a in listed.adapters if a.version.adapter == name}
     assert bad.version not in versions and "latest" in versions[good.version].serving_aliases
+
+
+# --- case 6: huge text prompts --------------------------------------------------------------------------------
+
+
+def test_huge_prompt_text_is_refused_before_tokenizing_and_blocks_no_one(
+    noisy: Noisy, figure: Callable[[str, object], None]
+) -> None:
+    info = noisy.sampler.GetSamplerInfo(sampler_pb2.GetSamplerInfoRequest(), metadata=noisy.md("team-a"), timeout=60)
+    limit = 16 * info.base_model.max_position_embeddings  # --max-prompt-bytes' default: 16 bytes per context token
+    sentence = "The quick brown fox jumps over the lazy dog. "
+
+    def text(size: int) -> str:
+        return (sentence * (size // len(sentence) + 1))[:size]
+
+    def sample_text(prompt_text: str, max_tokens: int = 4) -> list[sampler_pb2.SampleResponse]:
+        req = sampler_pb2.SampleRequest(
+            model="base", prompt_text=prompt_text, sampling_params=params(max_tokens=max_tokens)
+        )
+        return list(noisy.sampler.Sample(req, metadata=noisy.md("team-a"), timeout=120))
+
+    sample_text(text(1000))  # warm: the first text prompt starts the tokenizing thread
+    memory_before = noisy.memory()
+
+    def abuse() -> tuple[list[grpc.RpcError], list[grpc.RpcError], int]:
+        refused = [rpc_error(sample_text, text(10 * 2**20)) for _ in range(4)]  # 10 MiB, as in the issue
+        refused += [rpc_error(sample_text, text(limit + 1)), rpc_error(sample_text, "é" * (limit // 2 + 1))]
+        tokenized = [rpc_error(sample_text, text(limit)) for _ in range(3)]  # allowed: tokenized, then too many tokens
+        allowed = sample_text(text(3000))  # large but within the context: served
+        return refused, tokenized, sum(len(m.tokens) for m in allowed)
+
+    result, outputs, team_b_errors = during(noisy, abuse)
+    assert isinstance(result, tuple)
+    refused, tokenized, generated = result
+    for error in refused:
+        metadata = assert_status(error, grpc.StatusCode.INVALID_ARGUMENT, "PROMPT_TOO_LONG")
+        assert metadata.get("field") == "prompt_text" and "--max-prompt-bytes" in str(error.details())
+    for error in tokenized:
+        metadata = assert_status(error, grpc.StatusCode.INVALID_ARGUMENT, "PROMPT_TOO_LONG")
+        assert metadata.get("field") == "prompt" and "tokens; the context holds" in str(error.details())
+    assert generated == 4
+    assert_team_b_unharmed(noisy, outputs, team_b_errors)
+    memory_after = noisy.memory()
+    figure("noisy case 6 (10 MiB prompt_text): team-a refusals, team-b errors, sampler PSS before -> after (MiB)",
+           f"{len(refused)} + {len(tokenized)} PROMPT_TOO_LONG, {len(team_b_errors)}, "
+           f"{memory_before / MiB:.0f} -> {memory_after / MiB:.0f}")  # fmt: skip
+    assert memory_after - memory_before < HUGE_REQUEST_MEMORY_BOUND, (memory_before / MiB, memory_after / MiB)
+
+
+# --- case 14: GetStats --------------------------------------------------------------------------------------
+
+
+def test_get_stats_shows_a_tenant_only_its_own_figures(noisy: Noisy) -> None:
+    def stats(who: str) -> sampler_pb2.GetStatsResponse:
+        response: sampler_pb2.GetStatsResponse = noisy.sampler.GetStats(
+            sampler_pb2.GetStatsRequest(), metadata=noisy.md(who), timeout=60
+        )
+        return response
+
+    def own_slots(who: str) -> int:
+        listed = noisy.sampler.ListLoaded(sampler_pb2.ListLoadedRequest(), metadata=noisy.md(who), timeout=60)
+        return len(listed.adapters)
+
+    before = {who: stats(who) for who in ("team-a", "team-b", "ops")}
+    team_b_tokens = WORKLOAD_ROUNDS * sum(len(t) for run in noisy.baseline for t in run.values())
+
+    def abuse() -> list[sampler_pb2.GetStatsResponse]:  # team-a watches the sampler while team-b works
+        seen = []
+        for _ in range(40):
+            seen.append(stats("team-a"))
+        return seen
+
+    seen, outputs, team_b_errors = during(noisy, abuse)
+    assert_team_b_unharmed(noisy, outputs, team_b_errors)
+    assert isinstance(seen, list) and len(seen) == 40
+    for figures in seen:  # nothing of team-b's activity shows (its rate is of its own tokens, which stay the same)
+        assert figures.tokens_generated == before["team-a"].tokens_generated
+        assert figures.running_requests == figures.waiting_requests == 0 and figures.kv_cache_usage == 0.0
+        assert figures.last_event_id == ""
+        assert all(r.adapter.startswith("team-a/") for r in figures.recent_reloads)
+    after = {who: stats(who) for who in ("team-a", "team-b", "ops")}
+    assert after["team-b"].tokens_generated - before["team-b"].tokens_generated == team_b_tokens
+    assert after["ops"].tokens_generated - before["ops"].tokens_generated >= team_b_tokens
+    assert after["team-b"].running_requests == after["team-b"].waiting_requests == 0
+    for who in ("team-a", "team-b"):  # its own slots, loads and reloads; the sampler's limits
+        assert after[who].slots_used == own_slots(who) and after[who].slots_total == after["ops"].slots_total
+        assert after[who].max_waiting == after["ops"].max_waiting
+        assert all(r.adapter.startswith(f"{who}/") for r in after[who].recent_reloads)
+    assert after["team-b"].adapter_loads_total >= 1 and after["team-b"].reloads_total == 0  # not followed
+    assert after["team-a"].adapter_loads_total + after["team-b"].adapter_loads_total <= after["ops"].adapter_loads_total
+    assert after["ops"].slots_used == own_slots("ops") >= after["team-a"].slots_used + after["team-b"].slots_used
+    assert after["ops"].last_event_id != ""  # the admin sees the sampler's figures

@@ -187,6 +187,23 @@ def test_prompt_text_is_tokenized(sampler: Sampler, tiny_model: Path) -> None:
     assert_status(error, INVALID, "INVALID_PROMPT")
 
 
+def test_prompt_text_is_bounded_in_bytes_before_tokenizing(sampler: Sampler) -> None:
+    """--max-prompt-bytes' default: 16 bytes per token of the context; multi-byte characters count as bytes."""
+    limit = 16 * CONTEXT
+
+    def text_request(text: str) -> sampler_pb2.SampleRequest:
+        return sampler_pb2.SampleRequest(model="base", prompt_text=text, sampling_params=params(max_tokens=2))
+
+    for text in ("a" * (limit + 1), "\u00e9" * (limit // 2 + 1), "a" * (limit + 70_000)):  # the last: not even read
+        error = sample_error(sampler, text_request(text))
+        assert assert_status(error, INVALID, "PROMPT_TOO_LONG")["field"] == "prompt_text"
+        assert f"{limit:,} bytes" in str(error.details())
+    # At the limit it is tokenized: too many tokens for the context, which the token check then says.
+    error = sample_error(sampler, text_request("ab " * (limit // 3)))
+    assert assert_status(error, INVALID, "PROMPT_TOO_LONG")["field"] == "prompt"
+    assert run(sampler, text_request("ab " * 100)).only.tokens  # a long text within the context is served
+
+
 # --- artifacts that must never be served ----------------------------------------------------------------------
 
 

@@ -138,7 +138,9 @@ class SamplerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetStats(self, request, context):
-        """Queue, slot, throughput and reload figures (reloads of other tenants' adapters left out).
+        """Queue, slot, throughput and reload figures. An admin, or any caller of a sampler without tokens, sees the
+        sampler's; a tenant's caller sees its own: the fields marked "tenant:" below count only its requests or its
+        adapters, and the limits (max_waiting, slots_total) are the sampler's.
         Errors: none beyond those of every RPC.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

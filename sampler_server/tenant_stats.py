@@ -1,0 +1,41 @@
+"""What each tenant's own requests did on this sampler, for GetStats: a tenant's caller sees its own figures,
+an admin (or a sampler without tokens) the sampler's. Updated on the event loop only (the Sample handler)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+RATE_WINDOW = 5.0  # seconds of recent tokens that decode_tokens_per_second averages over
+_RECENT = 256  # (time, tokens) points kept per tenant
+
+
+@dataclass(slots=True)
+class TenantActivity:
+    waiting: int = 0  # samples admitted that have not streamed a token yet
+    running: int = 0  # samples streaming
+    tokens_generated: int = 0
+    recent: list[tuple[float, int]] = field(default_factory=list)  # (monotonic time, tokens) of recent messages
+
+    def add_tokens(self, count: int) -> None:
+        if count:
+            self.tokens_generated += count
+            self.recent = [*self.recent[-(_RECENT - 1) :], (time.monotonic(), count)]
+
+    def tokens_per_second(self) -> float:
+        now = time.monotonic()
+        points = [(t, n) for t, n in self.recent if now - t <= RATE_WINDOW]
+        if len(points) < 2:
+            return 0.0
+        return sum(n for _, n in points[1:]) / max(points[-1][0] - points[0][0], 1e-9)
+
+
+class TenantStats:
+    def __init__(self) -> None:
+        self._tenants: dict[str, TenantActivity] = {}
+
+    def of(self, tenant: str) -> TenantActivity:
+        activity = self._tenants.get(tenant)
+        if activity is None:
+            activity = self._tenants[tenant] = TenantActivity()
+        return activity
