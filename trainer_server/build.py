@@ -31,6 +31,7 @@ class TrainerConfig:
     spill_dir: Path | None = None  # None: <store>/../trainer-spill
     max_batch_tokens: int = 1 << 20
     max_batch_positions: int = 1 << 17  # datums x longest datum per request (batch.py)
+    max_adapters_per_tenant: int = 64  # 0: no limit (quota.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +80,8 @@ def build_trainer(config: TrainerConfig) -> BuiltTrainer:
         scheduler.start()
         servicer = TrainerServicer(trainer, scheduler, registry_pb2_grpc.RegistryServiceStub(channel),
                                    registry_metadata=metadata, max_batch_tokens=c.max_batch_tokens,
-                                   max_batch_positions=c.max_batch_positions)  # fmt: skip
+                                   max_batch_positions=c.max_batch_positions,
+                                   max_adapters_per_tenant=c.max_adapters_per_tenant)  # fmt: skip
         trainer_pb2_grpc.add_TrainerServiceServicer_to_server(servicer, server)
 
     async def on_stop() -> None:

@@ -7,7 +7,7 @@ import asyncio
 from collections.abc import Iterable
 from typing import Any
 
-from opentinker.rpc.auth import current_principal, require_access
+from opentinker.rpc.auth import Principal, current_principal, require_access
 from opentinker.rpc.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -21,6 +21,7 @@ from opentinker.trainer_server.adapter import AdapterState
 from opentinker.trainer_server.batch import DEFAULT_MAX_BATCH_POSITIONS, build_batch
 from opentinker.trainer_server.losses import LOSS_FNS, resolve_config
 from opentinker.trainer_server.ownership import state_owner
+from opentinker.trainer_server.quota import DEFAULT_MAX_ADAPTERS_PER_TENANT, TenantQuota
 from opentinker.trainer_server.scheduler import AdapterScheduler
 from opentinker.trainer_server.trainer import GradientMark, StepOutput, Trainer, check_adam, check_lora
 from opentinker.v1 import common_pb2, registry_pb2, registry_pb2_grpc, trainer_pb2, trainer_pb2_grpc
@@ -61,6 +62,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         registry_metadata: list[tuple[str, str]] | None = None,
         max_batch_tokens: int = 1 << 20,
         max_batch_positions: int = DEFAULT_MAX_BATCH_POSITIONS,
+        max_adapters_per_tenant: int = DEFAULT_MAX_ADAPTERS_PER_TENANT,
     ) -> None:
         self.trainer = trainer
         self.scheduler = scheduler
@@ -68,6 +70,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         self.metadata = registry_metadata
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_positions = max_batch_positions
+        self.quota = TenantQuota(max_adapters_per_tenant)
 
     def _known(self, name: str) -> str:
         check_adapter_name(name)
@@ -94,6 +97,16 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             check_adam(adam)
         if name in self.trainer.adapters:
             raise AlreadyExists(f"adapter {name!r} already exists in this trainer", reason="ADAPTER_EXISTS")
+        with self.quota.reserve(principal, self.trainer.adapters):
+            return await self._create(name, principal, request, adam)
+
+    async def _create(
+        self,
+        name: str,
+        principal: Principal,
+        request: trainer_pb2.TrainerServiceCreateAdapterRequest,
+        adam: common_pb2.AdamParams | None,
+    ) -> trainer_pb2.TrainerServiceCreateAdapterResponse:
         base_digest = self.trainer.base.digest
         init_version = await self._resolve_init(request.init_from) if request.init_from else None
         # Before the registry record exists: a snapshot or state that does not fit creates nothing.

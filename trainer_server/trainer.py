@@ -8,6 +8,7 @@ parameters) -> optim_step (AdamW over the adapter's explicit parameter list, the
 
 from __future__ import annotations
 
+import gc
 import io
 import json
 import math
@@ -26,6 +27,7 @@ from safetensors.torch import save as save_safetensors
 from opentinker.rpc import faults
 from opentinker.rpc.auth import LOCAL_PRINCIPAL, Principal
 from opentinker.rpc.errors import AlreadyExists, DataLoss, FailedPrecondition, InvalidArgument, NotFound
+from opentinker.rpc.memory import release_freed_memory
 from opentinker.trainer_server.adapter import AdapterState, Ledger, adam_or_default, new_adapter
 from opentinker.trainer_server.base_model import BaseModel
 from opentinker.trainer_server.batch import Batch
@@ -144,6 +146,11 @@ class Trainer:
         del self.adapters[name]
         if self.spill_dir is not None:
             (self.spill_dir / f"{_safe(name)}.pt").unlink(missing_ok=True)
+        # Give the memory back: tensors freed from the compute thread's heap stay resident until trimmed.
+        gc.collect()
+        if self.base.device.type == "cuda":
+            torch.cuda.empty_cache()
+        release_freed_memory()
 
     # Compute
 

@@ -31,9 +31,9 @@ class Tenant:
     def call(self, method: str, request: Any) -> Any:
         return getattr(self.stub, method)(request, metadata=self.metadata, timeout=120)
 
-    def create(self, adapter: str, seed: int = 0, **fields: Any) -> trainer_pb2.TrainingAdapter:
+    def create(self, adapter: str, seed: int = 0, rank: int = 4, **fields: Any) -> trainer_pb2.TrainingAdapter:
         request = trainer_pb2.TrainerServiceCreateAdapterRequest(
-            name=adapter, lora_config=lora(), adam_params=adam(), seed=seed, **fields
+            name=adapter, lora_config=lora(rank=rank), adam_params=adam(), seed=seed, **fields
         )
         created: trainer_pb2.TrainingAdapter = self.call("CreateAdapter", request).adapter
         return created

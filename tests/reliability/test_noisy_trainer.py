@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 import pytest
@@ -27,6 +28,7 @@ from opentinker.rpc.errors import error_info
 from opentinker.v1 import common_pb2, trainer_pb2
 from opentinker.weights.artifact_store import ArtifactStore
 
+T = TypeVar("T")
 TENANTS = ("team-a", "team-b")
 ADMIN = "ops"
 MEMORY_BOUND_MIB = 64  # the trainer's PSS after an abuse, over its PSS before
@@ -55,7 +57,7 @@ def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     registry = start_registry(workdir / "registry", "--tokens-file", str(tokens_file))
     try:
         trainer = start_trainer(workdir / "trainer", tiny_model, registry, "--tokens-file", str(tokens_file),
-                                "--registry-token", tokens["svc"])  # fmt: skip
+                                "--registry-token", tokens["svc"], "--max-adapters-per-tenant", str(QUOTA))  # fmt: skip
     except BaseException:
         registry.terminate()
         raise
@@ -75,7 +77,7 @@ def alone(stack: Stack) -> list[float]:
     return outputs
 
 
-def beside(stack: Stack, abuse: Callable[[], object], reference: list[float]) -> object:
+def beside(stack: Stack, abuse: Callable[[], T], reference: list[float]) -> T:
     """team-a's abuse while team-b runs its workload on a fresh adapter: team-b's outputs equal the run alone."""
     result, outputs = alongside(abuse, lambda: seeded_training(stack["team-b"], fresh("team-b")))
     assert outputs == reference, "team-b's seeded training changed while team-a abused the trainer"
@@ -194,7 +196,10 @@ def test_resume_into_another_adapter_through_the_sdk(stack: Stack) -> None:
 # --- case 8: another tenant's saved states and versions are unreachable, and their existence is not revealed ----
 
 
-def refusal(call: Callable[[], object], *ids: str) -> tuple[grpc.StatusCode | None, str, str]:
+Refusal = tuple[grpc.StatusCode | None, str, str]
+
+
+def refusal(call: Callable[[], object], *ids: str) -> Refusal:
     """(code, reason, message with the given ids blanked) of a refused call."""
     try:
         call()
@@ -223,7 +228,7 @@ def test_states_and_versions_of_another_tenant_are_unreachable(stack: Stack, alo
     def load(state_id: str) -> Callable[[], object]:
         return lambda: a.call("LoadState", trainer_pb2.LoadStateRequest(adapter=attacker, state_id=state_id))
 
-    def abuse() -> dict[str, tuple[object, object]]:
+    def abuse() -> dict[str, tuple[Refusal, Refusal]]:
         return {
             "LoadState": (refusal(load(stolen), stolen), refusal(load(nowhere), nowhere)),
             "resume_state": (refusal(lambda: a.create(fresh("team-a"), resume_state=stolen), stolen),
@@ -233,7 +238,6 @@ def test_states_and_versions_of_another_tenant_are_unreachable(stack: Stack, alo
         }  # fmt: skip
 
     answers = beside(stack, abuse, alone)
-    assert isinstance(answers, dict)
     for what, (theirs, missing) in answers.items():
         assert theirs == missing, f"{what}: another tenant's answer differs from a missing one's: {theirs} {missing}"
     assert answers["LoadState"][0][:2] == (grpc.StatusCode.NOT_FOUND, "STATE_NOT_FOUND")
@@ -279,3 +283,47 @@ def test_padded_batches_are_bounded(stack: Stack, alone: list[float], figure: Ca
     memory_after = memory_mib(stack.trainer)
     figure("case 3 trainer PSS before/after padded batches (MiB)", f"{memory_before:.0f} -> {memory_after:.0f}")
     assert memory_after <= memory_before + MEMORY_BOUND_MIB
+
+
+# --- case 11: a tenant's adapters are bounded in number, and deleting them gives the memory back ---------------
+
+QUOTA = 24  # the module's --max-adapters-per-tenant (the default is 64)
+
+
+def team_adapters(who: Tenant) -> list[str]:
+    listing = who.call("ListAdapters", trainer_pb2.TrainerServiceListAdaptersRequest(prefix=f"{who.name}/"))
+    return [adapter.name for adapter in listing.adapters]
+
+
+def test_adapter_quota_and_memory_after_delete(
+    stack: Stack, alone: list[float], figure: Callable[[str, object], None]
+) -> None:
+    a = stack["team-a"]
+    memory_before = memory_mib(stack.trainer)
+    held_before = len(team_adapters(a))
+
+    def abuse() -> tuple[list[str], tuple[grpc.StatusCode | None, str]]:
+        made: list[str] = []
+        while True:  # rank-512 adapters, each trained once (weights, gradients, moments: ~16 MB each)
+            name = fresh("team-a")
+            answer = status(functools.partial(a.create, name, rank=512))
+            if answer[0] is not None:
+                return made, answer
+            made.append(name)
+            a.forward_backward(name, sft_batch(3))
+            a.optim_step(name)
+
+    made, refused = beside(stack, abuse, alone)
+    assert refused == (grpc.StatusCode.RESOURCE_EXHAUSTED, "TENANT_QUOTA")
+    assert len(made) == QUOTA - held_before and len(team_adapters(a)) == QUOTA
+    memory_full = memory_mib(stack.trainer)
+    stack["team-b"].create(fresh("team-b"))  # another tenant's quota is its own
+    stack[ADMIN].create(fresh("team-a"))  # admins are not counted
+    for name in made:
+        a.delete(name)
+    a.create(fresh("team-a"))  # a place is free again
+    memory_after = memory_mib(stack.trainer)
+    figure("case 11 trainer PSS before / with the quota's adapters / after deleting them (MiB)",
+           f"{memory_before:.0f} / {memory_full:.0f} / {memory_after:.0f} ({len(made)} rank-512 adapters)")  # fmt: skip
+    assert memory_full > memory_before + len(made) * 8  # the adapters did take memory ...
+    assert memory_after <= memory_before + MEMORY_BOUND_MIB  # ... and gave it back
