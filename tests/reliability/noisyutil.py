@@ -46,8 +46,10 @@ class Tenant:
         response: trainer_pb2.ForwardBackwardResponse = self.call("ForwardBackward", request)
         return response
 
-    def optim_step(self, adapter: str, lr: float = 1e-2) -> trainer_pb2.OptimStepResponse:
-        request = trainer_pb2.OptimStepRequest(adapter=adapter, adam_params=adam(lr))
+    def optim_step(self, adapter: str, lr: float = 1e-2, clip: float = 0.0) -> trainer_pb2.OptimStepResponse:
+        params = adam(lr)
+        params.grad_clip_norm = clip  # clipping scales the gradients in place: an undone step restores them too
+        request = trainer_pb2.OptimStepRequest(adapter=adapter, adam_params=params)
         response: trainer_pb2.OptimStepResponse = self.call("OptimStep", request)
         return response
 

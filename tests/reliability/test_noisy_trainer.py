@@ -99,10 +99,11 @@ def test_exploding_step_is_undone_and_refused(
     memory_before = memory_mib(stack.trainer)
 
     def abuse() -> list[tuple[grpc.StatusCode | None, str]]:
-        return [status(functools.partial(a.optim_step, name, lr=lr)) for lr in (1e30, 1e12, 3e38)]
+        steps = [(1e30, 0.0), (1e12, 0.0), (3e38, 0.0), (1e30, 1e-3)]  # (learning rate, grad clip norm)
+        return [status(functools.partial(a.optim_step, name, lr=lr, clip=clip)) for lr, clip in steps]
 
     refused = beside(stack, abuse, alone)
-    assert refused == [(grpc.StatusCode.FAILED_PRECONDITION, "WEIGHTS_OUT_OF_RANGE")] * 3
+    assert refused == [(grpc.StatusCode.FAILED_PRECONDITION, "WEIGHTS_OUT_OF_RANGE")] * 4
     # Bitwise as before: weights, gradients, AdamW moments, step, ledger (the state artifact is content-addressed).
     after_id = a.save_state(name)
     assert_same(read_state(stack.store, before_id).weights, read_state(stack.store, after_id).weights)
