@@ -176,11 +176,27 @@ class Trainer:
     def forward_backward(
         self, name: str, batch: Batch, loss_fn: str, config: dict[str, float], trace_ids: list[str]
     ) -> StepOutput:
+        output = self.accumulate(name, batch, loss_fn, config)
+        self.record_batch(name, batch, loss_fn, trace_ids)
+        return output
+
+    def accumulate(self, name: str, batch: Batch, loss_fn: str, config: dict[str, float]) -> StepOutput:
+        """Forward and backward of one (micro-)batch: adds its gradients to the adapter's; no ledger entry."""
         state = self._use(name)
         logprobs = self._target_logprobs(state, batch, training=True)
         inputs = {key: value.to(logprobs.device) for key, value in batch.inputs.items()}
         result = compute_loss(loss_fn, logprobs, inputs, config)
         result.loss.backward()  # type: ignore[no-untyped-call]
+        metrics = {
+            **result.metrics,
+            "tokens:sum": float(batch.num_tokens),
+            "datums:sum": float(len(batch.lengths)),
+        }
+        return StepOutput(self._outputs(logprobs, batch), metrics)
+
+    def record_batch(self, name: str, batch: Batch, loss_fn: str, trace_ids: list[str]) -> None:
+        """The request's batch (all its micro-batches) goes into the ledger, for the next optimizer step."""
+        state = self._use(name)
         state.ledger.pending.append(
             registry_pb2.BatchRecord(
                 digest=batch.digest, trace_ids=trace_ids, step=state.step + 1, num_datums=len(batch.lengths),
@@ -188,12 +204,6 @@ class Trainer:
             )
         )  # fmt: skip
         state.ledger.pending[-1].time.GetCurrentTime()
-        metrics = {
-            **result.metrics,
-            "tokens:sum": float(batch.num_tokens),
-            "datums:sum": float(len(batch.lengths)),
-        }
-        return StepOutput(self._outputs(logprobs, batch), metrics)
 
     def gradient_mark(self, name: str) -> GradientMark:
         """What a ForwardBackward changes (gradients, pending batches, dropout RNG), to undo it if its client

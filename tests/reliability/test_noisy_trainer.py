@@ -57,7 +57,8 @@ def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     registry = start_registry(workdir / "registry", "--tokens-file", str(tokens_file))
     try:
         trainer = start_trainer(workdir / "trainer", tiny_model, registry, "--tokens-file", str(tokens_file),
-                                "--registry-token", tokens["svc"], "--max-adapters-per-tenant", str(QUOTA))  # fmt: skip
+                                "--registry-token", tokens["svc"], "--max-adapters-per-tenant", str(QUOTA),
+                                "--micro-batch-positions", str(MICRO))  # fmt: skip
     except BaseException:
         registry.terminate()
         raise
@@ -328,3 +329,58 @@ def test_adapter_quota_and_memory_after_delete(
            f"{memory_before:.0f} / {memory_full:.0f} / {memory_after:.0f} ({len(made)} rank-512 adapters)")  # fmt: skip
     assert memory_full > memory_before + len(made) * 8  # the adapters did take memory ...
     assert memory_after <= memory_before + MEMORY_BOUND_MIB  # ... and gave it back
+
+
+# --- case 3, part two: a big request runs in micro-batches, and computes what separate requests would -----------
+
+MICRO = 4096  # the module's --micro-batch-positions (the default is 16384)
+LENGTHS = [700, 300, 900, 50, 1000, 400, 800, 200, 600, 100, 500, 1000]  # 12 x 1000 padded: over MICRO
+
+
+def micro_groups(lengths: list[int], limit: int) -> list[list[int]]:
+    """Consecutive datums, each group padded to its longest within `limit` (the trainer's rule)."""
+    groups: list[list[int]] = []
+    for index, length in enumerate(lengths):
+        if groups and (len(groups[-1]) + 1) * max(length, *(lengths[i] for i in groups[-1])) <= limit:
+            groups[-1].append(index)
+        else:
+            groups.append([index])
+    return groups
+
+
+def test_big_request_runs_in_micro_batches(
+    stack: Stack, alone: list[float], figure: Callable[[str, object], None]
+) -> None:
+    a = stack["team-a"]
+    whole, parted = fresh("team-a"), fresh("team-a")
+    for name in (whole, parted):
+        a.create(name, seed=11)
+    datums = [sft_datum(random_tokens(50 + i, n + 1)) for i, n in enumerate(LENGTHS)]
+    groups = micro_groups(LENGTHS, MICRO)
+    assert len(groups) > 2
+    memory_before = memory_mib(stack.trainer)
+
+    def big_and_parts() -> tuple[trainer_pb2.ForwardBackwardResponse, list[trainer_pb2.ForwardBackwardResponse]]:
+        big = a.forward_backward(whole, datums)  # one request: the trainer splits it
+        parts = [a.forward_backward(parted, [datums[i] for i in group]) for group in groups]
+        return big, parts
+
+    big, parts = beside(stack, big_and_parts, alone)
+    assert [list(o.tensors["logprobs"].float32_values) for o in big.loss_fn_outputs] == [
+        list(o.tensors["logprobs"].float32_values) for p in parts for o in p.loss_fn_outputs
+    ]
+    for key in ("loss:sum", "weights:sum", "tokens:sum", "datums:sum"):
+        assert big.metrics[key] == sum(p.metrics[key] for p in parts), key
+    assert a.forward_logprobs(whole, datums) == [
+        row for g in groups for row in a.forward_logprobs(parted, [datums[i] for i in g])
+    ]
+    a.optim_step(whole)
+    a.optim_step(parted)
+    saved = [read_state(stack.store, a.save_state(name)) for name in (whole, parted)]
+    assert_same(saved[0].weights, saved[1].weights)  # gradient accumulation over the parts: bitwise the same step
+    assert_same(saved[0].optimizer, saved[1].optimizer)
+    assert len(saved[0].meta["ledger"]["batches"]) == 1  # one request, one batch in the ledger
+    memory_after = memory_mib(stack.trainer)
+    figure("case 3 micro-batches", f"{len(LENGTHS)} datums, {len(LENGTHS) * max(LENGTHS)} padded positions -> "
+           f"{len(groups)} parts of <= {MICRO}; PSS {memory_before:.0f} -> {memory_after:.0f} MiB")  # fmt: skip
+    assert memory_after <= memory_before + MEMORY_BOUND_MIB

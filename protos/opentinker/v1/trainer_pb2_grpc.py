@@ -147,7 +147,9 @@ class TrainerServiceServicer:
 
     def ForwardBackward(self, request, context):
         """Accumulates gradients of the loss over the datums into this adapter's gradient buffers only.
-        The batch is validated before it queues: a rejected one changes nothing.
+        The batch is validated before it queues: a rejected one changes nothing. A batch over --micro-batch-positions
+        padded positions runs in micro-batches (consecutive datums) with gradient accumulation, other adapters' jobs
+        between them: the same outputs and gradients as separate requests of those datums.
         Errors: INVALID_ARGUMENT (INVALID_ADAPTER_NAME, UNKNOWN_LOSS_FN, INVALID_LOSS_CONFIG, EMPTY_BATCH,
         INVALID_DATUM, SEQUENCE_TOO_LONG, TOKEN_OUT_OF_RANGE), NOT_FOUND (ADAPTER_NOT_FOUND),
         RESOURCE_EXHAUSTED (BATCH_TOO_LARGE), PERMISSION_DENIED (PERMISSION_DENIED).
