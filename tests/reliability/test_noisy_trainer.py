@@ -321,7 +321,10 @@ def test_adapter_quota_and_memory_after_delete(
     memory_full = memory_mib(stack.trainer)
     stack["team-b"].create(fresh("team-b"))  # another tenant's quota is its own
     stack[ADMIN].create(fresh("team-a"))  # admins are not counted
-    for name in made:
+    token = a.metadata[0][1].removeprefix("Bearer ")
+    with ServiceClient(stack.trainer.address, token=token, timeout=120) as client:
+        client.delete_training_adapter(made[0])  # through the SDK too
+    for name in made[1:]:
         a.delete(name)
     a.create(fresh("team-a"))  # a place is free again
     memory_after = memory_mib(stack.trainer)
