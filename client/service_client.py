@@ -172,6 +172,19 @@ class ServiceClient:
         )
         return [training_adapter_from_proto(a) for a in response.adapters]
 
+    def delete_training_adapter(self, adapter: str) -> None:
+        """Drops ``adapter``'s training state from the trainer: its memory and its place in the tenant's quota
+        (the trainer's --max-adapters-per-tenant) are given back; its registry versions stay."""
+        request = trainer_pb2.TrainerServiceDeleteAdapterRequest(name=adapter)
+        self._trainer_connection().unary("DeleteAdapter", request, trainer_pb2.TrainerServiceDeleteAdapterResponse)
+
+    async def delete_training_adapter_async(self, adapter: str) -> None:
+        """delete_training_adapter on the async channel."""
+        request = trainer_pb2.TrainerServiceDeleteAdapterRequest(name=adapter)
+        await self._trainer_connection().unary_async(
+            "DeleteAdapter", request, trainer_pb2.TrainerServiceDeleteAdapterResponse
+        )
+
     # Sampling
 
     def create_sampling_client(self, reference: str) -> SamplingClient:

@@ -34,6 +34,10 @@ class Batch:
     def num_tokens(self) -> int:
         return int(self.targets.numel())
 
+    @property
+    def padded_positions(self) -> int:
+        return int(self.input_ids.numel())
+
 
 def _values(
     datum_index: int, key: str, tensor: common_pb2.TensorData, length: int, *, integer: bool = False
@@ -140,3 +144,41 @@ def build_batch(
         inputs={key: torch.tensor(values, dtype=torch.float32) for key, values in inputs.items()},
         digest=digest.hexdigest(),
     )
+
+
+def split_batch(batch: Batch, max_positions: int) -> list[Batch]:
+    """Consecutive groups of the batch's datums, each padded to its own longest and within max_positions (a datum
+    longer than that alone). Each part is exactly the batch a request of those datums would build, so running
+    the parts one after another with gradient accumulation is running separate requests: every loss is a sum
+    over tokens (losses.py), and the parts' losses and gradients add up to the whole batch's."""
+    groups: list[tuple[int, int]] = []  # [first row, end row)
+    longest = 0
+    for row, length in enumerate(batch.lengths):
+        if groups and (row - groups[-1][0] + 1) * max(longest, length) <= max_positions:
+            groups[-1] = (groups[-1][0], row + 1)
+            longest = max(longest, length)
+        else:
+            groups.append((row, row + 1))
+            longest = length
+    if len(groups) == 1:
+        return [batch]
+    offsets = [0]
+    for length in batch.lengths:
+        offsets.append(offsets[-1] + length)
+    parts = []
+    for first, end in groups:
+        width = max(batch.lengths[first:end])
+        start, stop = offsets[first], offsets[end]
+        parts.append(Batch(
+            input_ids=batch.input_ids[first:end, :width].contiguous(),
+            attention_mask=batch.attention_mask[first:end, :width].contiguous(),
+            lengths=batch.lengths[first:end], targets=batch.targets[start:stop].contiguous(),
+            inputs={key: value[start:stop].contiguous() for key, value in batch.inputs.items()}, digest=batch.digest,
+        ))  # fmt: skip
+    return parts
+
+
+def active_tokens(batch: Batch) -> int:
+    """The tokens a loss's ":mean" metrics average over (A != 0; every token without advantages)."""
+    advantages = batch.inputs.get("advantages")
+    return batch.num_tokens if advantages is None else int((advantages != 0).sum())

@@ -31,6 +31,8 @@ class TrainerConfig:
     spill_dir: Path | None = None  # None: <store>/../trainer-spill
     max_batch_tokens: int = 1 << 20
     max_batch_positions: int = 1 << 17  # datums x longest datum per request (batch.py)
+    max_adapters_per_tenant: int = 64  # 0: no limit (quota.py)
+    micro_batch_positions: int = 1 << 14  # a bigger request runs in parts (micro_batch.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +81,9 @@ def build_trainer(config: TrainerConfig) -> BuiltTrainer:
         scheduler.start()
         servicer = TrainerServicer(trainer, scheduler, registry_pb2_grpc.RegistryServiceStub(channel),
                                    registry_metadata=metadata, max_batch_tokens=c.max_batch_tokens,
-                                   max_batch_positions=c.max_batch_positions)  # fmt: skip
+                                   max_batch_positions=c.max_batch_positions,
+                                   max_adapters_per_tenant=c.max_adapters_per_tenant,
+                                   micro_batch_positions=c.micro_batch_positions)  # fmt: skip
         trainer_pb2_grpc.add_TrainerServiceServicer_to_server(servicer, server)
 
     async def on_stop() -> None:

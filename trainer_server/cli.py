@@ -36,6 +36,16 @@ def serve(
         int,
         typer.Option(help="Largest Forward/ForwardBackward batch in padded positions (datums x longest datum)."),
     ] = 1 << 17,
+    max_adapters_per_tenant: Annotated[
+        int, typer.Option(help="Adapters one tenant may hold in this trainer (admins are not counted; 0: no limit).")
+    ] = 64,
+    micro_batch_positions: Annotated[
+        int,
+        typer.Option(
+            help="Padded positions per micro-batch: a bigger Forward/ForwardBackward runs in parts with "
+            "gradient accumulation, other adapters' jobs between them."
+        ),
+    ] = 1 << 14,
     registry_ca: opt.RegistryCa = None,
     host: opt.Host = "127.0.0.1",
     port: opt.Port = DEFAULT_PORT,
@@ -51,6 +61,9 @@ def serve(
     print_config: opt.PrintConfig = False,
 ) -> None:
     """Run the trainer gRPC server."""
+    from opentinker.rpc.memory import limit_malloc_arenas
+
+    limit_malloc_arenas()  # first, before torch and gRPC start their threads: freed adapters can be trimmed
     from opentinker.rpc.server import configure_logging, exit_if_unsafe
     from opentinker.trainer_server.build import TrainerConfig, serve_trainer
 
@@ -60,6 +73,10 @@ def serve(
     exit_if_unsafe("trainer", exposure)
     if dtype not in ("float32", "bfloat16"):
         raise typer.BadParameter("dtype must be float32 or bfloat16", param_hint="--dtype")
+    if max_adapters_per_tenant < 0:
+        raise typer.BadParameter("must be at least 0 (0: no limit)", param_hint="--max-adapters-per-tenant")
+    if micro_batch_positions < 1:
+        raise typer.BadParameter("must be at least 1", param_hint="--micro-batch-positions")
     if max_batch_positions < 1:
         raise typer.BadParameter("must be at least 1", param_hint="--max-batch-positions")
     options = opt.server_options(host, port, metrics_port, tokens_file, insecure_public, tls_cert, tls_key, ready_file,
@@ -68,6 +85,7 @@ def serve(
         model=model, registry=registry, store=store, server=options, registry_token=registry_token,
         registry_ca=registry_ca, device=device, dtype="float32" if dtype == "float32" else "bfloat16",
         max_resident_adapters=max_resident_adapters, spill_dir=spill_dir, max_batch_tokens=max_batch_tokens,
-        max_batch_positions=max_batch_positions,
+        max_batch_positions=max_batch_positions, max_adapters_per_tenant=max_adapters_per_tenant,
+        micro_batch_positions=micro_batch_positions,
     )  # fmt: skip
     serve_trainer(config)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from prometheus_client import Counter
@@ -30,6 +30,8 @@ class _Job:
     fn: Callable[[], Any]
     future: asyncio.Future[Any]
     undo: Callable[[Any], None] | None
+    rest: list[Callable[[], Any]] = field(default_factory=list)  # parts still to run after fn (run_parts)
+    done: list[Any] | None = None  # results of the parts run so far (run_parts only)
 
 
 class AdapterScheduler:
@@ -68,6 +70,27 @@ class AdapterScheduler:
         self._wakeup.set()
         return await future
 
+    async def run_parts(
+        self, adapter: str, parts: Sequence[Callable[[], T]], undo: Callable[[list[T]], None] | None = None
+    ) -> list[T]:
+        """Like run, for a request in parts: one part per turn of the adapter's lane, other adapters' jobs run
+        between them, and none of this adapter's later requests starts before the last part. A request whose
+        caller gave up, or whose part failed, is reverted by undo(results of the parts that ran)."""
+        future: asyncio.Future[list[T]] = asyncio.get_running_loop().create_future()
+        queue = self._queues.setdefault(adapter, collections.deque())
+        queue.append(_Job(parts[0], future, undo, rest=list(parts[1:]), done=[]))
+        if len(queue) == 1:
+            self._ring.append(adapter)
+        self._wakeup.set()
+        return await future
+
+    def _again(self, adapter: str, job: _Job) -> None:
+        """The next part of a job: first in its adapter's queue, its adapter at the back of the ring."""
+        queue = self._queues.setdefault(adapter, collections.deque())
+        queue.appendleft(job)
+        if adapter not in self._ring:
+            self._ring.append(adapter)
+
     async def _dispatch(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
@@ -82,15 +105,26 @@ class AdapterScheduler:
                 else:
                     del self._queues[adapter]
                 if job.future.cancelled():  # the client gave up while queued: skip the work
-                    CANCELLED_JOBS.labels("queued").inc()
+                    if job.done and job.undo is not None:  # between parts: revert the parts that ran
+                        await loop.run_in_executor(self._executor, job.undo, job.done)
+                    CANCELLED_JOBS.labels("undone" if job.done else "queued").inc()
                     continue
                 self.running = 1
                 try:
                     result = await loop.run_in_executor(self._executor, job.fn)
                 except Exception as exc:
+                    if job.done and job.undo is not None:
+                        await loop.run_in_executor(self._executor, job.undo, job.done)
                     if not job.future.cancelled():
                         job.future.set_exception(exc)
                 else:
+                    if job.done is not None:  # a job in parts
+                        job.done.append(result)
+                        result = job.done
+                        if job.rest and not job.future.cancelled():
+                            job.fn = job.rest.pop(0)
+                            self._again(adapter, job)
+                            continue  # (the finally below runs: running back to 0)
                     if not job.future.cancelled():
                         job.future.set_result(result)
                     elif job.undo is not None:

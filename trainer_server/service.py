@@ -4,10 +4,10 @@ the registry. Handlers read top to bottom: check input -> queue on the adapter's
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
-from opentinker.rpc.auth import current_principal, require_access
+from opentinker.rpc.auth import Principal, current_principal, require_access
 from opentinker.rpc.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -18,9 +18,11 @@ from opentinker.rpc.errors import (
 from opentinker.rpc.faults import fault_point
 from opentinker.rpc.registry_link import fetch_artifact, push_artifact, registry_call
 from opentinker.trainer_server.adapter import AdapterState
-from opentinker.trainer_server.batch import DEFAULT_MAX_BATCH_POSITIONS, build_batch
+from opentinker.trainer_server.batch import DEFAULT_MAX_BATCH_POSITIONS, build_batch, split_batch
 from opentinker.trainer_server.losses import LOSS_FNS, resolve_config
+from opentinker.trainer_server.micro_batch import DEFAULT_MICRO_BATCH_POSITIONS, merge_outputs, release_after
 from opentinker.trainer_server.ownership import state_owner
+from opentinker.trainer_server.quota import DEFAULT_MAX_ADAPTERS_PER_TENANT, TenantQuota
 from opentinker.trainer_server.scheduler import AdapterScheduler
 from opentinker.trainer_server.trainer import GradientMark, StepOutput, Trainer, check_adam, check_lora
 from opentinker.v1 import common_pb2, registry_pb2, registry_pb2_grpc, trainer_pb2, trainer_pb2_grpc
@@ -61,6 +63,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         registry_metadata: list[tuple[str, str]] | None = None,
         max_batch_tokens: int = 1 << 20,
         max_batch_positions: int = DEFAULT_MAX_BATCH_POSITIONS,
+        max_adapters_per_tenant: int = DEFAULT_MAX_ADAPTERS_PER_TENANT,
+        micro_batch_positions: int = DEFAULT_MICRO_BATCH_POSITIONS,
     ) -> None:
         self.trainer = trainer
         self.scheduler = scheduler
@@ -68,6 +72,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         self.metadata = registry_metadata
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_positions = max_batch_positions
+        self.quota = TenantQuota(max_adapters_per_tenant)
+        self.micro_batch_positions = micro_batch_positions
 
     def _known(self, name: str) -> str:
         check_adapter_name(name)
@@ -94,6 +100,16 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             check_adam(adam)
         if name in self.trainer.adapters:
             raise AlreadyExists(f"adapter {name!r} already exists in this trainer", reason="ADAPTER_EXISTS")
+        with self.quota.reserve(principal, self.trainer.adapters):
+            return await self._create(name, principal, request, adam)
+
+    async def _create(
+        self,
+        name: str,
+        principal: Principal,
+        request: trainer_pb2.TrainerServiceCreateAdapterRequest,
+        adam: common_pb2.AdamParams | None,
+    ) -> trainer_pb2.TrainerServiceCreateAdapterResponse:
         base_digest = self.trainer.base.digest
         init_version = await self._resolve_init(request.init_from) if request.init_from else None
         # Before the registry record exists: a snapshot or state that does not fit creates nothing.
@@ -185,15 +201,29 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         batch = await asyncio.to_thread(self._batch, request.datums, request.loss_fn, config)
         trace_ids = list(request.trace_ids)
 
-        # The step is read in the adapter's lane: after the reply, a pipelined OptimStep may already run.
-        def forward_backward() -> tuple[GradientMark, StepOutput, int]:
-            mark = self.trainer.gradient_mark(name)
-            result = self.trainer.forward_backward(name, batch, request.loss_fn, config, trace_ids)
-            return mark, result, self.trainer.get(name).step + 1
+        parts = split_batch(batch, self.micro_batch_positions)
 
-        _, result, step = await self.scheduler.run(
-            name, forward_backward, undo=lambda done: self.trainer.undo_forward_backward(name, done[0])
-        )
+        # One micro-batch per turn of the lane; the first takes the undo mark, the last records the request's batch
+        # in the ledger and reads the step (in the adapter's lane: after the reply, a pipelined OptimStep may run).
+        def part(index: int) -> Callable[[], tuple[GradientMark | None, StepOutput, int]]:
+            def run() -> tuple[GradientMark | None, StepOutput, int]:
+                mark = self.trainer.gradient_mark(name) if index == 0 else None
+                output = self.trainer.accumulate(name, parts[index], request.loss_fn, config)
+                release_after(parts[index])
+                if index < len(parts) - 1:
+                    return mark, output, 0
+                self.trainer.record_batch(name, batch, request.loss_fn, trace_ids)
+                return mark, output, self.trainer.get(name).step + 1
+
+            return run
+
+        def undo(done: list[tuple[GradientMark | None, StepOutput, int]]) -> None:
+            mark = done[0][0]
+            assert mark is not None
+            self.trainer.undo_forward_backward(name, mark)
+
+        done = await self.scheduler.run_parts(name, [part(i) for i in range(len(parts))], undo=undo)
+        result, step = merge_outputs(parts, [output for _, output, _ in done]), done[-1][2]
         return trainer_pb2.ForwardBackwardResponse(
             loss_fn_outputs=_outputs(result), metrics=result.metrics, batch_digest=batch.digest, step=step
         )
@@ -203,7 +233,18 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         loss_fn = request.loss_fn or "cross_entropy"
         config = resolve_config(loss_fn, dict(request.loss_fn_config))
         batch = await asyncio.to_thread(self._batch, request.datums, loss_fn, config)
-        result = await self.scheduler.run(name, lambda: self.trainer.forward(name, batch, loss_fn, config))
+        parts = split_batch(batch, self.micro_batch_positions)
+
+        def part(index: int) -> Callable[[], StepOutput]:
+            def run() -> StepOutput:
+                output = self.trainer.forward(name, parts[index], loss_fn, config)
+                release_after(parts[index])
+                return output
+
+            return run
+
+        outputs = await self.scheduler.run_parts(name, [part(i) for i in range(len(parts))])
+        result = merge_outputs(parts, outputs)
         return trainer_pb2.ForwardResponse(loss_fn_outputs=_outputs(result), metrics=result.metrics)
 
     async def OptimStep(self, request: trainer_pb2.OptimStepRequest, context: Context) -> Any:

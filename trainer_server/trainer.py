@@ -8,6 +8,7 @@ parameters) -> optim_step (AdamW over the adapter's explicit parameter list, the
 
 from __future__ import annotations
 
+import gc
 import io
 import json
 import math
@@ -26,6 +27,7 @@ from safetensors.torch import save as save_safetensors
 from opentinker.rpc import faults
 from opentinker.rpc.auth import LOCAL_PRINCIPAL, Principal
 from opentinker.rpc.errors import AlreadyExists, DataLoss, FailedPrecondition, InvalidArgument, NotFound
+from opentinker.rpc.memory import release_freed_memory
 from opentinker.trainer_server.adapter import AdapterState, Ledger, adam_or_default, new_adapter
 from opentinker.trainer_server.base_model import BaseModel
 from opentinker.trainer_server.batch import Batch
@@ -144,6 +146,11 @@ class Trainer:
         del self.adapters[name]
         if self.spill_dir is not None:
             (self.spill_dir / f"{_safe(name)}.pt").unlink(missing_ok=True)
+        # Give the memory back: tensors freed from the compute thread's heap stay resident until trimmed.
+        gc.collect()
+        if self.base.device.type == "cuda":
+            torch.cuda.empty_cache()
+        release_freed_memory()
 
     # Compute
 
@@ -169,11 +176,27 @@ class Trainer:
     def forward_backward(
         self, name: str, batch: Batch, loss_fn: str, config: dict[str, float], trace_ids: list[str]
     ) -> StepOutput:
+        output = self.accumulate(name, batch, loss_fn, config)
+        self.record_batch(name, batch, loss_fn, trace_ids)
+        return output
+
+    def accumulate(self, name: str, batch: Batch, loss_fn: str, config: dict[str, float]) -> StepOutput:
+        """Forward and backward of one (micro-)batch: adds its gradients to the adapter's; no ledger entry."""
         state = self._use(name)
         logprobs = self._target_logprobs(state, batch, training=True)
         inputs = {key: value.to(logprobs.device) for key, value in batch.inputs.items()}
         result = compute_loss(loss_fn, logprobs, inputs, config)
         result.loss.backward()  # type: ignore[no-untyped-call]
+        metrics = {
+            **result.metrics,
+            "tokens:sum": float(batch.num_tokens),
+            "datums:sum": float(len(batch.lengths)),
+        }
+        return StepOutput(self._outputs(logprobs, batch), metrics)
+
+    def record_batch(self, name: str, batch: Batch, loss_fn: str, trace_ids: list[str]) -> None:
+        """The request's batch (all its micro-batches) goes into the ledger, for the next optimizer step."""
+        state = self._use(name)
         state.ledger.pending.append(
             registry_pb2.BatchRecord(
                 digest=batch.digest, trace_ids=trace_ids, step=state.step + 1, num_datums=len(batch.lengths),
@@ -181,12 +204,6 @@ class Trainer:
             )
         )  # fmt: skip
         state.ledger.pending[-1].time.GetCurrentTime()
-        metrics = {
-            **result.metrics,
-            "tokens:sum": float(batch.num_tokens),
-            "datums:sum": float(len(batch.lengths)),
-        }
-        return StepOutput(self._outputs(logprobs, batch), metrics)
 
     def gradient_mark(self, name: str) -> GradientMark:
         """What a ForwardBackward changes (gradients, pending batches, dropout RNG), to undo it if its client

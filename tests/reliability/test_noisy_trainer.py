@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 import pytest
@@ -27,6 +28,7 @@ from opentinker.rpc.errors import error_info
 from opentinker.v1 import common_pb2, trainer_pb2
 from opentinker.weights.artifact_store import ArtifactStore
 
+T = TypeVar("T")
 TENANTS = ("team-a", "team-b")
 ADMIN = "ops"
 MEMORY_BOUND_MIB = 64  # the trainer's PSS after an abuse, over its PSS before
@@ -55,7 +57,8 @@ def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     registry = start_registry(workdir / "registry", "--tokens-file", str(tokens_file))
     try:
         trainer = start_trainer(workdir / "trainer", tiny_model, registry, "--tokens-file", str(tokens_file),
-                                "--registry-token", tokens["svc"])  # fmt: skip
+                                "--registry-token", tokens["svc"], "--max-adapters-per-tenant", str(QUOTA),
+                                "--micro-batch-positions", str(MICRO))  # fmt: skip
     except BaseException:
         registry.terminate()
         raise
@@ -75,7 +78,7 @@ def alone(stack: Stack) -> list[float]:
     return outputs
 
 
-def beside(stack: Stack, abuse: Callable[[], object], reference: list[float]) -> object:
+def beside(stack: Stack, abuse: Callable[[], T], reference: list[float]) -> T:
     """team-a's abuse while team-b runs its workload on a fresh adapter: team-b's outputs equal the run alone."""
     result, outputs = alongside(abuse, lambda: seeded_training(stack["team-b"], fresh("team-b")))
     assert outputs == reference, "team-b's seeded training changed while team-a abused the trainer"
@@ -97,10 +100,11 @@ def test_exploding_step_is_undone_and_refused(
     memory_before = memory_mib(stack.trainer)
 
     def abuse() -> list[tuple[grpc.StatusCode | None, str]]:
-        return [status(functools.partial(a.optim_step, name, lr=lr)) for lr in (1e30, 1e12, 3e38)]
+        steps = [(1e30, 0.0), (1e12, 0.0), (3e38, 0.0), (1e30, 1e-3)]  # (learning rate, grad clip norm)
+        return [status(functools.partial(a.optim_step, name, lr=lr, clip=clip)) for lr, clip in steps]
 
     refused = beside(stack, abuse, alone)
-    assert refused == [(grpc.StatusCode.FAILED_PRECONDITION, "WEIGHTS_OUT_OF_RANGE")] * 3
+    assert refused == [(grpc.StatusCode.FAILED_PRECONDITION, "WEIGHTS_OUT_OF_RANGE")] * 4
     # Bitwise as before: weights, gradients, AdamW moments, step, ledger (the state artifact is content-addressed).
     after_id = a.save_state(name)
     assert_same(read_state(stack.store, before_id).weights, read_state(stack.store, after_id).weights)
@@ -194,7 +198,10 @@ def test_resume_into_another_adapter_through_the_sdk(stack: Stack) -> None:
 # --- case 8: another tenant's saved states and versions are unreachable, and their existence is not revealed ----
 
 
-def refusal(call: Callable[[], object], *ids: str) -> tuple[grpc.StatusCode | None, str, str]:
+Refusal = tuple[grpc.StatusCode | None, str, str]
+
+
+def refusal(call: Callable[[], object], *ids: str) -> Refusal:
     """(code, reason, message with the given ids blanked) of a refused call."""
     try:
         call()
@@ -223,7 +230,7 @@ def test_states_and_versions_of_another_tenant_are_unreachable(stack: Stack, alo
     def load(state_id: str) -> Callable[[], object]:
         return lambda: a.call("LoadState", trainer_pb2.LoadStateRequest(adapter=attacker, state_id=state_id))
 
-    def abuse() -> dict[str, tuple[object, object]]:
+    def abuse() -> dict[str, tuple[Refusal, Refusal]]:
         return {
             "LoadState": (refusal(load(stolen), stolen), refusal(load(nowhere), nowhere)),
             "resume_state": (refusal(lambda: a.create(fresh("team-a"), resume_state=stolen), stolen),
@@ -233,7 +240,6 @@ def test_states_and_versions_of_another_tenant_are_unreachable(stack: Stack, alo
         }  # fmt: skip
 
     answers = beside(stack, abuse, alone)
-    assert isinstance(answers, dict)
     for what, (theirs, missing) in answers.items():
         assert theirs == missing, f"{what}: another tenant's answer differs from a missing one's: {theirs} {missing}"
     assert answers["LoadState"][0][:2] == (grpc.StatusCode.NOT_FOUND, "STATE_NOT_FOUND")
@@ -278,4 +284,106 @@ def test_padded_batches_are_bounded(stack: Stack, alone: list[float], figure: Ca
     assert adapter.pending_batches == 0 and adapter.tokens_trained == 0  # refused before anything was computed
     memory_after = memory_mib(stack.trainer)
     figure("case 3 trainer PSS before/after padded batches (MiB)", f"{memory_before:.0f} -> {memory_after:.0f}")
+    assert memory_after <= memory_before + MEMORY_BOUND_MIB
+
+
+# --- case 11: a tenant's adapters are bounded in number, and deleting them gives the memory back ---------------
+
+QUOTA = 24  # the module's --max-adapters-per-tenant (the default is 64)
+
+
+def team_adapters(who: Tenant) -> list[str]:
+    listing = who.call("ListAdapters", trainer_pb2.TrainerServiceListAdaptersRequest(prefix=f"{who.name}/"))
+    return [adapter.name for adapter in listing.adapters]
+
+
+def test_adapter_quota_and_memory_after_delete(
+    stack: Stack, alone: list[float], figure: Callable[[str, object], None]
+) -> None:
+    a = stack["team-a"]
+    memory_before = memory_mib(stack.trainer)
+    held_before = len(team_adapters(a))
+
+    def abuse() -> tuple[list[str], tuple[grpc.StatusCode | None, str]]:
+        made: list[str] = []
+        while True:  # rank-512 adapters, each trained once (weights, gradients, moments: ~16 MB each)
+            name = fresh("team-a")
+            answer = status(functools.partial(a.create, name, rank=512))
+            if answer[0] is not None:
+                return made, answer
+            made.append(name)
+            a.forward_backward(name, sft_batch(3))
+            a.optim_step(name)
+
+    made, refused = beside(stack, abuse, alone)
+    assert refused == (grpc.StatusCode.RESOURCE_EXHAUSTED, "TENANT_QUOTA")
+    assert len(made) == QUOTA - held_before and len(team_adapters(a)) == QUOTA
+    memory_full = memory_mib(stack.trainer)
+    stack["team-b"].create(fresh("team-b"))  # another tenant's quota is its own
+    stack[ADMIN].create(fresh("team-a"))  # admins are not counted
+    token = a.metadata[0][1].removeprefix("Bearer ")
+    with ServiceClient(stack.trainer.address, token=token, timeout=120) as client:
+        client.delete_training_adapter(made[0])  # through the SDK too
+    for name in made[1:]:
+        a.delete(name)
+    a.create(fresh("team-a"))  # a place is free again
+    memory_after = memory_mib(stack.trainer)
+    figure("case 11 trainer PSS before / with the quota's adapters / after deleting them (MiB)",
+           f"{memory_before:.0f} / {memory_full:.0f} / {memory_after:.0f} ({len(made)} rank-512 adapters)")  # fmt: skip
+    assert memory_full > memory_before + len(made) * 8  # the adapters did take memory ...
+    assert memory_after <= memory_before + MEMORY_BOUND_MIB  # ... and gave it back
+
+
+# --- case 3, part two: a big request runs in micro-batches, and computes what separate requests would -----------
+
+MICRO = 4096  # the module's --micro-batch-positions (the default is 16384)
+LENGTHS = [700, 300, 900, 50, 1000, 400, 800, 200, 600, 100, 500, 1000]  # 12 x 1000 padded: over MICRO
+
+
+def micro_groups(lengths: list[int], limit: int) -> list[list[int]]:
+    """Consecutive datums, each group padded to its longest within `limit` (the trainer's rule)."""
+    groups: list[list[int]] = []
+    for index, length in enumerate(lengths):
+        if groups and (len(groups[-1]) + 1) * max(length, *(lengths[i] for i in groups[-1])) <= limit:
+            groups[-1].append(index)
+        else:
+            groups.append([index])
+    return groups
+
+
+def test_big_request_runs_in_micro_batches(
+    stack: Stack, alone: list[float], figure: Callable[[str, object], None]
+) -> None:
+    a = stack["team-a"]
+    whole, parted = fresh("team-a"), fresh("team-a")
+    for name in (whole, parted):
+        a.create(name, seed=11)
+    datums = [sft_datum(random_tokens(50 + i, n + 1)) for i, n in enumerate(LENGTHS)]
+    groups = micro_groups(LENGTHS, MICRO)
+    assert len(groups) > 2
+    memory_before = memory_mib(stack.trainer)
+
+    def big_and_parts() -> tuple[trainer_pb2.ForwardBackwardResponse, list[trainer_pb2.ForwardBackwardResponse]]:
+        big = a.forward_backward(whole, datums)  # one request: the trainer splits it
+        parts = [a.forward_backward(parted, [datums[i] for i in group]) for group in groups]
+        return big, parts
+
+    big, parts = beside(stack, big_and_parts, alone)
+    assert [list(o.tensors["logprobs"].float32_values) for o in big.loss_fn_outputs] == [
+        list(o.tensors["logprobs"].float32_values) for p in parts for o in p.loss_fn_outputs
+    ]
+    for key in ("loss:sum", "weights:sum", "tokens:sum", "datums:sum"):
+        assert big.metrics[key] == sum(p.metrics[key] for p in parts), key
+    assert a.forward_logprobs(whole, datums) == [
+        row for g in groups for row in a.forward_logprobs(parted, [datums[i] for i in g])
+    ]
+    a.optim_step(whole)
+    a.optim_step(parted)
+    saved = [read_state(stack.store, a.save_state(name)) for name in (whole, parted)]
+    assert_same(saved[0].weights, saved[1].weights)  # gradient accumulation over the parts: bitwise the same step
+    assert_same(saved[0].optimizer, saved[1].optimizer)
+    assert len(saved[0].meta["ledger"]["batches"]) == 1  # one request, one batch in the ledger
+    memory_after = memory_mib(stack.trainer)
+    figure("case 3 micro-batches", f"{len(LENGTHS)} datums, {len(LENGTHS) * max(LENGTHS)} padded positions -> "
+           f"{len(groups)} parts of <= {MICRO}; PSS {memory_before:.0f} -> {memory_after:.0f} MiB")  # fmt: skip
     assert memory_after <= memory_before + MEMORY_BOUND_MIB

@@ -31,9 +31,9 @@ class Tenant:
     def call(self, method: str, request: Any) -> Any:
         return getattr(self.stub, method)(request, metadata=self.metadata, timeout=120)
 
-    def create(self, adapter: str, seed: int = 0, **fields: Any) -> trainer_pb2.TrainingAdapter:
+    def create(self, adapter: str, seed: int = 0, rank: int = 4, **fields: Any) -> trainer_pb2.TrainingAdapter:
         request = trainer_pb2.TrainerServiceCreateAdapterRequest(
-            name=adapter, lora_config=lora(), adam_params=adam(), seed=seed, **fields
+            name=adapter, lora_config=lora(rank=rank), adam_params=adam(), seed=seed, **fields
         )
         created: trainer_pb2.TrainingAdapter = self.call("CreateAdapter", request).adapter
         return created
@@ -46,8 +46,10 @@ class Tenant:
         response: trainer_pb2.ForwardBackwardResponse = self.call("ForwardBackward", request)
         return response
 
-    def optim_step(self, adapter: str, lr: float = 1e-2) -> trainer_pb2.OptimStepResponse:
-        request = trainer_pb2.OptimStepRequest(adapter=adapter, adam_params=adam(lr))
+    def optim_step(self, adapter: str, lr: float = 1e-2, clip: float = 0.0) -> trainer_pb2.OptimStepResponse:
+        params = adam(lr)
+        params.grad_clip_norm = clip  # clipping scales the gradients in place: an undone step restores them too
+        request = trainer_pb2.OptimStepRequest(adapter=adapter, adam_params=params)
         response: trainer_pb2.OptimStepResponse = self.call("OptimStep", request)
         return response
 

@@ -111,3 +111,61 @@ def test_cancelled_request_is_skipped() -> None:
 
     run(main())
     assert ran == ["after"]
+
+
+def test_a_job_in_parts_lets_other_adapters_run_between_its_parts() -> None:
+    order: list[str] = []
+
+    async def main() -> list[str]:
+        scheduler = AdapterScheduler()
+        scheduler.start()
+        gate = threading.Event()
+
+        def record(label: str, wait: bool = False) -> str:
+            if wait:
+                gate.wait(5)
+            order.append(label)
+            return label
+
+        blocker = asyncio.ensure_future(scheduler.run("z", functools.partial(record, "z0", wait=True)))
+        await asyncio.sleep(0.05)
+        big = asyncio.ensure_future(scheduler.run_parts("a", [functools.partial(record, f"a.{i}") for i in range(3)]))
+        later = asyncio.ensure_future(scheduler.run("a", functools.partial(record, "a-next")))
+        others = [asyncio.ensure_future(scheduler.run("b", functools.partial(record, f"b{i}"))) for i in range(3)]
+        await asyncio.sleep(0.05)
+        gate.set()
+        parts = await big
+        await asyncio.gather(blocker, later, *others)
+        await scheduler.stop()
+        return parts
+
+    assert run(main()) == ["a.0", "a.1", "a.2"]
+    assert order == ["z0", "a.0", "b0", "a.1", "b1", "a.2", "b2", "a-next"]
+
+
+def test_a_job_in_parts_whose_caller_gave_up_is_undone() -> None:
+    undone: list[list[str]] = []
+
+    async def main() -> None:
+        scheduler = AdapterScheduler()
+        scheduler.start()
+        gate = threading.Event()
+
+        def part(label: str) -> str:
+            gate.wait(5)
+            return label
+
+        big = asyncio.ensure_future(
+            scheduler.run_parts("a", [functools.partial(part, f"a.{i}") for i in range(3)], undo=undone.append)
+        )
+        await asyncio.sleep(0.05)  # a.0 is running
+        big.cancel()
+        gate.set()
+        for _ in range(500):
+            if undone:
+                break
+            await asyncio.sleep(0.01)
+        await scheduler.stop()
+
+    run(main())
+    assert undone == [["a.0"]]  # the part that ran is reverted; the others never run

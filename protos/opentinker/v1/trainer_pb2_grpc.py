@@ -107,10 +107,12 @@ class TrainerServiceServicer:
         registers it in the registry. A snapshot or state that does not fit creates nothing. resume_state follows
         LoadState's ownership rule; init_from the caller's own access rule (another tenant's: PERMISSION_DENIED,
         whether it exists or not). A state resumed from another adapter keeps this adapter's own snapshot history.
+        A tenant holds at most --max-adapters-per-tenant adapters in this trainer (admins are not refused).
         Errors: INVALID_ARGUMENT (INVALID_ADAPTER_NAME, INVALID_LORA_CONFIG, INVALID_ADAM_PARAMS, INVALID_REFERENCE,
         INVALID_ARTIFACT_URI), NOT_FOUND (ADAPTER_NOT_FOUND, ALIAS_NOT_FOUND, VERSION_NOT_FOUND, STATE_NOT_FOUND),
         ALREADY_EXISTS (ADAPTER_EXISTS), FAILED_PRECONDITION (BASE_MODEL_MISMATCH, INCOMPATIBLE_SNAPSHOT,
         INCOMPATIBLE_STATE, ARTIFACT_DELETED), DATA_LOSS (DIGEST_MISMATCH, INVALID_STATE),
+        RESOURCE_EXHAUSTED (TENANT_QUOTA),
         PERMISSION_DENIED (PERMISSION_DENIED), UNAVAILABLE (REGISTRY_UNAVAILABLE).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -135,7 +137,7 @@ class TrainerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def DeleteAdapter(self, request, context):
-        """Drops the adapter's training state from this trainer (registry versions stay).
+        """Drops the adapter's training state from this trainer (registry versions stay) and gives its memory back.
         Errors: INVALID_ARGUMENT (INVALID_ADAPTER_NAME), NOT_FOUND (ADAPTER_NOT_FOUND),
         PERMISSION_DENIED (PERMISSION_DENIED).
         """
@@ -145,7 +147,9 @@ class TrainerServiceServicer:
 
     def ForwardBackward(self, request, context):
         """Accumulates gradients of the loss over the datums into this adapter's gradient buffers only.
-        The batch is validated before it queues: a rejected one changes nothing.
+        The batch is validated before it queues: a rejected one changes nothing. A batch over --micro-batch-positions
+        padded positions runs in micro-batches (consecutive datums) with gradient accumulation, other adapters' jobs
+        between them: the same outputs and gradients as separate requests of those datums.
         Errors: INVALID_ARGUMENT (INVALID_ADAPTER_NAME, UNKNOWN_LOSS_FN, INVALID_LOSS_CONFIG, EMPTY_BATCH,
         INVALID_DATUM, SEQUENCE_TOO_LONG, TOKEN_OUT_OF_RANGE), NOT_FOUND (ADAPTER_NOT_FOUND),
         RESOURCE_EXHAUSTED (BATCH_TOO_LARGE), PERMISSION_DENIED (PERMISSION_DENIED).

@@ -1,0 +1,40 @@
+"""A big request as micro-batches: the parts run as separate turns of the compute lane (other adapters' jobs run
+between them), their gradients accumulate in the adapter's buffers, and their outputs merge into the one
+answer of the request (batch.py split_batch: each part is what a request of its datums would compute)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from opentinker.rpc.memory import release_freed_memory
+from opentinker.trainer_server.batch import Batch, active_tokens
+from opentinker.trainer_server.trainer import StepOutput
+
+# Padded positions per micro-batch by default: a request beyond runs in parts, so the compute thread is never
+# held by one request for more than about this much work (a cookbook 64 x 2048 batch: 8 parts).
+DEFAULT_MICRO_BATCH_POSITIONS = 1 << 14
+# After a (micro-)batch this big, freed activations are handed back to the OS (malloc_trim): glibc keeps the
+# compute thread's heap at its high-water mark otherwise (tests/reliability/test_noisy_trainer.py: +190 MiB kept
+# after 12,000 padded positions on the tiny model, none after the trim). Smaller ones are not worth the walk.
+TRIM_POSITIONS = 1 << 10
+
+
+def release_after(batch: Batch) -> None:
+    if batch.padded_positions >= TRIM_POSITIONS:
+        release_freed_memory()
+
+
+def merge_outputs(parts: Sequence[Batch], outputs: Sequence[StepOutput]) -> StepOutput:
+    """The request's answer: logprobs in datum order; ":sum" metrics added; ":mean" metrics weighted by each
+    part's active tokens (the loss's own default when no part has any)."""
+    logprobs = [row for output in outputs for row in output.logprobs]
+    metrics: dict[str, float] = {}
+    weights = [active_tokens(part) for part in parts]
+    for key in outputs[0].metrics:
+        values = [output.metrics[key] for output in outputs]
+        if key.endswith(":mean"):
+            total = sum(weights)
+            metrics[key] = sum(v * w for v, w in zip(values, weights, strict=True)) / total if total else values[0]
+        else:
+            metrics[key] = sum(values)
+    return StepOutput(logprobs, metrics)
