@@ -116,7 +116,7 @@ async def create_session(request: web.Request) -> web.Response:
     body = await json_body(request)
     version = body.get("sdk_version")
     warning = check_sdk_version(version)
-    session = gw.sessions.create(principal.tenant, str(version or ""))
+    session = gw.sessions.create(principal.tenant, str(version or ""), gw.config.max_sessions_per_tenant)
     reply: dict[str, object] = {"type": "create_session", "session_id": session.session_id}
     if warning is not None:
         reply["warning_message"] = warning

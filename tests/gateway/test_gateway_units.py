@@ -211,3 +211,23 @@ def test_client_strings_cannot_forge_log_lines() -> None:
         failed = logging.LogRecord("opentinker.gateway", logging.ERROR, __file__, 1, "boom", (), sys.exc_info())
     lines = SafeFormatter(FORMAT).format(failed).splitlines()
     assert all(line.startswith("    | ") for line in lines[1:]) and len(lines) > 2
+
+
+def test_sessions_are_capped_per_tenant_and_expire_without_heartbeats() -> None:
+    from opentinker.gateway.sessions import SessionTable
+
+    table = SessionTable()
+    first = table.create("a", "0.38.0", limit=2)
+    table.create("a", "0.38.0", limit=2)
+    with pytest.raises(GatewayError) as caught:
+        table.create("a", "0.38.0", limit=2)
+    assert (caught.value.status, caught.value.code) == (429, "TOO_MANY_SESSIONS")
+    table.create("b", "0.38.0", limit=2)  # another tenant is not held back
+    now = first.last_heartbeat + 100
+    assert len(table.expire(now, now - 1000)) == 3  # no heartbeats: all expire ...
+    with pytest.raises(GatewayError) as gone:
+        table.heartbeat(first.session_id, "a")
+    assert gone.value.status == 410  # ... a heartbeat is told so (the SDK stops its loop) ...
+    fresh = table.create("a", "0.38.0", limit=2)  # ... and they no longer count
+    fresh.last_heartbeat = now + 500
+    assert table.expire(now + 1, now + 1) == set() and len(table) == 1  # forgotten later
