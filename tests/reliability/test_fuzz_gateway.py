@@ -322,3 +322,75 @@ def test_gateway_stays_healthy_and_no_job_failed_internally(fuzz: Fuzz, figure: 
     figure("gateway_fuzz_statuses", dict(sorted(STATUSES.items())))
     assert total >= sum(EXAMPLES.values()) // 2
     assert not any(status >= 500 for status in STATUSES)
+
+
+# --- the conversions behind the routes, in process (a job's failure is never "internal") --------------------
+
+
+@st.composite
+def near_valid_message(draw: st.DrawFn) -> tpb.ForwardBackwardRequest:
+    """A valid forward_backward request with one to three of its datum's parts broken (so that conversion, which
+    runs in the accepted job, is reached: the process fuzz above mostly stops at the model's lane)."""
+    message = tpb.ForwardBackwardRequest()
+    message.ParseFromString(_fwdbwd("m", 1))
+    datum = message.data[draw(st.integers(0, 0))]
+    for _ in range(draw(st.integers(1, 3))):
+        part = draw(st.sampled_from(["tokens", "chunk", "dense", "csr", "shape", "dtype", "config", "span"]))
+        tensor = datum.loss_fn_inputs[draw(st.sampled_from(["target_tokens", "weights", "logprobs"]))]
+        if part == "tokens":
+            datum.model_input[0].encoded_text.tokens = draw(st.binary(max_size=40))
+        elif part == "chunk":
+            datum.model_input.add().image.data = draw(st.binary(max_size=8))
+        elif part == "dense":
+            tensor.dense = draw(st.binary(max_size=40))
+        elif part == "csr":
+            csr = tensor.sparse_csr
+            csr.values, csr.crow_indices, csr.col_indices = (draw(st.binary(max_size=32)) for _ in range(3))
+        elif part == "shape":
+            tensor.shape[:] = draw(st.lists(st.sampled_from([0, 1, 2, 3, 5, 2**31, 2**62, -1]), max_size=4))
+        elif part == "dtype":
+            tensor.dtype = draw(st.integers(0, 9))  # type: ignore[assignment]  # unknown enum values too
+        elif part == "config":
+            value = message.loss_fn_config_v2[draw(st.text(max_size=4))]
+            if draw(st.booleans()):
+                value.number = draw(st.floats())
+            else:
+                value.text = draw(st.text(max_size=4))
+        else:
+            datum.model_input_spans.add()
+    return message
+
+
+@settings(max_examples=600, deadline=None, database=None, derandomize=True)
+@given(near_valid_message())
+def test_forward_backward_conversion_fails_only_deliberately(message: tpb.ForwardBackwardRequest) -> None:
+    from opentinker.gateway import convert
+    from opentinker.gateway.errors import GatewayError, RequestFailed
+
+    try:
+        convert.check_sizes(message)
+        convert.loss_fn_config(message)
+        convert.datums(message)
+        convert.trace_ids(message, "s")
+    except (GatewayError, RequestFailed):
+        COUNTS["conversion refused"] += 1
+
+
+@settings(max_examples=400, deadline=None, database=None, derandomize=True)
+@given(st.dictionaries(st.sampled_from(["max_tokens", "seed", "stop", "temperature", "top_k", "top_p", "rank",
+                                        "train_attn", "train_mlp", "learning_rate", "beta1", "eps"]),
+                       _json({"x": "base"}), max_size=5))  # fmt: skip
+def test_json_conversions_fail_only_deliberately(params: dict[str, object]) -> None:
+    from opentinker.gateway import convert
+    from opentinker.gateway.errors import GatewayError
+
+    for conversion in (
+        lambda: convert.sampling_params(params, 16),
+        lambda: convert.lora_config(params),
+        lambda: convert.adam_params(params),
+        lambda: convert.prompt_tokens({"chunks": [{"tokens": params.get("stop")}]}),
+    ):
+        try:
+            conversion()
+        except GatewayError as exc:
+            assert exc.status == 400 and exc.code == "INVALID_FIELD"
