@@ -148,7 +148,11 @@ async def _submit(
             429, "TOO_MUCH_PENDING", f"tenant {model.tenant} has {held} bytes of requests waiting; at most {limit}"
         )
     future = gw.futures.create(model.tenant)
-    model.lane.submit(seq_id, future, job, size)
+    try:
+        model.lane.submit(seq_id, future, job, size)
+    except GatewayError:
+        gw.futures.discard(future)
+        raise
     return _future_reply(future.request_id, model.model_id)
 
 

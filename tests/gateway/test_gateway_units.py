@@ -231,3 +231,23 @@ def test_sessions_are_capped_per_tenant_and_expire_without_heartbeats() -> None:
     fresh = table.create("a", "0.38.0", limit=2)  # ... and they no longer count
     fresh.last_heartbeat = now + 500
     assert table.expire(now + 1, now + 1) == set() and len(table) == 1  # forgotten later
+
+
+def test_unfinished_requests_are_capped_per_tenant_and_refusals_release_their_place() -> None:
+    from opentinker.gateway.futures import FutureStore
+
+    async def scenario() -> None:
+        store = FutureStore(max_inflight=2)
+        first, _ = store.create("a"), store.create("a")
+        with pytest.raises(GatewayError) as caught:
+            store.create("a")
+        assert (caught.value.status, caught.value.code, caught.value.retry) == (429, "TOO_MANY_REQUESTS", True)
+        store.create("b")  # another tenant is not held back
+        first.finish(Outcome(json={}))
+        refused = store.create("a")  # a finished request frees its place ...
+        store.discard(refused)  # ... and so does one refused before it was queued
+        assert store.inflight("a") == 1
+        with pytest.raises(GatewayError):
+            store.get(refused.request_id, "a")
+
+    asyncio.run(scenario())
