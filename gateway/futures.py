@@ -85,7 +85,6 @@ class FutureStore:
     def create(self, tenant: str) -> Future:
         """A new future of ``tenant``; 429 TOO_MANY_REQUESTS (which the SDK retries after a backoff) while the
         tenant has ``max_inflight`` unfinished ones."""
-        self._prune()
         if self.max_inflight is not None and self._inflight[tenant] >= self.max_inflight:
             raise GatewayError(
                 429, "TOO_MANY_REQUESTS", f"tenant {tenant} has {self.max_inflight} unfinished requests", retry=True
@@ -131,7 +130,8 @@ class FutureStore:
             await asyncio.wait_for(future.done.wait(), self.poll_seconds)
         return future
 
-    def _prune(self) -> None:
+    def prune(self) -> None:
+        """Forgets futures finished more than ``ttl_seconds`` ago (the gateway's sweep calls it)."""
         cutoff = time.monotonic() - self.ttl_seconds
         expired = [rid for rid, f in self._futures.items() if f.outcome is not None and f.finished_at < cutoff]
         for rid in expired:

@@ -251,3 +251,38 @@ def test_unfinished_requests_are_capped_per_tenant_and_refusals_release_their_pl
             store.get(refused.request_id, "a")
 
     asyncio.run(scenario())
+
+
+def test_a_sweep_fails_stalled_lanes_expires_silent_sessions_and_prunes_old_futures() -> None:
+    from opentinker.gateway.backend import Backends
+    from opentinker.gateway.expiry import sweep
+    from opentinker.gateway.models import TrainingModel
+    from opentinker.gateway.state import Gateway, GatewayConfig
+
+    async def scenario() -> None:
+        gw = Gateway(keys=KeyStore([]), backends=Backends("x:1", "x:2", "x:3"), config=GatewayConfig())
+        session = gw.sessions.create("a", "0.38.0")
+        lane = gw.lane(f"{session.session_id}:train:0")
+        gw.models.add(TrainingModel(lane.model_id, "a", session.session_id, "a/x", common_pb2.LoraConfig(), "m", lane))
+
+        async def run() -> Outcome:
+            return Outcome(json={})
+
+        parked = gw.futures.create("a")
+        lane.submit(2, parked, run, 100)
+        old = gw.futures.create("a")
+        old.finish(Outcome(json={}))
+        await asyncio.sleep(0)
+        assert lane.stalled_since is not None
+        swept = sweep(gw, lane.stalled_since + gw.config.pending_ttl_seconds + 1)
+        assert (swept.stalled_models, swept.freed_bytes, swept.expired_sessions) == (1, 100, 0)
+        assert parked.outcome is not None and parked.outcome.failure is not None
+        later = session.last_heartbeat + gw.config.session_ttl_seconds + 1
+        assert sweep(gw, later).expired_sessions == 1
+        assert gw.models.find(lane.model_id) is None
+        gw.futures.ttl_seconds = 0
+        gw.futures.prune()
+        with pytest.raises(GatewayError):
+            gw.futures.get(old.request_id, "a")
+
+    asyncio.run(scenario())
