@@ -32,9 +32,10 @@ _PUBLIC = frozenset({"/api/v1/healthz"})
 _NO_RETRY = {"x-should-retry": "false"}
 
 
-def _error(status: int, code: str, message: str) -> web.Response:
-    # 4xx answers say "do not retry": the SDK would otherwise retry some of them (409, 429).
-    headers = _NO_RETRY if status < 500 else {}
+def _error(status: int, code: str, message: str, retry: bool = False) -> web.Response:
+    # 4xx answers say "do not retry" (the SDK would otherwise retry some of them: 409, 429) unless they are a
+    # rate limit the SDK should back off from and retry.
+    headers = _NO_RETRY if status < 500 and not retry else {}
     return web.json_response({"error": code, "detail": message}, status=status, headers=headers)
 
 
@@ -57,7 +58,7 @@ async def errors_and_auth(request: web.Request, handler: Handler) -> web.StreamR
             _authenticate(request)
         return await handler(request)
     except GatewayError as exc:
-        return _error(exc.status, exc.code, exc.message)
+        return _error(exc.status, exc.code, exc.message, exc.retry)
     except RequestFailed as exc:
         return _error(400, "INVALID_REQUEST", exc.message)
     except web.HTTPException as exc:
@@ -116,7 +117,7 @@ async def create_session(request: web.Request) -> web.Response:
     body = await json_body(request)
     version = body.get("sdk_version")
     warning = check_sdk_version(version)
-    session = gw.sessions.create(principal.tenant, str(version or ""))
+    session = gw.sessions.create(principal.tenant, str(version or ""), gw.config.max_sessions_per_tenant)
     reply: dict[str, object] = {"type": "create_session", "session_id": session.session_id}
     if warning is not None:
         reply["warning_message"] = warning

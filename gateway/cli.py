@@ -47,6 +47,15 @@ def serve(
     max_pending_bytes: Annotated[
         int, typer.Option(help="forward_backward bytes one model may have waiting for their turn.")
     ] = 256 << 20,
+    max_tenant_pending_bytes: Annotated[
+        int, typer.Option(help="forward_backward bytes all models of one tenant may have waiting.")
+    ] = 1 << 30,
+    max_sessions_per_tenant: Annotated[
+        int, typer.Option(help="Sessions one tenant holds at once (finished ones count until they expire).")
+    ] = 1024,
+    max_inflight_per_tenant: Annotated[
+        int, typer.Option(help="Unfinished requests of one tenant; beyond, 429 (the SDK backs off and retries).")
+    ] = 4096,
     pending_ttl_seconds: Annotated[
         float, typer.Option(help="How long a request waits for an earlier seq_id before it fails.")
     ] = 300.0,
@@ -79,7 +88,8 @@ def serve(
         default_max_tokens=default_max_tokens, poll_seconds=poll_seconds, max_num_samples=max_num_samples,
         max_body_bytes=max_body_bytes, max_json_bytes=max_json_bytes, max_string_length=max_string_length,
         seq_window=seq_window, max_pending_bytes=max_pending_bytes, pending_ttl_seconds=pending_ttl_seconds,
-        session_ttl_seconds=session_ttl_seconds,
+        session_ttl_seconds=session_ttl_seconds, max_tenant_pending_bytes=max_tenant_pending_bytes,
+        max_sessions_per_tenant=max_sessions_per_tenant, max_inflight_per_tenant=max_inflight_per_tenant,
     )  # fmt: skip
     positive = {name: value for name, value in config.limits().items() if not value > 0}
     if positive:

@@ -104,6 +104,10 @@ def _tensor_values(tensor: Any, key: str) -> tuple[npt.NDArray[Any], list[int]]:
             col = np.frombuffer(csr.col_indices, dtype=np.int64)
             if len(shape) != 2 or len(crow) != shape[0] + 1 or len(col) != len(values):
                 raise ValueError("inconsistent sparse CSR tensor")
+            if crow[0] != 0 or crow[-1] != len(values) or np.any(np.diff(crow) < 0):
+                raise ValueError("sparse CSR row offsets must rise from 0 to the number of values")
+            if len(col) and (col.min() < 0 or col.max() >= shape[1]):
+                raise ValueError("sparse CSR column index out of range")
             dense = np.zeros(shape, dtype=dtype)
             rows = np.repeat(np.arange(shape[0]), np.diff(crow))
             dense[rows, col] = values
@@ -138,7 +142,10 @@ def _model_input(chunks: Sequence[Any], where: str) -> common_pb2.ModelInput:
         kind = chunk.WhichOneof("chunk")
         if kind != "encoded_text":
             raise RequestFailed(f"{where}: {kind or 'empty'} chunks are not supported (text tokens only)")
-        tokens = np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32)
+        raw = chunk.encoded_text.tokens
+        if len(raw) % 4:
+            raise RequestFailed(f"{where}: tokens are int32 bytes; got {len(raw)} bytes")
+        tokens = np.frombuffer(raw, dtype=np.int32)
         result.chunks.add().encoded_text.tokens.extend(tokens.tolist())
     return result
 

@@ -16,11 +16,12 @@ from opentinker.client.errors import OpenTinkerError
 class GatewayError(Exception):
     """An HTTP error answer: ``status`` and a one-line message; ``code`` is a stable UPPER_SNAKE_CASE tag."""
 
-    def __init__(self, status: int, code: str, message: str) -> None:
+    def __init__(self, status: int, code: str, message: str, *, retry: bool = False) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
         self.message = message
+        self.retry = retry  # a 4xx the SDK may retry (with its backoff): a rate limit, not a wrong request
 
     def body(self) -> dict[str, str]:
         return {"error": self.code, "detail": self.message}

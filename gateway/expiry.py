@@ -1,5 +1,6 @@
-"""What the gateway forgets on its own: requests stalled behind a seq_id that never came, and sessions whose
-SDK stopped sending heartbeats (the SDK sends one every 10 s). A sweep runs a few times per the shorter TTL."""
+"""What the gateway forgets on its own: requests stalled behind a seq_id that never came, sessions whose SDK
+stopped sending heartbeats (the SDK sends one every 10 s), and old finished futures. A sweep runs a few times per
+the shorter TTL (at least every 30 s)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ def sweep(gw: Gateway, now: float | None = None) -> Swept:
         )
         stalled += 1 if bytes_ else 0
         freed += bytes_
+    gw.futures.prune()  # here, not on every request: it walks every future
     expired = gw.sessions.expire(now - session_ttl, now - 2 * session_ttl)
     if expired:
         freed += gw.models.drop_sessions(expired, f"its session expired (no heartbeat for {session_ttl:g} s)")

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import time
 import uuid
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -42,12 +43,16 @@ class Future:
     done: asyncio.Event = field(default_factory=asyncio.Event)
     outcome: Outcome | None = None
     finished_at: float = 0.0
+    on_finish: Callable[[], None] | None = None
 
     def finish(self, outcome: Outcome) -> None:
         if self.outcome is None:
             self.outcome = outcome
             self.finished_at = time.monotonic()
             self.done.set()
+            if self.on_finish is not None:
+                self.on_finish()
+                self.on_finish = None
 
 
 async def run_job(job: Job) -> Outcome:
@@ -67,17 +72,40 @@ async def run_job(job: Job) -> Outcome:
 
 
 class FutureStore:
-    def __init__(self, *, poll_seconds: float = 20.0, ttl_seconds: float = 3600.0) -> None:
+    def __init__(
+        self, *, poll_seconds: float = 20.0, ttl_seconds: float = 3600.0, max_inflight: int | None = None
+    ) -> None:
         self.poll_seconds = poll_seconds
         self.ttl_seconds = ttl_seconds
+        self.max_inflight = max_inflight  # unfinished requests per tenant
         self._futures: dict[str, Future] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._inflight: Counter[str] = Counter()
 
     def create(self, tenant: str) -> Future:
-        self._prune()
-        future = Future(request_id=uuid.uuid4().hex, tenant=tenant)
+        """A new future of ``tenant``; 429 TOO_MANY_REQUESTS (which the SDK retries after a backoff) while the
+        tenant has ``max_inflight`` unfinished ones."""
+        if self.max_inflight is not None and self._inflight[tenant] >= self.max_inflight:
+            raise GatewayError(
+                429, "TOO_MANY_REQUESTS", f"tenant {tenant} has {self.max_inflight} unfinished requests", retry=True
+            )
+        self._inflight[tenant] += 1
+        future = Future(request_id=uuid.uuid4().hex, tenant=tenant, on_finish=lambda: self._release(tenant))
         self._futures[future.request_id] = future
         return future
+
+    def _release(self, tenant: str) -> None:
+        self._inflight[tenant] -= 1
+        if self._inflight[tenant] <= 0:
+            del self._inflight[tenant]
+
+    def discard(self, future: Future) -> None:
+        """Forgets a future whose request was refused before it was queued."""
+        future.finish(Outcome(failure=RequestFailed("the request was refused")))
+        self._futures.pop(future.request_id, None)
+
+    def inflight(self, tenant: str) -> int:
+        return self._inflight[tenant]
 
     def start(self, future: Future, job: Job) -> None:
         """Runs ``job`` in the background; its outcome ends ``future``."""
@@ -102,7 +130,8 @@ class FutureStore:
             await asyncio.wait_for(future.done.wait(), self.poll_seconds)
         return future
 
-    def _prune(self) -> None:
+    def prune(self) -> None:
+        """Forgets futures finished more than ``ttl_seconds`` ago (the gateway's sweep calls it)."""
         cutoff = time.monotonic() - self.ttl_seconds
         expired = [rid for rid, f in self._futures.items() if f.outcome is not None and f.finished_at < cutoff]
         for rid in expired:

@@ -46,21 +46,25 @@ class Lane:
         """The request id already given to ``seq_id`` (the SDK resends a request after a lost answer)."""
         return self.accepted.get(seq_id)
 
-    def submit(self, seq_id: int, future: Future, job: Job, size: int = 0) -> None:
-        """Queues ``job`` as request ``seq_id`` holding ``size`` bytes; 400 beyond the window, 429 beyond the
-        pending bytes (nothing is queued then)."""
+    def check(self, seq_id: int) -> None:
+        """400 for a seq_id already used or (on a lane that still runs requests) beyond the window."""
         if seq_id < self.next_seq or seq_id in self.pending:
             raise bad_request(f"seq_id {seq_id} of model {self.model_id} was already used", "SEQ_ID_REUSED")
-        if self.poisoned is not None:  # fails anyway: nothing to keep
-            self.accepted[seq_id] = future.request_id
-            future.finish(Outcome(failure=RequestFailed(self.poisoned)))
-            return
-        if seq_id >= self.next_seq + self.window:
+        if self.poisoned is None and seq_id >= self.next_seq + self.window:
             raise bad_request(
                 f"seq_id {seq_id} of model {self.model_id} is more than {self.window} ahead of the next expected "
                 f"one ({self.next_seq})",
                 "SEQ_ID_TOO_FAR_AHEAD",
             )
+
+    def submit(self, seq_id: int, future: Future, job: Job, size: int = 0) -> None:
+        """Queues ``job`` as request ``seq_id`` holding ``size`` bytes; 400 beyond the window, 429 beyond the
+        pending bytes (nothing is queued then)."""
+        self.check(seq_id)
+        if self.poisoned is not None:  # fails anyway: nothing to keep
+            self.accepted[seq_id] = future.request_id
+            future.finish(Outcome(failure=RequestFailed(self.poisoned)))
+            return
         if self.pending and self.pending_bytes + size > self.max_pending_bytes:
             raise GatewayError(
                 429,
@@ -143,6 +147,10 @@ class ModelTable:
 
     def find(self, model_id: str) -> TrainingModel | None:
         return self._models.get(model_id)
+
+    def pending_bytes(self, tenant: str) -> int:
+        """Bytes of requests waiting in the lanes of all models of ``tenant``."""
+        return sum(model.lane.pending_bytes for model in self._models.values() if model.tenant == tenant)
 
     def lanes(self) -> list[Lane]:
         return [model.lane for model in self._models.values()]

@@ -43,7 +43,14 @@ class SessionTable:
         self._sessions: dict[str, Session] = {}
         self._samplers: dict[str, SamplingSession] = {}
 
-    def create(self, tenant: str, sdk_version: str) -> Session:
+    def create(self, tenant: str, sdk_version: str, limit: int | None = None) -> Session:
+        """A new session of ``tenant``; 429 TOO_MANY_SESSIONS when it holds ``limit`` (expired ones aside)."""
+        if limit is not None:
+            held = sum(1 for s in self._sessions.values() if s.tenant == tenant and s.finished != "expired")
+            if held >= limit:
+                raise GatewayError(
+                    429, "TOO_MANY_SESSIONS", f"tenant {tenant} holds {held} sessions; at most {limit} (finish some)"
+                )
         session = Session(session_id=new_id(), tenant=tenant, sdk_version=sdk_version)
         self._sessions[session.session_id] = session
         return session

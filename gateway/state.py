@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -41,6 +42,9 @@ class GatewayConfig:
     max_string_length: int = 4096  # characters of any string (or key) in a JSON body
     seq_window: int = 256  # how far ahead of a model's next expected seq_id a request may be
     max_pending_bytes: int = 256 << 20  # forward_backward bytes one model may have waiting for their turn
+    max_tenant_pending_bytes: int = 1 << 30  # ... and all models of one tenant together
+    max_sessions_per_tenant: int = 1024  # sessions one tenant holds at once (finished ones count until they expire)
+    max_inflight_per_tenant: int = 4096  # unfinished requests of one tenant (429, retried by the SDK, beyond)
     pending_ttl_seconds: float = 300.0  # how long a request may wait for an earlier seq_id that never comes
     session_ttl_seconds: float = 900.0  # a session without heartbeats expires (the SDK sends one every 10 s)
 
@@ -62,9 +66,11 @@ class Gateway:
     sessions: SessionTable = field(default_factory=SessionTable)
     models: ModelTable = field(default_factory=ModelTable)
     checkpoints: CheckpointTable = field(default_factory=CheckpointTable)
+    decode_slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(2))  # bodies decoded at once
 
     def __post_init__(self) -> None:
         self.futures.poll_seconds = self.config.poll_seconds
+        self.futures.max_inflight = self.config.max_inflight_per_tenant
 
     def lane(self, model_id: str) -> Lane:
         """A new model's request lane, within the configured window and pending bytes."""

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+from typing import Any
 
 from aiohttp import web
 
 from opentinker.gateway import convert, fields
 from opentinker.gateway.backend import Backend
 from opentinker.gateway.checkpoints import Checkpoint, checkpoint_path
-from opentinker.gateway.errors import RequestFailed, bad_request
+from opentinker.gateway.errors import GatewayError, RequestFailed, bad_request
 from opentinker.gateway.futures import Future, Job, Outcome
 from opentinker.gateway.models import TrainingModel
 from opentinker.gateway.sessions import SamplingSession
@@ -27,6 +28,7 @@ from opentinker.gateway.state import (
 )
 from opentinker.v1 import common_pb2, trainer_pb2
 
+_DECODE_INLINE_BYTES = 256 << 10  # smaller plain bodies are parsed on the event loop
 UNSUPPORTED_LOSS_HINT = "custom losses run client-side (forward_backward_custom)"
 
 
@@ -139,17 +141,35 @@ async def _submit(
     gw = gateway_of(request)
     if size is None:
         size = len(await request.read())  # aiohttp keeps the body it read
+    model.lane.check(seq_id)
+    held, limit = gw.models.pending_bytes(model.tenant), gw.config.max_tenant_pending_bytes
+    if model.lane.pending and model.lane.poisoned is None and held + size > limit:
+        raise GatewayError(
+            429, "TOO_MUCH_PENDING", f"tenant {model.tenant} has {held} bytes of requests waiting; at most {limit}"
+        )
     future = gw.futures.create(model.tenant)
-    model.lane.submit(seq_id, future, job, size)
+    try:
+        model.lane.submit(seq_id, future, job, size)
+    except GatewayError:
+        gw.futures.discard(future)
+        raise
     return _future_reply(future.request_id, model.model_id)
 
 
 async def forward_backward(request: web.Request) -> web.Response:
     gw, principal, backend = gateway_of(request), principal_of(request), backend_of(request)
     raw = await request.read()
-    body = convert.decompress(raw, request.headers.get("Content-Encoding", ""), gw.config.max_body_bytes)
-    del raw
-    message = convert.parse_forward_backward(body, gw.config.max_string_length)
+    encoding = request.headers.get("Content-Encoding", "")
+
+    def decode() -> tuple[Any, int]:
+        body = convert.decompress(raw, encoding, gw.config.max_body_bytes)
+        return convert.parse_forward_backward(body, gw.config.max_string_length), len(body)
+
+    if encoding or len(raw) > _DECODE_INLINE_BYTES:  # off the event loop, two at a time (each may be 64 MiB)
+        async with gw.decode_slots:
+            message, size = await asyncio.to_thread(decode)
+    else:
+        message, size = decode()
     model = gw.models.get(message.model_id, principal.tenant)
     convert.check_sizes(message)
     forward_only = bool(message.forward_only)
@@ -180,7 +200,7 @@ async def forward_backward(request: web.Request) -> web.Response:
             outputs, metrics = list(fb_reply.loss_fn_outputs), dict(fb_reply.metrics)
         return Outcome(proto=convert.forward_backward_output(outputs, metrics))
 
-    return await _submit(request, model, int(message.seq_id), job, len(body))
+    return await _submit(request, model, int(message.seq_id), job, size)
 
 
 async def optim_step(request: web.Request) -> web.Response:

@@ -211,3 +211,78 @@ def test_client_strings_cannot_forge_log_lines() -> None:
         failed = logging.LogRecord("opentinker.gateway", logging.ERROR, __file__, 1, "boom", (), sys.exc_info())
     lines = SafeFormatter(FORMAT).format(failed).splitlines()
     assert all(line.startswith("    | ") for line in lines[1:]) and len(lines) > 2
+
+
+def test_sessions_are_capped_per_tenant_and_expire_without_heartbeats() -> None:
+    from opentinker.gateway.sessions import SessionTable
+
+    table = SessionTable()
+    first = table.create("a", "0.38.0", limit=2)
+    table.create("a", "0.38.0", limit=2)
+    with pytest.raises(GatewayError) as caught:
+        table.create("a", "0.38.0", limit=2)
+    assert (caught.value.status, caught.value.code) == (429, "TOO_MANY_SESSIONS")
+    table.create("b", "0.38.0", limit=2)  # another tenant is not held back
+    now = first.last_heartbeat + 100
+    assert len(table.expire(now, now - 1000)) == 3  # no heartbeats: all expire ...
+    with pytest.raises(GatewayError) as gone:
+        table.heartbeat(first.session_id, "a")
+    assert gone.value.status == 410  # ... a heartbeat is told so (the SDK stops its loop) ...
+    fresh = table.create("a", "0.38.0", limit=2)  # ... and they no longer count
+    fresh.last_heartbeat = now + 500
+    assert table.expire(now + 1, now + 1) == set() and len(table) == 1  # forgotten later
+
+
+def test_unfinished_requests_are_capped_per_tenant_and_refusals_release_their_place() -> None:
+    from opentinker.gateway.futures import FutureStore
+
+    async def scenario() -> None:
+        store = FutureStore(max_inflight=2)
+        first, _ = store.create("a"), store.create("a")
+        with pytest.raises(GatewayError) as caught:
+            store.create("a")
+        assert (caught.value.status, caught.value.code, caught.value.retry) == (429, "TOO_MANY_REQUESTS", True)
+        store.create("b")  # another tenant is not held back
+        first.finish(Outcome(json={}))
+        refused = store.create("a")  # a finished request frees its place ...
+        store.discard(refused)  # ... and so does one refused before it was queued
+        assert store.inflight("a") == 1
+        with pytest.raises(GatewayError):
+            store.get(refused.request_id, "a")
+
+    asyncio.run(scenario())
+
+
+def test_a_sweep_fails_stalled_lanes_expires_silent_sessions_and_prunes_old_futures() -> None:
+    from opentinker.gateway.backend import Backends
+    from opentinker.gateway.expiry import sweep
+    from opentinker.gateway.models import TrainingModel
+    from opentinker.gateway.state import Gateway, GatewayConfig
+
+    async def scenario() -> None:
+        gw = Gateway(keys=KeyStore([]), backends=Backends("x:1", "x:2", "x:3"), config=GatewayConfig())
+        session = gw.sessions.create("a", "0.38.0")
+        lane = gw.lane(f"{session.session_id}:train:0")
+        gw.models.add(TrainingModel(lane.model_id, "a", session.session_id, "a/x", common_pb2.LoraConfig(), "m", lane))
+
+        async def run() -> Outcome:
+            return Outcome(json={})
+
+        parked = gw.futures.create("a")
+        lane.submit(2, parked, run, 100)
+        old = gw.futures.create("a")
+        old.finish(Outcome(json={}))
+        await asyncio.sleep(0)
+        assert lane.stalled_since is not None
+        swept = sweep(gw, lane.stalled_since + gw.config.pending_ttl_seconds + 1)
+        assert (swept.stalled_models, swept.freed_bytes, swept.expired_sessions) == (1, 100, 0)
+        assert parked.outcome is not None and parked.outcome.failure is not None
+        later = session.last_heartbeat + gw.config.session_ttl_seconds + 1
+        assert sweep(gw, later).expired_sessions == 1
+        assert gw.models.find(lane.model_id) is None
+        gw.futures.ttl_seconds = 0
+        gw.futures.prune()
+        with pytest.raises(GatewayError):
+            gw.futures.get(old.request_id, "a")
+
+    asyncio.run(scenario())

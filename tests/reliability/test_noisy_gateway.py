@@ -31,9 +31,10 @@ KEY_A, KEY_B = "tml-noisy-team-a", "tml-noisy-team-b"
 TOKENS = [17, 42, 99, 7, 256, 301, 12, 88, 150, 33, 64, 5]
 MiB = 1 << 20
 # Small bounds so that the abuse reaches them quickly (the defaults are in `opentinker gateway serve --help`).
-BODY_CAP, PENDING_CAP, WINDOW, PENDING_TTL, SESSION_TTL = 16 * MiB, 64 * MiB, 16, 5, 25
+BODY_CAP, PENDING_CAP, TENANT_PENDING_CAP, WINDOW, PENDING_TTL, SESSION_TTL = 16 * MiB, 64 * MiB, 100 * MiB, 16, 10, 25
 GATEWAY_FLAGS = (
     "--max-body-bytes", str(BODY_CAP), "--max-pending-bytes", str(PENDING_CAP), "--seq-window", str(WINDOW),
+    "--max-tenant-pending-bytes", str(TENANT_PENDING_CAP),
     "--pending-ttl-seconds", str(PENDING_TTL), "--session-ttl-seconds", str(SESSION_TTL),
 )  # fmt: skip
 
@@ -288,30 +289,33 @@ class Parked:
     accepted: list[str]  # request ids of the bodies parked behind the gap
     refused: dict[str, int]  # error code -> count
     session: str
-    model_id: str
+    models: list[str]
     peak: int  # gateway memory with the bodies parked
 
 
 def _park(gw: Gateway) -> Parked:
+    """Two models of team-a, each with bodies parked behind seq_id 1 (which never comes) until refused."""
     session = _session(gw)
-    created = gw.post(
-        "create_model",
-        {"session_id": session, "model_seq_id": 0, "base_model": "tiny-qwen2", "lora_config": {"rank": 4, "seed": 3}},
-    )
-    model_id = str(created.json()["model_id"])
-    assert result(gw, created.json()["request_id"])["model_id"] == model_id
+    models = []
+    for seq in (0, 1):
+        lora = {"rank": 4, "seed": 3}
+        created = gw.post("create_model", {"session_id": session, "model_seq_id": seq, "base_model": "tiny-qwen2",
+                                           "lora_config": lora})  # fmt: skip
+        models.append(str(result(gw, created.json()["request_id"])["model_id"]))
     accepted: list[str] = []
     counts: Counter[str] = Counter()
-    for seq_id in range(2, WINDOW + 3):  # seq_id 1 never comes
-        response = _post_fwdbwd(gw, _inflating_body(model_id, seq_id, 12 * MiB))
-        if response.status_code == 200:
-            accepted.append(str(response.json()["request_id"]))
-        else:
-            code = "SEQ_ID_TOO_FAR_AHEAD" if seq_id > WINDOW else "TOO_MUCH_PENDING"
-            refused(response, 400 if seq_id > WINDOW else 429, code)
-            counts[code] += 1
-    refused(_post_fwdbwd(gw, _inflating_body(model_id, 3, 32 * MiB)), 413, "BODY_TOO_LARGE")
-    return Parked(accepted, dict(counts), session, model_id, gw.memory())
+    for model_id in models:
+        for seq_id in range(2, WINDOW + 3):
+            response = _post_fwdbwd(gw, _inflating_body(model_id, seq_id, 12 * MiB))
+            if response.status_code == 200:
+                accepted.append(str(response.json()["request_id"]))
+            else:
+                code = "SEQ_ID_TOO_FAR_AHEAD" if seq_id > WINDOW else "TOO_MUCH_PENDING"
+                refused(response, 400 if seq_id > WINDOW else 429, code)
+                counts[code] += 1
+    peak = gw.memory()
+    refused(_post_fwdbwd(gw, _inflating_body(models[0], 3, 32 * MiB)), 413, "BODY_TOO_LARGE")
+    return Parked(accepted, dict(counts), session, models, peak)
 
 
 def test_parked_bodies_are_bounded_and_expire_while_team_b_runs(
@@ -330,22 +334,22 @@ def test_parked_bodies_are_bounded_and_expire_while_team_b_runs(
     after = gateway.memory()
     (abuse_a,) = parked
     assert outputs == alone
-    # 15 ids in the window behind the gap: 5 bodies of 12 MiB fit in 64 MiB, the other 10 are refused; 2 ids
-    # beyond the window are refused.
-    assert len(abuse_a.accepted) == 5
-    assert abuse_a.refused == {"TOO_MUCH_PENDING": 10, "SEQ_ID_TOO_FAR_AHEAD": 2}
+    # 15 ids in each model's window behind the gap: 5 bodies of 12 MiB fit in the model's 64 MiB, then 3 more in
+    # the second model (the tenant's 100 MiB); the rest are refused, and 2 ids per model beyond the window.
+    assert len(abuse_a.accepted) == 8
+    assert abuse_a.refused == {"TOO_MUCH_PENDING": 22, "SEQ_ID_TOO_FAR_AHEAD": 4}
     figure("gateway_parked_memory_mb", f"{before / MiB:.0f} -> {abuse_a.peak / MiB:.0f} -> {after / MiB:.0f}")
-    assert abuse_a.peak - before > 40 * MiB  # the parked bodies were held ...
+    assert abuse_a.peak - before > 80 * MiB  # the parked bodies (96 MiB) were held ...
     assert after - before < 16 * MiB  # ... and given back after expiry
     # The gap's own request now fails too (the model is poisoned), and the model's lane holds nothing.
-    late = _post_fwdbwd(gateway, _inflating_body(abuse_a.model_id, 1, 1024))
+    late = _post_fwdbwd(gateway, _inflating_body(abuse_a.models[0], 1, 1024))
     assert late.status_code == 200, late.text
     assert "did not arrive" in str(result(gateway, late.json()["request_id"])["error"])
 
     # team-a's session sends no heartbeats: it expires, its model is forgotten, a heartbeat then answers 410.
-    while gateway.post("get_info", {"model_id": abuse_a.model_id}).status_code == 200:
+    while gateway.post("get_info", {"model_id": abuse_a.models[0]}).status_code == 200:
         time.sleep(1)
-    refused(gateway.post("get_info", {"model_id": abuse_a.model_id}), 404, "UNKNOWN_MODEL")
+    refused(gateway.post("get_info", {"model_id": abuse_a.models[0]}), 404, "UNKNOWN_MODEL")
     refused(gateway.post("session_heartbeat", {"session_id": abuse_a.session}), 410, "SESSION_FINISHED")
     assert gateway.http.get("/api/v1/healthz").json() == {"status": "ok"}
 
