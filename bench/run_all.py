@@ -28,6 +28,7 @@ SCRIPTS = (
     "scale.py",  # P7
     "continuous_batching.py",  # P8
     "group_sampling.py",  # RL groups: n samples sharing one prompt
+    "noisy_neighbours.py",  # team-b latency during team-a abuse / alone
 )
 
 

@@ -1,7 +1,10 @@
 """Continuous batching: sequences join between steps, leave when finished.
 
 Each step is either a prefill of newly admitted sequences (prompts, within a token budget) or one decode
-token for every running sequence; prefill goes first so new requests start quickly (nano-vllm's policy).
+token for every running sequence. Prefill goes first so new requests start quickly (nano-vllm's policy), but
+never twice in a row while sequences are decoding: a steady stream of new requests (one tenant's flood of short
+or failing requests) would otherwise starve every running generation of every tenant. So running sequences wait
+for at most one prefill between two of their tokens.
 A sequence owns one KV-cache slot from admission to finish. The samples of one request share their prompt
 (the engine computes it once), so only a request's first sample in a prefill counts against its token budget.
 """
@@ -27,6 +30,7 @@ class Scheduler:
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.free_kv_slots = list(range(max_seqs - 1, -1, -1))
+        self._prefilled_last = False  # the previous step was a prefill
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -38,7 +42,8 @@ class Scheduler:
         admitted: list[Sequence] = []
         requests: set[str] = set()
         budget = self.max_batch_tokens
-        while self.waiting and self.free_kv_slots:
+        decode_due = self._prefilled_last and bool(self.running)
+        while self.waiting and self.free_kv_slots and not decode_due:
             seq = self.waiting[0]
             cost = 0 if seq.request_id in requests else len(seq.prompt)
             if admitted and cost > budget:
@@ -49,6 +54,7 @@ class Scheduler:
             admitted.append(seq)
             requests.add(seq.request_id)
             budget -= cost
+        self._prefilled_last = bool(admitted)
         if admitted:
             self.running.extend(admitted)
             return ScheduledBatch(admitted, is_prefill=True)

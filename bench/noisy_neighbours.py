@@ -1,0 +1,350 @@
+"""Noisy neighbours, with real processes and tokens: team-b's latency while team-a abuses a shared resource,
+against team-b alone, side by side in one run (windows alternate alone / during the abuse, order rotated each
+pair). Target for every case: team-b's p99 during the abuse <= 3x its p99 alone.
+
+case               shared resource                 team-a (in a loop, several threads)      team-b measures
+exploding adapter  the sampler's batch             samples an adapter whose logits are NaN   a seeded 8-token Sample
+huge prompt text   the sampler's event loop        sends 10 MiB prompt_text                  a seeded 8-token Sample
+watch flood        the registry's Redis pool       holds 100 WatchEvents streams open        GetAdapter + Resolve
+many-file upload   the registry's event loop       uploads manifests of 50,000 files         GetAdapter + Resolve
+padded batch       the trainer's compute thread    ForwardBackward of 65 x 2,047 positions   ForwardBackward, 4 x 32
+limit batch        the trainer's compute thread    ForwardBackward at --max-batch-positions   ForwardBackward, 4 x 32
+
+Every abuse but the last is refused by its bound (tests/reliability/test_noisy_*.py assert the statuses); the
+last is allowed and runs in micro-batches (--micro-batch-positions), so team-b's jobs wait for at most one of
+them. team-b must see no error in any window.
+
+  .venv/bin/python bench/noisy_neighbours.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import multiprocessing
+import secrets
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+from results import record
+from workload import (
+    ALPHA,
+    FULL_SPEC,
+    QUICK_SPEC,
+    RANK,
+    ModelSpec,
+    linear_shapes,
+    lora_weights,
+    model_dir,
+    peft_files,
+    percentile,
+)
+from workload import spec_config as model_config
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the tests' artifact builders
+
+from overflowutil import overflowing_lora_files
+from registryutil import upload
+from trainerutil import random_tokens, sft_datum
+
+from opentinker.cli.launch import ServerProcess, start_registry, start_sampler, start_trainer
+from opentinker.v1 import (
+    common_pb2,
+    registry_pb2,
+    registry_pb2_grpc,
+    sampler_pb2,
+    sampler_pb2_grpc,
+    trainer_pb2,
+    trainer_pb2_grpc,
+)
+
+TARGET = 3.0  # team-b's p99 during the abuse / alone
+
+
+@dataclass(frozen=True, slots=True)
+class Setup:
+    pairs: int  # (alone, abuse) window pairs per case
+    window_s: float
+    abusers: int  # team-a threads
+
+
+FULL = Setup(pairs=3, window_s=6.0, abusers=4)
+QUICK = Setup(pairs=2, window_s=2.5, abusers=2)
+
+
+@dataclass
+class Clients:
+    """What a client process needs to reach the stack (picklable: team-a's abuse runs in processes of its own, so
+    that its Python work does not take the GIL from team-b's timed calls)."""
+
+    registry: str
+    trainer: str
+    sampler: str
+    tokens: dict[str, str]  # principal -> token
+
+    def md(self, who: str) -> list[tuple[str, str]]:
+        return [("authorization", f"Bearer {self.tokens[who]}")]
+
+    def stubs(self) -> tuple[registry_pb2_grpc.RegistryServiceStub, trainer_pb2_grpc.TrainerServiceStub,
+                             sampler_pb2_grpc.SamplerServiceStub]:  # fmt: skip
+        """Stubs on fresh channels (each caller its own, as separate clients would); they live as long as the
+        process."""
+        options = [("grpc.max_send_message_length", 64 << 20)]
+        channels = [grpc.insecure_channel(a, options=options) for a in (self.registry, self.trainer, self.sampler)]
+        return (registry_pb2_grpc.RegistryServiceStub(channels[0]), trainer_pb2_grpc.TrainerServiceStub(channels[1]),
+                sampler_pb2_grpc.SamplerServiceStub(channels[2]))  # fmt: skip
+
+
+@dataclass
+class Stack:
+    registry_server: ServerProcess
+    trainer_server: ServerProcess
+    sampler_server: ServerProcess
+    clients: Clients
+
+    def stop(self) -> None:
+        for server in (self.sampler_server, self.trainer_server, self.registry_server):
+            try:
+                server.terminate()
+            except Exception:
+                server.kill()
+
+
+def start(work: Path, model: Path) -> Stack:
+    tokens = {who: f"tok-{who}-{secrets.token_hex(8)}" for who in ("team-a", "team-b", "svc")}
+    roles = {"team-a": "user", "team-b": "user", "svc": "admin"}
+    entries = ",".join(f'{{"token": "{t}", "tenant": "{who}", "role": "{roles[who]}"}}' for who, t in tokens.items())
+    tokens_file = work / "tokens.json"
+    tokens_file.write_text(f'{{"tokens": [{entries}]}}')
+    auth = ("--tokens-file", str(tokens_file))
+    registry = start_registry(work / "registry", *auth)
+    service = (*auth, "--registry-token", tokens["svc"])
+    trainer = start_trainer(work / "trainer", model, registry, *service)
+    sampler = start_sampler(work / "sampler", model, registry, *service, "--max-slots", "4")
+    return Stack(registry, trainer, sampler, Clients(registry.address, trainer.address, sampler.address, tokens))
+
+
+def prompt_of(seed: int) -> common_pb2.ModelInput:
+    chunk = common_pb2.ModelInputChunk(encoded_text=common_pb2.EncodedTextChunk(tokens=random_tokens(seed, 24)))
+    return common_pb2.ModelInput(chunks=[chunk])
+
+
+def sample_request(model: str, seed: int, num_samples: int = 1) -> sampler_pb2.SampleRequest:
+    params = sampler_pb2.SamplingParams(temperature=1.0, seed=seed, max_tokens=8)
+    return sampler_pb2.SampleRequest(
+        model=model, prompt=prompt_of(seed), sampling_params=params, num_samples=num_samples
+    )
+
+
+def refused(call: Callable[[], object]) -> None:
+    """An abuse call: refused is what it should be; anything else is counted by the caller's loop too."""
+    with contextlib.suppress(grpc.RpcError):
+        call()
+
+
+# team-b's workloads: one call each, timed
+
+
+def team_b_sample(stack: Clients) -> Callable[[int], None]:
+    _, _, sampler = stack.stubs()
+
+    def call(i: int) -> None:
+        for _ in sampler.Sample(sample_request("team-b/policy", i % 8), metadata=stack.md("team-b"), timeout=120):
+            pass
+
+    return call
+
+
+def team_b_registry(stack: Clients) -> Callable[[int], None]:
+    registry, _, _ = stack.stubs()
+
+    def call(i: int) -> None:
+        registry.GetAdapter(registry_pb2.GetAdapterRequest(name="team-b/policy"), metadata=stack.md("team-b"),
+                            timeout=60)  # fmt: skip
+        registry.Resolve(registry_pb2.ResolveRequest(reference="team-b/policy@latest"), metadata=stack.md("team-b"),
+                         timeout=60)  # fmt: skip
+
+    return call
+
+
+def team_b_train(stack: Clients) -> Callable[[int], None]:
+    _, trainer, _ = stack.stubs()
+    datums = [sft_datum(random_tokens(100 + i, 33)) for i in range(4)]
+
+    def call(i: int) -> None:
+        request = trainer_pb2.ForwardBackwardRequest(adapter="team-b/trained", datums=datums, loss_fn="cross_entropy")
+        trainer.ForwardBackward(request, metadata=stack.md("team-b"), timeout=300)
+
+    return call
+
+
+# team-a's abuses: one attempt each (run in a loop by several threads)
+
+
+def exploding(stack: Clients) -> Callable[[], None]:
+    _, _, sampler = stack.stubs()
+    return lambda: refused(lambda: list(sampler.Sample(sample_request("team-a/exploding", 3, num_samples=2),
+                                                      metadata=stack.md("team-a"), timeout=120)))  # fmt: skip
+
+
+def huge_prompt(stack: Clients) -> Callable[[], None]:
+    _, _, sampler = stack.stubs()
+    text = "x" * (10 << 20)
+    params = sampler_pb2.SamplingParams(max_tokens=4)
+    request = sampler_pb2.SampleRequest(model="base", prompt_text=text, sampling_params=params)
+    return lambda: refused(lambda: list(sampler.Sample(request, metadata=stack.md("team-a"), timeout=120)))
+
+
+def watch_flood(stack: Clients) -> Callable[[], None]:
+    registry, _, _ = stack.stubs()
+
+    def attempt() -> None:  # 100 streams open at once, held a moment, then cancelled
+        calls = [registry.WatchEvents(registry_pb2.WatchEventsRequest(send_snapshot=True), metadata=stack.md("team-a"))
+                 for _ in range(100)]  # fmt: skip
+        for call in calls:
+            with contextlib.suppress(grpc.RpcError):
+                next(call)  # the first message (or the refusal) of each
+        time.sleep(0.5)
+        for call in calls:
+            call.cancel()
+
+    return attempt
+
+
+def many_files(stack: Clients) -> Callable[[], None]:
+    registry, _, _ = stack.stubs()
+    files = {f"f{i:05d}": b"" for i in range(50_000)}
+    return lambda: refused(lambda: upload(registry, files, metadata=stack.md("team-a"), timeout=120))
+
+
+def padded_batch(stack: Clients, rows: int) -> Callable[[], None]:
+    _, trainer, _ = stack.stubs()
+    datums = [sft_datum(random_tokens(1, 2048)), *(sft_datum([5, 6]) for _ in range(rows - 1))]
+    request = trainer_pb2.ForwardBackwardRequest(adapter="team-a/trained", datums=datums, loss_fn="cross_entropy")
+    return lambda: refused(lambda: trainer.ForwardBackward(request, metadata=stack.md("team-a"), timeout=600))
+
+
+ABUSES: dict[str, Callable[[Clients], Callable[[], None]]] = {
+    "exploding adapter": exploding,
+    "huge prompt text": huge_prompt,
+    "watch flood": watch_flood,
+    "many-file upload": many_files,
+    "padded batch": lambda clients: padded_batch(clients, 65),
+    "limit batch": lambda clients: padded_batch(clients, 64),
+}
+
+
+def _abuse_process(case: str, clients: Clients, ready: Any, stop: Any) -> None:
+    abuse = ABUSES[case](clients)
+    ready.release()
+    while not stop.is_set():
+        abuse()
+
+
+def measure(workload: Callable[[int], None], case: str | None, clients: Clients, setup: Setup,
+            abusers: int) -> tuple[list[float], int]:  # fmt: skip
+    """team-b's call latencies over one window, with `abusers` processes running team-a's `case` meanwhile
+    (None: alone); and team-b's errors."""
+    context = multiprocessing.get_context("spawn")
+    stop, ready = context.Event(), context.Semaphore(0)
+    processes = [context.Process(target=_abuse_process, args=(case, clients, ready, stop), daemon=True)
+                 for _ in range(abusers if case else 0)]  # fmt: skip
+    for process in processes:
+        process.start()
+    for _ in processes:
+        if not ready.acquire(timeout=120):
+            raise TimeoutError("an abuse process did not start")
+    latencies: list[float] = []
+    errors = 0
+    end = time.monotonic() + setup.window_s
+    i = 0
+    while time.monotonic() < end or not latencies:
+        began = time.perf_counter()
+        try:
+            workload(i)
+            latencies.append(time.perf_counter() - began)
+        except grpc.RpcError as error:
+            print(f"    team-b error: {error.code().name} {error.details()}")
+            errors += 1
+        i += 1
+    stop.set()
+    for process in processes:
+        process.join(900)
+    return latencies, errors
+
+
+def run_case(name: str, workload: Callable[[int], None], clients: Clients, setup: Setup, abusers: int,
+             config: dict[str, str | int | float | bool | None]) -> None:  # fmt: skip
+    alone: list[float] = []
+    during: list[float] = []
+    errors = 0
+    for pair in range(setup.pairs):
+        order = (None, name) if pair % 2 == 0 else (name, None)
+        for side in order:
+            latencies, failed = measure(workload, side, clients, setup, abusers)
+            errors += failed
+            (during if side else alone).extend(latencies)
+    p50a, p99a = percentile(alone, 50), percentile(alone, 99)
+    p50d, p99d = percentile(during, 50), percentile(during, 99)
+    print(f"  {name:18s} team-b alone p50 {p50a * 1e3:7.1f} ms p99 {p99a * 1e3:7.1f} ms ({len(alone)} calls); "
+          f"during p50 {p50d * 1e3:7.1f} ms p99 {p99d * 1e3:7.1f} ms ({len(during)} calls); "
+          f"errors {errors}")  # fmt: skip
+    record(f"NN {name}: team-b p99 during / alone", p99d / p99a, target=TARGET, comparison="<=", config=config)
+    record(f"NN {name}: team-b p50 during / alone", p50d / p50a, config=config)
+    record(f"NN {name}: team-b errors", float(errors), target=0, comparison="<=", unit="requests", config=config)
+
+
+def prepare(stack: Clients, model: Path, spec: ModelSpec) -> None:
+    """team-b's adapter in the registry (random weights) and on the trainer; team-a's exploding adapter."""
+    registry, trainer, _ = stack.stubs()
+    policies = {"team-b/policy": (peft_files(lora_weights(linear_shapes(spec), seed=5)), RANK, float(ALPHA)),
+                "team-a/exploding": (overflowing_lora_files(model), 4, 4096.0)}  # fmt: skip
+    for name, (files, rank, alpha) in policies.items():
+        md = stack.md(name.split("/")[0])
+        lora = common_pb2.LoraConfig(rank=rank, alpha=alpha)
+        registry.CreateAdapter(registry_pb2.CreateAdapterRequest(name=name, lora_config=lora), metadata=md, timeout=60)
+        uri = upload(registry, files, metadata=md, timeout=60)
+        publish = registry_pb2.PublishVersionRequest(adapter=name, artifact_uri=uri, lora_config=lora)
+        registry.PublishVersion(publish, metadata=md, timeout=60)
+    for tenant in ("team-a", "team-b"):
+        create = trainer_pb2.TrainerServiceCreateAdapterRequest(name=f"{tenant}/trained",
+                                                                lora_config=common_pb2.LoraConfig(rank=8))  # fmt: skip
+        trainer.CreateAdapter(create, metadata=stack.md(tenant), timeout=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    setup, spec = (QUICK, QUICK_SPEC) if args.quick else (FULL, FULL_SPEC)
+    model = model_dir(spec)
+    config: dict[str, str | int | float | bool | None] = {
+        **model_config(spec), "pairs": setup.pairs, "window_s": setup.window_s, "abusers": setup.abusers,
+    }  # fmt: skip
+    print(f"noisy neighbours ({spec.arch} hidden {spec.hidden_size}, {spec.num_hidden_layers} layers; {setup.pairs} x "
+          f"{setup.window_s:g} s windows per side; {setup.abusers} team-a threads)")  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="nn-bench-") as tmp:
+        stack = start(Path(tmp), model)
+        try:
+            clients = stack.clients
+            prepare(clients, model, spec)
+            workloads = {"sample": team_b_sample(clients), "registry": team_b_registry(clients),
+                         "train": team_b_train(clients)}  # fmt: skip
+            for case, (workload, abusers) in {
+                "exploding adapter": ("sample", setup.abusers), "huge prompt text": ("sample", setup.abusers),
+                "watch flood": ("registry", 1), "many-file upload": ("registry", setup.abusers),
+                "padded batch": ("train", setup.abusers), "limit batch": ("train", 1),
+            }.items():  # fmt: skip
+                run_case(case, workloads[workload], clients, setup, abusers, config)
+        finally:
+            stack.stop()
+
+
+if __name__ == "__main__":
+    main()
