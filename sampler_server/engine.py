@@ -43,6 +43,7 @@ from opentinker.sampler_server.sampling import sample
 from opentinker.sampler_server.scheduler import ScheduledBatch, Scheduler
 from opentinker.sampler_server.sequence import Sequence
 from opentinker.sampler_server.slot_pool import SlotTensors
+from opentinker.sampler_server.tenant_stats import RATE_WINDOW, tokens_per_second
 from opentinker.v1 import sampler_pb2
 
 log = logging.getLogger("opentinker.sampler")
@@ -97,12 +98,8 @@ class EngineStats:
     recent: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens) of recent decode steps
     non_finite_failures: int = 0  # requests ended because their adapter made their logits non-finite
 
-    def tokens_per_second(self, window: float = 5.0) -> float:
-        now = time.monotonic()
-        points = [(t, n) for t, n in self.recent if now - t <= window]
-        if len(points) < 2:
-            return 0.0
-        return sum(n for _, n in points[1:]) / max(points[-1][0] - points[0][0], 1e-9)
+    def tokens_per_second(self, window: float = RATE_WINDOW) -> float:
+        return tokens_per_second(self.recent, window)
 
 
 class Engine:

@@ -7,6 +7,17 @@ import time
 from dataclasses import dataclass, field
 
 RATE_WINDOW = 5.0  # seconds of recent tokens that decode_tokens_per_second averages over
+
+
+def tokens_per_second(recent: list[tuple[float, int]], window: float = RATE_WINDOW) -> float:
+    """Tokens per second over the (monotonic time, tokens) points of the last `window` seconds."""
+    now = time.monotonic()
+    points = [(t, n) for t, n in recent if now - t <= window]
+    if len(points) < 2:
+        return 0.0
+    return sum(n for _, n in points[1:]) / max(points[-1][0] - points[0][0], 1e-9)
+
+
 _RECENT = 256  # (time, tokens) points kept per tenant
 
 
@@ -23,11 +34,7 @@ class TenantActivity:
             self.recent = [*self.recent[-(_RECENT - 1) :], (time.monotonic(), count)]
 
     def tokens_per_second(self) -> float:
-        now = time.monotonic()
-        points = [(t, n) for t, n in self.recent if now - t <= RATE_WINDOW]
-        if len(points) < 2:
-            return 0.0
-        return sum(n for _, n in points[1:]) / max(points[-1][0] - points[0][0], 1e-9)
+        return tokens_per_second(self.recent)
 
 
 class TenantStats:
