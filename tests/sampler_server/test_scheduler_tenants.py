@@ -1,13 +1,22 @@
 """The scheduler shares the batch between tenants: waiting requests are admitted round-robin across tenants (the
 one holding the fewest KV slots first), FIFO within a tenant, the samples of a request together; no tenant holds
-more than its slot cap; the prefill token budget and the decode-between-prefills rule still hold."""
+more than its slot cap; the prefill token budget and the decode-between-prefills rule still hold. And the service's
+side: whose share a Sample uses, and the per-tenant queue cap."""
 
 from __future__ import annotations
 
 import itertools
+from types import SimpleNamespace
+from typing import Any, cast
 
+import pytest
+
+from opentinker.rpc.auth import LOCAL_PRINCIPAL, Principal, Role
+from opentinker.rpc.errors import ResourceExhausted
 from opentinker.sampler_server.scheduler import ScheduledBatch, Scheduler, default_tenant_slots
 from opentinker.sampler_server.sequence import SamplingParams, Sequence, Status
+from opentinker.sampler_server.service import SamplerServicer
+from opentinker.sampler_server.tenant_stats import TenantActivity, batch_tenant
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8)
 _ids = itertools.count(1)
@@ -149,3 +158,32 @@ def test_finishing_waiting_and_running_sequences_keeps_the_books() -> None:
     assert scheduler.held == {} and len(scheduler.free_kv_slots) == 2
     assert prefill(scheduler) == ["b0.1"]
     assert scheduler.num_waiting == 0 and not scheduler.waiting
+
+
+# --- whose share a Sample uses, and the per-tenant queue cap (service side) --------------------------------------
+
+USER_A = Principal(tenant="team-a", role=Role.USER)
+ADMIN = Principal(tenant="ops", role=Role.ADMIN)
+
+
+def test_a_sample_uses_its_caller_s_share_or_for_an_admin_the_adapter_owner_s() -> None:
+    assert batch_tenant(USER_A, "base") == "team-a" and batch_tenant(USER_A, "team-a/x@3") == "team-a"
+    assert batch_tenant(ADMIN, "team-b/x@3") == "team-b" and batch_tenant(ADMIN, "team-b/x:prod") == "team-b"
+    assert batch_tenant(LOCAL_PRINCIPAL, "team-c/y") == "team-c"  # a sampler without tokens
+    assert batch_tenant(ADMIN, "base") == batch_tenant(LOCAL_PRINCIPAL, "") == ""
+
+
+def check_queue(principal: Principal, waiting: int, count: int, limit: int = 6) -> None:
+    servicer = cast(Any, SimpleNamespace(max_queued_per_tenant=limit))
+    SamplerServicer._check_tenant_queue(servicer, principal, TenantActivity(waiting=waiting), count)
+
+
+def test_a_user_tenant_s_waiting_samples_stay_within_its_queue_cap() -> None:
+    check_queue(USER_A, 4, 2)  # exactly the cap
+    with pytest.raises(ResourceExhausted) as refused:
+        check_queue(USER_A, 5, 2)
+    assert refused.value.reason == "TENANT_QUEUE_FULL" and "--max-queued-per-tenant" in refused.value.message
+    assert refused.value.metadata == {"tenant": "team-a", "waiting": "5", "limit": "6"}
+    check_queue(USER_A, 500, 64, limit=0)  # 0: no limit
+    check_queue(ADMIN, 500, 64)  # admins: --max-waiting only
+    check_queue(LOCAL_PRINCIPAL, 500, 64)
