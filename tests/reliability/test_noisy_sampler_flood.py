@@ -10,6 +10,7 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -80,7 +81,7 @@ class Streams:
 
     def __init__(self, flood: Flood, tokens: list[int]) -> None:
         self.flood, self.tokens = flood, tokens
-        self.calls: list[grpc.Future] = []
+        self.calls: list[Any] = []  # gRPC's stream calls: iterators with cancel()
         self.threads: list[threading.Thread] = []
         self.finished = 0
         self.errors: list[grpc.StatusCode] = []
@@ -102,7 +103,7 @@ class Streams:
                 pass
         except grpc.RpcError as error:
             with self._lock:
-                self.errors.append(error.code())  # type: ignore[attr-defined]
+                self.errors.append(error.code())
             return
         with self._lock:
             self.finished += 1
