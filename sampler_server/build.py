@@ -119,7 +119,7 @@ def build_sampler(config: SamplerConfig) -> BuiltSampler:
     lora_kernel = resolve_kernel(c.kernel, torch_device.type)  # the engine runs it, GetSamplerInfo reports it
     model_dir = resolve_model_dir(model)
     model_config = load_config(model_dir)
-    context = c.max_len or min(model_config.max_position_embeddings, 4096)
+    context = c.max_len or min(model_config.context_length, 4096)
     shapes = linear_shapes(model_config)
     if c.engine_process and torch_device.type != "cpu":
         raise BadOption("the engine process shares its adapter slots in CPU memory; on CUDA the engine "
