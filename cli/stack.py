@@ -104,9 +104,10 @@ def validate(plan: StackPlan) -> None:
     apps = {"registry": registry_app, "trainer": trainer_app, "sampler": sampler_app}
     for service in plan.services:
         group = typer.main.get_command(apps[service])
-        command = group.commands["serve"]  # type: ignore[attr-defined]
+        command = getattr(group, "commands", {}).get("serve", group)  # an app of one command is that command
         # Any address will do for the check: the real one is known once the registry serves.
-        args = plan.args(service, "127.0.0.1:1" if "registry" in plan.services else None)[4:]
+        full = plan.args(service, "127.0.0.1:1" if "registry" in plan.services else None)
+        args = full[full.index("serve") + 1 :]
         try:
             with command.make_context(f"opentinker {service} serve", args) as ctx:
                 model = ctx.params.get("model")
