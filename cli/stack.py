@@ -121,11 +121,16 @@ def validate(plan: StackPlan) -> None:
                 raise ConfigError(f"[{service}]: {exc}") from None
 
 
+class Interrupted(Exception):
+    """SIGINT or SIGTERM while the stack was starting."""
+
+
 @dataclass
 class Stack:
     plan: StackPlan
     quiet: bool = False
     servers: dict[str, ServerProcess] = field(default_factory=dict)
+    stop_requested: threading.Event = field(default_factory=threading.Event)
 
     def start(self) -> None:
         """The registry first (the others need its address), then the trainer and the sampler side by side;
@@ -149,6 +154,8 @@ class Stack:
         deadline = {s: time.monotonic() + STARTUP_SECONDS[s] for s in services}
         pending = list(services)
         while pending:
+            if self.stop_requested.is_set():
+                raise Interrupted
             for service in list(pending):
                 server = self.servers[service]
                 if server.ready_file.exists() or server.process.poll() is not None:
@@ -252,11 +259,13 @@ def run_up(config_path: Path, workdir: Path | None, as_json: bool) -> int:
         stop.set()
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    stack = Stack(plan, quiet=as_json)
+    stack = Stack(plan, quiet=as_json, stop_requested=stop)
     code = 0
     try:
         try:
             stack.start()
+        except Interrupted:
+            pass
         except ServiceFailed as exc:
             if not stop.is_set():
                 print(f"opentinker up: {exc}", file=sys.stderr, flush=True)
