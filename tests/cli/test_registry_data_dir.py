@@ -137,3 +137,18 @@ def test_a_watcher_leaving_mid_stream_logs_no_task_exception(first: ServerProces
     log = first.log()
     assert "Task exception was never retrieved" not in log
     assert "different Context" not in log
+
+
+def test_after_a_sigkill_the_next_registry_gets_the_data_dir_and_the_data(tmp_path: Path) -> None:
+    """The embedded Redis inherits the lock and outlives a SIGKILLed registry by its flush: the next registry
+    waits for it (the recorded owner is dead) instead of refusing, and finds every acknowledged write."""
+    server = start_registry(tmp_path / "killed")
+    name = unique_name("dd-killed")
+    create(server, name)
+    server.kill()
+    again = start_registry(tmp_path / "killed")
+    try:
+        assert name in names(again)
+        assert (tmp_path / "killed" / "registry.lock").read_text().strip() == str(again.process.pid)
+    finally:
+        assert again.terminate() == 0
