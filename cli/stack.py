@@ -25,7 +25,7 @@ from rich.table import Table
 
 from opentinker.cli.launch import ServerExited, ServerProcess, opentinker_command
 from opentinker.cli.stack_file import remove_stack_file, write_stack_file
-from opentinker.cli.up_auth import StackAuth, needs_service_token, provision
+from opentinker.cli.up_auth import StackAuth, needs_service_token, provision, refuse_unprovisionable
 from opentinker.rpc.config import SERVER_SECTIONS, UP_SECTION, ConfigError, read_config, resolve_value
 from opentinker.rpc.dir_lock import DirLock, DirLocked
 from opentinker.rpc.progress import spinner
@@ -237,6 +237,7 @@ def prepare(config_path: Path, workdir: Path | None) -> tuple[StackPlan, DirLock
     plan = plan_stack(config_path, workdir)
     lock = _lock_workdir(plan.workdir)
     try:
+        refuse_unprovisionable(plan.config, plan.services)
         if needs_service_token(plan.config, plan.services):
             plan.auth = provision(plan.config, plan.workdir)
         validate(plan)

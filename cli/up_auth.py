@@ -53,6 +53,24 @@ def needs_service_token(config: dict[str, Any], services: list[str]) -> bool:
     return any(resolve_value(config, s, "registry_token") is None for s in services if s != "registry")
 
 
+def refuse_unprovisionable(config: dict[str, Any], services: list[str]) -> None:
+    """Tokens from OPENTINKER_TOKENS (no file `up` could copy) and a server without a registry_token: every call
+    would fail UNAUTHENTICATED, so refuse now, naming the fix."""
+    if (
+        "registry" not in services
+        or registry_tokens_file(config) is not None
+        or not os.environ.get("OPENTINKER_TOKENS")
+    ):
+        return
+    missing = [s for s in services if s != "registry" and resolve_value(config, s, "registry_token") is None]
+    if missing:
+        raise ConfigError(
+            f"the registry takes tokens from OPENTINKER_TOKENS but no registry_token is set for the "
+            f"{' and the '.join(missing)}: set registry_token (an admin token), or use tokens_file and `up` "
+            "provisions one"
+        )
+
+
 def _write_private(path: Path, text: str) -> None:
     # Created 0600 from the start: never readable by others, not even for a moment.
     path.unlink(missing_ok=True)

@@ -5,6 +5,7 @@ at --log-level debug."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import time
@@ -141,3 +142,17 @@ def test_up_names_the_server_that_failed_and_its_log(tiny_model: Path, tmp_path:
         f"is in use by another registry (pid {holder.pid}); stop it or pass another --data-dir; its log: "
         f"{tmp_path / 'run' / 'registry' / 'server.log'}"
     ], result.stderr
+
+
+def test_up_refuses_tokens_it_cannot_provision_for_naming_the_fix(tiny_model: Path, tmp_path: Path) -> None:
+    config = tmp_path / "stack.toml"
+    config.write_text(f'port = 0\nmodel = "{tiny_model}"\ndevice = "cpu"\n')
+    env = {**os.environ, "OPENTINKER_TOKENS": "tok-a=team-a"}
+    result = subprocess.run(opentinker_command("up", "--config", str(config), "--workdir", str(tmp_path / "run")),
+                            capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
+    assert result.returncode == 2
+    assert one_line(result) == (
+        "opentinker up: the registry takes tokens from OPENTINKER_TOKENS but no registry_token is set for the "
+        "trainer and the sampler: set registry_token (an admin token), or use tokens_file and `up` provisions one"
+    )
+    assert not (tmp_path / "run" / "registry").exists()
