@@ -80,10 +80,11 @@ def test_attach_after_restart_starts_from_the_latest_version(stack: Stack, how: 
             assert f"{a_name}@{v2.number}" in started.description and "optimizer fresh" in started.description
             assert probe(training) == at_v2  # exactly the latest version's logprobs, not fresh weights
             info = training.get_info()
-            assert (info.last_snapshot_version, info.parent_adapter) == (v2.number, "")
+            assert (info.last_snapshot_version, info.parent_adapter, info.step) == (v2.number, "", N)
             train(training, N, N + 1)
             v3 = training.save_snapshot()
-            assert (v3.number, v3.lineage.parent_version) == (3, v2.number)
+            assert (v3.number, v3.lineage.parent_version, v3.lineage.trainer_step) == (3, v2.number, N + 1)
+            assert v3.lineage.tokens_trained == v2.lineage.tokens_trained + 2 * 11  # totals go on
 
             # team-b's adapter comes back as its own latest version.
             b_training = b.create_training_client(b_name, LORA, adam=ADAM, seed=SEED + 1, attach_existing=True)
@@ -95,7 +96,7 @@ def test_attach_after_restart_starts_from_the_latest_version(stack: Stack, how: 
                 with pytest.raises(OpenTinkerError) as denied:
                     call()
                 assert denied.value.code == grpc.StatusCode.PERMISSION_DENIED
-            assert a.get_training_adapter(a_name).step == N + 1  # untouched by team-b's attempts
+            assert a.get_training_adapter(a_name).step == N + 1  # from v2 (step N), one more; untouched by team-b
 
             # Fresh weights under the existing name: only with fresh=True, and its snapshot's parent is 0.
             a.delete_training_adapter(a_name)
