@@ -177,10 +177,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
                 if plan.snapshot.adapter == name:  # its own history goes on: step and totals as at that version
                     lineage = plan.snapshot.lineage
                     state.step = lineage.trainer_step
-                    state.ledger.tokens_trained, state.ledger.datums_trained = (
-                        lineage.tokens_trained,
-                        lineage.datums_trained,
-                    )
+                    state.ledger.tokens_trained = lineage.tokens_trained
+                    state.ledger.datums_trained = lineage.datums_trained
             if plan.state_id:
                 self.trainer.load_state(name, plan.state_id, principal=principal)
             if plan.at_version is not None:  # saved with this version, before its publish: history from there
