@@ -26,10 +26,24 @@ def make_tiny_model_command(
     heads: Annotated[int, typer.Option(help="Attention heads.")] = 4,
     kv_heads: Annotated[int, typer.Option(help="Key/value heads (grouped-query attention).")] = 2,
     vocab_size: Annotated[int, typer.Option(help="Tokenizer vocabulary size incl. special tokens.")] = 512,
+    like: Annotated[
+        str | None,
+        typer.Option(
+            help="A scaled copy of a public checkpoint's config: llama3.2, llama3.1, qwen2.5, qwen2.5-yarn, "
+            "qwen3, qwen3-8b or mistral (sizes shrunk, every other key as published)."
+        ),
+    ] = None,
 ) -> None:
     """Write a small random causal LM + byte-level BPE tokenizer, offline and deterministically."""
-    from opentinker.client.tiny_model import TinyModelSpec, make_tiny_model
+    from opentinker.client.model_families import FAMILIES
+    from opentinker.client.tiny_model import TinyModelSpec, make_family_model, make_tiny_model
 
+    if like is not None:
+        if like not in FAMILIES:
+            raise typer.BadParameter(f"must be one of {', '.join(FAMILIES)}", param_hint="--like")
+        path = make_family_model(out_dir, like, seed=seed, vocab_size=vocab_size)
+        typer.echo(f"wrote a scaled copy of {FAMILIES[like][0]} to {path}")
+        return
     if arch not in ("qwen2", "llama"):
         raise typer.BadParameter("arch must be qwen2 or llama", param_hint="--arch")
     spec = TinyModelSpec(

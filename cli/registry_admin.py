@@ -21,6 +21,7 @@ from opentinker.cli.rollback_notice import LATEST, rollback_notice
 from opentinker.client import OpenTinkerError, Reconcile, RegistryClient
 
 console = Console()
+TRACES_SHOWN = 4  # trace ids per version in the lineage table
 alias_app = typer.Typer(no_args_is_help=True, help="Move or remove aliases.")
 
 
@@ -98,17 +99,27 @@ def versions(
     """Versions of an adapter, newest first."""
     with connect(registry, token, ca_cert) as client:
         newest = client.list_versions(name, limit or 100)  # 0: the registry's page size
+        total = client.get_adapter(name).version_count if not as_json else len(newest)
     if as_json:
         out.print_json([out.version_json(v) for v in newest])
         return
-    table = Table("version", "aliases", "step", "tokens", "artifact", "published", "by")
+    table = Table("version", "aliases", "parent", "step", "tokens", "metrics", "artifact", "published", "by")
     for v in newest:
         artifact = "(collected)" if v.artifact_deleted else v.sha256[:12]
         table.add_row(
-            str(v.number), ", ".join(v.aliases), str(v.lineage.trainer_step), str(v.lineage.tokens_trained),
-            artifact, when(v.created_at), v.published_by,
+            str(v.number), ", ".join(v.aliases), str(v.lineage.parent_version or "-"), str(v.lineage.trainer_step),
+            str(v.lineage.tokens_trained), metrics_text(v.lineage.metrics), artifact, when(v.created_at),
+            v.published_by,
         )  # fmt: skip
     console.print(table)
+    if total > len(newest):
+        console.print(
+            f"{len(newest)} of {total} versions shown (--limit N, 0 for a page of 100; --json for all fields)"
+        )
+
+
+def metrics_text(metrics: dict[str, float]) -> str:
+    return ", ".join(f"{k}={val:.4g}" for k, val in sorted(metrics.items()))
 
 
 def show(
@@ -121,14 +132,19 @@ def show(
     """Resolve a reference (name, name@alias, name@N) to its exact version."""
     with connect(registry, token, ca_cert) as client:
         v = client.resolve(reference)
+        # A version without a LoRA shape of its own has its adapter's (empty there too: all linear modules).
+        targets = v.target_modules or (() if as_json else client.get_adapter(v.adapter).target_modules)
     if as_json:
         out.print_json(out.version_json(v))
         return
     console.print(f"{reference} -> {v.adapter}@{v.number}")
     console.print(f"  aliases    {', '.join(v.aliases) or '-'}")
     console.print(f"  artifact   {v.artifact_uri}{' (collected)' if v.artifact_deleted else ''} ({v.size_bytes} B)")
-    console.print(f"  lora       rank {v.rank} alpha {v.alpha:g} {list(v.target_modules)}")
+    console.print(f"  lora       rank {v.rank} alpha {v.alpha:g} targets {', '.join(targets) or 'all-linear'}")
     console.print(f"  parent     {v.lineage.parent_version or '-'}  step {v.lineage.trainer_step}")
+    console.print(f"  trained    {v.lineage.tokens_trained} tokens, {v.lineage.datums_trained} datums since the parent")
+    if v.lineage.metrics:
+        console.print(f"  metrics    {metrics_text(v.lineage.metrics)}")
     console.print(f"  published  {when(v.created_at)} by {v.published_by}")
 
 
@@ -210,10 +226,12 @@ def lineage(
     table = Table("version", "parent", "step", "tokens", "batches", "trace ids", "metrics")
     for v in chain:
         traces = sorted({t for b in v.lineage.batches for t in b.trace_ids})
-        metrics = ", ".join(f"{k}={val:.4g}" for k, val in sorted(v.lineage.metrics.items()))
+        shown = ", ".join(traces[:TRACES_SHOWN])
+        if len(traces) > TRACES_SHOWN:
+            shown += f" (+{len(traces) - TRACES_SHOWN} more: --json lists all)"
         table.add_row(
             v.reference, str(v.lineage.parent_version or "-"), str(v.lineage.trainer_step),
-            str(v.lineage.tokens_trained), str(len(v.lineage.batches)), ", ".join(traces[:4]), metrics,
+            str(v.lineage.tokens_trained), str(len(v.lineage.batches)), shown, metrics_text(v.lineage.metrics),
         )  # fmt: skip
     console.print(table)
 

@@ -31,6 +31,22 @@ def serve(
     max_batch_tokens: Annotated[int, typer.Option(help="Prompt tokens per prefill step.")] = 4096,
     max_len: Annotated[int, typer.Option(help="Context per sequence (0: the model's, capped at 4096).")] = 0,
     max_waiting: Annotated[int, typer.Option(help="Queued sequences before RESOURCE_EXHAUSTED.")] = 256,
+    max_seqs_per_tenant: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            help="KV slots (sequences in the batch) one tenant may hold at once, so that others always find one "
+            "soon. Default: 3/4 of --max-seqs (at least 1); 0: no limit.",
+        ),
+    ] = None,
+    max_queued_per_tenant: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Samples one user tenant may have waiting (not started) before RESOURCE_EXHAUSTED "
+            "TENANT_QUEUE_FULL; admins are bounded by --max-waiting only. 0: no limit.",
+        ),
+    ] = 256,
     max_prompt_bytes: Annotated[
         int,
         typer.Option(
@@ -105,13 +121,17 @@ def serve(
         raise typer.BadParameter("cpu-gemm must be onednn or torch", param_hint="--cpu-gemm")
     if kernel not in ("auto", "segments", "reference", "triton"):
         raise typer.BadParameter("kernel must be auto, segments, reference or triton", param_hint="--kernel")
+    if max_seqs_per_tenant is not None and max_seqs_per_tenant > max_seqs:
+        raise typer.BadParameter(f"{max_seqs_per_tenant} is more than --max-seqs ({max_seqs}); 0 means no limit",
+                                 param_hint="--max-seqs-per-tenant")  # fmt: skip
     options = opt.server_options(host, port, metrics_port, tokens_file, insecure_public, tls_cert, tls_key, ready_file,
                                  max_message_mb)  # fmt: skip
     config = SamplerConfig(
         model=model, registry=registry, store=store, server=options, registry_token=registry_token,
         registry_ca=registry_ca, device=device, dtype=cast("Dtype", dtype), max_slots=max_slots,
         max_rank=max_rank, max_seqs=max_seqs, max_batch_tokens=max_batch_tokens, max_len=max_len,
-        max_waiting=max_waiting, max_prompt_bytes=max_prompt_bytes, burst_wait_ms=burst_wait_ms,
+        max_waiting=max_waiting, max_seqs_per_tenant=max_seqs_per_tenant,
+        max_queued_per_tenant=max_queued_per_tenant, max_prompt_bytes=max_prompt_bytes, burst_wait_ms=burst_wait_ms,
         kernel=cast("Backend", kernel), cpu_gemm=cast("CpuGemm", cpu_gemm), engine_process=engine_process,
         follow=tuple(follow or ()), follow_window=follow_window,
     )  # fmt: skip

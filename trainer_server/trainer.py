@@ -114,7 +114,9 @@ class Trainer:
         self.max_resident = max_resident
         self.spill_dir = spill_dir
         self.adapters: OrderedDict[str, AdapterState] = OrderedDict()  # LRU order: oldest first
-        self.pad_id = int(base.config.pad_token_id or base.config.eos_token_id or 0)
+        # Padding is masked out, so any valid id does; eos may be a list (every Llama 3 Instruct config).
+        ids = (base.shape.pad_token_id, *base.shape.eos_token_ids)
+        self.pad_id = next((i for i in ids if i is not None), 0)
 
     # Adapters
 

@@ -112,6 +112,26 @@ def test_show_human_and_json(cli: Cli, registry: Stub) -> None:
     assert shown["aliases"] == ["latest"] and shown["artifact_uri"].startswith("sha256:")
 
 
+def test_versions_show_and_lineage_print_metrics_targets_and_what_is_hidden(cli: Cli, registry: Stub) -> None:
+    name = unique_name("cli")
+    create_adapter(registry, name)
+    traces = [f"trace-{i}" for i in range(6)]
+    metrics = {"loss:sum": 12.5, "weights:sum": 5.0}
+    publish(registry, name)
+    publish(registry, name, parent=1, lineage=registry_pb2.Lineage(
+        metrics=metrics, batches=[registry_pb2.BatchRecord(digest="d", trace_ids=traces)]))  # fmt: skip
+
+    table = ok(cli("versions", name, "--limit", "1"))
+    assert "loss:sum=12.5" in table and "weights:sum=5" in table
+    assert "1 of 2 versions shown" in table
+    assert "versions shown" not in ok(cli("versions", name))
+    shown = ok(cli("show", name))
+    assert "targets all-linear" in shown and "[]" not in shown  # the adapter's default: every linear module
+    assert "metrics    loss:sum=12.5, weights:sum=5" in shown
+    lineage = ok(cli("lineage", name))
+    assert "trace-0, trace-1, trace-2, trace-3 (+2 more" in lineage and "trace-4" not in lineage
+
+
 def test_alias_set_compare_and_set_and_rm(cli: Cli, registry: Stub) -> None:
     name = unique_name("cli")
     create_adapter(registry, name)

@@ -1,0 +1,168 @@
+"""The support matrix, through real servers: for each scaled copy of a public checkpoint (`make-tiny-model
+--like`), a trainer and a sampler process on it agree with transformers (and peft, for a trained adapter) to
+1e-5 in fp32 over 320 positions, past the checkpoint's pretrained context length; greedy decoding equals
+transformers' token for token; and a hub id in a local HF cache layout serves the same numbers."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hubcache import write_hub_cache
+from serverproc import ServerProcess, start_sampler, start_trainer
+
+from opentinker.client import AdamParams, Datum, LoraConfig, ModelInput, SamplingParams, ServiceClient
+from opentinker.client.model_families import FAMILIES
+from opentinker.client.tiny_model import make_family_model
+from opentinker.weights.model_config import load_config
+
+LENGTH = 320
+TOL = 1e-5
+
+
+def _tokens(length: int, seed: int) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 500, (length,), generator=generator).tolist()
+
+
+def _hf(model_dir: Path, adapter: Path | None = None) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(adapter))
+    return model.eval()
+
+
+def _hf_logprobs(model: Any, tokens: list[int]) -> list[float]:
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([tokens])).logits[0].double()
+    values: list[float] = logits[:-1].log_softmax(-1).gather(1, torch.tensor(tokens[1:])[:, None])[:, 0].tolist()
+    return values
+
+
+def _hf_greedy(model: Any, prompt: list[int], count: int) -> list[int]:
+    with torch.no_grad():
+        out = model(torch.tensor([prompt]), use_cache=True)
+        tokens: list[int] = []
+        for _ in range(count):
+            tokens.append(int(out.logits[0, -1].argmax()))
+            out = model(torch.tensor([[tokens[-1]]]), cache=out.past_key_values, use_cache=True)
+    return tokens
+
+
+def _max_diff(a: list[float] | tuple[float, ...], b: list[float] | tuple[float, ...]) -> float:
+    assert len(a) == len(b)
+    return max(abs(x - y) for x, y in zip(a, b, strict=True))
+
+
+def _datum(tokens: list[int]) -> Datum:
+    return Datum(ModelInput.from_ints(tokens[:-1]),
+                 loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def family_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("family-models")
+    return {family: make_family_model(root / family, family, seed=5) for family in FAMILIES}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def stack(
+    request: pytest.FixtureRequest,
+    family_models: dict[str, Path],
+    registry_server: ServerProcess,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[str, Path, ServiceClient]]:
+    family: str = request.param
+    model = family_models[family]
+    workdir = tmp_path_factory.mktemp(f"family-{family}")
+    trainer = start_trainer(workdir / "trainer", model, registry_server)
+    try:
+        # --max-len: room for the 320 probe positions (the default caps the context at 4096 or the model's).
+        sampler = start_sampler(workdir / "sampler", model, registry_server, "--max-len", str(LENGTH + 64))
+        try:
+            with ServiceClient(trainer.address, sampler.address, registry_server.address) as service:
+                yield family, model, service
+        finally:
+            sampler.terminate()
+    finally:
+        trainer.terminate()
+
+
+def test_trainer_sampler_and_transformers_agree(stack: tuple[str, Path, ServiceClient], tmp_path: Path) -> None:
+    family, model_dir, service = stack
+    tokens = _tokens(LENGTH, seed=len(family))
+    hf = _hf(model_dir)
+    expected = _hf_logprobs(hf, tokens)
+    adapter = f"families/{family.replace('.', '-')}"
+    training = service.create_training_client(adapter, LoraConfig(rank=4, alpha=8.0), seed=2)
+    # A fresh adapter's B is zero: its logprobs are the base model's.
+    trained_before = training.forward([_datum(tokens)]).logprobs[0]
+    assert _max_diff(trained_before, expected) <= TOL, f"{family}: trainer vs transformers"
+    base = service.create_sampling_client("base")
+    assert _max_diff(base.compute_logprobs(tokens), expected) <= TOL, f"{family}: sampler vs transformers"
+    prompt_logprobs = base.sample(tokens, SamplingParams(max_tokens=1, temperature=0.0), prompt_logprobs=True)
+    assert prompt_logprobs.prompt_logprobs is not None
+    assert _max_diff(prompt_logprobs.prompt_logprobs, expected) <= TOL
+
+    # Greedy, 32 tokens, as transformers decodes them (up to an eos the sampler stops at).
+    prompt = tokens[:40]
+    (sequence,) = base.sample(prompt, SamplingParams(max_tokens=32, temperature=0.0)).sequences
+    want = _hf_greedy(hf, prompt, 32)
+    eos = set(load_config(model_dir).eos_token_ids)
+    if sequence.stop_reason == "stop_token":
+        assert sequence.tokens[-1] in eos
+    else:
+        assert sequence.stop_reason == "length" and not eos & set(want)
+    assert list(sequence.tokens) == want[: len(sequence.tokens)]
+
+    # A trained adapter: peft on transformers' model gives the trainer's and the sampler's logprobs.
+    for step in range(2):
+        training.forward_backward([_datum(_tokens(48, seed=100 + step))])
+        training.optim_step(AdamParams(learning_rate=2e-2))
+    version = training.save_snapshot()
+    trained = training.forward([_datum(tokens)]).logprobs[0]
+    assert _max_diff(trained, trained_before) > 1e-3  # the steps changed the weights
+    folder = tmp_path / "peft"
+    service.registry_client().download_artifact(version.artifact_uri, folder)
+    peft_logprobs = _hf_logprobs(_hf(model_dir, folder), tokens)
+    assert _max_diff(trained, peft_logprobs) <= TOL, f"{family}: trainer vs peft"
+    served = service.create_sampling_client(version.reference).compute_logprobs(tokens)
+    assert _max_diff(served, peft_logprobs) <= TOL, f"{family}: sampler vs peft"
+
+
+def test_a_hub_id_of_a_family_copy_serves_the_same_numbers(
+    family_models: dict[str, Path], registry_server: ServerProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hub_id = "meta-llama/Llama-3.2-1B-Instruct"
+    model_dir = family_models["llama3.2"]
+    hf_home = tmp_path / "hf-home"
+    write_hub_cache(model_dir, hf_home, hub_id)
+    monkeypatch.setenv("HF_HOME", str(hf_home))  # inherited by the server processes
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)  # no ./meta-llama folder: only the cache has the model
+    tokens = _tokens(LENGTH, seed=77)
+    expected = _hf_logprobs(_hf(model_dir), tokens)
+    trainer = start_trainer(tmp_path / "trainer", Path(hub_id), registry_server)
+    try:
+        sampler = start_sampler(tmp_path / "sampler", Path(hub_id), registry_server, "--max-len", str(LENGTH + 64))
+        try:
+            with ServiceClient(trainer.address, sampler.address, registry_server.address) as service:
+                info = service.get_trainer_info()
+                assert info.model == hub_id
+                training = service.create_training_client("families/hub-llama", LoraConfig(rank=4), seed=1)
+                assert _max_diff(training.forward([_datum(tokens)]).logprobs[0], expected) <= TOL
+                sampled = service.create_sampling_client("base").compute_logprobs(tokens)
+                assert _max_diff(sampled, expected) <= TOL
+        finally:
+            sampler.terminate()
+    finally:
+        trainer.terminate()
+    assert os.environ["HF_HUB_OFFLINE"] == "1"
