@@ -63,14 +63,16 @@ def make_tiny_model_command(
 def _register_groups() -> None:
     from opentinker.cli.registry_admin import add_admin_commands
     from opentinker.cli.sample import sample_command
+    from opentinker.cli.trainer_admin import add_trainer_commands
     from opentinker.gateway.cli import app as gateway_app
     from opentinker.registry.cli import registry_app
     from opentinker.sampler_server.cli import sampler_app
     from opentinker.trainer_server.cli import trainer_app
 
     add_admin_commands(registry_app)
+    add_trainer_commands(trainer_app)
     app.add_typer(registry_app, name="registry", help="Run and administer the adapter registry.")
-    app.add_typer(trainer_app, name="trainer", help="Run the trainer server.")
+    app.add_typer(trainer_app, name="trainer", help="Run and operate the trainer server.")
     app.add_typer(sampler_app, name="sampler", help="Run the sampler server.")
     app.add_typer(gateway_app, name="gateway", help="Run the Tinker-compatible HTTP gateway.")
     app.command("sample")(sample_command)

@@ -17,6 +17,7 @@ from opentinker.cli import registry_json as out
 from opentinker.cli.console import table_console
 from opentinker.cli.failure import describe
 from opentinker.cli.options import DEFAULT_REGISTRY, AsJson, CaCert, RegistryAddr, Token
+from opentinker.cli.rollback_notice import LATEST, rollback_notice
 from opentinker.client import OpenTinkerError, Reconcile, RegistryClient
 
 console = table_console()  # piped: wide enough that no column is cut
@@ -198,10 +199,14 @@ def rollback(
     """Move an alias back to an older version."""
     with connect(registry, token, ca_cert) as client:
         move = client.rollback(name, alias, to)
+        left = client.get_version(name, move.previous_version) if alias == LATEST and move.previous_version else None
     if as_json:
         out.print_json(out.rollback_json(move))
     else:
         console.print(f"{name}@{move.alias}: {move.previous_version} -> {move.version}")
+    notice = rollback_notice(name, alias, left, move.version)
+    if notice:
+        print(notice, file=sys.stderr)
 
 
 def lineage(

@@ -33,6 +33,8 @@ class TrainerConfig:
     max_batch_positions: int = 1 << 17  # datums x longest datum per request (batch.py)
     max_adapters_per_tenant: int = 64  # 0: no limit (quota.py)
     micro_batch_positions: int = 1 << 14  # a bigger request runs in parts (micro_batch.py)
+    max_serving_rank: int = 64  # the samplers' --max-rank (start_point.py); 0: no check
+    persist_state: bool = False  # a full state with every snapshot, for an exact resume after a restart
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +85,8 @@ def build_trainer(config: TrainerConfig) -> BuiltTrainer:
                                    registry_metadata=metadata, max_batch_tokens=c.max_batch_tokens,
                                    max_batch_positions=c.max_batch_positions,
                                    max_adapters_per_tenant=c.max_adapters_per_tenant,
-                                   micro_batch_positions=c.micro_batch_positions)  # fmt: skip
+                                   micro_batch_positions=c.micro_batch_positions,
+                                   max_serving_rank=c.max_serving_rank, persist_state=c.persist_state)  # fmt: skip
         trainer_pb2_grpc.add_TrainerServiceServicer_to_server(servicer, server)
 
     async def on_stop() -> None:

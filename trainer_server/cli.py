@@ -46,6 +46,20 @@ def serve(
             "gradient accumulation, other adapters' jobs between them."
         ),
     ] = 1 << 14,
+    max_serving_rank: Annotated[
+        int,
+        typer.Option(
+            help="Largest LoRA rank CreateAdapter accepts: set it to the samplers' --max-rank, which could not serve "
+            "a larger one (0: no check)."
+        ),
+    ] = 64,
+    persist_state: Annotated[
+        bool,
+        typer.Option(
+            help="Save each adapter's full state (weights, optimizer, step, RNG, ledger) with every snapshot, so "
+            "attaching after a trainer restart resumes it exactly."
+        ),
+    ] = False,
     registry_ca: opt.RegistryCa = None,
     host: opt.Host = "127.0.0.1",
     port: opt.Port = DEFAULT_PORT,
@@ -82,6 +96,8 @@ def serve(
         raise typer.BadParameter("must be at least 1", param_hint="--micro-batch-positions")
     if max_batch_positions < 1:
         raise typer.BadParameter("must be at least 1", param_hint="--max-batch-positions")
+    if max_serving_rank < 0:
+        raise typer.BadParameter("must be at least 0 (0: no check)", param_hint="--max-serving-rank")
     options = opt.server_options(host, port, metrics_port, tokens_file, insecure_public, tls_cert, tls_key, ready_file,
                                  max_message_mb)  # fmt: skip
     config = TrainerConfig(
@@ -89,6 +105,6 @@ def serve(
         registry_ca=registry_ca, device=device, dtype="float32" if dtype == "float32" else "bfloat16",
         max_resident_adapters=max_resident_adapters, spill_dir=spill_dir, max_batch_tokens=max_batch_tokens,
         max_batch_positions=max_batch_positions, max_adapters_per_tenant=max_adapters_per_tenant,
-        micro_batch_positions=micro_batch_positions,
+        micro_batch_positions=micro_batch_positions, max_serving_rank=max_serving_rank, persist_state=persist_state,
     )  # fmt: skip
     serve_trainer(config)

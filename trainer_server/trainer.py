@@ -321,6 +321,18 @@ class Trainer:
             raise FailedPrecondition(f"snapshot {uri} does not fit adapter {name!r}: {exc}",
                                      reason="INCOMPATIBLE_SNAPSHOT") from None  # fmt: skip
 
+    def reset_to_snapshot(self, name: str, uri: str, *, keep_optimizer: bool) -> AdapterState:
+        """Loads a published snapshot's weights into the live adapter: its gradients and pending batches go (they
+        were computed on other weights); AdamW moments too unless keep_optimizer. The step count stays."""
+        state = self._use(name)
+        self.load_snapshot(name, uri)  # checks every tensor before it copies one: a misfit changes nothing
+        for param in state.params:
+            param.grad = None
+        state.ledger.pending.clear()
+        if not keep_optimizer:
+            state.optimizer.state.clear()  # moments and AdamW's own step counter: as if never stepped
+        return state
+
     def save_state(self, name: str, label: str, *, owner: str | None = None) -> ArtifactRef:
         """owner: the tenant the state belongs to (ownership.py), recorded for LoadState's check."""
         state = self._use(name)

@@ -158,10 +158,12 @@ def test_rollback_previous_and_explicit(cli: Cli, registry: Stub) -> None:
     for parent in range(3):
         publish(registry, name, parent=parent)
 
-    out = ok(cli("rollback", name))
-    assert f"{name}@latest: 3 -> 2" in out
+    # The versions carry trainer steps, as a trainer's snapshots do: the rollback says the next one moves latest.
+    rolled = cli("rollback", name)
+    assert rolled.returncode == 0 and f"{name}@latest: 3 -> 2" in rolled.stdout, rolled.stderr
+    assert "its next snapshot moves latest again" in rolled.stderr
     assert resolve(registry, name) == 2
-    back = ok_json(cli("rollback", name, "--to", "1", "--json"))
+    back = json.loads(cli("rollback", name, "--to", "1", "--json").stdout)
     assert back["alias"] == "latest" and (int(back["from_version"]), int(back["to_version"])) == (2, 1)
     assert resolve(registry, name) == 1
 
