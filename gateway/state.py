@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -136,7 +137,7 @@ async def json_body(request: web.Request) -> Json:
     if len(raw) <= JSON_INLINE_BYTES or len(raw) > gw.config.max_json_bytes:
         return parse_json(raw, **limits)
     async with gw.json_slots:
-        return await asyncio.to_thread(parse_json, raw, **limits)
+        return await asyncio.to_thread(functools.partial(parse_json, raw, yielding=True, **limits))
 
 
 def field_of(body: Json, name: str, kind: type[_T], *, required: bool = True) -> _T | None:

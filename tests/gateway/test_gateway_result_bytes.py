@@ -4,6 +4,7 @@ JSON bodies parsed off the event loop with the same answers, and failures that l
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import threading
 
@@ -138,9 +139,11 @@ def test_big_json_bodies_are_parsed_on_a_thread_with_the_same_answers(monkeypatc
     threads: list[str] = []
     parse = bodies.parse_json
 
-    def spy(raw: bytes, *, max_bytes: int, max_string: int) -> dict[str, object]:
+    def spy(raw: bytes, *, max_bytes: int, max_string: int, yielding: bool = False) -> dict[str, object]:
+        on_loop = threading.current_thread() is threading.main_thread()
+        assert yielding is not on_loop  # the slower parse that gives the GIL away: on the worker thread only
         threads.append(threading.current_thread().name)
-        return parse(raw, max_bytes=max_bytes, max_string=max_string)
+        return parse(raw, max_bytes=max_bytes, max_string=max_string, yielding=yielding)
 
     monkeypatch.setattr(state, "parse_json", spy)
     pad = " " * state.JSON_INLINE_BYTES  # the same documents, made big by whitespace
@@ -152,6 +155,8 @@ def test_big_json_bodies_are_parsed_on_a_thread_with_the_same_answers(monkeypatc
         b"[1, 2]",
         b"\xff{}",
         b"{" + b'"a":{' * 40 + b"}" * 41,
+        b'{"n": ' + b"7" * 5000 + b"}",  # beyond Python's digits limit for int()
+        b'{"f": [1.5, -2e300, 1e400, 0.1], "o": {"k": {"k": [true, null, "s"]}}, "k": 1, "k": 2}',
     ]
     for document in documents:
         threads.clear()
@@ -161,6 +166,7 @@ def test_big_json_bodies_are_parsed_on_a_thread_with_the_same_answers(monkeypatc
         if len(document) <= state.JSON_INLINE_BYTES:
             assert threads[0] == threading.main_thread().name
     assert _answer(gw, b"[" * 100_000 + b"]" * 100_000)[0] == "JSON_TOO_DEEP"
+    assert gc.isenabled()  # the collector, paused during the threaded parses, runs again
     too_big = b" " * (gw.config.max_json_bytes + 1)
     threads.clear()
     assert _answer(gw, too_big)[0] == "BODY_TOO_LARGE" and threads == [threading.main_thread().name]
