@@ -130,14 +130,17 @@ JSON_INLINE_BYTES = 64 << 10  # smaller JSON bodies (all the SDK's but long prom
 async def json_body(request: web.Request) -> Json:
     """The body as a JSON object within the configured size, depth and string bounds (see bodies.py). A body
     above ``JSON_INLINE_BYTES`` is parsed on a worker thread, two at a time, so that one tenant's big bodies
-    leave the event loop to every other request (the answers are the same either way)."""
+    leave the event loop to every other request (the answers are the same either way; see bodies.py for what
+    still holds the GIL)."""
     gw = gateway_of(request)
     raw = await request.read()
-    limits = {"max_bytes": gw.config.max_json_bytes, "max_string": gw.config.max_string_length}
+    parse = functools.partial(
+        parse_json, raw, max_bytes=gw.config.max_json_bytes, max_string=gw.config.max_string_length
+    )
     if len(raw) <= JSON_INLINE_BYTES or len(raw) > gw.config.max_json_bytes:
-        return parse_json(raw, **limits)
+        return parse()
     async with gw.json_slots:
-        return await asyncio.to_thread(functools.partial(parse_json, raw, yielding=True, **limits))
+        return await asyncio.to_thread(parse, yielding=True)
 
 
 def field_of(body: Json, name: str, kind: type[_T], *, required: bool = True) -> _T | None:
