@@ -20,7 +20,7 @@ of them. The gateway cases go through a gateway process in front of the servers 
 team-b's call there is the tinker protocol over HTTP: an asample and its retrieve_future. team-b must see no
 error in any window.
 
-  .venv/bin/python bench/noisy_neighbours.py [--quick]
+  .venv/bin/python bench/noisy_neighbours.py [--quick] [--only CASE-PREFIX]
 """
 
 from __future__ import annotations
