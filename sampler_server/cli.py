@@ -24,6 +24,9 @@ def serve(
         str | None, typer.Option(envvar="OPENTINKER_REGISTRY_TOKEN", help="Token the sampler uses with the registry.")
     ] = None,
     device: Annotated[str, typer.Option(help="auto (CUDA when present), cpu or cuda.")] = "auto",
+    revision: Annotated[
+        str | None, typer.Option(help="Of a hub id --model: the cached commit, branch or tag (as `hf download`).")
+    ] = None,
     dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "float32",
     max_slots: Annotated[int, typer.Option(help="Adapter versions resident at once.")] = 32,
     max_rank: Annotated[int, typer.Option(help="Largest LoRA rank served (smaller ranks are zero-padded).")] = 64,
@@ -127,7 +130,7 @@ def serve(
     options = opt.server_options(host, port, metrics_port, tokens_file, insecure_public, tls_cert, tls_key, ready_file,
                                  max_message_mb)  # fmt: skip
     config = SamplerConfig(
-        model=model, registry=registry, store=store, server=options, registry_token=registry_token,
+        model=model, revision=revision, registry=registry, store=store, server=options, registry_token=registry_token,
         registry_ca=registry_ca, device=device, dtype=cast("Dtype", dtype), max_slots=max_slots,
         max_rank=max_rank, max_seqs=max_seqs, max_batch_tokens=max_batch_tokens, max_len=max_len,
         max_waiting=max_waiting, max_seqs_per_tenant=max_seqs_per_tenant,

@@ -5,19 +5,19 @@ transformers' token for token; and a hub id in a local HF cache layout serves th
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from hubcache import write_hub_cache
+from hubcache import REVISION, write_hub_cache
 from serverproc import ServerProcess, start_sampler, start_trainer
 
 from opentinker.client import AdamParams, Datum, LoraConfig, ModelInput, SamplingParams, ServiceClient
 from opentinker.client.model_families import FAMILIES
 from opentinker.client.tiny_model import make_family_model
+from opentinker.weights.base_model import model_digest
 from opentinker.weights.model_config import load_config
 
 LENGTH = 320
@@ -138,25 +138,31 @@ def test_trainer_sampler_and_transformers_agree(stack: tuple[str, Path, ServiceC
     assert _max_diff(served, peft_logprobs) <= TOL, f"{family}: sampler vs peft"
 
 
-def test_a_hub_id_of_a_family_copy_serves_the_same_numbers(
+def test_a_hub_id_pinned_to_a_revision_serves_that_snapshots_numbers(
     family_models: dict[str, Path], registry_server: ServerProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Two snapshots of one hub id in the cache, main on the newer: --revision serves the older, in both
+    servers, with the older files' fingerprint."""
     hub_id = "meta-llama/Llama-3.2-1B-Instruct"
-    model_dir = family_models["llama3.2"]
+    pinned = family_models["llama3.2"]
+    newer = make_family_model(tmp_path / "newer", "llama3.2", seed=9)
     hf_home = tmp_path / "hf-home"
-    write_hub_cache(model_dir, hf_home, hub_id)
+    write_hub_cache(pinned, hf_home, hub_id, revision=REVISION)
+    write_hub_cache(newer, hf_home, hub_id, revision="f" * 40)  # refs/main now names this one
     monkeypatch.setenv("HF_HOME", str(hf_home))  # inherited by the server processes
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.chdir(tmp_path)  # no ./meta-llama folder: only the cache has the model
     tokens = _tokens(LENGTH, seed=77)
-    expected = _hf_logprobs(_hf(model_dir), tokens)
-    trainer = start_trainer(tmp_path / "trainer", Path(hub_id), registry_server)
+    expected = _hf_logprobs(_hf(pinned), tokens)
+    assert _max_diff(_hf_logprobs(_hf(newer), tokens), expected) > 1e-3  # the snapshots differ
+    pin = ("--revision", REVISION)
+    trainer = start_trainer(tmp_path / "trainer", Path(hub_id), registry_server, *pin)
     try:
-        sampler = start_sampler(tmp_path / "sampler", Path(hub_id), registry_server, "--max-len", str(LENGTH + 64))
+        sampler = start_sampler(tmp_path / "sampler", Path(hub_id), registry_server, *pin, "--max-len", "384")
         try:
             with ServiceClient(trainer.address, sampler.address, registry_server.address) as service:
                 info = service.get_trainer_info()
-                assert info.model == hub_id
+                assert (info.model, info.model_digest) == (hub_id, model_digest(pinned))
                 training = service.create_training_client("families/hub-llama", LoraConfig(rank=4), seed=1)
                 assert _max_diff(training.forward([_datum(tokens)]).logprobs[0], expected) <= TOL
                 sampled = service.create_sampling_client("base").compute_logprobs(tokens)
@@ -165,4 +171,3 @@ def test_a_hub_id_of_a_family_copy_serves_the_same_numbers(
             sampler.terminate()
     finally:
         trainer.terminate()
-    assert os.environ["HF_HUB_OFFLINE"] == "1"
