@@ -171,3 +171,32 @@ def test_a_hub_id_pinned_to_a_revision_serves_that_snapshots_numbers(
             sampler.terminate()
     finally:
         trainer.terminate()
+
+
+def test_bfloat16_on_the_cpu_serves_and_trains_within_the_measured_drift(
+    family_models: dict[str, Path], registry_server: ServerProcess, tmp_path: Path
+) -> None:
+    """`--dtype bfloat16` in both servers on the CPU: the sampler's logprobs stay within bf16 rounding of the
+    trainer's (docs/models.md: bench/bf16_drift.py) and both differ from float32 (bf16 is really used)."""
+    model_dir = family_models["qwen3"]
+    tokens = _tokens(LENGTH, seed=5)
+    fp32 = _hf_logprobs(_hf(model_dir), tokens)
+    bf16 = ("--dtype", "bfloat16")
+    trainer = start_trainer(tmp_path / "trainer", model_dir, registry_server, *bf16)
+    try:
+        sampler = start_sampler(tmp_path / "sampler", model_dir, registry_server, *bf16, "--max-len", "384")
+        try:
+            with ServiceClient(trainer.address, sampler.address, registry_server.address) as service:
+                training = service.create_training_client("families/bf16", LoraConfig(rank=4), seed=1)
+                trained = training.forward([_datum(tokens)]).logprobs[0]
+                base = service.create_sampling_client("base")
+                sampled = base.compute_logprobs(tokens)
+                (sequence,) = base.sample(tokens[:40], SamplingParams(max_tokens=16, temperature=0.0)).sequences
+        finally:
+            sampler.terminate()
+    finally:
+        trainer.terminate()
+    assert _max_diff(sampled, trained) <= 0.02
+    assert sum(abs(a - b) for a, b in zip(sampled, trained, strict=True)) / len(trained) <= 1e-3
+    assert sum(abs(a - b) for a, b in zip(trained, fp32, strict=True)) / len(fp32) > 1e-5
+    assert sequence.tokens and sequence.stop_reason in ("length", "stop_token")
