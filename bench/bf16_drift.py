@@ -37,7 +37,8 @@ def _tokens(length: int) -> list[int]:
 def _transformers_logits(model_dir: Path, dtype: torch.dtype, tokens: list[int]) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
-    model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    model.eval()
     with torch.no_grad():
         return model(torch.tensor([tokens])).logits[0, :-1].double().log_softmax(-1)  # type: ignore[no-any-return]
 
@@ -98,7 +99,8 @@ def main() -> None:
                   f"{trainer_drift:29.2e}")  # fmt: skip
             worst_mean = max(worst_mean, float(diff.mean()), float(decode_diff.mean()))
             worst_kl = max(worst_kl, kl, decode_kl)
-    config = {"families": ",".join(families), "tokens": len(tokens), "model": "scaled copies, random weights"}
+    config: dict[str, str | int] = {"families": ",".join(families), "tokens": len(tokens),
+                                    "model": "scaled copies, random weights"}  # fmt: skip
     record(
         "bf16 sampler vs trainer mean |logprob diff| (worst family, prefill or decode)",
         worst_mean,
