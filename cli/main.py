@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from opentinker.cli.options import CaCert, Token
+from opentinker.cli.options import AsJson, CaCert, Token
 
 app = typer.Typer(no_args_is_help=True, help="OpenTinker: train and serve many LoRA policies on one base LLM.")
 
@@ -84,15 +84,26 @@ def status_command(
     registry: Annotated[str | None, typer.Option(envvar="OPENTINKER_REGISTRY", help="Registry address.")] = None,
     trainer: Annotated[str | None, typer.Option(envvar="OPENTINKER_TRAINER", help="Trainer address.")] = None,
     sampler: Annotated[str | None, typer.Option(envvar="OPENTINKER_SAMPLER", help="Sampler address.")] = None,
+    workdir: Annotated[
+        Path, typer.Option(help="Without addresses: the `opentinker up` workdir whose stack to show (its stack.json).")
+    ] = Path("."),
     token: Token = None,
     ca_cert: CaCert = None,
+    as_json: AsJson = False,
 ) -> None:
-    """One screen on the running stack; exits 1 when a named server is not serving."""
+    """One screen on the running stack; exits 1 when a server is not serving, 2 when there is no stack to show."""
+    from opentinker.cli.stack_file import NoStack, read_stack_file
     from opentinker.cli.status import show_status
 
     if not (registry or trainer or sampler):
-        raise typer.BadParameter("name at least one of --registry, --trainer, --sampler")
-    if not show_status(registry, trainer, sampler, token, ca_cert):
+        try:
+            stack = read_stack_file(workdir)
+        except NoStack as exc:
+            typer.echo(f"opentinker status: {exc}; pass --workdir, or --registry/--trainer/--sampler", err=True)
+            raise typer.Exit(2) from None
+        registry, trainer, sampler = (stack.addresses.get(s) for s in ("registry", "trainer", "sampler"))
+        token = token or stack.token()
+    if not show_status(registry, trainer, sampler, token, ca_cert, as_json):
         raise typer.Exit(1)
 
 
@@ -102,19 +113,18 @@ def up_command(
         Path, typer.Option(exists=True, dir_okay=False, help="TOML file: server sections, shared keys and [up].")
     ],
     workdir: Annotated[
-        Path | None, typer.Option(help="Logs and ready files (default: [up] workdir, else ./opentinker-up).")
+        Path | None,
+        typer.Option(
+            help="Logs, ready files, stack.json and (unless the file names a data_dir) the registry's data; one `up` "
+            "at a time (default: [up] workdir, else ./opentinker-up)."
+        ),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON line when serving and one when stopped.")] = False,
 ) -> None:
     """Start registry, trainer and sampler from one config file; Ctrl-C or SIGTERM stops them all."""
     from opentinker.cli.stack import run_up
-    from opentinker.rpc.config import ConfigError
 
-    try:
-        code = run_up(config, workdir, as_json)
-    except ConfigError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--config") from None
-    raise typer.Exit(code)
+    raise typer.Exit(run_up(config, workdir, as_json))  # a config it cannot use: one line, exit 2
 
 
 @app.command("demo")

@@ -11,15 +11,15 @@ from pathlib import Path
 from typing import Annotated, NoReturn
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from opentinker.cli import registry_json as out
+from opentinker.cli.console import table_console
 from opentinker.cli.failure import describe
 from opentinker.cli.options import DEFAULT_REGISTRY, AsJson, CaCert, RegistryAddr, Token
 from opentinker.client import OpenTinkerError, Reconcile, RegistryClient
 
-console = Console()
+console = table_console()  # piped: wide enough that no column is cut
 TRACES_SHOWN = 4  # trace ids per version in the lineage table
 alias_app = typer.Typer(no_args_is_help=True, help="Move or remove aliases.")
 

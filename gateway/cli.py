@@ -70,8 +70,11 @@ def serve(
     from opentinker.gateway.logsafe import configure
     from opentinker.gateway.state import GatewayConfig
     from opentinker.rpc.server import is_loopback
+    from opentinker.rpc.startup import check_port, startup_errors
 
     configure(log_level)
+    with startup_errors("gateway", log_level):
+        check_port(host, port, "--port")  # one line and exit 2, as every server's startup errors
     if not is_loopback(host) and not insecure_public:
         typer.echo(f"refusing to bind {host}: plain HTTP carries API keys; pass --insecure-public", err=True)
         raise typer.Exit(2)

@@ -135,7 +135,11 @@ class ServeCommand(TyperCommand):
         if ctx.params.get("print_config"):
             print_config(ctx, self.configurable())
             return None
-        return super().invoke(ctx)
+        from opentinker.rpc.startup import startup_errors
+
+        # Every server's startup errors the same way: one line, exit 2 for configuration errors (startup.py).
+        with startup_errors(self.section, str(ctx.params.get("log_level") or "INFO")):
+            return super().invoke(ctx)
 
 
 def serve_command(section: str) -> type[ServeCommand]:

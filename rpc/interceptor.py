@@ -118,7 +118,11 @@ async def _rpc_scope(method: str, principal: Principal | ServiceError, context: 
         raise
     finally:
         if token is not None:
-            reset_principal(token)
+            # A stream whose client left mid-stream is dropped by gRPC at a `yield`, and closed later by
+            # asyncio's async-generator finalizer in another context: the principal was set in the RPC's own
+            # context, which ended with its task, so there is nothing to reset (and reset() would raise).
+            with contextlib.suppress(ValueError):
+                reset_principal(token)
         _record(method, started, code)
 
 
@@ -131,9 +135,15 @@ def _wrap(handler: Handler, method: str, principal: Principal | ServiceError) ->
         stream_behavior: Any = handler.unary_stream
 
         async def streaming(request: Any, context: _Context) -> AsyncIterator[Any]:
-            async with _rpc_scope(method, principal, context):
-                async for response in stream_behavior(_decoded(request), context):
-                    yield response
+            responses = None
+            try:
+                async with _rpc_scope(method, principal, context):
+                    responses = stream_behavior(_decoded(request), context)
+                    async for response in responses:
+                        yield response
+            finally:
+                if responses is not None and hasattr(responses, "aclose"):
+                    await responses.aclose()  # the handler's own cleanup (a watch slot) now, not at collection
 
         return grpc.unary_stream_rpc_method_handler(streaming, deserializer, handler.response_serializer)
 

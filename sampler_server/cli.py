@@ -111,6 +111,7 @@ def serve(
     # overhead +30 -> +16 ms at 0.5 ms, wall unchanged).
     sys.setswitchinterval(0.0005)
     from opentinker.rpc.server import configure_logging, exit_if_unsafe
+    from opentinker.rpc.startup import check_model, check_ports
     from opentinker.sampler_server.build import BadOption, CpuGemm, Dtype, SamplerConfig, serve_sampler
     from opentinker.sampler_server.kernels import Backend
 
@@ -118,6 +119,8 @@ def serve(
     # Refuse an unsafe exposure before loading the model, not after.
     exposure = opt.server_options(host, port, metrics_port, tokens_file, insecure_public, tls_cert, tls_key, ready_file)
     exit_if_unsafe("sampler", exposure)
+    check_ports(host, port, metrics_port)  # a busy port or a missing model: found before the model loads
+    check_model(model)
     if dtype not in ("float32", "bfloat16"):
         raise typer.BadParameter("dtype must be float32 or bfloat16", param_hint="--dtype")
     if cpu_gemm not in ("onednn", "torch"):

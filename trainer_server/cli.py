@@ -68,12 +68,15 @@ def serve(
 
     limit_malloc_arenas()  # first, before torch and gRPC start their threads: freed adapters can be trimmed
     from opentinker.rpc.server import configure_logging, exit_if_unsafe
+    from opentinker.rpc.startup import check_model, check_ports
     from opentinker.trainer_server.build import TrainerConfig, serve_trainer
 
     configure_logging(log_level)
     # Refuse an unsafe exposure before loading the model, not after.
     exposure = opt.server_options(host, port, metrics_port, tokens_file, insecure_public, tls_cert, tls_key, ready_file)
     exit_if_unsafe("trainer", exposure)
+    check_ports(host, port, metrics_port)  # a busy port or a missing model: found before the model loads
+    check_model(model)
     if dtype not in ("float32", "bfloat16"):
         raise typer.BadParameter("dtype must be float32 or bfloat16", param_hint="--dtype")
     if max_adapters_per_tenant < 0:
