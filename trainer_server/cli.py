@@ -76,7 +76,7 @@ def serve(
     exposure = opt.server_options(host, port, metrics_port, tokens_file, insecure_public, tls_cert, tls_key, ready_file)
     exit_if_unsafe("trainer", exposure)
     check_ports(host, port, metrics_port)  # a busy port or a missing model: found before the model loads
-    check_model(model)
+    check_model(model, revision)
     if dtype not in ("float32", "bfloat16"):
         raise typer.BadParameter("dtype must be float32 or bfloat16", param_hint="--dtype")
     if max_adapters_per_tenant < 0:

@@ -200,3 +200,53 @@ def test_bfloat16_on_the_cpu_serves_and_trains_within_the_measured_drift(
     assert sum(abs(a - b) for a, b in zip(sampled, trained, strict=True)) / len(trained) <= 1e-3
     assert sum(abs(a - b) for a, b in zip(trained, fp32, strict=True)) / len(fp32) > 1e-5
     assert sequence.tokens and sequence.stop_reason in ("length", "stop_token")
+
+
+# Families outside the supported list, as their configs name them (scaled; no weight files at all).
+UNSUPPORTED = {
+    "gemma2": {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_size": 64,
+               "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 512, "intermediate_size": 128},
+    "phi3": {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "hidden_size": 64, "num_attention_heads": 4,
+             "num_hidden_layers": 2, "vocab_size": 512, "intermediate_size": 128,
+             "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}},
+    "qwen3_moe": {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 64,
+                  "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 512, "num_experts": 8},
+    "deepseek_v3": {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 64,
+                    "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 512, "n_routed_experts": 8},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", list(UNSUPPORTED))
+def test_an_unsupported_family_is_refused_by_every_server_in_one_line(family: str, tmp_path: Path) -> None:
+    import json
+    import subprocess
+
+    from serverproc import opentinker_command
+
+    model = tmp_path / family
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(UNSUPPORTED[family]))
+    for server in ("trainer", "sampler"):
+        args = opentinker_command(server, "serve", "--model", str(model), "--registry", "127.0.0.1:1",
+                                  "--store", str(tmp_path / "store"), "--port", "0", "--device", "cpu")  # fmt: skip
+        done = subprocess.run(args, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2, (server, done.stderr)
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+        assert lines[0].startswith(f"opentinker {server}: --model {model}: model_type '{family}'"), lines
+        assert "supported: llama, mistral, qwen2, qwen3" in lines[0]
+    # registry import checks an adapter against its base model the same way.
+    from safetensors.torch import save_file
+
+    peft = tmp_path / "adapter"
+    peft.mkdir()
+    (peft / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8,
+                                                        "target_modules": ["q_proj"]}))  # fmt: skip
+    prefix = "base_model.model.model.layers.0.self_attn.q_proj"
+    save_file({f"{prefix}.lora_A.weight": torch.zeros(4, 64), f"{prefix}.lora_B.weight": torch.zeros(64, 4)},
+              str(peft / "adapter_model.safetensors"))  # fmt: skip
+    done = subprocess.run(opentinker_command("registry", "import", str(peft), "team/x", "--base-model", str(model),
+                                             "--registry", "127.0.0.1:1"), capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert f"model_type '{family}' is not a supported family" in done.stderr, done.stderr
