@@ -48,16 +48,22 @@ def check_ports(host: str, port: int, metrics_port: int) -> None:
     check_port(host, metrics_port, "--metrics-port")
 
 
-def check_model(model: str) -> Path:
-    """The model's directory, or StartupError naming --model: found before the slow load, not as a hub OSError."""
+def check_model(model: str, revision: str | None = None) -> Path:
+    """The model's directory, or StartupError naming --model: found before the slow load, not as a hub OSError.
+    Its config.json is read and checked too (an unsupported family is refused before any weight is read)."""
     from opentinker.weights.base_model import resolve_model_dir
+    from opentinker.weights.model_config import load_config
 
     try:
-        model_dir = resolve_model_dir(model)
+        model_dir = resolve_model_dir(model, revision)
     except ServiceError as exc:
         raise StartupError(f"{exc.message} (--model)") from None
     if not (model_dir / "config.json").is_file():
         raise StartupError(f"--model {model}: {model_dir} has no config.json; pass a Hugging Face model directory")
+    try:
+        load_config(model_dir)
+    except ServiceError as exc:
+        raise StartupError(f"--model {model}: {exc.message}") from None
     return model_dir
 
 

@@ -46,6 +46,7 @@ class SamplerConfig:
     server: ServerOptions
     registry_token: str | None = None
     registry_ca: Path | None = None
+    revision: str | None = None  # of a hub id: the cached snapshot to use (None: main)
     device: str = "auto"  # auto, cpu or cuda
     dtype: Dtype = "float32"
     max_slots: int = 32
@@ -117,7 +118,7 @@ def build_sampler(config: SamplerConfig) -> BuiltSampler:
     torch_device = torch.device(pick_device(c.device))
     torch_dtype = torch.float32 if c.dtype == "float32" else torch.bfloat16
     lora_kernel = resolve_kernel(c.kernel, torch_device.type)  # the engine runs it, GetSamplerInfo reports it
-    model_dir = resolve_model_dir(model)
+    model_dir = resolve_model_dir(model, c.revision)
     model_config = load_config(model_dir)
     context = c.max_len or min(model_config.context_length, 4096)
     shapes = linear_shapes(model_config)

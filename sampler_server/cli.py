@@ -24,6 +24,9 @@ def serve(
         str | None, typer.Option(envvar="OPENTINKER_REGISTRY_TOKEN", help="Token the sampler uses with the registry.")
     ] = None,
     device: Annotated[str, typer.Option(help="auto (CUDA when present), cpu or cuda.")] = "auto",
+    revision: Annotated[
+        str | None, typer.Option(help="Of a hub id --model: the cached commit, branch or tag (as `hf download`).")
+    ] = None,
     dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "float32",
     max_slots: Annotated[int, typer.Option(help="Adapter versions resident at once.")] = 32,
     max_rank: Annotated[int, typer.Option(help="Largest LoRA rank served (smaller ranks are zero-padded).")] = 64,
@@ -117,7 +120,7 @@ def serve(
     exposure = opt.server_options(host, port, metrics_port, tokens_file, insecure_public, tls_cert, tls_key, ready_file)
     exit_if_unsafe("sampler", exposure)
     check_ports(host, port, metrics_port)  # a busy port or a missing model: found before the model loads
-    check_model(model)
+    check_model(model, revision)
     if dtype not in ("float32", "bfloat16"):
         raise typer.BadParameter("dtype must be float32 or bfloat16", param_hint="--dtype")
     if cpu_gemm not in ("onednn", "torch"):
@@ -130,7 +133,7 @@ def serve(
     options = opt.server_options(host, port, metrics_port, tokens_file, insecure_public, tls_cert, tls_key, ready_file,
                                  max_message_mb)  # fmt: skip
     config = SamplerConfig(
-        model=model, registry=registry, store=store, server=options, registry_token=registry_token,
+        model=model, revision=revision, registry=registry, store=store, server=options, registry_token=registry_token,
         registry_ca=registry_ca, device=device, dtype=cast("Dtype", dtype), max_slots=max_slots,
         max_rank=max_rank, max_seqs=max_seqs, max_batch_tokens=max_batch_tokens, max_len=max_len,
         max_waiting=max_waiting, max_seqs_per_tenant=max_seqs_per_tenant,

@@ -25,6 +25,7 @@ class TrainerConfig:
     server: ServerOptions
     registry_token: str | None = None
     registry_ca: Path | None = None
+    revision: str | None = None  # of a hub id: the cached snapshot to use (None: main)
     device: str = "auto"  # auto, cpu or cuda
     dtype: Literal["float32", "bfloat16"] = "float32"
     max_resident_adapters: int = 0  # 0: no limit
@@ -68,7 +69,7 @@ def build_trainer(config: TrainerConfig) -> BuiltTrainer:
     artifacts = ArtifactStore(store, fault_hook=faults.configure())  # no hook unless a test arms one
     artifacts.cleanup_temp()
     with spinner(f"loading {model}"):
-        base = BaseModel(model, device=pick_device(c.device), dtype=c.dtype)
+        base = BaseModel(model, device=pick_device(c.device), dtype=c.dtype, revision=c.revision)
     trainer = Trainer(base, artifacts, max_resident=c.max_resident_adapters,
                       spill_dir=c.spill_dir or store.parent / "trainer-spill")  # fmt: skip
     scheduler = AdapterScheduler()

@@ -24,6 +24,9 @@ def serve(
         typer.Option(envvar="OPENTINKER_REGISTRY_TOKEN", help="Token the trainer uses with the registry."),
     ] = None,
     device: Annotated[str, typer.Option(help="auto (CUDA when present), cpu or cuda.")] = "auto",
+    revision: Annotated[
+        str | None, typer.Option(help="Of a hub id --model: the cached commit, branch or tag (as `hf download`).")
+    ] = None,
     dtype: Annotated[str, typer.Option(help="Base weights dtype: float32 or bfloat16.")] = "float32",
     max_resident_adapters: Annotated[
         int, typer.Option(help="Adapters kept on the device; idle ones move off LRU (0: no limit).")
@@ -87,7 +90,7 @@ def serve(
     exposure = opt.server_options(host, port, metrics_port, tokens_file, insecure_public, tls_cert, tls_key, ready_file)
     exit_if_unsafe("trainer", exposure)
     check_ports(host, port, metrics_port)  # a busy port or a missing model: found before the model loads
-    check_model(model)
+    check_model(model, revision)
     if dtype not in ("float32", "bfloat16"):
         raise typer.BadParameter("dtype must be float32 or bfloat16", param_hint="--dtype")
     if max_adapters_per_tenant < 0:
@@ -101,7 +104,7 @@ def serve(
     options = opt.server_options(host, port, metrics_port, tokens_file, insecure_public, tls_cert, tls_key, ready_file,
                                  max_message_mb)  # fmt: skip
     config = TrainerConfig(
-        model=model, registry=registry, store=store, server=options, registry_token=registry_token,
+        model=model, revision=revision, registry=registry, store=store, server=options, registry_token=registry_token,
         registry_ca=registry_ca, device=device, dtype="float32" if dtype == "float32" else "bfloat16",
         max_resident_adapters=max_resident_adapters, spill_dir=spill_dir, max_batch_tokens=max_batch_tokens,
         max_batch_positions=max_batch_positions, max_adapters_per_tenant=max_adapters_per_tenant,

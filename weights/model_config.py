@@ -121,7 +121,8 @@ def parse_config(raw: JsonDict, generation: JsonDict | None = None) -> ModelConf
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED_ARCHITECTURES:
         raise FailedPrecondition(
-            f"unsupported model_type {model_type!r}; the sampler supports: {', '.join(SUPPORTED_ARCHITECTURES)}",
+            f"model_type {model_type!r} is not a supported family; supported: {', '.join(SUPPORTED_ARCHITECTURES)} "
+            "(Llama 3.x, Mistral, Qwen2.5, Qwen3)",
             reason="UNSUPPORTED_ARCHITECTURE",
         )
     arch: str = model_type

@@ -5,19 +5,19 @@ transformers' token for token; and a hub id in a local HF cache layout serves th
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from hubcache import write_hub_cache
+from hubcache import REVISION, write_hub_cache
 from serverproc import ServerProcess, start_sampler, start_trainer
 
 from opentinker.client import AdamParams, Datum, LoraConfig, ModelInput, SamplingParams, ServiceClient
 from opentinker.client.model_families import FAMILIES
 from opentinker.client.tiny_model import make_family_model
+from opentinker.weights.base_model import model_digest
 from opentinker.weights.model_config import load_config
 
 LENGTH = 320
@@ -138,25 +138,31 @@ def test_trainer_sampler_and_transformers_agree(stack: tuple[str, Path, ServiceC
     assert _max_diff(served, peft_logprobs) <= TOL, f"{family}: sampler vs peft"
 
 
-def test_a_hub_id_of_a_family_copy_serves_the_same_numbers(
+def test_a_hub_id_pinned_to_a_revision_serves_that_snapshots_numbers(
     family_models: dict[str, Path], registry_server: ServerProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Two snapshots of one hub id in the cache, main on the newer: --revision serves the older, in both
+    servers, with the older files' fingerprint."""
     hub_id = "meta-llama/Llama-3.2-1B-Instruct"
-    model_dir = family_models["llama3.2"]
+    pinned = family_models["llama3.2"]
+    newer = make_family_model(tmp_path / "newer", "llama3.2", seed=9)
     hf_home = tmp_path / "hf-home"
-    write_hub_cache(model_dir, hf_home, hub_id)
+    write_hub_cache(pinned, hf_home, hub_id, revision=REVISION)
+    write_hub_cache(newer, hf_home, hub_id, revision="f" * 40)  # refs/main now names this one
     monkeypatch.setenv("HF_HOME", str(hf_home))  # inherited by the server processes
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.chdir(tmp_path)  # no ./meta-llama folder: only the cache has the model
     tokens = _tokens(LENGTH, seed=77)
-    expected = _hf_logprobs(_hf(model_dir), tokens)
-    trainer = start_trainer(tmp_path / "trainer", Path(hub_id), registry_server)
+    expected = _hf_logprobs(_hf(pinned), tokens)
+    assert _max_diff(_hf_logprobs(_hf(newer), tokens), expected) > 1e-3  # the snapshots differ
+    pin = ("--revision", REVISION)
+    trainer = start_trainer(tmp_path / "trainer", Path(hub_id), registry_server, *pin)
     try:
-        sampler = start_sampler(tmp_path / "sampler", Path(hub_id), registry_server, "--max-len", str(LENGTH + 64))
+        sampler = start_sampler(tmp_path / "sampler", Path(hub_id), registry_server, *pin, "--max-len", "384")
         try:
             with ServiceClient(trainer.address, sampler.address, registry_server.address) as service:
                 info = service.get_trainer_info()
-                assert info.model == hub_id
+                assert (info.model, info.model_digest) == (hub_id, model_digest(pinned))
                 training = service.create_training_client("families/hub-llama", LoraConfig(rank=4), seed=1)
                 assert _max_diff(training.forward([_datum(tokens)]).logprobs[0], expected) <= TOL
                 sampled = service.create_sampling_client("base").compute_logprobs(tokens)
@@ -165,4 +171,82 @@ def test_a_hub_id_of_a_family_copy_serves_the_same_numbers(
             sampler.terminate()
     finally:
         trainer.terminate()
-    assert os.environ["HF_HUB_OFFLINE"] == "1"
+
+
+def test_bfloat16_on_the_cpu_serves_and_trains_within_the_measured_drift(
+    family_models: dict[str, Path], registry_server: ServerProcess, tmp_path: Path
+) -> None:
+    """`--dtype bfloat16` in both servers on the CPU: the sampler's logprobs stay within bf16 rounding of the
+    trainer's (docs/models.md: bench/bf16_drift.py) and both differ from float32 (bf16 is really used)."""
+    model_dir = family_models["qwen3"]
+    tokens = _tokens(LENGTH, seed=5)
+    fp32 = _hf_logprobs(_hf(model_dir), tokens)
+    bf16 = ("--dtype", "bfloat16")
+    trainer = start_trainer(tmp_path / "trainer", model_dir, registry_server, *bf16)
+    try:
+        sampler = start_sampler(tmp_path / "sampler", model_dir, registry_server, *bf16, "--max-len", "384")
+        try:
+            with ServiceClient(trainer.address, sampler.address, registry_server.address) as service:
+                training = service.create_training_client("families/bf16", LoraConfig(rank=4), seed=1)
+                trained = training.forward([_datum(tokens)]).logprobs[0]
+                base = service.create_sampling_client("base")
+                sampled = base.compute_logprobs(tokens)
+                (sequence,) = base.sample(tokens[:40], SamplingParams(max_tokens=16, temperature=0.0)).sequences
+        finally:
+            sampler.terminate()
+    finally:
+        trainer.terminate()
+    assert _max_diff(sampled, trained) <= 0.02
+    assert sum(abs(a - b) for a, b in zip(sampled, trained, strict=True)) / len(trained) <= 1e-3
+    assert sum(abs(a - b) for a, b in zip(trained, fp32, strict=True)) / len(fp32) > 1e-5
+    assert sequence.tokens and sequence.stop_reason in ("length", "stop_token")
+
+
+# Families outside the supported list, as their configs name them (scaled; no weight files at all).
+UNSUPPORTED = {
+    "gemma2": {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_size": 64,
+               "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 512, "intermediate_size": 128},
+    "phi3": {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "hidden_size": 64, "num_attention_heads": 4,
+             "num_hidden_layers": 2, "vocab_size": 512, "intermediate_size": 128,
+             "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}},
+    "qwen3_moe": {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 64,
+                  "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 512, "num_experts": 8},
+    "deepseek_v3": {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 64,
+                    "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 512, "n_routed_experts": 8},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", list(UNSUPPORTED))
+def test_an_unsupported_family_is_refused_by_every_server_in_one_line(family: str, tmp_path: Path) -> None:
+    import json
+    import subprocess
+
+    from serverproc import opentinker_command
+
+    model = tmp_path / family
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(UNSUPPORTED[family]))
+    for server in ("trainer", "sampler"):
+        args = opentinker_command(server, "serve", "--model", str(model), "--registry", "127.0.0.1:1",
+                                  "--store", str(tmp_path / "store"), "--port", "0", "--device", "cpu")  # fmt: skip
+        done = subprocess.run(args, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2, (server, done.stderr)
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+        assert lines[0].startswith(f"opentinker {server}: --model {model}: model_type '{family}'"), lines
+        assert "supported: llama, mistral, qwen2, qwen3" in lines[0]
+    # registry import checks an adapter against its base model the same way.
+    from safetensors.torch import save_file
+
+    peft = tmp_path / "adapter"
+    peft.mkdir()
+    (peft / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8,
+                                                        "target_modules": ["q_proj"]}))  # fmt: skip
+    prefix = "base_model.model.model.layers.0.self_attn.q_proj"
+    save_file({f"{prefix}.lora_A.weight": torch.zeros(4, 64), f"{prefix}.lora_B.weight": torch.zeros(64, 4)},
+              str(peft / "adapter_model.safetensors"))  # fmt: skip
+    done = subprocess.run(opentinker_command("registry", "import", str(peft), "team/x", "--base-model", str(model),
+                                             "--registry", "127.0.0.1:1"), capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert f"model_type '{family}' is not a supported family" in done.stderr, done.stderr

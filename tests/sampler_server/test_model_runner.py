@@ -210,6 +210,11 @@ def test_resolve_model_dir(pair: Pair) -> None:
     assert info.value.reason == "MODEL_NOT_CACHED"
     with pytest.raises(InvalidArgument, match="neither a local directory"):
         resolve_model_dir("/no/such/model/dir")
+    with pytest.raises(InvalidArgument, match="applies to a hub id") as refused:
+        resolve_model_dir(str(pair.model_dir), revision="main")
+    assert refused.value.reason == "INVALID_REVISION"
+    with pytest.raises(FailedPrecondition, match="--revision v2"):
+        resolve_model_dir("opentinker-test/never-cached-model", revision="v2")
 
 
 def test_rope_settings_in_both_formats_and_unsupported_variants_fail_clearly() -> None:
