@@ -18,7 +18,7 @@ from opentinker.cli.console import table_console
 from opentinker.cli.failure import describe
 from opentinker.cli.options import DEFAULT_REGISTRY, AsJson, CaCert, RegistryAddr, Token
 from opentinker.cli.rollback_notice import LATEST, rollback_notice
-from opentinker.client import OpenTinkerError, Reconcile, RegistryClient
+from opentinker.client import OpenTinkerError, Reconcile, RegistryClient, Version
 
 console = table_console()  # piped: wide enough that no column is cut
 TRACES_SHOWN = 4  # trace ids per version in the lineage table
@@ -107,7 +107,7 @@ def versions(
     for v in newest:
         artifact = "(collected)" if v.artifact_deleted else v.sha256[:12]
         table.add_row(
-            str(v.number), ", ".join(v.aliases), str(v.lineage.parent_version or "-"), str(v.lineage.trainer_step),
+            str(v.number), ", ".join(v.aliases), parent_text(v), str(v.lineage.trainer_step),
             str(v.lineage.tokens_trained), metrics_text(v.lineage.metrics), artifact, when(v.created_at),
             v.published_by,
         )  # fmt: skip
@@ -116,6 +116,15 @@ def versions(
         console.print(
             f"{len(newest)} of {total} versions shown (--limit N, 0 for a page of 100; --json for all fields)"
         )
+
+
+def parent_text(v: Version) -> str:
+    """The parent version; a fork's names its adapter ("team-a/base@5")."""
+    if not v.lineage.parent_version:
+        return "-"
+    if v.lineage.parent_adapter and v.lineage.parent_adapter != v.adapter:
+        return f"{v.lineage.parent_adapter}@{v.lineage.parent_version}"
+    return str(v.lineage.parent_version)
 
 
 def metrics_text(metrics: dict[str, float]) -> str:
@@ -141,10 +150,12 @@ def show(
     console.print(f"  aliases    {', '.join(v.aliases) or '-'}")
     console.print(f"  artifact   {v.artifact_uri}{' (collected)' if v.artifact_deleted else ''} ({v.size_bytes} B)")
     console.print(f"  lora       rank {v.rank} alpha {v.alpha:g} targets {', '.join(targets) or 'all-linear'}")
-    console.print(f"  parent     {v.lineage.parent_version or '-'}  step {v.lineage.trainer_step}")
+    console.print(f"  parent     {parent_text(v)}  step {v.lineage.trainer_step}")
     console.print(f"  trained    {v.lineage.tokens_trained} tokens, {v.lineage.datums_trained} datums since the parent")
     if v.lineage.metrics:
         console.print(f"  metrics    {metrics_text(v.lineage.metrics)}")
+    if v.lineage.state_id:
+        console.print(f"  state      {v.lineage.state_id} (the trainer's full state at this version)")
     console.print(f"  published  {when(v.created_at)} by {v.published_by}")
 
 
@@ -230,7 +241,7 @@ def lineage(
         if len(traces) > TRACES_SHOWN:
             shown += f" (+{len(traces) - TRACES_SHOWN} more: --json lists all)"
         table.add_row(
-            v.reference, str(v.lineage.parent_version or "-"), str(v.lineage.trainer_step),
+            v.reference, parent_text(v), str(v.lineage.trainer_step),
             str(v.lineage.tokens_trained), str(len(v.lineage.batches)), shown, metrics_text(v.lineage.metrics),
         )  # fmt: skip
     console.print(table)

@@ -131,6 +131,13 @@ def test_versions_show_and_lineage_print_metrics_targets_and_what_is_hidden(cli:
     lineage = ok(cli("lineage", name))
     assert "trace-0, trace-1, trace-2, trace-3 (+2 more" in lineage and "trace-4" not in lineage
 
+    fork = unique_name("cli")  # a fork of name@2 (init_from), with the trainer's persisted state
+    create_adapter(registry, fork)
+    publish(registry, fork, parent=2, lineage=registry_pb2.Lineage(parent_adapter=name, state_id="state-7"))
+    shown = ok(cli("show", fork))
+    assert f"parent     {name}@2" in shown and "state      state-7" in shown
+    assert f"{name}@2" in ok(cli("versions", fork))
+
 
 def test_alias_set_compare_and_set_and_rm(cli: Cli, registry: Stub) -> None:
     name = unique_name("cli")
