@@ -42,6 +42,12 @@ def serve(
     upload_grace_s: Annotated[
         float, typer.Option(min=0, help="Unpublished uploads older than this are collected (0: never).")
     ] = 3600.0,
+    max_calls_per_tenant: Annotated[
+        int,
+        typer.Option(
+            min=0, help="Calls one user tenant may have in flight at once (admins are not counted; 0: no limit)."
+        ),
+    ] = 64,
     host: opt.Host = "127.0.0.1",
     port: opt.Port = DEFAULT_PORT,
     metrics_port: opt.MetricsPort = 0,
@@ -73,7 +79,7 @@ def serve(
         upload_grace_s=upload_grace_s,
     )
     options = opt.server_options(host, port, metrics_port, tokens_file, insecure_public, tls_cert, tls_key, ready_file,
-                                 max_message_mb)  # fmt: skip
+                                 max_message_mb, max_calls_per_tenant)  # fmt: skip
     check_ports(host, port, metrics_port)  # before the lock and Redis: a clash must not touch the data
     server = build_registry(redis_url, data_dir or default_data_dir(), store, events_maxlen, limits)
     try:
