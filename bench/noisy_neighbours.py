@@ -3,6 +3,7 @@ against team-b alone, side by side in one run (windows alternate alone / during 
 pair). Target for every case: team-b's p99 during the abuse <= 3x its p99 alone.
 
 case               shared resource                 team-a (in a loop, several threads)      team-b measures
+sampler flood      the sampler's batch (KV slots)  24 x 4 greedy samples of 128 tokens each  a seeded 8-token Sample
 exploding adapter  the sampler's batch             samples an adapter whose logits are NaN   a seeded 8-token Sample
 huge prompt text   the sampler's event loop        sends 10 MiB prompt_text                  a seeded 8-token Sample
 watch flood        the registry's Redis pool       holds 100 WatchEvents streams open        GetAdapter + Resolve
@@ -14,9 +15,10 @@ gateway parked     the gateway's memory            forward_backward bodies behin
                                                    gap (12 MiB each inflated; 429/400/expired)
 gateway 8 MiB JSON the gateway's event loop        8 MB JSON asample bodies (parsed, 400)     asample, 8 tokens (HTTP)
 
-Every abuse but "limit batch" is refused by its bound (tests/reliability/test_noisy_*.py assert the statuses);
-"limit batch" is allowed and runs in micro-batches (--micro-batch-positions), so team-b's jobs wait for at most one
-of them. The gateway cases go through a gateway process in front of the servers (a keys file with both tenants);
+Every abuse but "sampler flood" and "limit batch" is refused by its bound (tests/reliability/test_noisy_*.py assert
+the statuses); "sampler flood" runs within team-a's share of the batch (--max-seqs-per-tenant: a free slot goes to
+the tenant holding the fewest), and "limit batch" is allowed and runs in micro-batches (--micro-batch-positions),
+so team-b's jobs wait for at most one of them. The gateway cases go through a gateway process in front of the servers (a keys file with both tenants);
 team-b's call there is the tinker protocol over HTTP: an asample and its retrieve_future. team-b must see no
 error in any window.
 
@@ -26,6 +28,7 @@ error in any window.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import json
 import multiprocessing
@@ -280,6 +283,21 @@ def huge_prompt(stack: Clients) -> Callable[[], None]:
     return lambda: refused(lambda: list(sampler.Sample(request, metadata=stack.md("team-a"), timeout=120)))
 
 
+def sampler_flood(stack: Clients) -> Callable[[], None]:
+    """24 long generations at once (4 samples of 128 tokens each): more than the batch holds; beyond team-a's
+    share of the slots they wait in team-a's own queue, beyond --max-queued-per-tenant they are refused."""
+    _, _, sampler = stack.stubs()
+    pool = concurrent.futures.ThreadPoolExecutor(24)
+    params = sampler_pb2.SamplingParams(temperature=0.0, max_tokens=128)
+
+    def one(seed: int) -> None:
+        request = sampler_pb2.SampleRequest(model="base", prompt=prompt_of(seed), sampling_params=params,
+                                            num_samples=4)  # fmt: skip
+        refused(lambda: list(sampler.Sample(request, metadata=stack.md("team-a"), timeout=300)))
+
+    return lambda: list(pool.map(one, range(24)))
+
+
 def watch_flood(stack: Clients) -> Callable[[], None]:
     registry, _, _ = stack.stubs()
 
@@ -366,6 +384,7 @@ def gateway_big_json(clients: Clients) -> Callable[[], None]:
 
 
 ABUSES: dict[str, Callable[[Clients], Callable[[], None]]] = {
+    "sampler flood": sampler_flood,
     "exploding adapter": exploding,
     "huge prompt text": huge_prompt,
     "watch flood": watch_flood,
@@ -480,6 +499,7 @@ def main() -> None:
                          "train": team_b_train(clients), "gateway": team_b_gateway(clients)}  # fmt: skip
             warmed = False
             for case, (workload, abusers) in {
+                "sampler flood": ("sample", setup.abusers),
                 "exploding adapter": ("sample", setup.abusers), "huge prompt text": ("sample", setup.abusers),
                 "watch flood": ("registry", 1), "many-file upload": ("registry", setup.abusers),
                 "padded batch": ("train", setup.abusers), "limit batch": ("train", 1),
