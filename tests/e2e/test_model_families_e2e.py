@@ -1,10 +1,12 @@
 """The support matrix, through real servers: for each scaled copy of a public checkpoint (`make-tiny-model
---like`), a trainer and a sampler process on it agree with transformers (and peft, for a trained adapter) to
-1e-5 in fp32 over 320 positions, past the checkpoint's pretrained context length; greedy decoding equals
-transformers' token for token; and a hub id in a local HF cache layout serves the same numbers."""
+--like`), a trainer and a sampler process started with the checkpoint's hub id (in a local HF cache layout,
+offline) agree with transformers (and peft, for a trained adapter) to 1e-5 in fp32 over 320 positions, past the
+checkpoint's pretrained context length; greedy decoding equals transformers' token for token."""
 
 from __future__ import annotations
 
+import hashlib
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -73,22 +75,50 @@ def family_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {family: make_family_model(root / family, family, seed=5) for family in FAMILIES}
 
 
+@pytest.fixture(scope="module")
+def hub_cache(family_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Every family copy in one local Hugging Face cache under its checkpoint's hub id (a revision of its own:
+    qwen2.5 and qwen2.5-yarn share one id), as users' servers find them; HF_HOME is inherited by the servers."""
+    hf_home = tmp_path_factory.mktemp("hf-home")
+    for family, model in family_models.items():
+        write_hub_cache(model, hf_home, FAMILIES[family][0], revision=_revision(family))
+    saved = {key: os.environ.get(key) for key in ("HF_HOME", "HF_HUB_OFFLINE")}
+    os.environ.update(HF_HOME=str(hf_home), HF_HUB_OFFLINE="1")
+    yield hf_home
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def _revision(family: str) -> str:
+    return hashlib.sha1(family.encode()).hexdigest()
+
+
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def stack(
     request: pytest.FixtureRequest,
     family_models: dict[str, Path],
+    hub_cache: Path,
     registry_server: ServerProcess,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[str, Path, ServiceClient]]:
+    """A trainer and a sampler on one family, both started with the checkpoint's hub id (found in the local
+    cache only) pinned to its revision; the tests compare with transformers on the copy's own directory."""
     family: str = request.param
     model = family_models[family]
+    hub_id = Path(FAMILIES[family][0])
+    pin = ("--revision", _revision(family))
     workdir = tmp_path_factory.mktemp(f"family-{family}")
-    trainer = start_trainer(workdir / "trainer", model, registry_server)
+    trainer = start_trainer(workdir / "trainer", hub_id, registry_server, *pin)
     try:
         # --max-len: room for the 320 probe positions (the default caps the context at 4096 or the model's).
-        sampler = start_sampler(workdir / "sampler", model, registry_server, "--max-len", str(LENGTH + 64))
+        sampler = start_sampler(workdir / "sampler", hub_id, registry_server, *pin, "--max-len", str(LENGTH + 64))
         try:
             with ServiceClient(trainer.address, sampler.address, registry_server.address) as service:
+                info = service.get_trainer_info()
+                assert (info.model, info.model_digest) == (str(hub_id), model_digest(model))
                 yield family, model, service
         finally:
             sampler.terminate()
