@@ -33,6 +33,8 @@ class TrainerConfig:
     max_batch_positions: int = 1 << 17  # datums x longest datum per request (batch.py)
     max_adapters_per_tenant: int = 64  # 0: no limit (quota.py)
     micro_batch_positions: int = 1 << 14  # a bigger request runs in parts (micro_batch.py)
+    max_tenant_memory_mb: int = 16384  # LoRA weights + gradients + moments per tenant; 0: no limit (quota.py)
+    max_queued_per_tenant: int = 64  # compute jobs per tenant queued or running; 0: no limit (admission.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +85,9 @@ def build_trainer(config: TrainerConfig) -> BuiltTrainer:
                                    registry_metadata=metadata, max_batch_tokens=c.max_batch_tokens,
                                    max_batch_positions=c.max_batch_positions,
                                    max_adapters_per_tenant=c.max_adapters_per_tenant,
-                                   micro_batch_positions=c.micro_batch_positions)  # fmt: skip
+                                   micro_batch_positions=c.micro_batch_positions,
+                                   max_tenant_memory_mb=c.max_tenant_memory_mb,
+                                   max_queued_per_tenant=c.max_queued_per_tenant)  # fmt: skip
         trainer_pb2_grpc.add_TrainerServiceServicer_to_server(servicer, server)
 
     async def on_stop() -> None:
