@@ -6,6 +6,7 @@ trainer (tokens on, loopback) for the module."""
 
 from __future__ import annotations
 
+import functools
 import json
 import secrets
 import uuid
@@ -165,7 +166,7 @@ def test_memory_quota_refuses_before_allocating(
         made: list[str] = []
         while True:  # rank-512 adapters of the tiny model: 16 MiB each (weights, gradients, moments)
             name = fresh("team-a")
-            got = answer(lambda: a.create(name, rank=512))
+            got = answer(functools.partial(a.create, name, rank=512))
             if got[0] is not None:
                 return made, got
             made.append(name)
