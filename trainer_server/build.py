@@ -32,7 +32,7 @@ class TrainerConfig:
     max_batch_tokens: int = 1 << 20
     max_batch_positions: int = 1 << 17  # datums x longest datum per request (batch.py)
     max_adapters_per_tenant: int = 64  # 0: no limit (quota.py)
-    micro_batch_positions: int = 1 << 14  # a bigger request runs in parts (micro_batch.py)
+    micro_batch_positions: int = 1 << 12  # a bigger request runs in parts (micro_batch.py)
     max_tenant_memory_mb: int = 16384  # LoRA weights + gradients + moments per tenant; 0: no limit (quota.py)
     max_queued_per_tenant: int = 64  # compute jobs per tenant queued or running; 0: no limit (admission.py)
 

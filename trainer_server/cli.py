@@ -43,9 +43,9 @@ def serve(
         int,
         typer.Option(
             help="Padded positions per micro-batch: a bigger Forward/ForwardBackward runs in parts with "
-            "gradient accumulation, other adapters' jobs between them."
+            "gradient accumulation, other tenants' and adapters' jobs between them."
         ),
-    ] = 1 << 14,
+    ] = 1 << 12,
     max_tenant_memory_mb: Annotated[
         int,
         typer.Option(
