@@ -9,12 +9,18 @@ watch flood        the registry's Redis pool       holds 100 WatchEvents streams
 many-file upload   the registry's event loop       uploads manifests of 50,000 files         GetAdapter + Resolve
 padded batch       the trainer's compute thread    ForwardBackward of 65 x 2,047 positions   ForwardBackward, 4 x 32
 limit batch        the trainer's compute thread    ForwardBackward at --max-batch-positions   ForwardBackward, 4 x 32
+gateway absurd     the gateway's event loop        asample num_samples 10,000,000 & co (400)  asample, 8 tokens (HTTP)
+gateway parked     the gateway's memory            forward_backward bodies behind a seq_id   asample, 8 tokens (HTTP)
+                                                   gap (12 MiB each inflated; 429/400/expired)
+gateway 8 MiB JSON the gateway's event loop        8 MB JSON asample bodies (parsed, 400)     asample, 8 tokens (HTTP)
 
-Every abuse but the last is refused by its bound (tests/reliability/test_noisy_*.py assert the statuses); the
-last is allowed and runs in micro-batches (--micro-batch-positions), so team-b's jobs wait for at most one of
-them. team-b must see no error in any window.
+Every abuse but "limit batch" is refused by its bound (tests/reliability/test_noisy_*.py assert the statuses);
+"limit batch" is allowed and runs in micro-batches (--micro-batch-positions), so team-b's jobs wait for at most one
+of them. The gateway cases go through a gateway process in front of the servers (a keys file with both tenants);
+team-b's call there is the tinker protocol over HTTP: an asample and its retrieve_future. team-b must see no
+error in any window.
 
-  .venv/bin/python bench/noisy_neighbours.py [--quick]
+  .venv/bin/python bench/noisy_neighbours.py [--quick] [--only CASE-PREFIX]
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import httpx
+import zstandard
 from results import record
 from workload import (
     ALPHA,
@@ -52,9 +60,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the
 
 from overflowutil import overflowing_lora_files
 from registryutil import upload
+from tinker.proto import tinker_public_pb2 as tpb
 from trainerutil import random_tokens, sft_datum
 
-from opentinker.cli.launch import ServerProcess, start_registry, start_sampler, start_trainer
+from opentinker.cli.launch import ServerProcess, opentinker_command, start_registry, start_sampler, start_trainer
 from opentinker.v1 import (
     common_pb2,
     registry_pb2,
@@ -88,6 +97,19 @@ class Clients:
     trainer: str
     sampler: str
     tokens: dict[str, str]  # principal -> token
+    gateway: str = ""  # the gateway's http://host:port
+    keys: dict[str, str] | None = None  # tenant -> the gateway API key
+    base_model: str = ""  # what an asample through the gateway names
+
+    def http(self) -> httpx.Client:
+        return httpx.Client(base_url=self.gateway, timeout=120)
+
+    def post(self, http: httpx.Client, who: str, route: str, body: bytes | dict[str, object],
+             headers: dict[str, str] | None = None) -> httpx.Response:  # fmt: skip
+        assert self.keys is not None
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        sent = {"X-API-Key": self.keys[who], "Content-Type": "application/json", **(headers or {})}
+        return http.post(f"/api/v1/{route}", content=content, headers=sent)
 
     def md(self, who: str) -> list[tuple[str, str]]:
         return [("authorization", f"Bearer {self.tokens[who]}")]
@@ -107,10 +129,11 @@ class Stack:
     registry_server: ServerProcess
     trainer_server: ServerProcess
     sampler_server: ServerProcess
+    gateway_server: ServerProcess
     clients: Clients
 
     def stop(self) -> None:
-        for server in (self.sampler_server, self.trainer_server, self.registry_server):
+        for server in (self.gateway_server, self.sampler_server, self.trainer_server, self.registry_server):
             try:
                 server.terminate()
             except Exception:
@@ -128,7 +151,28 @@ def start(work: Path, model: Path) -> Stack:
     service = (*auth, "--registry-token", tokens["svc"])
     trainer = start_trainer(work / "trainer", model, registry, *service)
     sampler = start_sampler(work / "sampler", model, registry, *service, "--max-slots", "4")
-    return Stack(registry, trainer, sampler, Clients(registry.address, trainer.address, sampler.address, tokens))
+    keys = {who: f"tml-{who}-{secrets.token_hex(8)}" for who in ("team-a", "team-b")}
+    keys_file = work / "keys.json"
+    keys_file.write_text(
+        json.dumps({"keys": [{"key": k, "tenant": who, "token": tokens[who]} for who, k in keys.items()]})
+    )
+    gateway = ServerProcess(opentinker_command(
+        "gateway", "serve", "--trainer", trainer.address, "--sampler", sampler.address, "--registry", registry.address,
+        "--keys-file", str(keys_file), "--port", "0", *GATEWAY_FLAGS,
+    ), work / "gateway")  # fmt: skip
+    clients = Clients(registry.address, trainer.address, sampler.address, tokens, f"http://{gateway.address}", keys,
+                      str(model))  # fmt: skip
+    return Stack(registry, trainer, sampler, gateway, clients)
+
+
+# The parked-bodies case reaches its bounds within a window: 16 ids ahead, 64 MiB per model, 128 MiB per tenant,
+# parked bodies failed after 5 s (the defaults: 256, 256 MiB, 1 GiB, 300 s).
+GATEWAY_FLAGS = ("--seq-window", "16", "--max-pending-bytes", str(64 << 20), "--max-tenant-pending-bytes",
+                 str(128 << 20), "--pending-ttl-seconds", "5")  # fmt: skip
+
+
+class CallFailed(Exception):
+    """team-b's HTTP call through the gateway got an error answer."""
 
 
 def prompt_of(seed: int) -> common_pb2.ModelInput:
@@ -186,6 +230,39 @@ def team_b_train(stack: Clients) -> Callable[[int], None]:
     return call
 
 
+def _asample_body(clients: Clients, seed: int, **extra: object) -> dict[str, object]:
+    return {
+        "base_model": clients.base_model, "num_samples": 1,
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": random_tokens(seed, 24)}]},
+        "sampling_params": {"max_tokens": 8, "temperature": 1.0, "seed": seed}, **extra,
+    }  # fmt: skip
+
+
+def _result(clients: Clients, http: httpx.Client, who: str, request_id: str) -> httpx.Response:
+    """retrieve_future until the result is there."""
+    while True:
+        reply = clients.post(http, who, "retrieve_future", {"request_id": request_id})
+        if reply.status_code != 200 or reply.headers["content-type"].startswith("application/x-protobuf"):
+            return reply
+        if reply.json().get("type") != "try_again":
+            return reply
+
+
+def team_b_gateway(clients: Clients) -> Callable[[int], None]:
+    """A seeded 8-token asample through the gateway and its retrieve_future (the tinker protocol)."""
+    http = clients.http()
+
+    def call(i: int) -> None:
+        sent = clients.post(http, "team-b", "asample", _asample_body(clients, i % 8))
+        if sent.status_code != 200:
+            raise CallFailed(f"asample: {sent.status_code} {sent.text[:200]}")
+        reply = _result(clients, http, "team-b", sent.json()["request_id"])
+        if reply.status_code != 200 or not reply.headers["content-type"].startswith("application/x-protobuf"):
+            raise CallFailed(f"retrieve_future: {reply.status_code} {reply.text[:200]}")
+
+    return call
+
+
 # team-a's abuses: one attempt each (run in a loop by several threads)
 
 
@@ -232,6 +309,62 @@ def padded_batch(stack: Clients, rows: int) -> Callable[[], None]:
     return lambda: refused(lambda: trainer.ForwardBackward(request, metadata=stack.md("team-a"), timeout=600))
 
 
+def _sent(call: Callable[[], httpx.Response]) -> None:
+    """One abuse attempt over HTTP: its refusal (a 4xx answer) is expected; tests/reliability/test_noisy_gateway.py
+    asserts the exact statuses."""
+    with contextlib.suppress(httpx.HTTPError):
+        call()
+
+
+def gateway_absurd(clients: Clients) -> Callable[[], None]:
+    http = clients.http()
+    bodies: list[bytes | dict[str, object]] = [
+        _asample_body(clients, 1, num_samples=10_000_000),
+        _asample_body(clients, 1, sampling_params={"max_tokens": 1e12}),
+        _asample_body(clients, 1, sampling_params={"max_tokens": 4, "top_k": 1e20}),
+        _asample_body(clients, 1, sampling_params={"max_tokens": 4, "seed": 2**64}),
+        ("[" * 100_000 + "]" * 100_000).encode(),
+    ]
+    turn = iter(range(1 << 62))
+    return lambda: _sent(lambda: clients.post(http, "team-a", "asample", bodies[next(turn) % len(bodies)]))
+
+
+def _inflating_body(model_id: str, seq_id: int, inflated: int) -> bytes:
+    """A zstd forward_backward body of a few KB that inflates to ``inflated`` bytes."""
+    message = tpb.ForwardBackwardRequest(model_id=model_id, seq_id=seq_id, loss_fn="cross_entropy")
+    message.data.add().model_input.add().encoded_text.tokens = bytes(inflated)
+    return bytes(zstandard.ZstdCompressor().compress(message.SerializeToString()))
+
+
+def gateway_parked(clients: Clients) -> Callable[[], None]:
+    """A model of team-a whose seq_id 1 never comes: every attempt sends the next id's 12 MiB body, parked (until
+    the model's or the tenant's pending bytes are full, then 429; past the window 400) and failed after the TTL."""
+    http = clients.http()
+    session = clients.post(http, "team-a", "create_session", {"tags": [], "sdk_version": "0.38.0"}).json()
+    created = clients.post(http, "team-a", "create_model", {
+        "session_id": session["session_id"], "model_seq_id": 0, "base_model": clients.base_model,
+        "lora_config": {"rank": 4, "seed": 1},
+    }).json()  # fmt: skip
+    model_id = str(created["model_id"])
+    _result(clients, http, "team-a", created["request_id"])
+    bodies = [_inflating_body(model_id, seq_id, 12 << 20) for seq_id in range(2, 22)]
+    turn = iter(range(1 << 62))
+    headers = {"Content-Type": "application/x-protobuf", "Content-Encoding": "zstd"}
+    return lambda: _sent(lambda: clients.post(http, "team-a", "forward_backward", bodies[next(turn) % len(bodies)],
+                                              headers))  # fmt: skip
+
+
+def gateway_big_json(clients: Clients) -> Callable[[], None]:
+    """asample bodies of 8,000,000 bytes (a 1,000,000-token prompt), parsed (on a worker thread), then refused for
+    num_samples."""
+    http = clients.http()
+    body = _asample_body(clients, 1, num_samples=10_000_000)
+    body["prompt"] = {"chunks": [{"type": "encoded_text", "tokens": list(range(100_000, 1_100_000))}]}
+    raw = json.dumps(body, separators=(", ", ": ")).encode()
+    assert len(raw) <= 8 << 20, len(raw)
+    return lambda: _sent(lambda: clients.post(http, "team-a", "asample", raw))
+
+
 ABUSES: dict[str, Callable[[Clients], Callable[[], None]]] = {
     "exploding adapter": exploding,
     "huge prompt text": huge_prompt,
@@ -239,6 +372,9 @@ ABUSES: dict[str, Callable[[Clients], Callable[[], None]]] = {
     "many-file upload": many_files,
     "padded batch": lambda clients: padded_batch(clients, 65),
     "limit batch": lambda clients: padded_batch(clients, 64),
+    "gateway absurd": gateway_absurd,
+    "gateway parked": gateway_parked,
+    "gateway 8 MiB JSON": gateway_big_json,
 }
 
 
@@ -273,6 +409,9 @@ def measure(workload: Callable[[int], None], case: str | None, clients: Clients,
             latencies.append(time.perf_counter() - began)
         except grpc.RpcError as error:
             print(f"    team-b error: {error.code().name} {error.details()}")
+            errors += 1
+        except (CallFailed, httpx.HTTPError) as error:
+            print(f"    team-b error: {error}")
             errors += 1
         i += 1
     stop.set()
@@ -323,6 +462,7 @@ def prepare(stack: Clients, model: Path, spec: ModelSpec) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--only", default="", help="Run only the cases whose name starts with this.")
     args = parser.parse_args()
     setup, spec = (QUICK, QUICK_SPEC) if args.quick else (FULL, FULL_SPEC)
     model = model_dir(spec)
@@ -337,12 +477,21 @@ def main() -> None:
             clients = stack.clients
             prepare(clients, model, spec)
             workloads = {"sample": team_b_sample(clients), "registry": team_b_registry(clients),
-                         "train": team_b_train(clients)}  # fmt: skip
+                         "train": team_b_train(clients), "gateway": team_b_gateway(clients)}  # fmt: skip
+            warmed = False
             for case, (workload, abusers) in {
                 "exploding adapter": ("sample", setup.abusers), "huge prompt text": ("sample", setup.abusers),
                 "watch flood": ("registry", 1), "many-file upload": ("registry", setup.abusers),
                 "padded batch": ("train", setup.abusers), "limit batch": ("train", 1),
+                "gateway absurd": ("gateway", setup.abusers), "gateway parked": ("gateway", setup.abusers),
+                "gateway 8 MiB JSON": ("gateway", setup.abusers),
             }.items():  # fmt: skip
+                if args.only and not case.startswith(args.only):
+                    continue
+                if workload == "gateway" and not warmed:  # the gateway's first calls look up the base model
+                    for i in range(5):
+                        workloads["gateway"](i)
+                    warmed = True
                 run_case(case, workloads[workload], clients, setup, abusers, config)
         finally:
             stack.stop()

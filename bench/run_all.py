@@ -29,6 +29,7 @@ SCRIPTS = (
     "continuous_batching.py",  # P8
     "group_sampling.py",  # RL groups: n samples sharing one prompt
     "noisy_neighbours.py",  # team-b latency during team-a abuse / alone
+    "bf16_drift.py",  # sampler vs trainer logprobs in bfloat16, per model family
 )
 
 

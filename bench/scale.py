@@ -137,7 +137,17 @@ def main() -> None:
     began = time.perf_counter()
     model = model_dir(spec)
     shapes = linear_shapes(spec)
-    common = ["--max-rank", "16", "--max-len", "128", "--max-seqs", str(setup.concurrency)]
+    # One tenant owns every adapter here: --max-seqs-per-tenant 0 lets it use the whole batch, as before.
+    common = [
+        "--max-rank",
+        "16",
+        "--max-len",
+        "128",
+        "--max-seqs",
+        str(setup.concurrency),
+        "--max-seqs-per-tenant",
+        "0",
+    ]
     samplers = {
         "resident": ["--max-slots", str(setup.slots), *common],
         "paged": ["--max-slots", str(setup.slots), *common],

@@ -156,7 +156,18 @@ def main() -> None:
     model = model_dir(spec)
     n = setup.requests
     weights = [lora_weights(linear_shapes(spec), seed=i) for i in range(n)]
-    flags = ["--max-slots", str(n), "--max-rank", "16", "--max-seqs", str(n), "--max-len", str(MAX_LEN)]
+    flags = [
+        "--max-slots",
+        str(n),
+        "--max-rank",
+        "16",
+        "--max-seqs",
+        str(n),
+        "--max-seqs-per-tenant",
+        "0",
+        "--max-len",
+        str(MAX_LEN),
+    ]  # one tenant: the whole batch
     ps = prompts(n, spec.vocab_size)
     parent, child = multiprocessing.get_context("spawn").Pipe()
     helper = multiprocessing.get_context("spawn").Process(

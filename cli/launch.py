@@ -14,6 +14,17 @@ from pathlib import Path
 from opentinker.rpc.process import die_with_parent
 
 
+class ServerExited(RuntimeError):
+    """The server exited before it served; the message holds its whole log, `reason` its last line."""
+
+    def __init__(self, returncode: int, log_path: Path, log: str) -> None:
+        super().__init__(f"server exited with {returncode}:\n{log}")
+        self.returncode = returncode
+        self.log_path = log_path
+        lines = [line for line in log.splitlines() if line.strip()]
+        self.reason = lines[-1].strip() if lines else "(its log is empty)"
+
+
 class ServerProcess:
     def __init__(
         self,
@@ -49,7 +60,7 @@ class ServerProcess:
         deadline = time.monotonic() + timeout
         while not self.ready_file.exists():
             if self.process.poll() is not None:
-                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log()}")
+                raise ServerExited(self.process.returncode, self.log_path, self.log())
             if time.monotonic() > deadline:
                 self.kill()
                 raise TimeoutError(f"server not ready after {timeout}s:\n{self.log()}")

@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from opentinker.cli.options import CaCert, Token
+from opentinker.cli.options import AsJson, CaCert, Token
 
 app = typer.Typer(no_args_is_help=True, help="OpenTinker: train and serve many LoRA policies on one base LLM.")
 
@@ -26,10 +26,24 @@ def make_tiny_model_command(
     heads: Annotated[int, typer.Option(help="Attention heads.")] = 4,
     kv_heads: Annotated[int, typer.Option(help="Key/value heads (grouped-query attention).")] = 2,
     vocab_size: Annotated[int, typer.Option(help="Tokenizer vocabulary size incl. special tokens.")] = 512,
+    like: Annotated[
+        str | None,
+        typer.Option(
+            help="A scaled copy of a public checkpoint's config: llama3.2, llama3.1, qwen2.5, qwen2.5-yarn, "
+            "qwen3, qwen3-8b or mistral (sizes shrunk, every other key as published)."
+        ),
+    ] = None,
 ) -> None:
     """Write a small random causal LM + byte-level BPE tokenizer, offline and deterministically."""
-    from opentinker.client.tiny_model import TinyModelSpec, make_tiny_model
+    from opentinker.client.model_families import FAMILIES
+    from opentinker.client.tiny_model import TinyModelSpec, make_family_model, make_tiny_model
 
+    if like is not None:
+        if like not in FAMILIES:
+            raise typer.BadParameter(f"must be one of {', '.join(FAMILIES)}", param_hint="--like")
+        path = make_family_model(out_dir, like, seed=seed, vocab_size=vocab_size)
+        typer.echo(f"wrote a scaled copy of {FAMILIES[like][0]} to {path}")
+        return
     if arch not in ("qwen2", "llama"):
         raise typer.BadParameter("arch must be qwen2 or llama", param_hint="--arch")
     spec = TinyModelSpec(
@@ -49,14 +63,16 @@ def make_tiny_model_command(
 def _register_groups() -> None:
     from opentinker.cli.registry_admin import add_admin_commands
     from opentinker.cli.sample import sample_command
+    from opentinker.cli.trainer_admin import add_trainer_commands
     from opentinker.gateway.cli import app as gateway_app
     from opentinker.registry.cli import registry_app
     from opentinker.sampler_server.cli import sampler_app
     from opentinker.trainer_server.cli import trainer_app
 
     add_admin_commands(registry_app)
+    add_trainer_commands(trainer_app)
     app.add_typer(registry_app, name="registry", help="Run and administer the adapter registry.")
-    app.add_typer(trainer_app, name="trainer", help="Run the trainer server.")
+    app.add_typer(trainer_app, name="trainer", help="Run and operate the trainer server.")
     app.add_typer(sampler_app, name="sampler", help="Run the sampler server.")
     app.add_typer(gateway_app, name="gateway", help="Run the Tinker-compatible HTTP gateway.")
     app.command("sample")(sample_command)
@@ -70,15 +86,26 @@ def status_command(
     registry: Annotated[str | None, typer.Option(envvar="OPENTINKER_REGISTRY", help="Registry address.")] = None,
     trainer: Annotated[str | None, typer.Option(envvar="OPENTINKER_TRAINER", help="Trainer address.")] = None,
     sampler: Annotated[str | None, typer.Option(envvar="OPENTINKER_SAMPLER", help="Sampler address.")] = None,
+    workdir: Annotated[
+        Path, typer.Option(help="Without addresses: the `opentinker up` workdir whose stack to show (its stack.json).")
+    ] = Path("."),
     token: Token = None,
     ca_cert: CaCert = None,
+    as_json: AsJson = False,
 ) -> None:
-    """One screen on the running stack; exits 1 when a named server is not serving."""
+    """One screen on the running stack; exits 1 when a server is not serving, 2 when there is no stack to show."""
+    from opentinker.cli.stack_file import NoStack, read_stack_file
     from opentinker.cli.status import show_status
 
     if not (registry or trainer or sampler):
-        raise typer.BadParameter("name at least one of --registry, --trainer, --sampler")
-    if not show_status(registry, trainer, sampler, token, ca_cert):
+        try:
+            stack = read_stack_file(workdir)
+        except NoStack as exc:
+            typer.echo(f"opentinker status: {exc}; pass --workdir, or --registry/--trainer/--sampler", err=True)
+            raise typer.Exit(2) from None
+        registry, trainer, sampler = (stack.addresses.get(s) for s in ("registry", "trainer", "sampler"))
+        token = token or stack.token()
+    if not show_status(registry, trainer, sampler, token, ca_cert, as_json):
         raise typer.Exit(1)
 
 
@@ -88,19 +115,18 @@ def up_command(
         Path, typer.Option(exists=True, dir_okay=False, help="TOML file: server sections, shared keys and [up].")
     ],
     workdir: Annotated[
-        Path | None, typer.Option(help="Logs and ready files (default: [up] workdir, else ./opentinker-up).")
+        Path | None,
+        typer.Option(
+            help="Logs, ready files, stack.json and (unless the file names a data_dir) the registry's data; one `up` "
+            "at a time (default: [up] workdir, else ./opentinker-up)."
+        ),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON line when serving and one when stopped.")] = False,
 ) -> None:
     """Start registry, trainer and sampler from one config file; Ctrl-C or SIGTERM stops them all."""
     from opentinker.cli.stack import run_up
-    from opentinker.rpc.config import ConfigError
 
-    try:
-        code = run_up(config, workdir, as_json)
-    except ConfigError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--config") from None
-    raise typer.Exit(code)
+    raise typer.Exit(run_up(config, workdir, as_json))  # a config it cannot use: one line, exit 2
 
 
 @app.command("demo")

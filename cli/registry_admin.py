@@ -11,15 +11,17 @@ from pathlib import Path
 from typing import Annotated, NoReturn
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from opentinker.cli import registry_json as out
+from opentinker.cli.console import table_console
 from opentinker.cli.failure import describe
 from opentinker.cli.options import DEFAULT_REGISTRY, AsJson, CaCert, RegistryAddr, Token
-from opentinker.client import OpenTinkerError, Reconcile, RegistryClient
+from opentinker.cli.rollback_notice import LATEST, rollback_notice
+from opentinker.client import OpenTinkerError, Reconcile, RegistryClient, Version
 
-console = Console()
+console = table_console()  # piped: wide enough that no column is cut
+TRACES_SHOWN = 4  # trace ids per version in the lineage table
 alias_app = typer.Typer(no_args_is_help=True, help="Move or remove aliases.")
 
 
@@ -97,17 +99,36 @@ def versions(
     """Versions of an adapter, newest first."""
     with connect(registry, token, ca_cert) as client:
         newest = client.list_versions(name, limit or 100)  # 0: the registry's page size
+        total = client.get_adapter(name).version_count if not as_json else len(newest)
     if as_json:
         out.print_json([out.version_json(v) for v in newest])
         return
-    table = Table("version", "aliases", "step", "tokens", "artifact", "published", "by")
+    table = Table("version", "aliases", "parent", "step", "tokens", "metrics", "artifact", "published", "by")
     for v in newest:
         artifact = "(collected)" if v.artifact_deleted else v.sha256[:12]
         table.add_row(
-            str(v.number), ", ".join(v.aliases), str(v.lineage.trainer_step), str(v.lineage.tokens_trained),
-            artifact, when(v.created_at), v.published_by,
+            str(v.number), ", ".join(v.aliases), parent_text(v), str(v.lineage.trainer_step),
+            str(v.lineage.tokens_trained), metrics_text(v.lineage.metrics), artifact, when(v.created_at),
+            v.published_by,
         )  # fmt: skip
     console.print(table)
+    if total > len(newest):
+        console.print(
+            f"{len(newest)} of {total} versions shown (--limit N, 0 for a page of 100; --json for all fields)"
+        )
+
+
+def parent_text(v: Version) -> str:
+    """The parent version; a fork's names its adapter ("team-a/base@5")."""
+    if not v.lineage.parent_version:
+        return "-"
+    if v.lineage.parent_adapter and v.lineage.parent_adapter != v.adapter:
+        return f"{v.lineage.parent_adapter}@{v.lineage.parent_version}"
+    return str(v.lineage.parent_version)
+
+
+def metrics_text(metrics: dict[str, float]) -> str:
+    return ", ".join(f"{k}={val:.4g}" for k, val in sorted(metrics.items()))
 
 
 def show(
@@ -120,14 +141,21 @@ def show(
     """Resolve a reference (name, name@alias, name@N) to its exact version."""
     with connect(registry, token, ca_cert) as client:
         v = client.resolve(reference)
+        # A version without a LoRA shape of its own has its adapter's (empty there too: all linear modules).
+        targets = v.target_modules or (() if as_json else client.get_adapter(v.adapter).target_modules)
     if as_json:
         out.print_json(out.version_json(v))
         return
     console.print(f"{reference} -> {v.adapter}@{v.number}")
     console.print(f"  aliases    {', '.join(v.aliases) or '-'}")
     console.print(f"  artifact   {v.artifact_uri}{' (collected)' if v.artifact_deleted else ''} ({v.size_bytes} B)")
-    console.print(f"  lora       rank {v.rank} alpha {v.alpha:g} {list(v.target_modules)}")
-    console.print(f"  parent     {v.lineage.parent_version or '-'}  step {v.lineage.trainer_step}")
+    console.print(f"  lora       rank {v.rank} alpha {v.alpha:g} targets {', '.join(targets) or 'all-linear'}")
+    console.print(f"  parent     {parent_text(v)}  step {v.lineage.trainer_step}")
+    console.print(f"  trained    {v.lineage.tokens_trained} tokens, {v.lineage.datums_trained} datums since the parent")
+    if v.lineage.metrics:
+        console.print(f"  metrics    {metrics_text(v.lineage.metrics)}")
+    if v.lineage.state_id:
+        console.print(f"  state      {v.lineage.state_id} (the trainer's full state at this version)")
     console.print(f"  published  {when(v.created_at)} by {v.published_by}")
 
 
@@ -182,10 +210,14 @@ def rollback(
     """Move an alias back to an older version."""
     with connect(registry, token, ca_cert) as client:
         move = client.rollback(name, alias, to)
+        left = client.get_version(name, move.previous_version) if alias == LATEST and move.previous_version else None
     if as_json:
         out.print_json(out.rollback_json(move))
     else:
         console.print(f"{name}@{move.alias}: {move.previous_version} -> {move.version}")
+    notice = rollback_notice(name, alias, left, move.version)
+    if notice:
+        print(notice, file=sys.stderr)
 
 
 def lineage(
@@ -205,10 +237,12 @@ def lineage(
     table = Table("version", "parent", "step", "tokens", "batches", "trace ids", "metrics")
     for v in chain:
         traces = sorted({t for b in v.lineage.batches for t in b.trace_ids})
-        metrics = ", ".join(f"{k}={val:.4g}" for k, val in sorted(v.lineage.metrics.items()))
+        shown = ", ".join(traces[:TRACES_SHOWN])
+        if len(traces) > TRACES_SHOWN:
+            shown += f" (+{len(traces) - TRACES_SHOWN} more: --json lists all)"
         table.add_row(
-            v.reference, str(v.lineage.parent_version or "-"), str(v.lineage.trainer_step),
-            str(v.lineage.tokens_trained), str(len(v.lineage.batches)), ", ".join(traces[:4]), metrics,
+            v.reference, parent_text(v), str(v.lineage.trainer_step),
+            str(v.lineage.tokens_trained), str(len(v.lineage.batches)), shown, metrics_text(v.lineage.metrics),
         )  # fmt: skip
     console.print(table)
 

@@ -1,8 +1,8 @@
 """`--json` output of the registry admin commands: the SDK's records written in the wire's JSON form.
 
 The form is protobuf's JSON mapping of the RegistryService replies (proto field names, 64-bit integers as
-strings, default values left out), as it was when the commands printed the replies themselves: each record is
-turned back into its message and printed by protobuf's own encoder, so the output keeps that exact shape.
+strings, every field printed, zeros and empty lists too): each record is turned back into its message and
+printed by protobuf's own encoder, so the output keeps the wire's exact shape.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ def line(value: object) -> str:
 
 
 def dump(message: Message) -> dict[str, Any]:
-    return MessageToDict(message, preserving_proto_field_name=True)
+    # Every field, zeros and empty lists included: a script reading `version_count` never meets a KeyError.
+    return MessageToDict(message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
 
 
 def _stamp(when: datetime | None, into: Timestamp) -> None:

@@ -1,22 +1,42 @@
 """`opentinker status`: one screen on the running stack (servers up, adapters, versions, slots, queue,
-tokens/s, last reloads), read through the SDK's clients and connections (plaintext, or TLS with ca_cert)."""
+tokens/s, last reloads), read through the SDK's clients and connections (plaintext, or TLS with ca_cert).
+
+`--json` prints the same as one document: every server's address and health, and each serving one's replies in
+the wire's JSON form with every field (zeros and empty lists included), so a script never meets a missing key.
+"""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from google.protobuf.json_format import MessageToDict
+from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from rich.console import Console
 from rich.table import Table
 
+from opentinker.cli.console import table_console
 from opentinker.cli.failure import describe
-from opentinker.client import OpenTinkerError, RegistryClient, ServiceClient
+from opentinker.cli.registry_json import adapter_json
+from opentinker.client import OpenTinkerError, RegistryClient
 from opentinker.client.connection import Connection
-from opentinker.v1 import sampler_pb2, sampler_pb2_grpc
+from opentinker.v1 import sampler_pb2, sampler_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 
 TIMEOUT = 5.0
+RECENT_RELOADS = 5
+
+
+@dataclass(frozen=True, slots=True)
+class Section:
+    tables: list[Table]
+    data: dict[str, Any]
+
+
+def _dump(message: Message) -> dict[str, Any]:
+    return MessageToDict(message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
 
 
 def _health(address: str, ca_cert: Path | None) -> str:
@@ -32,54 +52,76 @@ def _health(address: str, ca_cert: Path | None) -> str:
 
 
 def show_status(
-    registry: str | None, trainer: str | None, sampler: str | None, token: str | None, ca_cert: Path | None = None
+    registry: str | None,
+    trainer: str | None,
+    sampler: str | None,
+    token: str | None,
+    ca_cert: Path | None = None,
+    as_json: bool = False,
 ) -> bool:
     """Prints the view; returns False when a named server is not SERVING."""
-    console = Console()
     servers = Table("server", "address", "health", title="OpenTinker stack")
     healthy = True
-    sections: list[Any] = []
+    document: dict[str, Any] = {"servers": {}}
+    sections: list[Table | str] = []
     for name, address in (("registry", registry), ("trainer", trainer), ("sampler", sampler)):
         if not address:
             continue
         health = _health(address, ca_cert)
         servers.add_row(name, address, health)
+        entry: dict[str, Any] = {"address": address, "health": health}
+        document["servers"][name] = entry
         if health != "SERVING":
             healthy = False
             continue
         try:
-            sections.append(_SECTIONS[name](address, token, ca_cert))
+            section = _SECTIONS[name](address, token, ca_cert)
         except OpenTinkerError as exc:
-            sections.append(f"{name}: {describe(exc, ca_cert)}")
+            entry["error"] = describe(exc, ca_cert)
+            sections.append(f"{name}: {entry['error']}")
+            continue
+        entry.update(section.data)
+        sections.extend(section.tables)
+    if as_json:
+        print(json.dumps(document, indent=2, sort_keys=True))
+        return healthy
+    console = table_console()
     console.print(servers)
-    for section in sections:
-        console.print(section)
+    for item in sections:
+        console.print(item)
     return healthy
 
 
-def _registry(address: str, token: str | None, ca_cert: Path | None) -> Table:
+def _registry(address: str, token: str | None, ca_cert: Path | None) -> Section:
     with RegistryClient(address, token, timeout=TIMEOUT, ca_cert=ca_cert) as client:
         adapters = client.list_adapters()
     table = Table("adapter", "versions", "aliases", "rank", title=f"registry: {len(adapters)} adapters")
     for adapter in adapters:
         aliases = ", ".join(f"{k}->{v}" for k, v in sorted(adapter.aliases.items()))
         table.add_row(adapter.name, str(adapter.version_count), aliases, str(adapter.rank))
-    return table
+    return Section([table], {"adapters": [adapter_json(a) for a in adapters]})
 
 
-def _trainer(address: str, token: str | None, ca_cert: Path | None) -> Table:
-    with ServiceClient(trainer=address, token=token, timeout=TIMEOUT, ca_cert=ca_cert) as client:
-        info = client.get_trainer_info()
-        adapters = client.list_training_adapters()
-    title = f"trainer: {info.architecture} on {info.device} ({info.dtype}), {len(adapters)} adapters"
+def _trainer(address: str, token: str | None, ca_cert: Path | None) -> Section:
+    # The replies themselves, as for the sampler: the JSON keeps every field of the wire form.
+    connection = Connection(address, trainer_pb2_grpc.TrainerServiceStub, token, timeout=TIMEOUT, ca_cert=ca_cert)
+    try:
+        info = connection.unary("GetTrainerInfo", trainer_pb2.GetTrainerInfoRequest(),
+                                trainer_pb2.GetTrainerInfoResponse)  # fmt: skip
+        listed = connection.unary("ListAdapters", trainer_pb2.TrainerServiceListAdaptersRequest(),
+                                  trainer_pb2.TrainerServiceListAdaptersResponse)  # fmt: skip
+    finally:
+        connection.close()
+    base = info.base_model
+    title = f"trainer: {base.architecture} on {base.device} ({base.dtype}), {len(listed.adapters)} adapters"
     table = Table("adapter", "step", "tokens", "pending", "last snapshot", "resident", title=title)
-    for adapter in adapters:
+    for adapter in listed.adapters:
         table.add_row(adapter.name, str(adapter.step), str(adapter.tokens_trained), str(adapter.pending_batches),
                       str(adapter.last_snapshot_version or "-"), "yes" if adapter.resident else "no")  # fmt: skip
-    return table
+    return Section([table], {"info": _dump(info), "adapters": [_dump(a) for a in listed.adapters]})
 
 
-def _sampler(address: str, token: str | None, ca_cert: Path | None) -> Table:
+def _sampler(address: str, token: str | None, ca_cert: Path | None) -> Section:
     # The SDK's records of a sampler carry no reload history and no slot listing: read the replies themselves,
     # over the SDK's connection (channel, credentials and token built in one place).
     connection = Connection(address, sampler_pb2_grpc.SamplerServiceStub, token, timeout=TIMEOUT, ca_cert=ca_cert)
@@ -93,18 +135,23 @@ def _sampler(address: str, token: str | None, ca_cert: Path | None) -> Table:
         f"{stats.waiting_requests}/{stats.max_waiting}, {stats.decode_tokens_per_second:.1f} tokens/s, "
         f"{stats.adapter_loads_total} loads ({stats.reload_failures_total} failed)"
     )
-    table = Table("slot", "version", "serving", "rank", "requests", "pinned", title=title)
+    slots = Table("slot", "version", "serving", "rank", "requests", "pinned", title=title)
     for adapter in loaded.adapters:
-        table.add_row(str(adapter.slot), f"{adapter.version.adapter}@{adapter.version.version}",
+        slots.add_row(str(adapter.slot), f"{adapter.version.adapter}@{adapter.version.version}",
                       ", ".join(adapter.serving_aliases), str(adapter.rank), str(adapter.active_requests),
                       "yes" if adapter.pinned else "")  # fmt: skip
-    for record in list(stats.recent_reloads)[-5:]:
-        outcome = f"{record.latency_seconds * 1000:.1f} ms" if record.ok else f"failed: {record.error}"
-        table.add_row("", f"{record.adapter}@{record.to_version}", f"reload {record.alias}", "", "", outcome)
-    return table
+    tables = [slots]
+    recent = list(stats.recent_reloads)[-RECENT_RELOADS:]
+    if recent:  # a table of their own: a reload's outcome is no slot's "pinned"
+        reloads = Table("version", "alias", "outcome", title=f"sampler: last {len(recent)} reloads")
+        for record in recent:
+            outcome = f"{record.latency_seconds * 1000:.1f} ms" if record.ok else f"failed: {record.error}"
+            reloads.add_row(f"{record.adapter}@{record.to_version}", record.alias, outcome)
+        tables.append(reloads)
+    return Section(tables, {"stats": _dump(stats), "loaded": [_dump(a) for a in loaded.adapters]})
 
 
-_SECTIONS: dict[str, Callable[[str, str | None, Path | None], Table]] = {
+_SECTIONS: dict[str, Callable[[str, str | None, Path | None], Section]] = {
     "registry": _registry,
     "trainer": _trainer,
     "sampler": _sampler,

@@ -44,6 +44,8 @@ class Lineage:
     batches: tuple[BatchRecord, ...] = ()
     metrics: dict[str, float] = field(default_factory=dict)
     base_model_digest: str = ""
+    parent_adapter: str = ""  # the parent version's adapter when it is another one (a fork); "": this adapter
+    state_id: str = ""  # the full state saved with this version (trainer --persist-state)
 
 
 @dataclass(frozen=True, slots=True)

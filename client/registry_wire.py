@@ -41,6 +41,8 @@ def lineage_from_proto(proto: registry_pb2.Lineage) -> Lineage:
         batches=tuple(batch_from_proto(b) for b in proto.batches),
         metrics=dict(proto.metrics),
         base_model_digest=proto.base_model_digest,
+        parent_adapter=proto.parent_adapter,
+        state_id=proto.state_id,
     )
 
 
@@ -140,4 +142,6 @@ def lineage_to_proto(lineage: Lineage) -> registry_pb2.Lineage:
         batches=[batch_to_proto(b) for b in lineage.batches],
         metrics=lineage.metrics,
         base_model_digest=lineage.base_model_digest,
+        parent_adapter=lineage.parent_adapter,
+        state_id=lineage.state_id,
     )

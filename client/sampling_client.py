@@ -313,6 +313,11 @@ class SamplingClient:
         response = await self._connection.unary_async("UnloadAdapter", request, sampler_pb2.UnloadAdapterResponse)
         return response.freed_now
 
+    def base_model(self) -> str:
+        """The name or path the sampler's base model was started with (GetSamplerInfo)."""
+        request = sampler_pb2.GetSamplerInfoRequest()
+        return self._connection.unary("GetSamplerInfo", request, sampler_pb2.GetSamplerInfoResponse).base_model.model
+
     def stats(self) -> SamplerStats:
         """The sampler's current load (the whole server's, not this reference's)."""
         response = self._connection.unary("GetStats", sampler_pb2.GetStatsRequest(), sampler_pb2.GetStatsResponse)

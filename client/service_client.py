@@ -27,12 +27,15 @@ from opentinker.client.training_client import TrainerConnection, TrainingClient
 from opentinker.client.types import (
     AdamParams,
     LoraConfig,
+    ResetResult,
+    SavedState,
     TrainerInfo,
     TrainingAdapterInfo,
 )
 from opentinker.client.wire import (
     adam_params_to_proto,
     lora_config_to_proto,
+    started_from_proto,
     trainer_info_from_proto,
     training_adapter_from_proto,
 )
@@ -50,6 +53,7 @@ def _create_request(
     resume_state: str,
     attach_existing: bool,
     labels: Mapping[str, str] | None,
+    fresh: bool,
 ) -> trainer_pb2.TrainerServiceCreateAdapterRequest:
     return trainer_pb2.TrainerServiceCreateAdapterRequest(
         name=adapter,
@@ -60,6 +64,7 @@ def _create_request(
         resume_state=resume_state,
         attach_existing=attach_existing,
         labels=dict(labels or {}),
+        fresh=fresh,
     )
 
 
@@ -119,18 +124,22 @@ class ServiceClient:
         resume_state: str = "",
         attach_existing: bool = False,
         labels: Mapping[str, str] | None = None,
+        fresh: bool = False,
     ) -> TrainingClient:
         """Creates ``adapter`` on the trainer (which registers it in the registry) and returns its client.
 
         lora None: LoraConfig() (rank 32, all linear modules). adam: the defaults optim_step uses when
         called without AdamParams (None: Tinker's). seed: LoRA initialisation and dropout. init_from: start
         from a registry version's weights ("name@N", "name@stable"); resume_state: resume exactly from a
-        save_state id. attach_existing: train a name the registry already has instead of ALREADY_EXISTS.
+        save_state id. attach_existing: train a name the registry already has instead of ALREADY_EXISTS,
+        continuing from its latest version (from the state a --persist-state trainer saved with it: exactly,
+        optimizer included); fresh: with attach_existing, fresh weights instead. The client's
+        ``started_from`` says what the adapter started from; its next snapshot's parent is that version.
         """
         connection = self._trainer_connection()
-        request = _create_request(adapter, lora, adam, seed, init_from, resume_state, attach_existing, labels)
-        connection.unary("CreateAdapter", request, trainer_pb2.TrainerServiceCreateAdapterResponse)
-        return TrainingClient(adapter, connection)
+        request = _create_request(adapter, lora, adam, seed, init_from, resume_state, attach_existing, labels, fresh)
+        response = connection.unary("CreateAdapter", request, trainer_pb2.TrainerServiceCreateAdapterResponse)
+        return TrainingClient(adapter, connection, started_from_proto(response.started_from))
 
     async def create_training_client_async(
         self,
@@ -143,12 +152,15 @@ class ServiceClient:
         resume_state: str = "",
         attach_existing: bool = False,
         labels: Mapping[str, str] | None = None,
+        fresh: bool = False,
     ) -> TrainingClient:
         """create_training_client on the async channel."""
         connection = self._trainer_connection()
-        request = _create_request(adapter, lora, adam, seed, init_from, resume_state, attach_existing, labels)
-        await connection.unary_async("CreateAdapter", request, trainer_pb2.TrainerServiceCreateAdapterResponse)
-        return TrainingClient(adapter, connection)
+        request = _create_request(adapter, lora, adam, seed, init_from, resume_state, attach_existing, labels, fresh)
+        response = await connection.unary_async(
+            "CreateAdapter", request, trainer_pb2.TrainerServiceCreateAdapterResponse
+        )
+        return TrainingClient(adapter, connection, started_from_proto(response.started_from))
 
     def training_client(self, adapter: str) -> TrainingClient:
         """A client of an adapter the trainer already holds (NOT_FOUND otherwise)."""
@@ -171,6 +183,19 @@ class ServiceClient:
             "ListAdapters", request, trainer_pb2.TrainerServiceListAdaptersResponse
         )
         return [training_adapter_from_proto(a) for a in response.adapters]
+
+    def get_training_adapter(self, adapter: str) -> TrainingAdapterInfo:
+        """``adapter``'s training state in the trainer (NOT_FOUND when the trainer does not hold it)."""
+        return TrainingClient(adapter, self._trainer_connection()).get_info()
+
+    def reset_training_adapter(self, adapter: str, to: str, *, keep_optimizer: bool = False) -> ResetResult:
+        """TrainingClient.reset for an adapter the trainer holds: load version ``to`` ("5", "stable",
+        "team-a/other@3") into it, so its next snapshot's parent is that version."""
+        return TrainingClient(adapter, self._trainer_connection()).reset(to, keep_optimizer=keep_optimizer)
+
+    def save_training_state(self, adapter: str, label: str = "") -> SavedState:
+        """TrainingClient.save_state for an adapter the trainer holds: its full state, for an exact resume."""
+        return TrainingClient(adapter, self._trainer_connection()).save_state(label)
 
     def delete_training_adapter(self, adapter: str) -> None:
         """Drops ``adapter``'s training state from the trainer: its memory and its place in the tenant's quota

@@ -10,6 +10,7 @@ identify a base model.
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -33,6 +34,7 @@ __all__ = [
     "Arch",
     "TinyModelSpec",
     "build_tokenizer",
+    "make_family_model",
     "make_tiny_model",
     "model_files_digest",
 ]
@@ -264,6 +266,39 @@ def make_tiny_model(out_dir: Path, spec: TinyModelSpec) -> Path:
     tokenizer.save_pretrained(out_dir)
     # All written files are already byte-stable (no timestamps; JSON dicts keep insertion order; safetensors
     # metadata is just {"format": "pt"}), which the determinism test checks via model_files_digest.
+    return out_dir
+
+
+def make_family_model(out_dir: Path, family: str, *, seed: int = 0, vocab_size: int = 512) -> Path:
+    """A scaled-down copy of a public checkpoint (`model_families.FAMILIES`): its config.json and
+    generation_config.json with every published key, in the hub's format (rope_theta + rope_scaling), random
+    weights with norm weights and biases moved away from their 1 / 0 initialisation (so a forward that skipped
+    one would differ), and the tiny tokenizer. Deterministic, like make_tiny_model."""
+    from transformers import AutoConfig
+
+    from opentinker.client.model_families import scaled_files
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(vocab_size)
+    specials = [int(tokenizer.convert_tokens_to_ids(t)) for t in SPECIAL_TOKENS]  # type: ignore[arg-type]
+    specials += [vocab_size - 1 - i for i in range(4)]  # more ids than the tokenizer has specials (Llama 3: 4)
+    config_json, generation_json = scaled_files(family, vocab_size=vocab_size, special_ids=specials)
+    settings = {k: v for k, v in config_json.items() if k not in ("architectures", "model_type", "torch_dtype")}
+    config = AutoConfig.for_model(config_json["model_type"], **settings)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if name.endswith("norm.weight") or name.endswith(".bias"):
+                    parameter.add_(0.1 * torch.randn_like(parameter))
+    model.eval()
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    # transformers saves its own format (rope_parameters); users' checkpoints come in the hub's, as published.
+    (out_dir / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")
+    (out_dir / "generation_config.json").write_text(json.dumps(generation_json, indent=2) + "\n")
     return out_dir
 
 

@@ -34,13 +34,16 @@ from opentinker.client.types import (
     Datum,
     ForwardBackwardOutput,
     OptimStepResult,
+    ResetResult,
     SavedState,
+    StartedFrom,
     TrainingAdapterInfo,
 )
 from opentinker.client.wire import (
     adam_params_to_proto,
     datum_to_proto,
     forward_output_from_proto,
+    reset_result_from_proto,
     training_adapter_from_proto,
 )
 from opentinker.v1 import trainer_pb2, trainer_pb2_grpc
@@ -134,6 +137,22 @@ def _saved_state(response: trainer_pb2.SaveStateResponse) -> SavedState:
     return SavedState(state_id=response.state_id, step=response.step, size_bytes=response.size_bytes)
 
 
+def expand_reference(adapter: str, to: str) -> str:
+    """A reset target as a registry reference: "5" or "@5" -> "adapter@5", "stable" -> "adapter@stable"; a
+    reference naming an adapter ("team-a/other@3", "name@4") stays as it is."""
+    if to.startswith("@"):
+        return adapter + to
+    if "@" in to or "/" in to:
+        return to
+    return f"{adapter}@{to}"
+
+
+def _reset_request(adapter: str, to: str, keep_optimizer: bool) -> trainer_pb2.ResetAdapterRequest:
+    return trainer_pb2.ResetAdapterRequest(
+        adapter=adapter, reference=expand_reference(adapter, to), keep_optimizer=keep_optimizer
+    )
+
+
 _M = TypeVar("_M", bound=Message)
 _Reply = TypeVar("_Reply")
 
@@ -144,9 +163,11 @@ class TrainingClient:
     ServiceClient's channels, so closing the ServiceClient ends it too. Thread-safe.
     """
 
-    def __init__(self, adapter: str, connection: TrainerConnection) -> None:
+    def __init__(self, adapter: str, connection: TrainerConnection, started_from: StartedFrom | None = None) -> None:
         self.adapter = adapter
         self._connection = connection
+        # What create_training_client started the adapter from (None for training_client(name)).
+        self.started_from = started_from
 
     def __repr__(self) -> str:
         return f"TrainingClient({self.adapter!r}, trainer={self._connection.address!r})"
@@ -258,6 +279,18 @@ class TrainingClient:
     async def load_state_async(self, state_id: str, *, weights_only: bool = False) -> TrainingAdapterInfo:
         request = trainer_pb2.LoadStateRequest(adapter=self.adapter, state_id=state_id, weights_only=weights_only)
         return await self._call_async("LoadState", request, trainer_pb2.LoadStateResponse, _adapter_of)
+
+    def reset(self, to: str, *, keep_optimizer: bool = False) -> ResetResult:
+        """Loads a registry version's weights into this adapter ("5", "stable", "team-a/other@3"): a rollback
+        carried into training, the next save_snapshot's parent is that version. Pending gradients go; the AdamW
+        moments too unless ``keep_optimizer``; the step count stays."""
+        request = _reset_request(self.adapter, to, keep_optimizer)
+        return self._call("ResetAdapter", request, trainer_pb2.ResetAdapterResponse, reset_result_from_proto)
+
+    async def reset_async(self, to: str, *, keep_optimizer: bool = False) -> ResetResult:
+        request = _reset_request(self.adapter, to, keep_optimizer)
+        return await self._call_async("ResetAdapter", request, trainer_pb2.ResetAdapterResponse,
+                                      reset_result_from_proto)  # fmt: skip
 
     def get_info(self) -> TrainingAdapterInfo:
         request = trainer_pb2.TrainerServiceGetAdapterRequest(name=self.adapter)

@@ -34,6 +34,7 @@ __all__ = [
     "LossFnInput",
     "ModelInput",
     "OptimStepResult",
+    "ResetResult",
     "SampleChunk",
     "SampleResult",
     "SampledSequence",
@@ -41,6 +42,7 @@ __all__ = [
     "SamplerStats",
     "SamplingParams",
     "SavedState",
+    "StartedFrom",
     "StopReason",
     "TensorData",
     "TrainerInfo",
@@ -153,10 +155,35 @@ class TrainingAdapterInfo:
     seed: int
     adam: AdamParams
     created_at: datetime | None
+    parent_adapter: str = ""  # last_snapshot_version's adapter when another one (a fork); "": this adapter
 
     @property
     def lora(self) -> LoraConfig:
         return LoraConfig(rank=self.rank, alpha=self.alpha, dropout=self.dropout, target_modules=self.target_modules)
+
+
+@dataclass(frozen=True, slots=True)
+class StartedFrom:
+    """What create_training_client's adapter started from. kind: "fresh" (weights from the seed), "version"
+    (``adapter``@``version``'s weights, fresh optimizer) or "state" (``state_id``: weights, optimizer, step, RNG;
+    ``version`` the one it was saved with, when --persist-state saved it). ``description``: one line for people."""
+
+    kind: Literal["fresh", "version", "state"]
+    adapter: str
+    version: int
+    state_id: str
+    description: str
+
+
+@dataclass(frozen=True, slots=True)
+class ResetResult:
+    """A reset: the adapter now holds ``adapter``@``version``'s weights (the next snapshot's parent);
+    ``optimizer_kept``: whether the AdamW moments were kept (else fresh)."""
+
+    adapter: str
+    version: int
+    optimizer_kept: bool
+    info: TrainingAdapterInfo
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from datetime import UTC
-from typing import cast
+from typing import Literal, cast
 
 from opentinker.client.types import (
     ALL_LINEAR,
@@ -17,10 +17,12 @@ from opentinker.client.types import (
     LoadedAdapter,
     LoraConfig,
     ModelInput,
+    ResetResult,
     SampleChunk,
     SampledVersion,
     SamplerStats,
     SamplingParams,
+    StartedFrom,
     StopReason,
     TensorData,
     TrainerInfo,
@@ -125,6 +127,27 @@ def training_adapter_from_proto(proto: trainer_pb2.TrainingAdapter) -> TrainingA
         seed=proto.seed,
         adam=adam_params_from_proto(proto.adam_params),
         created_at=proto.create_time.ToDatetime(tzinfo=UTC) if proto.HasField("create_time") else None,
+        parent_adapter=proto.parent_adapter,
+    )
+
+
+_START_KINDS: dict[int, Literal["fresh", "version", "state"]] = {
+    trainer_pb2.START_KIND_VERSION: "version",
+    trainer_pb2.START_KIND_STATE: "state",
+}
+
+
+def started_from_proto(proto: trainer_pb2.StartedFrom) -> StartedFrom:
+    return StartedFrom(kind=_START_KINDS.get(proto.kind, "fresh"), adapter=proto.adapter, version=proto.version,
+                       state_id=proto.state_id, description=proto.description)  # fmt: skip
+
+
+def reset_result_from_proto(proto: trainer_pb2.ResetAdapterResponse) -> ResetResult:
+    return ResetResult(
+        adapter=proto.version.adapter,
+        version=proto.version.version,
+        optimizer_kept=proto.optimizer_kept,
+        info=training_adapter_from_proto(proto.adapter),
     )
 
 

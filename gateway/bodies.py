@@ -4,11 +4,22 @@ Python's json module recurses once per nesting level (100k-deep JSON raises Recu
 ``NaN``/``Infinity`` (not JSON; they would reach the numeric fields as floats) and keeps strings of any length.
 Here a body is refused with 400 when it nests deeper than ``MAX_JSON_DEPTH``, holds a non-finite constant,
 or holds a string (or object key) longer than the configured bound, naming where.
+
+``json.loads`` runs in C and holds the GIL throughout: on a worker thread it would still stop the event loop for
+the whole parse of a big body. With ``yielding`` (the gateway's worker-thread parse of big bodies) numbers and
+objects go through small Python functions, which give the GIL away as Python code does (every few ms), so the
+event loop keeps serving other tenants meanwhile; the values are the same. The cyclic garbage collector is paused
+meanwhile: the parse makes up to millions of containers, and each full collection they would trigger walks every
+object of the process with the GIL held (hundreds of ms on an 8 MiB body); it runs again right after.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
+import threading
+from collections.abc import Iterator
 
 from opentinker.gateway.errors import GatewayError, bad_request
 
@@ -17,6 +28,44 @@ MAX_JSON_DEPTH = 32  # the SDK's bodies nest 4 levels (user_metadata aside)
 
 def _no_constant(name: str) -> object:
     raise bad_request(f"body holds {name}, which is not JSON (numbers must be finite)", "MALFORMED_JSON")
+
+
+def _int(text: str) -> int:
+    return int(text)
+
+
+def _float(text: str) -> float:
+    return float(text)
+
+
+def _object(pairs: dict[str, object]) -> dict[str, object]:
+    return pairs
+
+
+class _CollectorPause:
+    """Pauses the cyclic garbage collector while at least one big body is being parsed."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._parses = 0
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        with self._lock:
+            self._parses += 1
+            if self._parses == 1:
+                gc.disable()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._parses -= 1
+                if self._parses == 0:
+                    gc.enable()
+
+
+_COLLECTOR = _CollectorPause()
+_SCALARS = frozenset({int, float, bool, type(None)})
 
 
 def _path(parents: tuple[object, ...]) -> str:
@@ -42,6 +91,8 @@ def check_json(body: object, *, max_string: int, max_depth: int = MAX_JSON_DEPTH
             continue
         if len(parents) >= max_depth:
             raise bad_request(f"JSON nests deeper than {max_depth} levels (at {_path(parents)})", "JSON_TOO_DEEP")
+        if isinstance(item, list) and set(map(type, item)) <= _SCALARS:
+            continue  # a list of numbers (a prompt's tokens): nothing in it to check, and no Python loop over it
         if isinstance(item, dict):
             for key, child in item.items():
                 if len(key) > max_string:
@@ -52,9 +103,9 @@ def check_json(body: object, *, max_string: int, max_depth: int = MAX_JSON_DEPTH
             stack.extend((child, (*parents, i)) for i, child in enumerate(item) if isinstance(child, str | dict | list))
 
 
-def parse_json(raw: bytes, *, max_bytes: int, max_string: int) -> dict[str, object]:
+def parse_json(raw: bytes, *, max_bytes: int, max_string: int, yielding: bool = False) -> dict[str, object]:
     """The body as a JSON object; 413 (BODY_TOO_LARGE) or 400 (MALFORMED_JSON, JSON_TOO_DEEP,
-    STRING_TOO_LONG) otherwise."""
+    STRING_TOO_LONG) otherwise. ``yielding``: parse so that other threads get the GIL meanwhile (slower)."""
     if len(raw) > max_bytes:
         raise GatewayError(413, "BODY_TOO_LARGE", f"JSON body of {len(raw)} bytes; at most {max_bytes}")
     try:
@@ -62,7 +113,13 @@ def parse_json(raw: bytes, *, max_bytes: int, max_string: int) -> dict[str, obje
     except UnicodeDecodeError as exc:
         raise bad_request(f"body is not UTF-8: {exc}", "MALFORMED_JSON") from exc
     try:
-        body = json.loads(text, parse_constant=_no_constant)
+        if yielding:
+            with _COLLECTOR.held():
+                body = json.loads(
+                    text, parse_constant=_no_constant, parse_int=_int, parse_float=_float, object_hook=_object
+                )
+        else:
+            body = json.loads(text, parse_constant=_no_constant)
     except RecursionError:
         raise bad_request(f"JSON nests deeper than {MAX_JSON_DEPTH} levels", "JSON_TOO_DEEP") from None
     except ValueError as exc:

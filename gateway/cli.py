@@ -5,21 +5,26 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
+
+from opentinker.rpc import cli_options as opt
+from opentinker.rpc.config import GATEWAY_SECTION, serve_command
 
 if TYPE_CHECKING:
     from opentinker.gateway.auth import KeyStore
     from opentinker.gateway.state import GatewayConfig
 
 DEFAULT_PORT = 7073
+SWITCH_INTERVAL_S = 0.001
 app = typer.Typer(no_args_is_help=True)
 log = logging.getLogger("opentinker.gateway")
 
 
-@app.command("serve")
+@app.command("serve", cls=serve_command(GATEWAY_SECTION))
 def serve(
     trainer: Annotated[str, typer.Option(envvar="OPENTINKER_TRAINER", help="Trainer address host:port.")],
     sampler: Annotated[str, typer.Option(envvar="OPENTINKER_SAMPLER", help="Sampler address host:port.")],
@@ -62,16 +67,29 @@ def serve(
     session_ttl_seconds: Annotated[
         float, typer.Option(help="A session without heartbeats expires (its models' waiting requests fail).")
     ] = 900.0,
+    max_tenant_result_bytes: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Bytes of finished results one tenant holds for retrieve_future (kept an hour); beyond, its oldest "
+            "are dropped (retrieving one answers 404 RESULT_DROPPED). 0: no limit.",
+        ),
+    ] = 1 << 30,
     ready_file: Annotated[Path | None, typer.Option(help="Write {address, metrics_address} JSON once serving.")] = None,
     log_level: Annotated[str, typer.Option(help="Logging level.")] = "INFO",
+    config_file: opt.Config = None,
+    print_config: opt.PrintConfig = False,
 ) -> None:
     """Run the Tinker-compatible HTTP gateway (tinker SDK 0.38.0)."""
     from opentinker.gateway.auth import KeysFileError, KeyStore
     from opentinker.gateway.logsafe import configure
     from opentinker.gateway.state import GatewayConfig
     from opentinker.rpc.server import is_loopback
+    from opentinker.rpc.startup import check_port, startup_errors
 
     configure(log_level)
+    with startup_errors("gateway", log_level):
+        check_port(host, port, "--port")  # one line and exit 2, as every server's startup errors
     if not is_loopback(host) and not insecure_public:
         typer.echo(f"refusing to bind {host}: plain HTTP carries API keys; pass --insecure-public", err=True)
         raise typer.Exit(2)
@@ -90,11 +108,13 @@ def serve(
         seq_window=seq_window, max_pending_bytes=max_pending_bytes, pending_ttl_seconds=pending_ttl_seconds,
         session_ttl_seconds=session_ttl_seconds, max_tenant_pending_bytes=max_tenant_pending_bytes,
         max_sessions_per_tenant=max_sessions_per_tenant, max_inflight_per_tenant=max_inflight_per_tenant,
+        max_tenant_result_bytes=max_tenant_result_bytes,
     )  # fmt: skip
     positive = {name: value for name, value in config.limits().items() if not value > 0}
     if positive:
         typer.echo(f"these must be positive: {', '.join('--' + n.replace('_', '-') for n in positive)}", err=True)
         raise typer.Exit(2)
+
     asyncio.run(_run(keys, (trainer, sampler, registry), config, host, port, ready_file))
 
 
@@ -113,6 +133,9 @@ async def _run(
     from opentinker.gateway.state import Gateway
     from opentinker.rpc.server import write_ready_file
 
+    # Big bodies are decoded and parsed on worker threads; when one runs Python code, the event loop waits for the
+    # GIL up to the switch interval at each wake-up: 1 ms instead of 5 keeps other tenants' requests moving.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     gateway = Gateway(keys=keys, backends=Backends(*addresses), config=config)
     # forward_backward bodies are decompressed by the gateway itself (zstd, size-capped).
     runner = web.AppRunner(create_app(gateway), access_log=None, auto_decompress=False)

@@ -38,10 +38,13 @@ def not_found(message: str, code: str = "NOT_FOUND") -> GatewayError:
 class RequestFailed(Exception):
     """A future's failure: ``user`` errors are the caller's (bad input), ``server`` ones ours."""
 
-    def __init__(self, message: str, category: str = "user") -> None:
+    def __init__(self, message: str, category: str = "user", *, poisons: bool = True) -> None:
         super().__init__(message)
         self.message = message
         self.category = category
+        # False when the failed request provably changed nothing (see _MODEL_UNCHANGED): later requests of the
+        # model still run.
+        self.poisons = poisons
 
 
 # gRPC codes that mean the caller's request was wrong, not that a server failed.
@@ -57,8 +60,14 @@ _USER_CODES = {
 }
 
 
+# Reasons of failures after which the adapter is exactly as before the request: the trainer undoes an OptimStep
+# whose weights break the magnitude rule (weights, AdamW state, step) and refuses such a SaveSnapshot.
+_MODEL_UNCHANGED = frozenset({"WEIGHTS_OUT_OF_RANGE"})
+
+
 def from_backend(exc: OpenTinkerError) -> RequestFailed:
     """A trainer/sampler/registry error as a future failure, its status and reason kept in the message."""
     category = "user" if exc.code in _USER_CODES else "server"
     reason = f"/{exc.reason}" if exc.reason else ""
-    return RequestFailed(f"{exc.code.name}{reason}: {exc.message}", category)
+    poisons = not (exc.code == grpc.StatusCode.FAILED_PRECONDITION and exc.reason in _MODEL_UNCHANGED)
+    return RequestFailed(f"{exc.code.name}{reason}: {exc.message}", category, poisons=poisons)

@@ -2,8 +2,10 @@
 
 The SDK numbers every request of a model (``seq_id`` 1, 2, ...; the chunks of one forward_backward take
 consecutive ids and may arrive in any order). A model's `Lane` runs them strictly in ``seq_id`` order, one
-at a time; once one fails, every later request of the model fails too (the SDK treats a training client
-whose request failed as poisoned), naming the request that failed first.
+at a time; once one fails, every later request of the model fails too, naming the request that failed first
+(a failed chunk of a forward_backward leaves part of a batch's gradients behind) - unless the failure left the
+model exactly as before (an OptimStep the trainer undid, see errors.py), so that the client can go on from the
+previous weights.
 """
 
 from __future__ import annotations
@@ -89,7 +91,7 @@ class Lane:
                 waiting.future.finish(Outcome(failure=RequestFailed(self.poisoned)))
                 continue
             outcome = await run_job(waiting.job)
-            if outcome.failure is not None:
+            if outcome.failure is not None and outcome.failure.poisons:
                 self.poisoned = (
                     f"an earlier request of model {self.model_id} (seq_id {seq_id}) failed: {outcome.failure.message}"
                 )

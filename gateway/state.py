@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -47,14 +48,20 @@ class GatewayConfig:
     max_inflight_per_tenant: int = 4096  # unfinished requests of one tenant (429, retried by the SDK, beyond)
     pending_ttl_seconds: float = 300.0  # how long a request may wait for an earlier seq_id that never comes
     session_ttl_seconds: float = 900.0  # a session without heartbeats expires (the SDK sends one every 10 s)
+    max_tenant_result_bytes: int = 1 << 30  # finished results one tenant holds (its oldest dropped beyond); 0: none
 
     def limits(self) -> dict[str, float]:
-        """The numeric flags (each must be positive)."""
+        """The numeric flags that must be positive (those where 0 means "no limit" are left out)."""
         return {
             name: getattr(self, name)
             for name in self.__dataclass_fields__
-            if isinstance(getattr(self, name), int | float) and not isinstance(getattr(self, name), bool)
+            if isinstance(getattr(self, name), int | float)
+            and not isinstance(getattr(self, name), bool)
+            and name not in ZERO_MEANS_NO_LIMIT
         }
+
+
+ZERO_MEANS_NO_LIMIT = frozenset({"max_tenant_result_bytes"})
 
 
 @dataclass(slots=True)
@@ -67,10 +74,12 @@ class Gateway:
     models: ModelTable = field(default_factory=ModelTable)
     checkpoints: CheckpointTable = field(default_factory=CheckpointTable)
     decode_slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(2))  # bodies decoded at once
+    json_slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(2))  # big JSON bodies parsed
 
     def __post_init__(self) -> None:
         self.futures.poll_seconds = self.config.poll_seconds
         self.futures.max_inflight = self.config.max_inflight_per_tenant
+        self.futures.results.max_bytes = self.config.max_tenant_result_bytes or None
 
     def lane(self, model_id: str) -> Lane:
         """A new model's request lane, within the configured window and pending bytes."""
@@ -115,12 +124,23 @@ def check_sdk_version(version: object) -> str | None:
 
 Json = dict[str, object]
 _T = TypeVar("_T")
+JSON_INLINE_BYTES = 64 << 10  # smaller JSON bodies (all the SDK's but long prompts) are parsed on the event loop
 
 
 async def json_body(request: web.Request) -> Json:
-    """The body as a JSON object within the configured size, depth and string bounds (see bodies.py)."""
-    config = gateway_of(request).config
-    return parse_json(await request.read(), max_bytes=config.max_json_bytes, max_string=config.max_string_length)
+    """The body as a JSON object within the configured size, depth and string bounds (see bodies.py). A body
+    above ``JSON_INLINE_BYTES`` is parsed on a worker thread, two at a time, so that one tenant's big bodies
+    leave the event loop to every other request (the answers are the same either way; see bodies.py for what
+    still holds the GIL)."""
+    gw = gateway_of(request)
+    raw = await request.read()
+    parse = functools.partial(
+        parse_json, raw, max_bytes=gw.config.max_json_bytes, max_string=gw.config.max_string_length
+    )
+    if len(raw) <= JSON_INLINE_BYTES or len(raw) > gw.config.max_json_bytes:
+        return parse()
+    async with gw.json_slots:
+        return await asyncio.to_thread(parse, yielding=True)
 
 
 def field_of(body: Json, name: str, kind: type[_T], *, required: bool = True) -> _T | None:

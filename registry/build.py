@@ -7,10 +7,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from opentinker.registry.data_dir import lock_data_dir
 from opentinker.registry.embedded_redis import EmbeddedRedis
 from opentinker.registry.limits import RegistryLimits
 from opentinker.registry.service import RegistryServicer
 from opentinker.registry.store import RegistryStore
+from opentinker.rpc.dir_lock import DirLock
 from opentinker.rpc.server import ServiceBinding
 from opentinker.v1 import registry_pb2, registry_pb2_grpc
 from opentinker.weights.artifact_store import ArtifactStore
@@ -22,6 +24,7 @@ class RegistryServer:
     store: RegistryStore
     embedded: EmbeddedRedis | None
     servicer: RegistryServicer
+    lock: DirLock | None = None  # the data dir's, while the embedded Redis may write there
 
     async def on_stop(self) -> None:
         """After the server stopped: stop the event reader, close the Redis connections, then the embedded Redis."""
@@ -31,9 +34,11 @@ class RegistryServer:
         self.stop_redis()
 
     def stop_redis(self) -> None:
-        """Stops the embedded Redis (if any); safe to call again, and when the server never started."""
+        """Stops the embedded Redis (if any), then frees the data dir; safe to call again."""
         if self.embedded is not None:
             self.embedded.stop()
+        if self.lock is not None:
+            self.lock.release()
 
 
 def build_registry(
@@ -44,8 +49,15 @@ def build_registry(
     limits: RegistryLimits | None = None,
 ) -> RegistryServer:
     embedded = None
+    lock = None
     if redis_url is None:
-        embedded = EmbeddedRedis(data_dir / "redis").start()
+        # Locked before Redis starts; Redis inherits the descriptor, so the lock lasts until it has exited too.
+        lock = lock_data_dir(data_dir)
+        try:
+            embedded = EmbeddedRedis(data_dir / "redis", keep_fds=(lock.fd,)).start()
+        except BaseException:
+            lock.release()
+            raise
         redis_url = embedded.url
     artifacts = ArtifactStore(store or data_dir / "artifacts")
     artifacts.cleanup_temp()
@@ -55,4 +67,4 @@ def build_registry(
         registry_pb2.DESCRIPTOR.services_by_name["RegistryService"].full_name,
         lambda server: registry_pb2_grpc.add_RegistryServiceServicer_to_server(servicer, server),
     )
-    return RegistryServer(binding, registry_store, embedded, servicer)
+    return RegistryServer(binding, registry_store, embedded, servicer, lock)

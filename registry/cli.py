@@ -20,9 +20,13 @@ def serve(
     redis_url: Annotated[
         str | None, typer.Option(help="Redis URL; default: a private embedded Redis under --data-dir.")
     ] = None,
-    data_dir: Annotated[Path, typer.Option(help="Embedded Redis data and default artifact store.")] = Path(
-        "registry-data"
-    ),
+    data_dir: Annotated[
+        Path | None,
+        typer.Option(
+            help="Embedded Redis data and default artifact store, locked while this registry runs (default: "
+            "$XDG_DATA_HOME/opentinker/registry, else ~/.local/share/opentinker/registry; `up`: WORKDIR/registry)."
+        ),
+    ] = None,
     store: Annotated[Path | None, typer.Option(help="Artifact store root (default DATA_DIR/artifacts).")] = None,
     events_maxlen: Annotated[int, typer.Option(help="Approximate number of events the stream keeps.")] = 100_000,
     max_watches_per_tenant: Annotated[
@@ -38,6 +42,12 @@ def serve(
     upload_grace_s: Annotated[
         float, typer.Option(min=0, help="Unpublished uploads older than this are collected (0: never).")
     ] = 3600.0,
+    max_calls_per_tenant: Annotated[
+        int,
+        typer.Option(
+            min=0, help="Calls one user tenant may have in flight at once (admins are not counted; 0: no limit)."
+        ),
+    ] = 64,
     host: opt.Host = "127.0.0.1",
     port: opt.Port = DEFAULT_PORT,
     metrics_port: opt.MetricsPort = 0,
@@ -53,8 +63,10 @@ def serve(
 ) -> None:
     """Run the registry gRPC server (embedded Redis unless --redis-url)."""
     from opentinker.registry.build import build_registry
+    from opentinker.registry.data_dir import default_data_dir
     from opentinker.registry.limits import RegistryLimits
     from opentinker.rpc.server import configure_logging, serve_forever
+    from opentinker.rpc.startup import check_ports
 
     configure_logging(log_level)
     limits = RegistryLimits(
@@ -66,9 +78,10 @@ def serve(
         tenant_storage_quota_bytes=tenant_storage_quota_mb << 20,
         upload_grace_s=upload_grace_s,
     )
-    server = build_registry(redis_url, data_dir, store, events_maxlen, limits)
     options = opt.server_options(host, port, metrics_port, tokens_file, insecure_public, tls_cert, tls_key, ready_file,
-                                 max_message_mb)  # fmt: skip
+                                 max_message_mb, max_calls_per_tenant)  # fmt: skip
+    check_ports(host, port, metrics_port)  # before the lock and Redis: a clash must not touch the data
+    server = build_registry(redis_url, data_dir or default_data_dir(), store, events_maxlen, limits)
     try:
         serve_forever("registry", [server.binding], options, on_stop=server.on_stop)
     finally:

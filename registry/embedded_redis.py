@@ -47,10 +47,13 @@ def _free_port() -> int:
 
 
 class EmbeddedRedis:
-    def __init__(self, data_dir: Path, *, port: int = 0, appendonly: bool = True) -> None:
+    def __init__(
+        self, data_dir: Path, *, port: int = 0, appendonly: bool = True, keep_fds: tuple[int, ...] = ()
+    ) -> None:
         self.data_dir = data_dir.resolve()  # redis chdirs into --dir before opening --logfile
         self.port = port
         self.appendonly = appendonly
+        self.keep_fds = keep_fds  # inherited by redis-server: the data dir's lock, held until it exits
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -73,6 +76,7 @@ class EmbeddedRedis:
                 args,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
+                pass_fds=self.keep_fds,
                 preexec_fn=die_with_parent,  # noqa: PLW1509 -- only prctl, async-signal-safe enough
             )
             self.port = port

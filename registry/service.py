@@ -138,7 +138,10 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
             raise InvalidArgument(f"request_id longer than {MAX_REQUEST_ID}", reason="INVALID_REQUEST_ID")
         check_lora_config(request.lora_config)
         adapter = await self.store.get_adapter(name)
-        if request.lineage.parent_version:
+        if request.lineage.parent_adapter and request.lineage.parent_adapter != name:
+            # A fork (init_from) of a version the caller could read; its source may be deleted later: not looked up.
+            require_access(check_adapter_name(request.lineage.parent_adapter))
+        elif request.lineage.parent_version:
             await self.store.get_version(name, request.lineage.parent_version)
         if not await self._may_publish(principal, digest):
             raise not_found(digest)  # the answer for a digest that does not exist: no existence oracle

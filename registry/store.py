@@ -303,7 +303,8 @@ class RegistryStore:
         version = await self.resolve(reference)
         chain = [version]
         while version.lineage.parent_version and (max_depth == 0 or len(chain) < max_depth):
-            version = await self.get_version(version.adapter, version.lineage.parent_version)
+            version = await self.get_version(version.lineage.parent_adapter or version.adapter,
+                                             version.lineage.parent_version)  # fmt: skip
             chain.append(version)
         return chain
 

@@ -53,6 +53,7 @@ def server_options(
     tls_key: Path | None,
     ready_file: Path | None,
     max_message_mb: int = 64,
+    max_calls_per_tenant: int = 0,
 ) -> ServerOptions:
     return ServerOptions(
         host=host,
@@ -64,4 +65,5 @@ def server_options(
         tls_key=tls_key,
         ready_file=ready_file,
         max_message_bytes=max_message_mb << 20,
+        max_calls_per_tenant=max_calls_per_tenant,
     )

@@ -5,8 +5,8 @@ Every flag `--some-flag` of `opentinker <server> serve` is also read from
 1. the environment: `OPENTINKER_<SERVER>_<SOME_FLAG>` (e.g. `OPENTINKER_SAMPLER_MAX_SLOTS=16`); a few older
    names stay accepted after it (`OPENTINKER_REGISTRY`, `OPENTINKER_REGISTRY_TOKEN`, ...);
 2. a TOML file (`--config FILE`, or `OPENTINKER_<SERVER>_CONFIG` / `OPENTINKER_CONFIG`): keys at the top level
-   are shared by all servers (a server takes those it has), keys in `[registry]`, `[trainer]`, `[sampler]`
-   apply to that server and win over shared ones; `[up]` is read by `opentinker up` only.
+   are shared by all servers (a server takes those it has), keys in `[registry]`, `[trainer]`, `[sampler]`,
+   `[gateway]` apply to that server and win over shared ones; `[up]` is read by `opentinker up` only.
 
 Precedence: command line > environment > config file > built-in default. Keys are flag names with `_` or
 `-`; an unknown section or key is an error, so a typo never goes unnoticed. `--print-config` prints the
@@ -28,7 +28,9 @@ from typer._click.core import Context as ClickContext  # typer's own click, whic
 from typer.core import TyperCommand, TyperOption
 
 ENV_PREFIX = "OPENTINKER"
-SERVER_SECTIONS = ("registry", "trainer", "sampler")
+SERVER_SECTIONS = ("registry", "trainer", "sampler")  # the gRPC servers `opentinker up` starts
+GATEWAY_SECTION = "gateway"  # `opentinker gateway serve` reads [gateway] (and the shared keys it has)
+CONFIG_SECTIONS = (*SERVER_SECTIONS, GATEWAY_SECTION)
 UP_SECTION = "up"
 UP_KEYS = frozenset({"workdir", "services"})
 # Top-level keys: flags that at least one server takes and that make sense to share (a test keeps this honest).
@@ -68,9 +70,9 @@ def read_config(path: Path) -> dict[str, Any]:
     for raw, value in data.items():
         key = _key(raw)
         if isinstance(value, dict):
-            if key not in (*SERVER_SECTIONS, UP_SECTION):
+            if key not in (*CONFIG_SECTIONS, UP_SECTION):
                 raise ConfigError(
-                    f"{path}: unknown section [{raw}]; sections are {', '.join(f'[{s}]' for s in SERVER_SECTIONS)}"
+                    f"{path}: unknown section [{raw}]; sections are {', '.join(f'[{s}]' for s in CONFIG_SECTIONS)}"
                     f" and [{UP_SECTION}]"
                 )
             config[key] = {_key(k): v for k, v in value.items()}
@@ -135,12 +137,16 @@ class ServeCommand(TyperCommand):
         if ctx.params.get("print_config"):
             print_config(ctx, self.configurable())
             return None
-        return super().invoke(ctx)
+        from opentinker.rpc.startup import startup_errors
+
+        # Every server's startup errors the same way: one line, exit 2 for configuration errors (startup.py).
+        with startup_errors(self.section, str(ctx.params.get("log_level") or "INFO")):
+            return super().invoke(ctx)
 
 
 def serve_command(section: str) -> type[ServeCommand]:
     """The command class for `opentinker <section> serve` (pass as `cls=` to `app.command`)."""
-    if section not in SERVER_SECTIONS:
+    if section not in CONFIG_SECTIONS:
         raise ValueError(f"unknown server section {section!r}")
     return type(f"{section.capitalize()}ServeCommand", (ServeCommand,), {"section": section})
 

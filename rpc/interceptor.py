@@ -20,7 +20,7 @@ from grpc import aio
 from prometheus_client import Counter, Histogram
 
 from opentinker.rpc.auth import LOCAL_PRINCIPAL, Principal, TokenTable, reset_principal, set_principal
-from opentinker.rpc.errors import Internal, InvalidArgument, ServiceError, Unauthenticated
+from opentinker.rpc.errors import Internal, InvalidArgument, ResourceExhausted, ServiceError, Unauthenticated
 
 log = logging.getLogger("opentinker.rpc")
 
@@ -63,9 +63,44 @@ def _authenticate(tokens: TokenTable | None, metadata: tuple[tuple[str, str | by
     return principal
 
 
+class TenantCalls:
+    """Calls each user tenant has in flight on this server, bounded per tenant: one tenant that opens hundreds
+    of calls (uploads it never finishes, slow listings) holds that many of the server's buffers and event-loop
+    turns; beyond the bound its next call is refused before its handler runs. Admins (the servers' own service
+    tokens, operators) and a server without tokens are not counted."""
+
+    def __init__(self, limit: int, flag: str) -> None:
+        self.limit = limit  # 0: no limit
+        self.flag = flag
+        self.open: dict[str, int] = {}
+
+    def enter(self, principal: Principal) -> str | None:
+        tenant = principal.tenant
+        if self.limit <= 0 or tenant is None or principal.is_admin:
+            return None
+        held = self.open.get(tenant, 0)
+        if held >= self.limit:
+            raise ResourceExhausted(
+                f"tenant {tenant!r} has {held} calls in flight on this server, its limit ({self.flag} "
+                f"{self.limit}): wait for some to finish", reason="TOO_MANY_REQUESTS", tenant=tenant,
+            )  # fmt: skip
+        self.open[tenant] = held + 1
+        return tenant
+
+    def leave(self, tenant: str | None) -> None:
+        if tenant is None:
+            return
+        held = self.open[tenant] - 1
+        if held:
+            self.open[tenant] = held
+        else:
+            del self.open[tenant]
+
+
 class ServiceInterceptor(aio.ServerInterceptor):
-    def __init__(self, tokens: TokenTable | None) -> None:
+    def __init__(self, tokens: TokenTable | None, calls: TenantCalls | None = None) -> None:
         self._tokens = tokens
+        self._calls = calls or TenantCalls(0, "")
 
     async def intercept_service(
         self,
@@ -81,7 +116,7 @@ class ServiceInterceptor(aio.ServerInterceptor):
             principal: Principal | ServiceError = _authenticate(self._tokens, metadata)
         except ServiceError as error:
             principal = error
-        return _wrap(handler, method, principal)
+        return _wrap(handler, method, principal, self._calls)
 
 
 def _record(method: str, started: float, code: grpc.StatusCode) -> None:
@@ -90,14 +125,18 @@ def _record(method: str, started: float, code: grpc.StatusCode) -> None:
 
 
 @contextlib.asynccontextmanager
-async def _rpc_scope(method: str, principal: Principal | ServiceError, context: _Context) -> AsyncIterator[None]:
+async def _rpc_scope(
+    method: str, principal: Principal | ServiceError, context: _Context, calls: TenantCalls
+) -> AsyncIterator[None]:
     """Run one RPC's handler as `principal`, map what it raises to a status, record metrics."""
     started = time.perf_counter()
     code = grpc.StatusCode.OK
     token = None
+    counted: str | None = None
     try:
         if isinstance(principal, ServiceError):
             raise principal
+        counted = calls.enter(principal)
         token = set_principal(principal)
         yield
     except aio.AbortError:
@@ -117,12 +156,17 @@ async def _rpc_scope(method: str, principal: Principal | ServiceError, context: 
         code = grpc.StatusCode.CANCELLED
         raise
     finally:
+        calls.leave(counted)
         if token is not None:
-            reset_principal(token)
+            # A stream whose client left mid-stream is dropped by gRPC at a `yield`, and closed later by
+            # asyncio's async-generator finalizer in another context: the principal was set in the RPC's own
+            # context, which ended with its task, so there is nothing to reset (and reset() would raise).
+            with contextlib.suppress(ValueError):
+                reset_principal(token)
         _record(method, started, code)
 
 
-def _wrap(handler: Handler, method: str, principal: Principal | ServiceError) -> Handler:
+def _wrap(handler: Handler, method: str, principal: Principal | ServiceError, calls: TenantCalls) -> Handler:
     if handler.request_streaming and handler.response_streaming:
         raise NotImplementedError("bidirectional streaming RPCs are not used by OpenTinker")
 
@@ -131,16 +175,22 @@ def _wrap(handler: Handler, method: str, principal: Principal | ServiceError) ->
         stream_behavior: Any = handler.unary_stream
 
         async def streaming(request: Any, context: _Context) -> AsyncIterator[Any]:
-            async with _rpc_scope(method, principal, context):
-                async for response in stream_behavior(_decoded(request), context):
-                    yield response
+            responses = None
+            try:
+                async with _rpc_scope(method, principal, context, calls):
+                    responses = stream_behavior(_decoded(request), context)
+                    async for response in responses:
+                        yield response
+            finally:
+                if responses is not None and hasattr(responses, "aclose"):
+                    await responses.aclose()  # the handler's own cleanup (a watch slot) now, not at collection
 
         return grpc.unary_stream_rpc_method_handler(streaming, deserializer, handler.response_serializer)
 
     unary_behavior: Any = handler.stream_unary if handler.request_streaming else handler.unary_unary
 
     async def unary(request: Any, context: _Context) -> Any:
-        async with _rpc_scope(method, principal, context):
+        async with _rpc_scope(method, principal, context, calls):
             if handler.request_streaming:
                 return await unary_behavior(_decoded_stream(request), context)
             return await unary_behavior(_decoded(request), context)

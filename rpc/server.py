@@ -26,7 +26,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from opentinker.rpc.auth import TokenTable
-from opentinker.rpc.interceptor import ServiceInterceptor
+from opentinker.rpc.interceptor import ServiceInterceptor, TenantCalls
 
 log = logging.getLogger("opentinker.rpc")
 
@@ -50,6 +50,8 @@ class ServerOptions:
     ready_file: Path | None = None
     # gRPC max send/receive message length (--max-message-mb).
     max_message_bytes: int = MAX_MESSAGE_BYTES
+    # Calls one user tenant may have in flight (--max-calls-per-tenant; 0: no limit; interceptor.TenantCalls).
+    max_calls_per_tenant: int = 0
 
 
 @dataclass(slots=True)
@@ -107,7 +109,7 @@ async def start_server(component: str, bindings: Sequence[ServiceBinding], optio
     tokens = TokenTable.load(options.tokens_file)
     _check_exposure(options, tokens)
     server = aio.server(
-        interceptors=[ServiceInterceptor(tokens)],
+        interceptors=[ServiceInterceptor(tokens, TenantCalls(options.max_calls_per_tenant, "--max-calls-per-tenant"))],
         options=[
             ("grpc.max_receive_message_length", options.max_message_bytes),
             ("grpc.max_send_message_length", options.max_message_bytes),

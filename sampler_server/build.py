@@ -46,6 +46,7 @@ class SamplerConfig:
     server: ServerOptions
     registry_token: str | None = None
     registry_ca: Path | None = None
+    revision: str | None = None  # of a hub id: the cached snapshot to use (None: main)
     device: str = "auto"  # auto, cpu or cuda
     dtype: Dtype = "float32"
     max_slots: int = 32
@@ -54,6 +55,8 @@ class SamplerConfig:
     max_batch_tokens: int = 4096
     max_len: int = 0  # 0: the model's, capped at 4096
     max_waiting: int = 256
+    max_seqs_per_tenant: int | None = None  # None: default_tenant_slots(max_seqs); 0: no limit
+    max_queued_per_tenant: int = 256  # 0: no limit
     max_prompt_bytes: int = 0  # 0: PROMPT_BYTES_PER_TOKEN per token of the context
     burst_wait_ms: float = 2.0
     kernel: Backend = "auto"
@@ -100,7 +103,7 @@ def build_sampler(config: SamplerConfig) -> BuiltSampler:
     from opentinker.sampler_server.model.kv_cache import KVCache
     from opentinker.sampler_server.model.llama import LlamaForCausalLM
     from opentinker.sampler_server.model.weights import linear_shapes
-    from opentinker.sampler_server.scheduler import Scheduler
+    from opentinker.sampler_server.scheduler import Scheduler, default_tenant_slots
     from opentinker.sampler_server.service import SamplerServicer
     from opentinker.sampler_server.slot_pool import SlotPool
     from opentinker.v1 import common_pb2, registry_pb2_grpc, sampler_pb2, sampler_pb2_grpc
@@ -111,12 +114,13 @@ def build_sampler(config: SamplerConfig) -> BuiltSampler:
     c = config
     model, registry, registry_token, registry_ca = c.model, c.registry, c.registry_token, c.registry_ca
     max_seqs, max_batch_tokens = c.max_seqs, c.max_batch_tokens
+    per_tenant = default_tenant_slots(max_seqs) if c.max_seqs_per_tenant is None else c.max_seqs_per_tenant
     torch_device = torch.device(pick_device(c.device))
     torch_dtype = torch.float32 if c.dtype == "float32" else torch.bfloat16
     lora_kernel = resolve_kernel(c.kernel, torch_device.type)  # the engine runs it, GetSamplerInfo reports it
-    model_dir = resolve_model_dir(model)
+    model_dir = resolve_model_dir(model, c.revision)
     model_config = load_config(model_dir)
-    context = c.max_len or min(model_config.max_position_embeddings, 4096)
+    context = c.max_len or min(model_config.context_length, 4096)
     shapes = linear_shapes(model_config)
     if c.engine_process and torch_device.type != "cpu":
         raise BadOption("the engine process shares its adapter slots in CPU memory; on CUDA the engine "
@@ -132,10 +136,10 @@ def build_sampler(config: SamplerConfig) -> BuiltSampler:
         if torch_device.type == "cpu" and torch_dtype == torch.float32:
             log.info("base matmuls: %s", "oneDNN packed weights" if packed else "torch dense weights")
         cache = KVCache(model_config, max_seqs + 1, context, torch_device, torch_dtype)  # + one for ComputeLogprobs
-        return Engine(runner, cache, pool.tensors, Scheduler(max_seqs=max_seqs, max_batch_tokens=max_batch_tokens),
-                      release=release, max_len=context, eos_token_ids=model_config.eos_token_ids,
-                      tokenizer=tokenizer, kernel=lora_kernel, score_slot=max_seqs,
-                      burst_wait=c.burst_wait_ms / 1000, on_iteration=on_iteration)  # fmt: skip
+        scheduler = Scheduler(max_seqs=max_seqs, max_batch_tokens=max_batch_tokens, max_seqs_per_tenant=per_tenant)
+        return Engine(runner, cache, pool.tensors, scheduler, release=release, max_len=context,
+                      eos_token_ids=model_config.eos_token_ids, tokenizer=tokenizer, kernel=lora_kernel,
+                      score_slot=max_seqs, burst_wait=c.burst_wait_ms / 1000, on_iteration=on_iteration)  # fmt: skip
 
     engine: EngineAPI
     if not in_process:
@@ -169,7 +173,7 @@ def build_sampler(config: SamplerConfig) -> BuiltSampler:
         state["follower"] = follower
         follower.start()
         servicer = SamplerServicer(engine, loader, info=info, tokenizer=tokenizer, max_waiting=c.max_waiting,
-                                   follower=follower,
+                                   follower=follower, max_queued_per_tenant=c.max_queued_per_tenant,
                                    max_prompt_bytes=c.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * context)  # fmt: skip
         sampler_pb2_grpc.add_SamplerServiceServicer_to_server(servicer, server)
         if isinstance(engine, EngineProcess):

@@ -24,6 +24,9 @@ def serve(
         str | None, typer.Option(envvar="OPENTINKER_REGISTRY_TOKEN", help="Token the sampler uses with the registry.")
     ] = None,
     device: Annotated[str, typer.Option(help="auto (CUDA when present), cpu or cuda.")] = "auto",
+    revision: Annotated[
+        str | None, typer.Option(help="Of a hub id --model: the cached commit, branch or tag (as `hf download`).")
+    ] = None,
     dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "float32",
     max_slots: Annotated[int, typer.Option(help="Adapter versions resident at once.")] = 32,
     max_rank: Annotated[int, typer.Option(help="Largest LoRA rank served (smaller ranks are zero-padded).")] = 64,
@@ -31,6 +34,22 @@ def serve(
     max_batch_tokens: Annotated[int, typer.Option(help="Prompt tokens per prefill step.")] = 4096,
     max_len: Annotated[int, typer.Option(help="Context per sequence (0: the model's, capped at 4096).")] = 0,
     max_waiting: Annotated[int, typer.Option(help="Queued sequences before RESOURCE_EXHAUSTED.")] = 256,
+    max_seqs_per_tenant: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            help="KV slots (sequences in the batch) one tenant may hold at once, so that others always find one "
+            "soon. Default: 3/4 of --max-seqs (at least 1); 0: no limit.",
+        ),
+    ] = None,
+    max_queued_per_tenant: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Samples one user tenant may have waiting (not started) before RESOURCE_EXHAUSTED "
+            "TENANT_QUEUE_FULL; admins are bounded by --max-waiting only. 0: no limit.",
+        ),
+    ] = 256,
     max_prompt_bytes: Annotated[
         int,
         typer.Option(
@@ -92,6 +111,7 @@ def serve(
     # overhead +30 -> +16 ms at 0.5 ms, wall unchanged).
     sys.setswitchinterval(0.0005)
     from opentinker.rpc.server import configure_logging, exit_if_unsafe
+    from opentinker.rpc.startup import check_model, check_ports
     from opentinker.sampler_server.build import BadOption, CpuGemm, Dtype, SamplerConfig, serve_sampler
     from opentinker.sampler_server.kernels import Backend
 
@@ -99,19 +119,25 @@ def serve(
     # Refuse an unsafe exposure before loading the model, not after.
     exposure = opt.server_options(host, port, metrics_port, tokens_file, insecure_public, tls_cert, tls_key, ready_file)
     exit_if_unsafe("sampler", exposure)
+    check_ports(host, port, metrics_port)  # a busy port or a missing model: found before the model loads
+    check_model(model, revision)
     if dtype not in ("float32", "bfloat16"):
         raise typer.BadParameter("dtype must be float32 or bfloat16", param_hint="--dtype")
     if cpu_gemm not in ("onednn", "torch"):
         raise typer.BadParameter("cpu-gemm must be onednn or torch", param_hint="--cpu-gemm")
     if kernel not in ("auto", "segments", "reference", "triton"):
         raise typer.BadParameter("kernel must be auto, segments, reference or triton", param_hint="--kernel")
+    if max_seqs_per_tenant is not None and max_seqs_per_tenant > max_seqs:
+        raise typer.BadParameter(f"{max_seqs_per_tenant} is more than --max-seqs ({max_seqs}); 0 means no limit",
+                                 param_hint="--max-seqs-per-tenant")  # fmt: skip
     options = opt.server_options(host, port, metrics_port, tokens_file, insecure_public, tls_cert, tls_key, ready_file,
                                  max_message_mb)  # fmt: skip
     config = SamplerConfig(
-        model=model, registry=registry, store=store, server=options, registry_token=registry_token,
+        model=model, revision=revision, registry=registry, store=store, server=options, registry_token=registry_token,
         registry_ca=registry_ca, device=device, dtype=cast("Dtype", dtype), max_slots=max_slots,
         max_rank=max_rank, max_seqs=max_seqs, max_batch_tokens=max_batch_tokens, max_len=max_len,
-        max_waiting=max_waiting, max_prompt_bytes=max_prompt_bytes, burst_wait_ms=burst_wait_ms,
+        max_waiting=max_waiting, max_seqs_per_tenant=max_seqs_per_tenant,
+        max_queued_per_tenant=max_queued_per_tenant, max_prompt_bytes=max_prompt_bytes, burst_wait_ms=burst_wait_ms,
         kernel=cast("Backend", kernel), cpu_gemm=cast("CpuGemm", cpu_gemm), engine_process=engine_process,
         follow=tuple(follow or ()), follow_window=follow_window,
     )  # fmt: skip

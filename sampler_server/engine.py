@@ -153,7 +153,7 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting) + self._inbox.qsize()
+        return self.scheduler.num_waiting + self._inbox.qsize()
 
     @property
     def num_running(self) -> int:

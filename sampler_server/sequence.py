@@ -44,6 +44,7 @@ class Sequence:
     prompt: list[int]
     params: SamplingParams
     lora_slot: int  # 0 = base model
+    tenant: str = ""  # whose batch share it uses (the scheduler's fairness key; see tenant_stats.batch_tenant)
     want_prompt_logprobs: bool = False
     status: Status = Status.WAITING
     kv_slot: int = -1

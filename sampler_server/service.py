@@ -22,7 +22,7 @@ from opentinker.sampler_server.engine import NON_FINITE_OUTPUT, SequenceUpdate
 from opentinker.sampler_server.engine_api import EngineAPI
 from opentinker.sampler_server.follower import AliasFollower
 from opentinker.sampler_server.sequence import SamplingParams, Sequence
-from opentinker.sampler_server.tenant_stats import TenantStats
+from opentinker.sampler_server.tenant_stats import TenantActivity, TenantStats, batch_tenant
 from opentinker.v1 import common_pb2, sampler_pb2, sampler_pb2_grpc
 
 Context = Any  # grpc.aio.ServicerContext; untyped in the generated stubs
@@ -122,6 +122,7 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
         max_waiting: int,
         follower: AliasFollower | None = None,
         max_prompt_bytes: int = 65536,
+        max_queued_per_tenant: int = 0,
     ) -> None:
         self.engine = engine
         self.pool = loader.pool  # the slot books: which version is in which slot, pins, references
@@ -131,6 +132,7 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
         self.max_waiting = max_waiting
         self.follower = follower
         self.max_prompt_bytes = max_prompt_bytes
+        self.max_queued_per_tenant = max_queued_per_tenant  # 0: no per-tenant bound, only max_waiting
         self.tenants = TenantStats()  # each tenant's own GetStats figures
         # Tokenizing runs here, off the event loop, one prompt at a time (a fast tokenizer is not safe to share
         # between threads): a long prompt_text delays no other tenant's stream, only other text prompts.
@@ -190,22 +192,29 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
                                   field="num_samples")  # fmt: skip
         if self.engine.num_waiting + count > self.max_waiting:
             raise ResourceExhausted(f"the waiting queue is full ({self.max_waiting} sequences)", reason="QUEUE_FULL")
-        resolved = await self.loader.resolve(request.model or "base")
-        slot = await self.loader.acquire(resolved, count)  # refs released by the engine as sequences end
-        request_id = f"{request.request_id or 'req'}-{uuid.uuid4().hex[:12]}"
-        sequences = [self._sequence(request_id, i, prompt, params, slot, request.prompt_logprobs) for i in range(count)]
-        updates: asyncio.Queue[SequenceUpdate] = asyncio.Queue()
-        loop = asyncio.get_running_loop()
-        if self._mailbox is None or self._mailbox.loop is not loop:
-            self._mailbox = Mailbox(loop)
-        activity = self.tenants.of(current_principal().tenant or "")
-        self.engine.submit(sequences, functools.partial(self._mailbox.post, updates))
+        principal = current_principal()
+        activity = self.tenants.of(principal.tenant or "")
+        self._check_tenant_queue(principal, activity, count)
+        # Counted as waiting from here on, before the awaits below: concurrent requests of the tenant see them.
         activity.waiting += count
         remaining = count
-        first = [True] * count
         started: set[int] = set()
         done: set[int] = set()
+        submitted = ""  # the request id, once its sequences are in the engine
         try:
+            resolved = await self.loader.resolve(request.model or "base")
+            slot = await self.loader.acquire(resolved, count)  # refs released by the engine as sequences end
+            request_id = f"{request.request_id or 'req'}-{uuid.uuid4().hex[:12]}"
+            tenant = batch_tenant(principal, request.model)
+            sequences = [self._sequence(request_id, i, prompt, params, slot, request.prompt_logprobs, tenant)
+                         for i in range(count)]  # fmt: skip
+            updates: asyncio.Queue[SequenceUpdate] = asyncio.Queue()
+            loop = asyncio.get_running_loop()
+            if self._mailbox is None or self._mailbox.loop is not loop:
+                self._mailbox = Mailbox(loop)
+            self.engine.submit(sequences, functools.partial(self._mailbox.post, updates))
+            submitted = request_id
+            first = [True] * count
             while remaining:
                 pending = [await updates.get()]
                 while not updates.empty():  # the client read slower than we generate: one message per sample
@@ -226,8 +235,20 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
         finally:
             activity.running -= len(started - done)
             activity.waiting -= count - len(started)
-            if remaining:  # the client went away or the server is stopping: free the sequences now
-                self.engine.abort(request_id)
+            if remaining and submitted:  # the client went away or the server is stopping: free the sequences now
+                self.engine.abort(submitted)
+
+    def _check_tenant_queue(self, principal: Principal, activity: TenantActivity, count: int) -> None:
+        """A user tenant's samples not yet started stay within --max-queued-per-tenant; admins (and callers of a
+        sampler without tokens) are bounded by --max-waiting alone."""
+        limit = self.max_queued_per_tenant
+        if not limit or principal.tenant is None or principal.is_admin or activity.waiting + count <= limit:
+            return
+        raise ResourceExhausted(
+            f"tenant {principal.tenant!r} already has {activity.waiting} samples waiting on this sampler; "
+            f"{count} more would exceed its {limit} (--max-queued-per-tenant): retry when some have started",
+            reason="TENANT_QUEUE_FULL", tenant=principal.tenant, waiting=activity.waiting, limit=limit,
+        )  # fmt: skip
 
     @staticmethod
     def _response(
@@ -249,14 +270,21 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
         return message
 
     def _sequence(
-        self, request_id: str, index: int, prompt: list[int], params: SamplingParams, slot: int, prompt_logprobs: bool
+        self,
+        request_id: str,
+        index: int,
+        prompt: list[int],
+        params: SamplingParams,
+        slot: int,
+        prompt_logprobs: bool,
+        tenant: str,
     ) -> Sequence:
         seed = None
         if not params.greedy:
             seed = int.from_bytes(os.urandom(7), "little") if params.seed is None else (params.seed + index) % 2**64
         return Sequence(
             seq_id=next(self._seq_ids), request_id=request_id, sample_index=index, prompt=list(prompt), params=params,
-            lora_slot=slot, want_prompt_logprobs=prompt_logprobs, seed=seed,
+            lora_slot=slot, tenant=tenant, want_prompt_logprobs=prompt_logprobs, seed=seed,
         )  # fmt: skip
 
     async def ComputeLogprobs(self, request: sampler_pb2.ComputeLogprobsRequest, context: Context) -> Any:

@@ -1,10 +1,13 @@
 """What each tenant's own requests did on this sampler, for GetStats: a tenant's caller sees its own figures,
-an admin (or a sampler without tokens) the sampler's. Updated on the event loop only (the Sample handler)."""
+an admin (or a sampler without tokens) the sampler's. Updated on the event loop only (the Sample handler).
+Also whose share of the batch a request uses (`batch_tenant`)."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+
+from opentinker.rpc.auth import Principal
 
 RATE_WINDOW = 5.0  # seconds of recent tokens that decode_tokens_per_second averages over
 
@@ -16,6 +19,16 @@ def tokens_per_second(recent: list[tuple[float, int]], window: float = RATE_WIND
     if len(points) < 2:
         return 0.0
     return sum(n for _, n in points[1:]) / max(points[-1][0] - points[0][0], 1e-9)
+
+
+def batch_tenant(principal: Principal, model: str) -> str:
+    """The tenant whose share of the batch a Sample uses: a user's own tenant; for an admin (or any caller of a
+    sampler without tokens) the tenant that owns the adapter, its name's first segment ("team-a/x@3" ->
+    "team-a"), so an operator's run on team-a's adapter competes as team-a's; the base model: ""."""
+    if principal.tenant is not None and not principal.is_admin:
+        return principal.tenant
+    owner, slash, _ = model.partition("/")
+    return owner if slash else ""
 
 
 _RECENT = 256  # (time, tokens) points kept per tenant

@@ -52,11 +52,16 @@ def publish(
     parent: int = 0,
     aliases: tuple[str, ...] = (),
     metadata: list[tuple[str, str]] | None = None,
+    lineage: registry_pb2.Lineage | None = None,
     **fields: Any,
 ) -> registry_pb2.PublishVersionResponse:
+    """lineage: more lineage fields (metrics, batches); parent and step are set from `parent`."""
     files = artifact_files(seed if seed is not None else int.from_bytes(os.urandom(4), "little"))
     uri = upload(stub, files, metadata=metadata)
+    extra = lineage
     lineage = registry_pb2.Lineage(parent_version=parent, trainer_step=parent + 1)
+    if extra is not None:
+        lineage.MergeFrom(extra)
     request = registry_pb2.PublishVersionRequest(
         adapter=name, artifact_uri=uri, lineage=lineage, aliases=list(aliases), **fields
     )

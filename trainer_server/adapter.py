@@ -75,6 +75,8 @@ class AdapterState:
     step: int = 0
     ledger: Ledger = field(default_factory=Ledger)
     last_snapshot_version: int = 0
+    # Adapter of last_snapshot_version when the weights came from another adapter's version (init_from, reset).
+    parent_adapter: str = ""
     create_time: float = field(default_factory=time.time)
     resident: bool = True
     # Offloaded weights, gradients and AdamW moments while not resident on a GPU (None: on disk or resident).

@@ -71,12 +71,14 @@ class ModuleShape:
 class BaseModel:
     """HF causal LM, frozen, with LoraLinear hooks; compute happens on one thread at a time."""
 
-    def __init__(self, model_path: str, *, device: str = "cpu", dtype: str = "float32") -> None:
+    def __init__(
+        self, model_path: str, *, device: str = "cpu", dtype: str = "float32", revision: str | None = None
+    ) -> None:
         from transformers import AutoModelForCausalLM
 
         # The same config checks as the sampler's: a model one process refuses, the other refuses too.
-        model_dir = resolve_model_dir(model_path)
-        load_config(model_dir)
+        model_dir = resolve_model_dir(model_path, revision)
+        self.shape = load_config(model_dir)  # eos/bos/pad ids as every process reads them (lists included)
         torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
         self.model_path = model_path
         self.device = torch.device(device)
@@ -89,7 +91,7 @@ class BaseModel:
         config = self.model.config  # the one transformers read while loading the weights
         self.config = config
         self.vocab_size = int(config.vocab_size)
-        self.max_positions = int(config.max_position_embeddings)
+        self.max_positions = self.shape.context_length
         self.hooks: dict[str, LoraLinear] = {}
         self._inject()
         self.model_dir = model_dir

@@ -25,6 +25,7 @@ class TrainerConfig:
     server: ServerOptions
     registry_token: str | None = None
     registry_ca: Path | None = None
+    revision: str | None = None  # of a hub id: the cached snapshot to use (None: main)
     device: str = "auto"  # auto, cpu or cuda
     dtype: Literal["float32", "bfloat16"] = "float32"
     max_resident_adapters: int = 0  # 0: no limit
@@ -35,6 +36,8 @@ class TrainerConfig:
     micro_batch_positions: int = 1 << 12  # a bigger request runs in parts (micro_batch.py)
     max_tenant_memory_mb: int = 16384  # LoRA weights + gradients + moments per tenant; 0: no limit (quota.py)
     max_queued_per_tenant: int = 64  # compute jobs per tenant queued or running; 0: no limit (admission.py)
+    max_serving_rank: int = 64  # the samplers' --max-rank (start_point.py); 0: no check
+    persist_state: bool = False  # a full state with every snapshot, for an exact resume after a restart
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +71,7 @@ def build_trainer(config: TrainerConfig) -> BuiltTrainer:
     artifacts = ArtifactStore(store, fault_hook=faults.configure())  # no hook unless a test arms one
     artifacts.cleanup_temp()
     with spinner(f"loading {model}"):
-        base = BaseModel(model, device=pick_device(c.device), dtype=c.dtype)
+        base = BaseModel(model, device=pick_device(c.device), dtype=c.dtype, revision=c.revision)
     trainer = Trainer(base, artifacts, max_resident=c.max_resident_adapters,
                       spill_dir=c.spill_dir or store.parent / "trainer-spill")  # fmt: skip
     scheduler = AdapterScheduler()
@@ -87,7 +90,8 @@ def build_trainer(config: TrainerConfig) -> BuiltTrainer:
                                    max_adapters_per_tenant=c.max_adapters_per_tenant,
                                    micro_batch_positions=c.micro_batch_positions,
                                    max_tenant_memory_mb=c.max_tenant_memory_mb,
-                                   max_queued_per_tenant=c.max_queued_per_tenant)  # fmt: skip
+                                   max_queued_per_tenant=c.max_queued_per_tenant,
+                                   max_serving_rank=c.max_serving_rank, persist_state=c.persist_state)  # fmt: skip
         trainer_pb2_grpc.add_TrainerServiceServicer_to_server(servicer, server)
 
     async def on_stop() -> None:

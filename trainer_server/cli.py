@@ -24,6 +24,9 @@ def serve(
         typer.Option(envvar="OPENTINKER_REGISTRY_TOKEN", help="Token the trainer uses with the registry."),
     ] = None,
     device: Annotated[str, typer.Option(help="auto (CUDA when present), cpu or cuda.")] = "auto",
+    revision: Annotated[
+        str | None, typer.Option(help="Of a hub id --model: the cached commit, branch or tag (as `hf download`).")
+    ] = None,
     dtype: Annotated[str, typer.Option(help="Base weights dtype: float32 or bfloat16.")] = "float32",
     max_resident_adapters: Annotated[
         int, typer.Option(help="Adapters kept on the device; idle ones move off LRU (0: no limit).")
@@ -60,6 +63,20 @@ def serve(
             "compute thread; more are refused before their payload is converted (admins are not counted; 0: no limit)."
         ),
     ] = 64,
+    max_serving_rank: Annotated[
+        int,
+        typer.Option(
+            help="Largest LoRA rank CreateAdapter accepts: set it to the samplers' --max-rank, which could not serve "
+            "a larger one (0: no check)."
+        ),
+    ] = 64,
+    persist_state: Annotated[
+        bool,
+        typer.Option(
+            help="Save each adapter's full state (weights, optimizer, step, RNG, ledger) with every snapshot, so "
+            "attaching after a trainer restart resumes it exactly."
+        ),
+    ] = False,
     registry_ca: opt.RegistryCa = None,
     host: opt.Host = "127.0.0.1",
     port: opt.Port = DEFAULT_PORT,
@@ -79,12 +96,15 @@ def serve(
 
     limit_malloc_arenas()  # first, before torch and gRPC start their threads: freed adapters can be trimmed
     from opentinker.rpc.server import configure_logging, exit_if_unsafe
+    from opentinker.rpc.startup import check_model, check_ports
     from opentinker.trainer_server.build import TrainerConfig, serve_trainer
 
     configure_logging(log_level)
     # Refuse an unsafe exposure before loading the model, not after.
     exposure = opt.server_options(host, port, metrics_port, tokens_file, insecure_public, tls_cert, tls_key, ready_file)
     exit_if_unsafe("trainer", exposure)
+    check_ports(host, port, metrics_port)  # a busy port or a missing model: found before the model loads
+    check_model(model, revision)
     if dtype not in ("float32", "bfloat16"):
         raise typer.BadParameter("dtype must be float32 or bfloat16", param_hint="--dtype")
     if max_adapters_per_tenant < 0:
@@ -97,14 +117,16 @@ def serve(
         raise typer.BadParameter("must be at least 1", param_hint="--micro-batch-positions")
     if max_batch_positions < 1:
         raise typer.BadParameter("must be at least 1", param_hint="--max-batch-positions")
+    if max_serving_rank < 0:
+        raise typer.BadParameter("must be at least 0 (0: no check)", param_hint="--max-serving-rank")
     options = opt.server_options(host, port, metrics_port, tokens_file, insecure_public, tls_cert, tls_key, ready_file,
                                  max_message_mb)  # fmt: skip
     config = TrainerConfig(
-        model=model, registry=registry, store=store, server=options, registry_token=registry_token,
+        model=model, revision=revision, registry=registry, store=store, server=options, registry_token=registry_token,
         registry_ca=registry_ca, device=device, dtype="float32" if dtype == "float32" else "bfloat16",
         max_resident_adapters=max_resident_adapters, spill_dir=spill_dir, max_batch_tokens=max_batch_tokens,
         max_batch_positions=max_batch_positions, max_adapters_per_tenant=max_adapters_per_tenant,
         micro_batch_positions=micro_batch_positions, max_tenant_memory_mb=max_tenant_memory_mb,
-        max_queued_per_tenant=max_queued_per_tenant,
+        max_queued_per_tenant=max_queued_per_tenant, max_serving_rank=max_serving_rank, persist_state=persist_state,
     )  # fmt: skip
     serve_trainer(config)

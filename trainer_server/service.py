@@ -10,6 +10,7 @@ from typing import Any
 from opentinker.rpc.auth import Principal, current_principal, require_access
 from opentinker.rpc.errors import (
     AlreadyExists,
+    DataLoss,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
@@ -30,6 +31,13 @@ from opentinker.trainer_server.quota import (
     lora_parameters,
 )
 from opentinker.trainer_server.scheduler import AdapterScheduler
+from opentinker.trainer_server.start_point import (
+    DEFAULT_MAX_SERVING_RANK,
+    StartPlan,
+    check_serving_rank,
+    check_start,
+    started_from,
+)
 from opentinker.trainer_server.trainer import GradientMark, StepOutput, Trainer, check_adam, check_lora
 from opentinker.v1 import common_pb2, registry_pb2, registry_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 from opentinker.weights.names import check_adapter_name, parse_reference
@@ -42,10 +50,16 @@ def adapter_message(state: AdapterState) -> trainer_pb2.TrainingAdapter:
         name=state.name, lora_config=state.lora, adam_params=state.adam, seed=state.seed, step=state.step,
         tokens_trained=state.ledger.tokens_trained, datums_trained=state.ledger.datums_trained,
         pending_batches=len(state.ledger.pending), last_snapshot_version=state.last_snapshot_version,
-        num_parameters=state.num_parameters, resident=state.resident,
+        num_parameters=state.num_parameters, resident=state.resident, parent_adapter=state.parent_adapter,
     )  # fmt: skip
     message.create_time.FromSeconds(int(state.create_time))
     return message
+
+
+def _follow(state: AdapterState, version: registry_pb2.Version) -> None:
+    """The adapter's weights are now `version`'s: its next snapshot's parent."""
+    state.last_snapshot_version = version.version
+    state.parent_adapter = "" if version.adapter == state.name else version.adapter
 
 
 def _outputs(result: StepOutput) -> list[trainer_pb2.LossFnOutput]:
@@ -73,6 +87,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         micro_batch_positions: int = DEFAULT_MICRO_BATCH_POSITIONS,
         max_tenant_memory_mb: int = DEFAULT_MAX_TENANT_MEMORY_MB,
         max_queued_per_tenant: int = DEFAULT_MAX_QUEUED_PER_TENANT,
+        max_serving_rank: int = DEFAULT_MAX_SERVING_RANK,
+        persist_state: bool = False,
     ) -> None:
         self.trainer = trainer
         self.scheduler = scheduler
@@ -83,6 +99,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         self.quota = TenantQuota(max_adapters_per_tenant, max_tenant_memory_mb)
         self.admission = QueueAdmission(max_queued_per_tenant)
         self.micro_batch_positions = micro_batch_positions
+        self.max_serving_rank = max_serving_rank
+        self.persist_state = persist_state  # a full state with every snapshot (lineage.state_id)
 
     def _known(self, name: str) -> str:
         check_adapter_name(name)
@@ -103,12 +121,18 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         name = check_adapter_name(request.name)
         principal = require_access(name)
         check_lora(request.lora_config)
+        check_serving_rank(request.lora_config.rank, self.max_serving_rank)
+        check_start(request)
         targets = self.trainer.base.resolve_targets(list(request.lora_config.target_modules))
         adam = request.adam_params if request.HasField("adam_params") else None
         if adam is not None:
             check_adam(adam)
         if name in self.trainer.adapters:
-            raise AlreadyExists(f"adapter {name!r} already exists in this trainer", reason="ADAPTER_EXISTS")
+            raise AlreadyExists(
+                f"adapter {name!r} already exists in this trainer: continue it (training_client), or drop it first "
+                f"(`opentinker trainer delete {name}`)",
+                reason="ADAPTER_EXISTS",
+            )
         shapes = self.trainer.base.module_shapes()  # weighed before anything is allocated
         num_parameters = lora_parameters(request.lora_config.rank, [shapes[t] for t in targets])
         with self.quota.reserve(principal, name, self.trainer.adapters, num_parameters):
@@ -122,13 +146,14 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         adam: common_pb2.AdamParams | None,
     ) -> trainer_pb2.TrainerServiceCreateAdapterResponse:
         base_digest = self.trainer.base.digest
-        init_version = await self._resolve_init(request.init_from) if request.init_from else None
+        plan = StartPlan()
         # Before the registry record exists: a snapshot or state that does not fit creates nothing.
-        if init_version is not None:
-            await fetch_artifact(self.registry, self.trainer.artifacts, init_version.artifact_uri, self.metadata)
-            await asyncio.to_thread(self.trainer.check_snapshot, init_version.artifact_uri, request.lora_config)
+        if request.init_from:
+            plan = StartPlan(snapshot=await self._fitting_version(request.init_from, request.lora_config),
+                             how="init_from")  # fmt: skip
         if request.resume_state:
             await asyncio.to_thread(self.trainer.check_state, request.resume_state, request.lora_config, principal)
+            plan = StartPlan(snapshot=plan.snapshot, state_id=request.resume_state, how=plan.how)
         create = registry_pb2.CreateAdapterRequest(
             name=name,
             lora_config=request.lora_config,
@@ -140,7 +165,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         except AlreadyExists:
             if not request.attach_existing:
                 raise AlreadyExists(
-                    f"adapter {name!r} exists in the registry; pass attach_existing to train it here",
+                    f"adapter {name!r} exists in the registry; pass attach_existing to continue it here from its "
+                    "latest version (with fresh for fresh weights)",
                     reason="ADAPTER_EXISTS",
                 ) from None
             existing = await registry_call(
@@ -149,22 +175,60 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             if existing.adapter.base_model_digest and existing.adapter.base_model_digest != base_digest:
                 raise FailedPrecondition(f"adapter {name!r} was trained on another base model",
                                          reason="BASE_MODEL_MISMATCH") from None  # fmt: skip
+            if plan.snapshot is None and not plan.state_id and not request.fresh:
+                plan = await self._attach_plan(name, request.lora_config, principal)
         state = await self.scheduler.run(
             name, lambda: self.trainer.create(name, request.lora_config, adam, request.seed)
         )
+
+        def start() -> None:
+            if plan.snapshot is not None:
+                self.trainer.load_snapshot(name, plan.snapshot.artifact_uri)
+                _follow(state, plan.snapshot)
+                if plan.snapshot.adapter == name:  # its own history goes on: step and totals as at that version
+                    lineage = plan.snapshot.lineage
+                    state.step = lineage.trainer_step
+                    state.ledger.tokens_trained = lineage.tokens_trained
+                    state.ledger.datums_trained = lineage.datums_trained
+            if plan.state_id:
+                self.trainer.load_state(name, plan.state_id, principal=principal)
+            if plan.at_version is not None:  # saved with this version, before its publish: history from there
+                _follow(state, plan.at_version)
+                state.ledger.batches.clear()  # they are that version's lineage
+
         try:
-            if init_version is not None:
-                await self.scheduler.run(name, lambda: self.trainer.load_snapshot(name, init_version.artifact_uri))
-                if init_version.adapter == name:
-                    state.last_snapshot_version = init_version.version
-            if request.resume_state:
-                await self.scheduler.run(
-                    name, lambda: self.trainer.load_state(name, request.resume_state, principal=principal)
-                )
+            await self.scheduler.run(name, start)
         except BaseException:
             await self.scheduler.run(name, lambda: self.trainer.delete(name))
             raise
-        return trainer_pb2.TrainerServiceCreateAdapterResponse(adapter=adapter_message(state))
+        return trainer_pb2.TrainerServiceCreateAdapterResponse(
+            adapter=adapter_message(state), started_from=started_from(plan, request.seed, state.step)
+        )
+
+    async def _fitting_version(self, reference: str, lora: common_pb2.LoraConfig) -> registry_pb2.Version:
+        """The version `reference` names, its artifact in this trainer's store and checked to fit `lora`."""
+        version = await self._resolve_init(reference)
+        await fetch_artifact(self.registry, self.trainer.artifacts, version.artifact_uri, self.metadata)
+        await asyncio.to_thread(self.trainer.check_snapshot, version.artifact_uri, lora)
+        return version
+
+    async def _attach_plan(self, name: str, lora: common_pb2.LoraConfig, principal: Principal) -> StartPlan:
+        """Attaching to an existing adapter: its latest version (its persisted state when loadable here), or
+        fresh weights when it has no version yet."""
+        try:
+            latest = await self._resolve_init(name)
+        except NotFound as exc:
+            if exc.reason != "ALIAS_NOT_FOUND":
+                raise
+            return StartPlan()  # no version published yet: nothing to lose
+        note = ""
+        if latest.lineage.state_id:
+            try:
+                await asyncio.to_thread(self.trainer.check_state, latest.lineage.state_id, lora, principal)
+                return StartPlan(state_id=latest.lineage.state_id, at_version=latest, how="latest")
+            except (NotFound, DataLoss):
+                note = f"its saved state {latest.lineage.state_id} is not loadable in this trainer's store"
+        return StartPlan(snapshot=await self._fitting_version(name, lora), how="latest", note=note)
 
     async def _resolve_init(self, reference: str) -> registry_pb2.Version:
         ref = parse_reference(reference)
@@ -275,15 +339,19 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
     async def SaveSnapshot(self, request: trainer_pb2.SaveSnapshotRequest, context: Context) -> Any:
         name = self._known(request.adapter)
         aliases = list(request.aliases)
+        owner = state_owner(name, current_principal())
 
         def write() -> tuple[Any, registry_pb2.Lineage]:
             state = self.trainer.get(name)
             ref = self.trainer.write_snapshot(name)
+            # In the same lane job as the snapshot: the state is exactly the version's weights, plus optimizer.
+            saved = self.trainer.save_state(name, "snapshot", owner=owner) if self.persist_state else None
             lineage = registry_pb2.Lineage(
                 parent_version=state.last_snapshot_version, trainer_step=state.step,
                 tokens_trained=state.ledger.tokens_trained, datums_trained=state.ledger.datums_trained,
                 batches=list(state.ledger.batches), metrics=dict(request.metrics),
-                base_model_digest=self.trainer.base.digest,
+                base_model_digest=self.trainer.base.digest, parent_adapter=state.parent_adapter,
+                state_id=saved.uri if saved is not None else "",
             )  # fmt: skip
             return ref, lineage
 
@@ -306,7 +374,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         def record() -> None:
             state = self.trainer.get(name)
             del state.ledger.batches[: len(lineage.batches)]  # those now belong to the version's lineage
-            state.last_snapshot_version = response.version.version
+            _follow(state, response.version)
 
         await self.scheduler.run(name, record)
         return trainer_pb2.SaveSnapshotResponse(version=response.version, event_id=response.event_id)
@@ -334,3 +402,19 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             ),
         )
         return trainer_pb2.LoadStateResponse(adapter=adapter_message(state))
+
+    async def ResetAdapter(self, request: trainer_pb2.ResetAdapterRequest, context: Context) -> Any:
+        name = self._known(request.adapter)
+        if not request.reference:
+            raise InvalidArgument("reference is required (e.g. name@5)", reason="INVALID_REFERENCE", field="reference")
+        version = await self._fitting_version(request.reference, self.trainer.get(name).lora)
+
+        def reset() -> AdapterState:
+            state = self.trainer.reset_to_snapshot(name, version.artifact_uri, keep_optimizer=request.keep_optimizer)
+            _follow(state, version)
+            return state
+
+        state = await self.scheduler.run(name, reset)
+        return trainer_pb2.ResetAdapterResponse(
+            adapter=adapter_message(state), version=version, optimizer_kept=request.keep_optimizer
+        )

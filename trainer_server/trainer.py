@@ -114,7 +114,9 @@ class Trainer:
         self.max_resident = max_resident
         self.spill_dir = spill_dir
         self.adapters: OrderedDict[str, AdapterState] = OrderedDict()  # LRU order: oldest first
-        self.pad_id = int(base.config.pad_token_id or base.config.eos_token_id or 0)
+        # Padding is masked out, so any valid id does; eos may be a list (every Llama 3 Instruct config).
+        ids = (base.shape.pad_token_id, *base.shape.eos_token_ids)
+        self.pad_id = next((i for i in ids if i is not None), 0)
 
     # Adapters
 
@@ -318,6 +320,18 @@ class Trainer:
         except ValueError as exc:
             raise FailedPrecondition(f"snapshot {uri} does not fit adapter {name!r}: {exc}",
                                      reason="INCOMPATIBLE_SNAPSHOT") from None  # fmt: skip
+
+    def reset_to_snapshot(self, name: str, uri: str, *, keep_optimizer: bool) -> AdapterState:
+        """Loads a published snapshot's weights into the live adapter: its gradients and pending batches go (they
+        were computed on other weights); AdamW moments too unless keep_optimizer. The step count stays."""
+        state = self._use(name)
+        self.load_snapshot(name, uri)  # checks every tensor before it copies one: a misfit changes nothing
+        for param in state.params:
+            param.grad = None
+        state.ledger.pending.clear()
+        if not keep_optimizer:
+            state.optimizer.state.clear()  # moments and AdamW's own step counter: as if never stepped
+        return state
 
     def save_state(self, name: str, label: str, *, owner: str | None = None) -> ArtifactRef:
         """owner: the tenant the state belongs to (ownership.py), recorded for LoadState's check."""

@@ -21,25 +21,33 @@ MLP_MODULES: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")
 LORA_TARGETS: frozenset[str] = frozenset(ATTN_MODULES + MLP_MODULES)
 
 
-def resolve_model_dir(name_or_path: str) -> Path:
-    """A local model directory as is; otherwise a Hugging Face hub id, looked up in the local cache only."""
+def resolve_model_dir(name_or_path: str, revision: str | None = None) -> Path:
+    """A local model directory as is; otherwise a Hugging Face hub id, looked up in the local cache only, at
+    `revision` (a commit hash, branch or tag, as `hf download --revision` takes it; None: the cached main)."""
     path = Path(name_or_path).expanduser()
     if path.is_dir():
+        if revision:
+            raise InvalidArgument(
+                f"--revision {revision!r} applies to a hub id; {name_or_path!r} is a local directory",
+                reason="INVALID_REVISION",
+            )
         return path
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
+    at = f" at revision {revision!r}" if revision else ""
     try:
-        return Path(snapshot_download(name_or_path, local_files_only=True))
+        return Path(snapshot_download(name_or_path, revision=revision, local_files_only=True))
     except HFValidationError as exc:
         raise InvalidArgument(
             f"base model {name_or_path!r} is neither a local directory nor a valid hub model id",
             reason="MODEL_NOT_FOUND",
         ) from exc
     except LocalEntryNotFoundError as exc:
+        fetch = f"hf download {name_or_path}" + (f" --revision {revision}" if revision else "")
         raise FailedPrecondition(
-            f"base model {name_or_path!r} is not a local directory and not in the Hugging Face cache; "
-            f"download it first (`hf download {name_or_path}`) or pass a local path",
+            f"base model {name_or_path!r}{at} is not a local directory and not in the Hugging Face cache; "
+            f"download it first (`{fetch}`) or pass a local path",
             reason="MODEL_NOT_CACHED",
         ) from exc
 

@@ -1,8 +1,9 @@
 """The base model's shape, read from a Hugging Face model directory (config.json + generation_config.json).
 
 Only the Llama family is served (llama, mistral, qwen2, qwen3): one decoder block with RMSNorm, rotary
-attention with grouped-query heads and a SwiGLU MLP. Anything the forward in `llama.py` would silently get
-wrong (another architecture, scaled RoPE, per-layer sliding windows) fails at startup with a clear message.
+attention with grouped-query heads and a SwiGLU MLP; the RoPE variants of `rope.py`. Anything the sampler's
+forward would silently get wrong (another architecture, longrope, per-layer sliding windows) fails at startup
+with a clear message, in every process, before any weights are read.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import cast
 
 from opentinker.rpc.errors import FailedPrecondition, InvalidArgument
 from opentinker.weights.base_model import SUPPORTED_ARCHITECTURES
+from opentinker.weights.rope import RopeConfig, parse_rope
 
 JsonDict = dict[str, object]
 
@@ -29,8 +31,11 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float
-    rope_theta: float
+    rope: RopeConfig
     max_position_embeddings: int
+    # The longest sequence served and trained: max_position_embeddings, or for yarn / dynamic RoPE the pretrained
+    # length times the scaling factor when that is longer (Qwen2.5's model card keeps 32768 and adds factor 4).
+    context_length: int
     tie_word_embeddings: bool
     attention_bias: bool  # q/k/v (and for llama/qwen3 also o) projections carry a bias
     qk_norm: bool  # qwen3: RMSNorm over each head of q and k before RoPE
@@ -91,29 +96,6 @@ def _first_id(*values: object) -> int | None:
     return None
 
 
-def _rope_theta(raw: JsonDict, model_type: str) -> float:
-    """rope_theta from transformers>=5 `rope_parameters` or the older top-level keys; only plain RoPE."""
-    params = raw.get("rope_parameters")
-    scaling = raw.get("rope_scaling")
-    theta = _float(raw, "rope_theta", 10000.0)
-    for block in (params, scaling):
-        if block is None:
-            continue
-        if not isinstance(block, dict):
-            raise InvalidArgument(
-                f"config.json rope settings must be an object, got {block!r}", reason="INVALID_MODEL_CONFIG"
-            )
-        rope_type = block.get("rope_type", block.get("type", "default"))
-        if rope_type not in (None, "default"):
-            raise FailedPrecondition(
-                f"model_type {model_type!r} uses rope scaling {rope_type!r}; only plain RoPE (rope_type 'default') "
-                "is supported by the sampler's model forward",
-                reason="UNSUPPORTED_ARCHITECTURE",
-            )
-        theta = _float(cast(JsonDict, block), "rope_theta", theta)
-    return theta
-
-
 def _sliding_window(raw: JsonDict, model_type: str) -> int | None:
     if model_type == "mistral":  # one window on every layer; transformers' default is 4096 when the key is absent
         if "sliding_window" in raw and raw["sliding_window"] is None:
@@ -127,12 +109,20 @@ def _sliding_window(raw: JsonDict, model_type: str) -> int | None:
     return None
 
 
+def _context_length(rope: RopeConfig, max_positions: int) -> int:
+    if rope.rope_type in ("yarn", "dynamic"):
+        original = rope.original_max_position_embeddings or max_positions
+        return max(max_positions, int(original * rope.factor))
+    return max_positions
+
+
 def parse_config(raw: JsonDict, generation: JsonDict | None = None) -> ModelConfig:
     """Check and convert config.json (+ generation_config.json) contents."""
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED_ARCHITECTURES:
         raise FailedPrecondition(
-            f"unsupported model_type {model_type!r}; the sampler supports: {', '.join(SUPPORTED_ARCHITECTURES)}",
+            f"model_type {model_type!r} is not a supported family; supported: {', '.join(SUPPORTED_ARCHITECTURES)} "
+            "(Llama 3.x, Mistral, Qwen2.5, Qwen3)",
             reason="UNSUPPORTED_ARCHITECTURE",
         )
     arch: str = model_type
@@ -157,6 +147,8 @@ def parse_config(raw: JsonDict, generation: JsonDict | None = None) -> ModelConf
         attention_bias = False
     else:
         attention_bias = raw.get("attention_bias") is True
+    max_positions = _int(raw, "max_position_embeddings", 2048)
+    rope = parse_rope(raw, arch, max_positions)
     gen = generation or {}
     eos = _token_ids(gen.get("eos_token_id")) or _token_ids(raw.get("eos_token_id"))
     return ModelConfig(
@@ -169,8 +161,9 @@ def parse_config(raw: JsonDict, generation: JsonDict | None = None) -> ModelConf
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         rms_norm_eps=_float(raw, "rms_norm_eps", 1e-6),
-        rope_theta=_rope_theta(raw, arch),
-        max_position_embeddings=_int(raw, "max_position_embeddings", 2048),
+        rope=rope,
+        max_position_embeddings=max_positions,
+        context_length=_context_length(rope, max_positions),
         tie_word_embeddings=raw.get("tie_word_embeddings") is True,
         attention_bias=attention_bias,
         qk_norm=arch == "qwen3",

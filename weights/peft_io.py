@@ -64,7 +64,15 @@ def _fail(directory: Path, why: str) -> PeftFolderError:
 
 
 def _base_shapes(base_model: Path) -> dict[str, tuple[int, int]]:
-    """Linear weight path (without '.weight') -> (d_in, d_out), from the safetensors headers only."""
+    """Linear weight path (without '.weight') -> (d_in, d_out), from the safetensors headers only; a base model
+    no server can serve (another family, longrope, ...) is refused first, as the servers refuse it."""
+    from opentinker.rpc.errors import ServiceError
+    from opentinker.weights.model_config import load_config
+
+    try:
+        load_config(base_model)
+    except ServiceError as exc:
+        raise PeftFolderError(f"base model {base_model}: {exc.message}") from None
     shapes: dict[str, tuple[int, int]] = {}
     files = sorted(base_model.glob("*.safetensors"))
     if not files:

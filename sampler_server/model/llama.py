@@ -27,6 +27,7 @@ from opentinker.sampler_server.model.kv_cache import KVCache
 from opentinker.sampler_server.model.linear import linear, onednn_packing_works, pack_onednn
 from opentinker.sampler_server.model.weights import LayerWeights, Linear, linear_shapes, load_weights
 from opentinker.weights.model_config import ModelConfig
+from opentinker.weights.rope import inverse_frequencies
 
 
 class LoraHook(Protocol):
@@ -81,9 +82,10 @@ class LlamaForCausalLM:
         self.lm_head = lm_head
         self.device = embed.device
         self.dtype = embed.dtype
-        # inv_freq: [head_dim / 2], computed on the CPU in float32 exactly like transformers' default RoPE.
-        exponents = torch.arange(0, config.head_dim, 2, dtype=torch.int64).to(torch.float32) / config.head_dim
-        self.inv_freq = (1.0 / (config.rope_theta**exponents)).to(self.device)
+        # inv_freq: [head_dim / 2], computed on the CPU in float32 exactly like transformers' rotary embedding;
+        # rope_scale multiplies cos and sin (yarn's attention factor, 1 otherwise).
+        inv_freq, self.rope_scale = inverse_frequencies(config.rope, config.head_dim, config.max_position_embeddings)
+        self.inv_freq = inv_freq.to(self.device)
 
     @classmethod
     def from_pretrained(cls, model_dir: Path, *, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
@@ -120,6 +122,22 @@ class LlamaForCausalLM:
         with torch.inference_mode():
             return self._forward(batch, cache, lora)
 
+    def _token_inv_freq(self, batch: ForwardBatch) -> torch.Tensor:
+        """[1, head_dim / 2] frequencies for every token, or [N, head_dim / 2] for dynamic NTK past the context
+        length: each sequence's new tokens use the frequencies of its length after them, as transformers
+        computes them for one sequence (its keys cached earlier keep the rotation they were stored with)."""
+        c = self.config
+        if c.rope.rope_type != "dynamic":
+            return self.inv_freq[None, :]
+        ends = torch.tensor(batch.new_lens, dtype=torch.int64).cumsum(0) - 1  # [S] last new token of each
+        lengths = (batch.positions[ends] + 1).tolist()  # [S]
+        if max(lengths) <= c.max_position_embeddings:
+            return self.inv_freq[None, :]
+        per_length = {n: inverse_frequencies(c.rope, c.head_dim, c.max_position_embeddings, n)[0] for n in lengths}
+        per_seq = torch.stack([per_length[n] for n in lengths])  # [S, head_dim / 2]
+        counts = torch.tensor(batch.new_lens, dtype=torch.int64)
+        return torch.repeat_interleave(per_seq, counts, dim=0).to(self.device)  # [N, head_dim / 2]
+
     def _forward(self, batch: ForwardBatch, cache: KVCache, lora: LoraHook | None) -> torch.Tensor:
         c, dev = self.config, self.device
         tokens = batch.tokens.to(dev)  # [N]
@@ -129,9 +147,9 @@ class LlamaForCausalLM:
         token_slots = torch.repeat_interleave(
             torch.tensor(batch.kv_slots, dtype=torch.int64), torch.tensor(batch.new_lens, dtype=torch.int64)
         ).to(dev)  # [N]
-        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]  # [N, head_dim / 2]
+        freqs = positions.to(torch.float32)[:, None] * self._token_inv_freq(batch)  # [N, head_dim / 2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [N, head_dim]
-        cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        cos, sin = (emb.cos() * self.rope_scale).to(self.dtype), (emb.sin() * self.rope_scale).to(self.dtype)
         plan = AttentionPlan(batch, positions, dev, c.sliding_window)
 
         h = F.embedding(tokens, self.embed)  # [N, hidden]

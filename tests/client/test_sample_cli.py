@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from registryutil import unique_name
 from serverproc import ServerProcess
+
+from opentinker.client import Renderer, SamplingClient, SamplingParams
 
 
 def sample(sampler: ServerProcess, *args: str) -> subprocess.CompletedProcess[str]:
@@ -40,3 +43,28 @@ def test_sample_rejects_out_of_range_options(sampler_server: ServerProcess, opti
     done = sample(sampler_server, "base", "hello", *option)
     assert done.returncode == 2, done.stderr
     assert "ValueError" not in done.stderr and option[0] in done.stderr
+
+
+def test_sample_chat_renders_the_prompt_with_the_chat_template(sampler_server: ServerProcess, tiny_model: Path) -> None:
+    # The same tokens the SDK's Renderer gives an RL or SFT loop, sampled with the same seed: the same text.
+    renderer = Renderer.from_pretrained(tiny_model)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    # Greedy: with the tiny model's random weights, a seeded draw is nearly the same whatever the prompt.
+    params = SamplingParams(max_tokens=6, temperature=0.0, stop_token_ids=renderer.stop_token_ids)
+    with SamplingClient(sampler_server.address, "base") as client:
+        expected = client.sample(renderer.prompt_tokens(messages), params).sequences[0]
+        plain = client.sample("hello", params).sequences[0]
+    done = sample(sampler_server, "base", "hello", "--chat", "--system", "be brief", "--max-tokens", "6",
+                  "--temperature", "0")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == renderer.tokenizer.decode(list(expected.tokens))
+    assert expected.tokens != plain.tokens  # the template made a difference
+    assert done.stderr.strip().splitlines()[-1] == f"[base, stop: {expected.stop_reason}]"
+
+
+def test_sample_chat_without_a_local_tokenizer_is_one_line(sampler_server: ServerProcess, tmp_path: Path) -> None:
+    done = sample(sampler_server, "base", "hello", "--chat", "--tokenizer", str(tmp_path))
+    assert done.returncode == 2 and done.stderr.startswith("error: --chat needs the model's tokenizer"), done.stderr
+    assert "Traceback" not in done.stderr and "--tokenizer" in done.stderr
+    done = sample(sampler_server, "base", "hello", "--system", "x")
+    assert done.returncode == 2 and "--chat" in done.stderr

@@ -1,17 +1,14 @@
 """A base model named by its hub id, found only in the local Hugging Face cache (HF_HUB_OFFLINE=1), as most users
 start a server: the trainer and the sampler must fingerprint it the same way, or no snapshot can be sampled.
 
-The cache is laid out as the hub client writes it: `hub/models--acme--tiny/snapshots/<rev>/` with each file a
-symlink into `blobs/`, and `refs/main` naming the revision.
+The cache is laid out as the hub client writes it (tests/hubcache.py).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
-import shutil
 import signal
 import subprocess
 import sys
@@ -19,35 +16,19 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hubcache import REVISION, write_hub_cache
 from serverproc import ServerProcess, opentinker_command, start_registry, start_sampler, start_trainer
 
 from opentinker.client import AdamParams, Datum, LoraConfig, ModelInput, SamplingParams, ServiceClient
 from opentinker.weights.base_model import model_digest
 
 HUB_ID = "acme/tiny"
-REVISION = "0123456789abcdef0123456789abcdef01234567"
-
-
-def write_hub_cache(model_dir: Path, hf_home: Path) -> Path:
-    """`model_dir` as the hub client caches `acme/tiny`; returns the snapshot directory."""
-    repo = hf_home / "hub" / "models--acme--tiny"
-    snapshot = repo / "snapshots" / REVISION
-    (repo / "blobs").mkdir(parents=True)
-    snapshot.mkdir(parents=True)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(REVISION)
-    for path in sorted(model_dir.iterdir()):
-        if path.is_file():
-            blob = repo / "blobs" / hashlib.sha256(path.read_bytes()).hexdigest()
-            shutil.copyfile(path, blob)
-            (snapshot / path.name).symlink_to(os.path.relpath(blob, snapshot))
-    return snapshot
 
 
 @pytest.fixture(scope="module")
 def hub_home(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     hf_home = tmp_path_factory.mktemp("hf-home")
-    write_hub_cache(tiny_model, hf_home)
+    write_hub_cache(tiny_model, hf_home, HUB_ID)
     saved = {key: os.environ.get(key) for key in ("HF_HOME", "HF_HUB_OFFLINE")}
     os.environ.update(HF_HOME=str(hf_home), HF_HUB_OFFLINE="1")  # inherited by the server processes below
     yield hf_home

@@ -16,8 +16,9 @@ from opentinker.rpc.cli_options import server_options
 from opentinker.rpc.config import SHARED_KEYS, ServeCommand
 
 # Every OPENTINKER_* variable of the test process is dropped, so the machine's environment cannot leak in.
-SERVERS = ("registry", "trainer", "sampler")
-REQUIRED = {"registry": [], "trainer": ["--model", "m", "--store", "s"], "sampler": ["--model", "m", "--store", "s"]}
+SERVERS = ("registry", "trainer", "sampler", "gateway")
+REQUIRED = {"registry": [], "trainer": ["--model", "m", "--store", "s"], "sampler": ["--model", "m", "--store", "s"],
+            "gateway": ["--trainer", "t:1", "--sampler", "s:1", "--registry", "r:1"]}  # fmt: skip
 CONFIG = """\
 log_level = "DEBUG"        # shared: every server
 max-message-mb = 16        # shared, dash spelling
@@ -39,6 +40,12 @@ max-slots = 7
 follow = ["team-a/*", "b"]
 insecure_public = true
 registry = "10.0.0.1:7070"
+
+[gateway]
+port = 7103
+max_tenant_result_bytes = 5000
+seq-window = 8
+trainer = "10.0.0.2:7071"
 """
 
 
@@ -171,3 +178,55 @@ def test_engine_process_is_on_off_or_the_device_default() -> None:
     assert resolved("sampler", "--registry", "r:1")["values"]["engine_process"] is None  # CPU: on, CUDA: off
     assert resolved("sampler", "--registry", "r:1", "--no-engine-process")["values"]["engine_process"] is False
     assert resolved("sampler", "--registry", "r:1", "--engine-process")["values"]["engine_process"] is True
+
+
+# --- the gateway: every flag in --print-config, settable from [gateway] and OPENTINKER_GATEWAY_* ---------------
+
+
+def test_gateway_prints_every_flag_with_the_defaults_of_its_config() -> None:
+    import typer.main
+
+    from opentinker.gateway.state import GatewayConfig
+
+    got = resolved("gateway")
+    root: Any = typer.main.get_command(app)
+    serve = root.commands["gateway"].commands["serve"]
+    assert isinstance(serve, ServeCommand) and serve.section == "gateway"
+    assert set(got["values"]) == serve.configurable()
+    defaults = GatewayConfig()
+    for name in GatewayConfig.__dataclass_fields__:  # every bound is a flag, with the same default
+        assert got["values"][name] == getattr(defaults, name), name
+        assert got["sources"][name] == "default"
+    assert got["values"]["max_tenant_result_bytes"] == 1 << 30
+    assert got["sources"]["trainer"] == "command line"
+
+
+def test_gateway_flags_come_from_its_section_shared_keys_and_env(config_file: Path) -> None:
+    got = resolved("gateway", "--config", str(config_file))
+    assert (got["values"]["port"], got["sources"]["port"]) == (7103, "config")
+    assert got["values"]["max_tenant_result_bytes"] == 5000 and got["values"]["seq_window"] == 8
+    assert got["values"]["log_level"] == "DEBUG" and got["sources"]["log_level"] == "config"  # shared
+    assert got["values"]["trainer"] == "t:1"  # the command line beats the file
+    env = {"OPENTINKER_GATEWAY_MAX_TENANT_RESULT_BYTES": "0", "OPENTINKER_GATEWAY_CONFIG": str(config_file)}
+    by_env = resolved("gateway", env=env)
+    assert (by_env["values"]["max_tenant_result_bytes"], by_env["sources"]["max_tenant_result_bytes"]) == (0, "env")
+    assert by_env["values"]["seq_window"] == 8
+    legacy = invoke("gateway", "--print-config", env={"OPENTINKER_SAMPLER": "legacy:2"})
+    assert json.loads(legacy.stdout)["values"]["sampler"] == "s:1"
+    runner = CliRunner()
+    with pytest.MonkeyPatch.context() as patch:
+        for key in [k for k in os.environ if k.startswith("OPENTINKER_")]:
+            patch.delenv(key)
+        older = runner.invoke(app, ["gateway", "serve", "--trainer", "t:1", "--registry", "r:1", "--print-config"],
+                              env={"OPENTINKER_SAMPLER": "legacy:2"})  # fmt: skip
+    assert older.exit_code == 0, older.output
+    assert json.loads(older.stdout)["values"]["sampler"] == "legacy:2"  # the older variable still works
+
+
+def test_gateway_config_typos_and_bad_bounds_are_refused(tmp_path: Path) -> None:
+    path = tmp_path / "typo.toml"
+    path.write_text("[gateway]\nmax_tenant_results_bytes = 3\n")
+    result = invoke("gateway", "--config", str(path), "--print-config")
+    assert result.exit_code == 2 and "max_tenant_results_bytes" in result.output, result.output
+    negative = invoke("gateway", "--max-tenant-result-bytes", "-1", "--print-config")
+    assert negative.exit_code == 2 and "--max-tenant-result-bytes" in negative.output, negative.output

@@ -19,7 +19,8 @@ Stub = registry_pb2_grpc.RegistryServiceStub
 
 
 def wire(message: Message) -> dict[str, Any]:
-    return MessageToDict(message, preserving_proto_field_name=True)
+    # Every field, zeros included (a script reading version_count of a new adapter must find 0).
+    return MessageToDict(message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
 
 
 def test_records_print_as_the_wire_replies(registry_server: ServerProcess, registry: Stub) -> None:
@@ -57,7 +58,7 @@ def test_records_print_as_the_wire_replies(registry_server: ServerProcess, regis
         assert out.gc_json(client.garbage_collect(1, name, dry_run=True)) == wire(registry.GarbageCollect(dry))
 
         moved = client.set_alias(name, "canary", 2)
-        assert out.alias_set_json(moved) == {"version": "2", "event_id": moved.event_id}
+        assert out.alias_set_json(moved) == {"previous_version": "0", "version": "2", "event_id": moved.event_id}
         back = client.rollback(name)
         assert out.rollback_json(back) == {"alias": "latest", "from_version": "3", "to_version": "2",
                                            "event_id": back.event_id}  # fmt: skip

@@ -112,6 +112,33 @@ def test_show_human_and_json(cli: Cli, registry: Stub) -> None:
     assert shown["aliases"] == ["latest"] and shown["artifact_uri"].startswith("sha256:")
 
 
+def test_versions_show_and_lineage_print_metrics_targets_and_what_is_hidden(cli: Cli, registry: Stub) -> None:
+    name = unique_name("cli")
+    create_adapter(registry, name)
+    traces = [f"trace-{i}" for i in range(6)]
+    metrics = {"loss:sum": 12.5, "weights:sum": 5.0}
+    publish(registry, name)
+    publish(registry, name, parent=1, lineage=registry_pb2.Lineage(
+        metrics=metrics, batches=[registry_pb2.BatchRecord(digest="d", trace_ids=traces)]))  # fmt: skip
+
+    table = ok(cli("versions", name, "--limit", "1"))
+    assert "loss:sum=12.5" in table and "weights:sum=5" in table
+    assert "1 of 2 versions shown" in table
+    assert "versions shown" not in ok(cli("versions", name))
+    shown = ok(cli("show", name))
+    assert "targets all-linear" in shown and "[]" not in shown  # the adapter's default: every linear module
+    assert "metrics    loss:sum=12.5, weights:sum=5" in shown
+    lineage = ok(cli("lineage", name))
+    assert "trace-0, trace-1, trace-2, trace-3 (+2 more" in lineage and "trace-4" not in lineage
+
+    fork = unique_name("cli")  # a fork of name@2 (init_from), with the trainer's persisted state
+    create_adapter(registry, fork)
+    publish(registry, fork, parent=2, lineage=registry_pb2.Lineage(parent_adapter=name, state_id="state-7"))
+    shown = ok(cli("show", fork))
+    assert f"parent     {name}@2" in shown and "state      state-7" in shown
+    assert f"{name}@2" in ok(cli("versions", fork))
+
+
 def test_alias_set_compare_and_set_and_rm(cli: Cli, registry: Stub) -> None:
     name = unique_name("cli")
     create_adapter(registry, name)
@@ -138,10 +165,12 @@ def test_rollback_previous_and_explicit(cli: Cli, registry: Stub) -> None:
     for parent in range(3):
         publish(registry, name, parent=parent)
 
-    out = ok(cli("rollback", name))
-    assert f"{name}@latest: 3 -> 2" in out
+    # The versions carry trainer steps, as a trainer's snapshots do: the rollback says the next one moves latest.
+    rolled = cli("rollback", name)
+    assert rolled.returncode == 0 and f"{name}@latest: 3 -> 2" in rolled.stdout, rolled.stderr
+    assert "its next snapshot moves latest again" in rolled.stderr
     assert resolve(registry, name) == 2
-    back = ok_json(cli("rollback", name, "--to", "1", "--json"))
+    back = json.loads(cli("rollback", name, "--to", "1", "--json").stdout)
     assert back["alias"] == "latest" and (int(back["from_version"]), int(back["to_version"])) == (2, 1)
     assert resolve(registry, name) == 1
 

@@ -48,7 +48,7 @@ EXAMPLES: dict[str, int] = {
     "TrainerService/GetTrainerInfo": 15, "TrainerService/CreateAdapter": 55, "TrainerService/GetAdapter": 30,
     "TrainerService/ListAdapters": 20, "TrainerService/DeleteAdapter": 30, "TrainerService/ForwardBackward": 70,
     "TrainerService/Forward": 55, "TrainerService/OptimStep": 40, "TrainerService/SaveSnapshot": 35,
-    "TrainerService/SaveState": 30, "TrainerService/LoadState": 35,
+    "TrainerService/SaveState": 30, "TrainerService/LoadState": 35, "TrainerService/ResetAdapter": 35,
     "SamplerService/GetSamplerInfo": 15, "SamplerService/Sample": 70, "SamplerService/ComputeLogprobs": 50,
     "SamplerService/LoadAdapter": 40, "SamplerService/UnloadAdapter": 35, "SamplerService/ListLoaded": 15,
     "SamplerService/GetStats": 15,
@@ -434,6 +434,7 @@ def templates(uri: str, state_id: str) -> dict[str, Message]:
         "TrainerService/SaveSnapshot": trainer_pb2.SaveSnapshotRequest(adapter=KNOWN, aliases=["stable"]),
         "TrainerService/SaveState": trainer_pb2.SaveStateRequest(adapter=KNOWN, label="fuzz"),
         "TrainerService/LoadState": trainer_pb2.LoadStateRequest(adapter=KNOWN, state_id=state_id),
+        "TrainerService/ResetAdapter": trainer_pb2.ResetAdapterRequest(adapter=KNOWN, reference=ref),
         "SamplerService/Sample": sampler_pb2.SampleRequest(
             model=ref, prompt=model_input([1, 2, 3]), sampling_params=sampling, num_samples=2
         ),

@@ -1,7 +1,8 @@
 """Noisy neighbours at the registry: team-a abuses a shared resource while team-b runs its normal workload at
 the same time, on one registry process (tokens on, its own Redis so the test can read INFO clients). team-b
 gets 0 errors; team-a gets the precise status; the registry's memory after the abuse stays within a stated
-bound of before. (Issue "Noisy neighbours", cases 2, 8, 9 and 11.)"""
+bound of before. (Issue "Noisy neighbours", cases 2, 8, 9 and 11, and the registry's per-tenant bound on calls in
+flight.)"""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from opentinker.v1 import registry_pb2, registry_pb2_grpc
 from opentinker.weights.artifact_store import ArtifactStore
 
 MAX_WATCHES = 16
+MAX_CALLS = 24  # calls in flight per user tenant (above MAX_WATCHES: watch streams count as calls)
 MAX_FILES = 64
 QUOTA_MB = 2
 GRACE_S = 4
@@ -72,6 +74,7 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
         workdir / "registry", "--redis-url", redis_server.url, "--tokens-file", str(tokens_file),
         "--max-watches-per-tenant", str(MAX_WATCHES), "--max-artifact-files", str(MAX_FILES),
         "--tenant-storage-quota-mb", str(QUOTA_MB), "--upload-grace-s", str(GRACE_S),
+        "--max-calls-per-tenant", str(MAX_CALLS),
     )  # fmt: skip
     channel = grpc.insecure_channel(server.address)
     try:
@@ -325,4 +328,56 @@ def test_case9_many_files_quota_and_unpublished_uploads(registry: Registry, figu
         "collected after the grace period, registry MiB before/after",
         f"{len(flood)} x {flood[0]}, {at_limit[0]} / {big[0]}, {over_quota}, yes, "
         f"{memory_before / MiB:.0f}/{memory_after / MiB:.0f}",
+    )
+
+
+def test_calls_in_flight_are_bounded_per_tenant(registry: Registry, figure: Any) -> None:
+    """team-a opens 40 uploads it never sends a byte of (each holds a handler, a stream and its buffers): the
+    first MAX_CALLS run, the rest are refused before their handler starts; team-b's workload meanwhile gets 0
+    errors; an admin is not counted; team-a's calls work again once its streams are gone."""
+    stub, md_a = registry.stub(), registry.md("team-a")
+    memory_before = registry.memory()
+    release = threading.Event()
+
+    def stalled() -> Iterator[registry_pb2.UploadArtifactRequest]:
+        release.wait(120)
+        return
+        yield  # a generator that sends nothing until released
+
+    flood_channel = grpc.insecure_channel(registry.server.address)
+    flood = registry_pb2_grpc.RegistryServiceStub(flood_channel)
+    calls = [flood.UploadArtifact.future(stalled(), metadata=md_a) for _ in range(40)]
+    try:
+        assert wait_until(lambda: sum(call.done() for call in calls) >= 40 - MAX_CALLS)
+        time.sleep(0.5)  # nothing else completes: the accepted ones are waiting for their first message
+        refused = [status_of(call.exception()) for call in calls if call.done()]  # type: ignore[arg-type]
+        assert refused == [("RESOURCE_EXHAUSTED", "TOO_MANY_REQUESTS")] * (40 - MAX_CALLS)
+        with pytest.raises(grpc.RpcError) as more:
+            stub.ListAdapters(registry_pb2.ListAdaptersRequest(prefix="team-a/"), metadata=md_a)
+        assert status_of(more.value) == ("RESOURCE_EXHAUSTED", "TOO_MANY_REQUESTS")
+        assert "--max-calls-per-tenant" in (more.value.details() or "")
+        stub.ListAdapters(registry_pb2.ListAdaptersRequest(prefix="team-a/"), metadata=registry.md("ops"))  # admin
+        workload, thread = team_b(registry)
+        thread.start()
+        thread.join(120)
+        assert workload.errors == [] and len(workload.versions) == 8
+    finally:
+        for call in calls:
+            call.cancel()
+        release.set()
+        flood_channel.close()
+
+    def can_call() -> bool:
+        try:
+            stub.ListAdapters(registry_pb2.ListAdaptersRequest(prefix="team-a/"), metadata=md_a)
+            return True
+        except grpc.RpcError:
+            return False
+
+    assert wait_until(can_call)
+    memory_after = registry.memory()
+    assert memory_after - memory_before < 64 * MiB
+    figure(
+        "calls in flight: accepted, refused, registry MiB before/after",
+        f"{MAX_CALLS}, {40 - MAX_CALLS}, {memory_before / MiB:.0f}/{memory_after / MiB:.0f}",
     )

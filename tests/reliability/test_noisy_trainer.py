@@ -56,9 +56,10 @@ def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     ]}))  # fmt: skip
     registry = start_registry(workdir / "registry", "--tokens-file", str(tokens_file))
     try:
+        # --max-serving-rank 0: case 11 creates rank-512 adapters for their memory, never to serve them.
         trainer = start_trainer(workdir / "trainer", tiny_model, registry, "--tokens-file", str(tokens_file),
                                 "--registry-token", tokens["svc"], "--max-adapters-per-tenant", str(QUOTA),
-                                "--micro-batch-positions", str(MICRO))  # fmt: skip
+                                "--micro-batch-positions", str(MICRO), "--max-serving-rank", "0")  # fmt: skip
     except BaseException:
         registry.terminate()
         raise

@@ -55,9 +55,10 @@ def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     ]}))  # fmt: skip
     registry = start_registry(workdir / "registry", "--tokens-file", str(tokens_file))
     try:
+        # --max-serving-rank 0: rank-512 and rank-1024 adapters are created for their memory, never to be served.
         trainer = start_trainer(workdir / "trainer", tiny_model, registry, "--tokens-file", str(tokens_file),
                                 "--registry-token", tokens["svc"], "--max-queued-per-tenant", str(MAX_QUEUED),
-                                "--max-tenant-memory-mb", str(MAX_MEMORY_MB))  # fmt: skip
+                                "--max-tenant-memory-mb", str(MAX_MEMORY_MB), "--max-serving-rank", "0")  # fmt: skip
     except BaseException:
         registry.terminate()
         raise

@@ -194,6 +194,8 @@ OPERATIONS: dict[str, tuple[Operation, bool]] = {
     "trainer.LoadState": (lambda c, r, s: c.trainer.LoadState(
         trainer_pb2.LoadStateRequest(adapter=r.name, state_id=r.state_id), metadata=c.metadata), False),
     "trainer.CreateAdapter(init_from)+DeleteAdapter": (_trainer_create_delete, False),
+    "trainer.ResetAdapter": (lambda c, r, s: c.trainer.ResetAdapter(
+        trainer_pb2.ResetAdapterRequest(adapter=r.name, reference=f"{r.name}@1"), metadata=c.metadata), False),
     "sampler.Sample": (_sample, False),
     "sampler.ComputeLogprobs": (lambda c, r, s: c.sampler.ComputeLogprobs(sampler_pb2.ComputeLogprobsRequest(
         model=f"{r.name}@2", inputs=[model_input([1, 2, 3])]), metadata=c.metadata, timeout=60), False),

@@ -210,9 +210,14 @@ def test_resolve_model_dir(pair: Pair) -> None:
     assert info.value.reason == "MODEL_NOT_CACHED"
     with pytest.raises(InvalidArgument, match="neither a local directory"):
         resolve_model_dir("/no/such/model/dir")
+    with pytest.raises(InvalidArgument, match="applies to a hub id") as refused:
+        resolve_model_dir(str(pair.model_dir), revision="main")
+    assert refused.value.reason == "INVALID_REVISION"
+    with pytest.raises(FailedPrecondition, match="--revision v2"):
+        resolve_model_dir("opentinker-test/never-cached-model", revision="v2")
 
 
-def test_scaled_rope_fails_clearly() -> None:
+def test_rope_settings_in_both_formats_and_unsupported_variants_fail_clearly() -> None:
     raw: dict[str, object] = {
         "model_type": "llama",
         "vocab_size": 8,
@@ -220,13 +225,27 @@ def test_scaled_rope_fails_clearly() -> None:
         "intermediate_size": 8,
         "num_hidden_layers": 1,
         "num_attention_heads": 1,
-        "rope_scaling": {"rope_type": "llama3", "factor": 8.0},
+        "rope_theta": 500000.0,
+        "rope_scaling": {"rope_type": "longrope", "factor": 8.0, "short_factor": [1.0], "long_factor": [1.0]},
     }
-    with pytest.raises(FailedPrecondition, match="llama3") as info:
+    with pytest.raises(FailedPrecondition, match="longrope") as info:
         parse_config(raw)
     assert info.value.reason == "UNSUPPORTED_ARCHITECTURE"
-    raw["rope_scaling"] = {"rope_type": "default", "rope_theta": 500000.0}
-    assert parse_config(raw).rope_theta == 500000.0
+    assert "default, linear, dynamic, llama3, yarn" in info.value.message
+    # The hub's format: top-level rope_theta, rope_scaling with "type" or "rope_type".
+    raw["rope_scaling"] = {"type": "linear", "factor": 2.0}
+    rope = parse_config(raw).rope
+    assert (rope.rope_type, rope.theta, rope.factor) == ("linear", 500000.0, 2.0)
+    # transformers 5's: one rope_parameters block carrying rope_theta.
+    del raw["rope_scaling"], raw["rope_theta"]
+    raw["rope_parameters"] = {"rope_type": "default", "rope_theta": 1000.0}
+    assert parse_config(raw).rope.theta == 1000.0
+    raw["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 1000.0, "factor": 8.0}  # lacks its factors
+    with pytest.raises(InvalidArgument, match="low_freq_factor"):
+        parse_config(raw)
+    raw["rope_parameters"] = {"rope_type": "default", "partial_rotary_factor": 0.5}
+    with pytest.raises(FailedPrecondition, match="partial_rotary_factor"):
+        parse_config(raw)
 
 
 def test_config_fields(pair: Pair) -> None:

@@ -196,7 +196,8 @@ def test_snapshot_lineage_and_init_from(trainer: Trainer, registry: registry_pb2
     # A new adapter initialised from v1 computes v1's logprobs (not v2's, not fresh ones).
     child = unique_name("child")
     adapter = create(trainer, child, seed=99, init_from=f"{name}@1")
-    assert adapter.step == 0 and adapter.last_snapshot_version == 0
+    # The fork's next snapshot's parent is the version its weights came from, of the other adapter.
+    assert adapter.step == 0 and (adapter.last_snapshot_version, adapter.parent_adapter) == (1, name)
     assert logprobs(forward(trainer, child, probe)) == at_v1
     assert logprobs(forward(trainer, name, probe)) != at_v1
 

@@ -87,7 +87,7 @@ class BatchRecord(_message.Message):
     def __init__(self, digest: _Optional[str] = ..., trace_ids: _Optional[_Iterable[str]] = ..., step: _Optional[int] = ..., num_datums: _Optional[int] = ..., num_tokens: _Optional[int] = ..., loss_fn: _Optional[str] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class Lineage(_message.Message):
-    __slots__ = ("parent_version", "trainer_step", "tokens_trained", "datums_trained", "batches", "metrics", "base_model_digest")
+    __slots__ = ("parent_version", "trainer_step", "tokens_trained", "datums_trained", "batches", "metrics", "base_model_digest", "parent_adapter", "state_id")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +102,8 @@ class Lineage(_message.Message):
     BATCHES_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
     BASE_MODEL_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    PARENT_ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    STATE_ID_FIELD_NUMBER: _ClassVar[int]
     parent_version: int
     trainer_step: int
     tokens_trained: int
@@ -109,7 +111,9 @@ class Lineage(_message.Message):
     batches: _containers.RepeatedCompositeFieldContainer[BatchRecord]
     metrics: _containers.ScalarMap[str, float]
     base_model_digest: str
-    def __init__(self, parent_version: _Optional[int] = ..., trainer_step: _Optional[int] = ..., tokens_trained: _Optional[int] = ..., datums_trained: _Optional[int] = ..., batches: _Optional[_Iterable[_Union[BatchRecord, _Mapping]]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., base_model_digest: _Optional[str] = ...) -> None: ...
+    parent_adapter: str
+    state_id: str
+    def __init__(self, parent_version: _Optional[int] = ..., trainer_step: _Optional[int] = ..., tokens_trained: _Optional[int] = ..., datums_trained: _Optional[int] = ..., batches: _Optional[_Iterable[_Union[BatchRecord, _Mapping]]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., base_model_digest: _Optional[str] = ..., parent_adapter: _Optional[str] = ..., state_id: _Optional[str] = ...) -> None: ...
 
 class Version(_message.Message):
     __slots__ = ("adapter", "version", "artifact_uri", "artifact_sha256", "artifact_size_bytes", "lora_config", "lineage", "aliases", "publish_time", "published_by", "artifact_deleted")

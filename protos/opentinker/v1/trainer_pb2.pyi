@@ -4,12 +4,24 @@ from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from opentinker.v1 import common_pb2 as _common_pb2
 from opentinker.v1 import registry_pb2 as _registry_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class StartKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    START_KIND_UNSPECIFIED: _ClassVar[StartKind]
+    START_KIND_FRESH: _ClassVar[StartKind]
+    START_KIND_VERSION: _ClassVar[StartKind]
+    START_KIND_STATE: _ClassVar[StartKind]
+START_KIND_UNSPECIFIED: StartKind
+START_KIND_FRESH: StartKind
+START_KIND_VERSION: StartKind
+START_KIND_STATE: StartKind
 
 class GetTrainerInfoRequest(_message.Message):
     __slots__ = ()
@@ -26,7 +38,7 @@ class GetTrainerInfoResponse(_message.Message):
     def __init__(self, base_model: _Optional[_Union[_common_pb2.BaseModelInfo, _Mapping]] = ..., loss_fns: _Optional[_Iterable[str]] = ..., max_resident_adapters: _Optional[int] = ...) -> None: ...
 
 class TrainingAdapter(_message.Message):
-    __slots__ = ("name", "lora_config", "adam_params", "seed", "step", "tokens_trained", "datums_trained", "pending_batches", "last_snapshot_version", "num_parameters", "create_time", "resident")
+    __slots__ = ("name", "lora_config", "adam_params", "seed", "step", "tokens_trained", "datums_trained", "pending_batches", "last_snapshot_version", "num_parameters", "create_time", "resident", "parent_adapter")
     NAME_FIELD_NUMBER: _ClassVar[int]
     LORA_CONFIG_FIELD_NUMBER: _ClassVar[int]
     ADAM_PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +51,7 @@ class TrainingAdapter(_message.Message):
     NUM_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     CREATE_TIME_FIELD_NUMBER: _ClassVar[int]
     RESIDENT_FIELD_NUMBER: _ClassVar[int]
+    PARENT_ADAPTER_FIELD_NUMBER: _ClassVar[int]
     name: str
     lora_config: _common_pb2.LoraConfig
     adam_params: _common_pb2.AdamParams
@@ -51,10 +64,11 @@ class TrainingAdapter(_message.Message):
     num_parameters: int
     create_time: _timestamp_pb2.Timestamp
     resident: bool
-    def __init__(self, name: _Optional[str] = ..., lora_config: _Optional[_Union[_common_pb2.LoraConfig, _Mapping]] = ..., adam_params: _Optional[_Union[_common_pb2.AdamParams, _Mapping]] = ..., seed: _Optional[int] = ..., step: _Optional[int] = ..., tokens_trained: _Optional[int] = ..., datums_trained: _Optional[int] = ..., pending_batches: _Optional[int] = ..., last_snapshot_version: _Optional[int] = ..., num_parameters: _Optional[int] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., resident: _Optional[bool] = ...) -> None: ...
+    parent_adapter: str
+    def __init__(self, name: _Optional[str] = ..., lora_config: _Optional[_Union[_common_pb2.LoraConfig, _Mapping]] = ..., adam_params: _Optional[_Union[_common_pb2.AdamParams, _Mapping]] = ..., seed: _Optional[int] = ..., step: _Optional[int] = ..., tokens_trained: _Optional[int] = ..., datums_trained: _Optional[int] = ..., pending_batches: _Optional[int] = ..., last_snapshot_version: _Optional[int] = ..., num_parameters: _Optional[int] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., resident: _Optional[bool] = ..., parent_adapter: _Optional[str] = ...) -> None: ...
 
 class TrainerServiceCreateAdapterRequest(_message.Message):
-    __slots__ = ("name", "lora_config", "adam_params", "seed", "init_from", "resume_state", "attach_existing", "labels")
+    __slots__ = ("name", "lora_config", "adam_params", "seed", "init_from", "resume_state", "attach_existing", "labels", "fresh")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +84,7 @@ class TrainerServiceCreateAdapterRequest(_message.Message):
     RESUME_STATE_FIELD_NUMBER: _ClassVar[int]
     ATTACH_EXISTING_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
+    FRESH_FIELD_NUMBER: _ClassVar[int]
     name: str
     lora_config: _common_pb2.LoraConfig
     adam_params: _common_pb2.AdamParams
@@ -78,13 +93,30 @@ class TrainerServiceCreateAdapterRequest(_message.Message):
     resume_state: str
     attach_existing: bool
     labels: _containers.ScalarMap[str, str]
-    def __init__(self, name: _Optional[str] = ..., lora_config: _Optional[_Union[_common_pb2.LoraConfig, _Mapping]] = ..., adam_params: _Optional[_Union[_common_pb2.AdamParams, _Mapping]] = ..., seed: _Optional[int] = ..., init_from: _Optional[str] = ..., resume_state: _Optional[str] = ..., attach_existing: _Optional[bool] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    fresh: bool
+    def __init__(self, name: _Optional[str] = ..., lora_config: _Optional[_Union[_common_pb2.LoraConfig, _Mapping]] = ..., adam_params: _Optional[_Union[_common_pb2.AdamParams, _Mapping]] = ..., seed: _Optional[int] = ..., init_from: _Optional[str] = ..., resume_state: _Optional[str] = ..., attach_existing: _Optional[bool] = ..., labels: _Optional[_Mapping[str, str]] = ..., fresh: _Optional[bool] = ...) -> None: ...
+
+class StartedFrom(_message.Message):
+    __slots__ = ("kind", "adapter", "version", "state_id", "description")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    STATE_ID_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    kind: StartKind
+    adapter: str
+    version: int
+    state_id: str
+    description: str
+    def __init__(self, kind: _Optional[_Union[StartKind, str]] = ..., adapter: _Optional[str] = ..., version: _Optional[int] = ..., state_id: _Optional[str] = ..., description: _Optional[str] = ...) -> None: ...
 
 class TrainerServiceCreateAdapterResponse(_message.Message):
-    __slots__ = ("adapter",)
+    __slots__ = ("adapter", "started_from")
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    STARTED_FROM_FIELD_NUMBER: _ClassVar[int]
     adapter: TrainingAdapter
-    def __init__(self, adapter: _Optional[_Union[TrainingAdapter, _Mapping]] = ...) -> None: ...
+    started_from: StartedFrom
+    def __init__(self, adapter: _Optional[_Union[TrainingAdapter, _Mapping]] = ..., started_from: _Optional[_Union[StartedFrom, _Mapping]] = ...) -> None: ...
 
 class TrainerServiceGetAdapterRequest(_message.Message):
     __slots__ = ("name",)
@@ -292,3 +324,23 @@ class LoadStateResponse(_message.Message):
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     adapter: TrainingAdapter
     def __init__(self, adapter: _Optional[_Union[TrainingAdapter, _Mapping]] = ...) -> None: ...
+
+class ResetAdapterRequest(_message.Message):
+    __slots__ = ("adapter", "reference", "keep_optimizer")
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_FIELD_NUMBER: _ClassVar[int]
+    KEEP_OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    adapter: str
+    reference: str
+    keep_optimizer: bool
+    def __init__(self, adapter: _Optional[str] = ..., reference: _Optional[str] = ..., keep_optimizer: _Optional[bool] = ...) -> None: ...
+
+class ResetAdapterResponse(_message.Message):
+    __slots__ = ("adapter", "version", "optimizer_kept")
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_KEPT_FIELD_NUMBER: _ClassVar[int]
+    adapter: TrainingAdapter
+    version: _registry_pb2.Version
+    optimizer_kept: bool
+    def __init__(self, adapter: _Optional[_Union[TrainingAdapter, _Mapping]] = ..., version: _Optional[_Union[_registry_pb2.Version, _Mapping]] = ..., optimizer_kept: _Optional[bool] = ...) -> None: ...

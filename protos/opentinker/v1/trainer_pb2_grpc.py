@@ -89,6 +89,11 @@ class TrainerServiceStub:
                 request_serializer=opentinker_dot_v1_dot_trainer__pb2.LoadStateRequest.SerializeToString,
                 response_deserializer=opentinker_dot_v1_dot_trainer__pb2.LoadStateResponse.FromString,
                 _registered_method=True)
+        self.ResetAdapter = channel.unary_unary(
+                '/opentinker.v1.TrainerService/ResetAdapter',
+                request_serializer=opentinker_dot_v1_dot_trainer__pb2.ResetAdapterRequest.SerializeToString,
+                response_deserializer=opentinker_dot_v1_dot_trainer__pb2.ResetAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class TrainerServiceServicer:
@@ -108,8 +113,14 @@ class TrainerServiceServicer:
         LoadState's ownership rule; init_from the caller's own access rule (another tenant's: PERMISSION_DENIED,
         whether it exists or not). A state resumed from another adapter keeps this adapter's own snapshot history.
         A tenant holds at most --max-adapters-per-tenant adapters in this trainer (admins are not refused).
+        attach_existing to an adapter that has versions starts from its latest version's weights, or from the full state
+        --persist-state saved with that version (weights, optimizer, step, RNG, ledger: training continues bitwise);
+        fresh weights under an existing name need fresh=true. The reply's started_from says which; the next snapshot's
+        parent is the version the weights came from (init_from: that version, of another adapter or this one).
+        A rank above --max-serving-rank is refused: samplers could not serve it.
         Errors: INVALID_ARGUMENT (INVALID_ADAPTER_NAME, INVALID_LORA_CONFIG, INVALID_ADAM_PARAMS, INVALID_REFERENCE,
-        INVALID_ARTIFACT_URI), NOT_FOUND (ADAPTER_NOT_FOUND, ALIAS_NOT_FOUND, VERSION_NOT_FOUND, STATE_NOT_FOUND),
+        INVALID_ARTIFACT_URI, RANK_NOT_SERVABLE, CONFLICTING_START),
+        NOT_FOUND (ADAPTER_NOT_FOUND, ALIAS_NOT_FOUND, VERSION_NOT_FOUND, STATE_NOT_FOUND),
         ALREADY_EXISTS (ADAPTER_EXISTS), FAILED_PRECONDITION (BASE_MODEL_MISMATCH, INCOMPATIBLE_SNAPSHOT,
         INCOMPATIBLE_STATE, ARTIFACT_DELETED), DATA_LOSS (DIGEST_MISMATCH, INVALID_STATE),
         RESOURCE_EXHAUSTED (TENANT_QUOTA),
@@ -211,6 +222,18 @@ class TrainerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResetAdapter(self, request, context):
+        """Loads a registry version's weights into the live adapter (a rollback carried into training): gradients and
+        pending batches are dropped, AdamW moments start fresh unless keep_optimizer; the step count stays. The next
+        snapshot's parent is that version. A version that does not fit the adapter's LoRA config changes nothing.
+        Errors: INVALID_ARGUMENT (INVALID_ADAPTER_NAME, INVALID_REFERENCE), NOT_FOUND (ADAPTER_NOT_FOUND,
+        ALIAS_NOT_FOUND, VERSION_NOT_FOUND), FAILED_PRECONDITION (INCOMPATIBLE_SNAPSHOT, ARTIFACT_DELETED),
+        DATA_LOSS (DIGEST_MISMATCH), PERMISSION_DENIED (PERMISSION_DENIED), UNAVAILABLE (REGISTRY_UNAVAILABLE).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrainerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -268,6 +291,11 @@ def add_TrainerServiceServicer_to_server(servicer, server):
                     servicer.LoadState,
                     request_deserializer=opentinker_dot_v1_dot_trainer__pb2.LoadStateRequest.FromString,
                     response_serializer=opentinker_dot_v1_dot_trainer__pb2.LoadStateResponse.SerializeToString,
+            ),
+            'ResetAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResetAdapter,
+                    request_deserializer=opentinker_dot_v1_dot_trainer__pb2.ResetAdapterRequest.FromString,
+                    response_serializer=opentinker_dot_v1_dot_trainer__pb2.ResetAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -567,6 +595,33 @@ class TrainerService:
             '/opentinker.v1.TrainerService/LoadState',
             opentinker_dot_v1_dot_trainer__pb2.LoadStateRequest.SerializeToString,
             opentinker_dot_v1_dot_trainer__pb2.LoadStateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResetAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/opentinker.v1.TrainerService/ResetAdapter',
+            opentinker_dot_v1_dot_trainer__pb2.ResetAdapterRequest.SerializeToString,
+            opentinker_dot_v1_dot_trainer__pb2.ResetAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,
