@@ -33,7 +33,9 @@ class TrainerConfig:
     max_batch_tokens: int = 1 << 20
     max_batch_positions: int = 1 << 17  # datums x longest datum per request (batch.py)
     max_adapters_per_tenant: int = 64  # 0: no limit (quota.py)
-    micro_batch_positions: int = 1 << 14  # a bigger request runs in parts (micro_batch.py)
+    micro_batch_positions: int = 1 << 12  # a bigger request runs in parts (micro_batch.py)
+    max_tenant_memory_mb: int = 16384  # LoRA weights + gradients + moments per tenant; 0: no limit (quota.py)
+    max_queued_per_tenant: int = 64  # compute jobs per tenant queued or running; 0: no limit (admission.py)
     max_serving_rank: int = 64  # the samplers' --max-rank (start_point.py); 0: no check
     persist_state: bool = False  # a full state with every snapshot, for an exact resume after a restart
 
@@ -87,6 +89,8 @@ def build_trainer(config: TrainerConfig) -> BuiltTrainer:
                                    max_batch_positions=c.max_batch_positions,
                                    max_adapters_per_tenant=c.max_adapters_per_tenant,
                                    micro_batch_positions=c.micro_batch_positions,
+                                   max_tenant_memory_mb=c.max_tenant_memory_mb,
+                                   max_queued_per_tenant=c.max_queued_per_tenant,
                                    max_serving_rank=c.max_serving_rank, persist_state=c.persist_state)  # fmt: skip
         trainer_pb2_grpc.add_TrainerServiceServicer_to_server(servicer, server)
 

@@ -46,9 +46,23 @@ def serve(
         int,
         typer.Option(
             help="Padded positions per micro-batch: a bigger Forward/ForwardBackward runs in parts with "
-            "gradient accumulation, other adapters' jobs between them."
+            "gradient accumulation, other tenants' and adapters' jobs between them."
         ),
-    ] = 1 << 14,
+    ] = 1 << 12,
+    max_tenant_memory_mb: Annotated[
+        int,
+        typer.Option(
+            help="LoRA memory one tenant's adapters may hold in this trainer, MiB: weights + gradients + AdamW "
+            "moments, weighed at CreateAdapter before anything is allocated (admins are not counted; 0: no limit)."
+        ),
+    ] = 16384,
+    max_queued_per_tenant: Annotated[
+        int,
+        typer.Option(
+            help="Forward/ForwardBackward/OptimStep/Save* requests one tenant may have queued or running on the "
+            "compute thread; more are refused before their payload is converted (admins are not counted; 0: no limit)."
+        ),
+    ] = 64,
     max_serving_rank: Annotated[
         int,
         typer.Option(
@@ -95,6 +109,10 @@ def serve(
         raise typer.BadParameter("dtype must be float32 or bfloat16", param_hint="--dtype")
     if max_adapters_per_tenant < 0:
         raise typer.BadParameter("must be at least 0 (0: no limit)", param_hint="--max-adapters-per-tenant")
+    if max_tenant_memory_mb < 0:
+        raise typer.BadParameter("must be at least 0 (0: no limit)", param_hint="--max-tenant-memory-mb")
+    if max_queued_per_tenant < 0:
+        raise typer.BadParameter("must be at least 0 (0: no limit)", param_hint="--max-queued-per-tenant")
     if micro_batch_positions < 1:
         raise typer.BadParameter("must be at least 1", param_hint="--micro-batch-positions")
     if max_batch_positions < 1:
@@ -108,6 +126,7 @@ def serve(
         registry_ca=registry_ca, device=device, dtype="float32" if dtype == "float32" else "bfloat16",
         max_resident_adapters=max_resident_adapters, spill_dir=spill_dir, max_batch_tokens=max_batch_tokens,
         max_batch_positions=max_batch_positions, max_adapters_per_tenant=max_adapters_per_tenant,
-        micro_batch_positions=micro_batch_positions, max_serving_rank=max_serving_rank, persist_state=persist_state,
+        micro_batch_positions=micro_batch_positions, max_tenant_memory_mb=max_tenant_memory_mb,
+        max_queued_per_tenant=max_queued_per_tenant, max_serving_rank=max_serving_rank, persist_state=persist_state,
     )  # fmt: skip
     serve_trainer(config)

@@ -1,8 +1,14 @@
-"""Compute scheduling: one compute thread; FIFO per adapter; round-robin across adapters.
+"""Compute scheduling: one compute thread; FIFO per adapter; round-robin across tenants, then across adapters.
 
 A request's payload is fully received and validated before it is queued, so a slow client never holds
-the compute thread, and an adapter with a long queue cannot starve the others: after each job its adapter
-goes to the back of the ready ring.
+the compute thread. Fair share is by tenant (the adapter name's first segment, ownership.py tenant_of; names
+without one share the lane ""): a ring of tenants with ready work, and inside each tenant a ring of its
+adapters. One job (or one part of a run_parts job) per turn, after which the tenant goes to the back of the
+tenant ring and the adapter to the back of its tenant's ring: a tenant with 40 busy adapters gets one turn for
+each turn of a tenant with one, and inside a tenant no adapter starves another.
+
+Admission (admission.py) bounds the jobs one tenant has waiting here: the handler takes a ticket before it
+converts its payload, and the ticket is given back when the job leaves the scheduler (done, failed, skipped).
 """
 
 from __future__ import annotations
@@ -16,6 +22,9 @@ from typing import Any, TypeVar
 
 from prometheus_client import Counter
 
+from opentinker.trainer_server.admission import Ticket, claim_ticket
+from opentinker.trainer_server.ownership import tenant_of
+
 T = TypeVar("T")
 
 CANCELLED_JOBS = Counter(
@@ -25,6 +34,11 @@ CANCELLED_JOBS = Counter(
 )
 
 
+def lane_of(adapter: str) -> str:
+    """The tenant whose turn an adapter's jobs take: its name's first segment, "" for names without one."""
+    return tenant_of(adapter) or ""
+
+
 @dataclass(slots=True)
 class _Job:
     fn: Callable[[], Any]
@@ -32,12 +46,14 @@ class _Job:
     undo: Callable[[Any], None] | None
     rest: list[Callable[[], Any]] = field(default_factory=list)  # parts still to run after fn (run_parts)
     done: list[Any] | None = None  # results of the parts run so far (run_parts only)
+    ticket: Ticket | None = None  # the admission place it holds until it leaves the scheduler
 
 
 class AdapterScheduler:
     def __init__(self) -> None:
-        self._queues: dict[str, collections.deque[_Job]] = {}
-        self._ring: collections.deque[str] = collections.deque()
+        self._queues: dict[str, collections.deque[_Job]] = {}  # per adapter; present iff it has queued jobs
+        self._lanes: dict[str, collections.deque[str]] = {}  # per tenant: its adapters with queued jobs, in turn
+        self._ring: collections.deque[str] = collections.deque()  # tenants with queued jobs, in turn
         self._wakeup = asyncio.Event()
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainer-compute")
         self._task: asyncio.Task[None] | None = None
@@ -63,33 +79,54 @@ class AdapterScheduler:
         is reverted by undo(result) before the next job starts, so an unacknowledged request leaves no trace.
         """
         future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
-        queue = self._queues.setdefault(adapter, collections.deque())
-        queue.append(_Job(fn, future, undo))
-        if len(queue) == 1:
-            self._ring.append(adapter)
-        self._wakeup.set()
+        self._enqueue(adapter, _Job(fn, future, undo, ticket=claim_ticket()))
         return await future
 
     async def run_parts(
         self, adapter: str, parts: Sequence[Callable[[], T]], undo: Callable[[list[T]], None] | None = None
     ) -> list[T]:
-        """Like run, for a request in parts: one part per turn of the adapter's lane, other adapters' jobs run
-        between them, and none of this adapter's later requests starts before the last part. A request whose
-        caller gave up, or whose part failed, is reverted by undo(results of the parts that ran)."""
+        """Like run, for a request in parts: one part per turn (other tenants' and adapters' jobs run between
+        them), and none of this adapter's later requests starts before the last part. A request whose caller
+        gave up, or whose part failed, is reverted by undo(results of the parts that ran)."""
         future: asyncio.Future[list[T]] = asyncio.get_running_loop().create_future()
-        queue = self._queues.setdefault(adapter, collections.deque())
-        queue.append(_Job(parts[0], future, undo, rest=list(parts[1:]), done=[]))
-        if len(queue) == 1:
-            self._ring.append(adapter)
-        self._wakeup.set()
+        self._enqueue(adapter, _Job(parts[0], future, undo, rest=list(parts[1:]), done=[], ticket=claim_ticket()))
         return await future
 
-    def _again(self, adapter: str, job: _Job) -> None:
-        """The next part of a job: first in its adapter's queue, its adapter at the back of the ring."""
-        queue = self._queues.setdefault(adapter, collections.deque())
-        queue.appendleft(job)
-        if adapter not in self._ring:
-            self._ring.append(adapter)
+    def _enqueue(self, adapter: str, job: _Job, *, first: bool = False) -> None:
+        """Adds a job to its adapter's queue (first: the next part of a job, ahead of the adapter's later
+        requests); an adapter that had none joins the back of its tenant's ring, a tenant that had none the
+        back of the tenant ring."""
+        queue = self._queues.get(adapter)
+        if queue is None:
+            queue = self._queues[adapter] = collections.deque()
+            tenant = lane_of(adapter)
+            lane = self._lanes.get(tenant)
+            if lane is None:
+                lane = self._lanes[tenant] = collections.deque()
+                self._ring.append(tenant)
+            lane.append(adapter)
+        if first:
+            queue.appendleft(job)
+        else:
+            queue.append(job)
+        self._wakeup.set()
+
+    def _next(self) -> tuple[str, _Job]:
+        """The job whose turn it is; its adapter and tenant go to the back of their rings if they have more."""
+        tenant = self._ring.popleft()
+        lane = self._lanes[tenant]
+        adapter = lane.popleft()
+        queue = self._queues[adapter]
+        job = queue.popleft()
+        if queue:
+            lane.append(adapter)
+        else:
+            del self._queues[adapter]
+        if lane:
+            self._ring.append(tenant)
+        else:
+            del self._lanes[tenant]
+        return adapter, job
 
     async def _dispatch(self) -> None:
         loop = asyncio.get_running_loop()
@@ -97,17 +134,12 @@ class AdapterScheduler:
             await self._wakeup.wait()
             self._wakeup.clear()
             while self._ring:
-                adapter = self._ring.popleft()
-                queue = self._queues[adapter]
-                job = queue.popleft()
-                if queue:
-                    self._ring.append(adapter)
-                else:
-                    del self._queues[adapter]
+                adapter, job = self._next()
                 if job.future.cancelled():  # the client gave up while queued: skip the work
                     if job.done and job.undo is not None:  # between parts: revert the parts that ran
                         await loop.run_in_executor(self._executor, job.undo, job.done)
                     CANCELLED_JOBS.labels("undone" if job.done else "queued").inc()
+                    _leave(job)
                     continue
                 self.running = 1
                 try:
@@ -123,7 +155,7 @@ class AdapterScheduler:
                         result = job.done
                         if job.rest and not job.future.cancelled():
                             job.fn = job.rest.pop(0)
-                            self._again(adapter, job)
+                            self._enqueue(adapter, job, first=True)
                             continue  # (the finally below runs: running back to 0)
                     if not job.future.cancelled():
                         job.future.set_result(result)
@@ -133,3 +165,11 @@ class AdapterScheduler:
                 finally:
                     self.running = 0
                 self.completed += 1
+                _leave(job)
+
+
+def _leave(job: _Job) -> None:
+    """The job is out of the scheduler: its admission place is free once its handler is done too."""
+    if job.ticket is not None:
+        job.ticket.release()
+        job.ticket = None

@@ -19,11 +19,17 @@ from opentinker.rpc.errors import (
 from opentinker.rpc.faults import fault_point
 from opentinker.rpc.registry_link import fetch_artifact, push_artifact, registry_call
 from opentinker.trainer_server.adapter import AdapterState
+from opentinker.trainer_server.admission import DEFAULT_MAX_QUEUED_PER_TENANT, QueueAdmission, queued
 from opentinker.trainer_server.batch import DEFAULT_MAX_BATCH_POSITIONS, build_batch, split_batch
 from opentinker.trainer_server.losses import LOSS_FNS, resolve_config
 from opentinker.trainer_server.micro_batch import DEFAULT_MICRO_BATCH_POSITIONS, merge_outputs, release_after
 from opentinker.trainer_server.ownership import state_owner
-from opentinker.trainer_server.quota import DEFAULT_MAX_ADAPTERS_PER_TENANT, TenantQuota
+from opentinker.trainer_server.quota import (
+    DEFAULT_MAX_ADAPTERS_PER_TENANT,
+    DEFAULT_MAX_TENANT_MEMORY_MB,
+    TenantQuota,
+    lora_parameters,
+)
 from opentinker.trainer_server.scheduler import AdapterScheduler
 from opentinker.trainer_server.start_point import (
     DEFAULT_MAX_SERVING_RANK,
@@ -79,6 +85,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         max_batch_positions: int = DEFAULT_MAX_BATCH_POSITIONS,
         max_adapters_per_tenant: int = DEFAULT_MAX_ADAPTERS_PER_TENANT,
         micro_batch_positions: int = DEFAULT_MICRO_BATCH_POSITIONS,
+        max_tenant_memory_mb: int = DEFAULT_MAX_TENANT_MEMORY_MB,
+        max_queued_per_tenant: int = DEFAULT_MAX_QUEUED_PER_TENANT,
         max_serving_rank: int = DEFAULT_MAX_SERVING_RANK,
         persist_state: bool = False,
     ) -> None:
@@ -88,7 +96,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         self.metadata = registry_metadata
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_positions = max_batch_positions
-        self.quota = TenantQuota(max_adapters_per_tenant)
+        self.quota = TenantQuota(max_adapters_per_tenant, max_tenant_memory_mb)
+        self.admission = QueueAdmission(max_queued_per_tenant)
         self.micro_batch_positions = micro_batch_positions
         self.max_serving_rank = max_serving_rank
         self.persist_state = persist_state  # a full state with every snapshot (lineage.state_id)
@@ -114,7 +123,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         check_lora(request.lora_config)
         check_serving_rank(request.lora_config.rank, self.max_serving_rank)
         check_start(request)
-        self.trainer.base.resolve_targets(list(request.lora_config.target_modules))
+        targets = self.trainer.base.resolve_targets(list(request.lora_config.target_modules))
         adam = request.adam_params if request.HasField("adam_params") else None
         if adam is not None:
             check_adam(adam)
@@ -124,7 +133,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
                 f"(`opentinker trainer delete {name}`)",
                 reason="ADAPTER_EXISTS",
             )
-        with self.quota.reserve(principal, self.trainer.adapters):
+        shapes = self.trainer.base.module_shapes()  # weighed before anything is allocated
+        num_parameters = lora_parameters(request.lora_config.rank, [shapes[t] for t in targets])
+        with self.quota.reserve(principal, name, self.trainer.adapters, num_parameters):
             return await self._create(name, principal, request, adam)
 
     async def _create(
@@ -259,6 +270,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
                                     reason="BATCH_TOO_LARGE", field="datums")  # fmt: skip
         return batch
 
+    @queued
     async def ForwardBackward(self, request: trainer_pb2.ForwardBackwardRequest, context: Context) -> Any:
         name = self._known(request.adapter)
         config = resolve_config(request.loss_fn, dict(request.loss_fn_config))
@@ -292,6 +304,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             loss_fn_outputs=_outputs(result), metrics=result.metrics, batch_digest=batch.digest, step=step
         )
 
+    @queued
     async def Forward(self, request: trainer_pb2.ForwardRequest, context: Context) -> Any:
         name = self._known(request.adapter)
         loss_fn = request.loss_fn or "cross_entropy"
@@ -311,6 +324,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         result = merge_outputs(parts, outputs)
         return trainer_pb2.ForwardResponse(loss_fn_outputs=_outputs(result), metrics=result.metrics)
 
+    @queued
     async def OptimStep(self, request: trainer_pb2.OptimStepRequest, context: Context) -> Any:
         name = self._known(request.adapter)
         adam = request.adam_params if request.HasField("adam_params") else None
@@ -321,6 +335,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
 
     # Snapshots and states
 
+    @queued
     async def SaveSnapshot(self, request: trainer_pb2.SaveSnapshotRequest, context: Context) -> Any:
         name = self._known(request.adapter)
         aliases = list(request.aliases)
@@ -364,6 +379,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         await self.scheduler.run(name, record)
         return trainer_pb2.SaveSnapshotResponse(version=response.version, event_id=response.event_id)
 
+    @queued
     async def SaveState(self, request: trainer_pb2.SaveStateRequest, context: Context) -> Any:
         name = self._known(request.adapter)
         label = request.label or "state"

@@ -337,7 +337,7 @@ def test_adapter_quota_and_memory_after_delete(
 
 # --- case 3, part two: a big request runs in micro-batches, and computes what separate requests would -----------
 
-MICRO = 4096  # the module's --micro-batch-positions (the default is 16384)
+MICRO = 4096  # the module's --micro-batch-positions (also the default)
 LENGTHS = [700, 300, 900, 50, 1000, 400, 800, 200, 600, 100, 500, 1000]  # 12 x 1000 padded: over MICRO
 
 
