@@ -350,7 +350,7 @@ def test_calls_in_flight_are_bounded_per_tenant(registry: Registry, figure: Any)
     try:
         assert wait_until(lambda: sum(call.done() for call in calls) >= 40 - MAX_CALLS)
         time.sleep(0.5)  # nothing else completes: the accepted ones are waiting for their first message
-        refused = [status_of(call.exception()) for call in calls if call.done()]  # type: ignore[arg-type]
+        refused = [status_of(call.exception()) for call in calls if call.done()]
         assert refused == [("RESOURCE_EXHAUSTED", "TOO_MANY_REQUESTS")] * (40 - MAX_CALLS)
         with pytest.raises(grpc.RpcError) as more:
             stub.ListAdapters(registry_pb2.ListAdaptersRequest(prefix="team-a/"), metadata=md_a)
