@@ -18,9 +18,9 @@ gateway 8 MiB JSON the gateway's event loop        8 MB JSON asample bodies (par
 Every abuse but "sampler flood" and "limit batch" is refused by its bound (tests/reliability/test_noisy_*.py assert
 the statuses); "sampler flood" runs within team-a's share of the batch (--max-seqs-per-tenant: a free slot goes to
 the tenant holding the fewest), and "limit batch" is allowed and runs in micro-batches (--micro-batch-positions),
-so team-b's jobs wait for at most one of them. The gateway cases go through a gateway process in front of the servers (a keys file with both tenants);
-team-b's call there is the tinker protocol over HTTP: an asample and its retrieve_future. team-b must see no
-error in any window.
+so team-b's jobs wait for at most one of them. The gateway cases go through a gateway process in front of the
+servers (a keys file with both tenants); team-b's call there is the tinker protocol over HTTP: an asample and its
+retrieve_future. team-b must see no error in any window.
 
   .venv/bin/python bench/noisy_neighbours.py [--quick] [--only CASE-PREFIX]
 """

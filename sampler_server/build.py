@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from opentinker.sampler_server.kernels import Backend
 
 log = logging.getLogger("opentinker.sampler")
-Dtype = Literal["float32", "bfloat16"]
+Dtype = Literal["auto", "float32", "bfloat16"]
 CpuGemm = Literal["onednn", "torch"]  # float32 CPU base matmuls: oneDNN packed weights or torch's dense GEMM
 # The default bound of a text prompt: a prompt_text of more bytes than this per token of the context would hardly
 # fit it anyway (English runs ~4 bytes a token, CJK ~3), and tokenizing it costs CPU and memory per byte.
@@ -48,7 +48,7 @@ class SamplerConfig:
     registry_ca: Path | None = None
     revision: str | None = None  # of a hub id: the cached snapshot to use (None: main)
     device: str = "auto"  # auto, cpu or cuda
-    dtype: Dtype = "float32"
+    dtype: Dtype = "auto"  # auto: bfloat16 on CUDA, float32 on the CPU
     max_slots: int = 32
     max_rank: int = 64
     max_seqs: int = 64
@@ -108,7 +108,7 @@ def build_sampler(config: SamplerConfig) -> BuiltSampler:
     from opentinker.sampler_server.slot_pool import SlotPool
     from opentinker.v1 import common_pb2, registry_pb2_grpc, sampler_pb2, sampler_pb2_grpc
     from opentinker.weights.artifact_store import ArtifactStore
-    from opentinker.weights.base_model import model_digest, pick_device, resolve_model_dir
+    from opentinker.weights.base_model import model_digest, pick_device, pick_dtype, resolve_model_dir
     from opentinker.weights.model_config import load_config
 
     c = config
@@ -116,7 +116,8 @@ def build_sampler(config: SamplerConfig) -> BuiltSampler:
     max_seqs, max_batch_tokens = c.max_seqs, c.max_batch_tokens
     per_tenant = default_tenant_slots(max_seqs) if c.max_seqs_per_tenant is None else c.max_seqs_per_tenant
     torch_device = torch.device(pick_device(c.device))
-    torch_dtype = torch.float32 if c.dtype == "float32" else torch.bfloat16
+    dtype = pick_dtype(c.dtype, torch_device.type)
+    torch_dtype = torch.float32 if dtype == "float32" else torch.bfloat16
     lora_kernel = resolve_kernel(c.kernel, torch_device.type)  # the engine runs it, GetSamplerInfo reports it
     model_dir = resolve_model_dir(model, c.revision)
     model_config = load_config(model_dir)
@@ -157,7 +158,7 @@ def build_sampler(config: SamplerConfig) -> BuiltSampler:
     info = common_pb2.BaseModelInfo(
         model=model, model_digest=digest, architecture=model_config.arch, vocab_size=model_config.vocab_size,
         hidden_size=model_config.hidden_size, num_layers=model_config.num_layers, max_position_embeddings=context,
-        dtype=c.dtype, device=str(torch_device), lora_target_modules=sorted({m.rsplit(".", 1)[-1] for m in shapes}),
+        dtype=dtype, device=str(torch_device), lora_target_modules=sorted({m.rsplit(".", 1)[-1] for m in shapes}),
     )  # fmt: skip
     metadata = bearer_metadata(registry_token) or None
     state: dict[str, object] = {}

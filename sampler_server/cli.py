@@ -27,7 +27,9 @@ def serve(
     revision: Annotated[
         str | None, typer.Option(help="Of a hub id --model: the cached commit, branch or tag (as `hf download`).")
     ] = None,
-    dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "float32",
+    dtype: Annotated[
+        str, typer.Option(help="auto (bfloat16 on CUDA, float32 on the CPU), float32 or bfloat16.")
+    ] = "auto",
     max_slots: Annotated[int, typer.Option(help="Adapter versions resident at once.")] = 32,
     max_rank: Annotated[int, typer.Option(help="Largest LoRA rank served (smaller ranks are zero-padded).")] = 64,
     max_seqs: Annotated[int, typer.Option(help="Sequences in a batch (KV-cache slots).")] = 64,
@@ -121,8 +123,8 @@ def serve(
     exit_if_unsafe("sampler", exposure)
     check_ports(host, port, metrics_port)  # a busy port or a missing model: found before the model loads
     check_model(model, revision)
-    if dtype not in ("float32", "bfloat16"):
-        raise typer.BadParameter("dtype must be float32 or bfloat16", param_hint="--dtype")
+    if dtype not in ("auto", "float32", "bfloat16"):
+        raise typer.BadParameter("dtype must be auto, float32 or bfloat16", param_hint="--dtype")
     if cpu_gemm not in ("onednn", "torch"):
         raise typer.BadParameter("cpu-gemm must be onednn or torch", param_hint="--cpu-gemm")
     if kernel not in ("auto", "segments", "reference", "triton"):

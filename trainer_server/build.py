@@ -27,7 +27,7 @@ class TrainerConfig:
     registry_ca: Path | None = None
     revision: str | None = None  # of a hub id: the cached snapshot to use (None: main)
     device: str = "auto"  # auto, cpu or cuda
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bfloat16 on CUDA, float32 on the CPU
     max_resident_adapters: int = 0  # 0: no limit
     spill_dir: Path | None = None  # None: <store>/../trainer-spill
     max_batch_tokens: int = 1 << 20
@@ -64,14 +64,15 @@ def build_trainer(config: TrainerConfig) -> BuiltTrainer:
     from opentinker.trainer_server.trainer import Trainer
     from opentinker.v1 import registry_pb2_grpc, trainer_pb2, trainer_pb2_grpc
     from opentinker.weights.artifact_store import ArtifactStore
-    from opentinker.weights.base_model import pick_device
+    from opentinker.weights.base_model import pick_device, pick_dtype
 
     c = config
     model, store, registry, registry_token, registry_ca = c.model, c.store, c.registry, c.registry_token, c.registry_ca
     artifacts = ArtifactStore(store, fault_hook=faults.configure())  # no hook unless a test arms one
     artifacts.cleanup_temp()
     with spinner(f"loading {model}"):
-        base = BaseModel(model, device=pick_device(c.device), dtype=c.dtype, revision=c.revision)
+        device = pick_device(c.device)
+        base = BaseModel(model, device=device, dtype=pick_dtype(c.dtype, device), revision=c.revision)
     trainer = Trainer(base, artifacts, max_resident=c.max_resident_adapters,
                       spill_dir=c.spill_dir or store.parent / "trainer-spill")  # fmt: skip
     scheduler = AdapterScheduler()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal, cast
 
 import typer
 
@@ -27,7 +27,9 @@ def serve(
     revision: Annotated[
         str | None, typer.Option(help="Of a hub id --model: the cached commit, branch or tag (as `hf download`).")
     ] = None,
-    dtype: Annotated[str, typer.Option(help="Base weights dtype: float32 or bfloat16.")] = "float32",
+    dtype: Annotated[
+        str, typer.Option(help="auto (bfloat16 on CUDA, float32 on the CPU), float32 or bfloat16.")
+    ] = "auto",
     max_resident_adapters: Annotated[
         int, typer.Option(help="Adapters kept on the device; idle ones move off LRU (0: no limit).")
     ] = 0,
@@ -105,8 +107,8 @@ def serve(
     exit_if_unsafe("trainer", exposure)
     check_ports(host, port, metrics_port)  # a busy port or a missing model: found before the model loads
     check_model(model, revision)
-    if dtype not in ("float32", "bfloat16"):
-        raise typer.BadParameter("dtype must be float32 or bfloat16", param_hint="--dtype")
+    if dtype not in ("auto", "float32", "bfloat16"):
+        raise typer.BadParameter("dtype must be auto, float32 or bfloat16", param_hint="--dtype")
     if max_adapters_per_tenant < 0:
         raise typer.BadParameter("must be at least 0 (0: no limit)", param_hint="--max-adapters-per-tenant")
     if max_tenant_memory_mb < 0:
@@ -123,7 +125,7 @@ def serve(
                                  max_message_mb)  # fmt: skip
     config = TrainerConfig(
         model=model, revision=revision, registry=registry, store=store, server=options, registry_token=registry_token,
-        registry_ca=registry_ca, device=device, dtype="float32" if dtype == "float32" else "bfloat16",
+        registry_ca=registry_ca, device=device, dtype=cast("Literal['auto', 'float32', 'bfloat16']", dtype),
         max_resident_adapters=max_resident_adapters, spill_dir=spill_dir, max_batch_tokens=max_batch_tokens,
         max_batch_positions=max_batch_positions, max_adapters_per_tenant=max_adapters_per_tenant,
         micro_batch_positions=micro_batch_positions, max_tenant_memory_mb=max_tenant_memory_mb,

@@ -74,3 +74,11 @@ def pick_device(requested: str) -> str:
     if requested == "cuda" and not torch.cuda.is_available():
         raise InvalidArgument("--device cuda requested but CUDA is not available", reason="NO_CUDA")
     return requested
+
+
+def pick_dtype(requested: str, device: str) -> str:
+    """`auto` is bfloat16 on CUDA (the weights' own precision in every checkpoint served) and float32 on the CPU
+    (exact: the trainer and the sampler agree to 1e-5, docs/models.md); an explicit dtype is kept."""
+    if requested == "auto":
+        return "bfloat16" if device == "cuda" else "float32"
+    return requested
