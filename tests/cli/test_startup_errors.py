@@ -78,7 +78,7 @@ def test_a_busy_metrics_port_names_its_flag(tmp_path: Path, busy_port: int) -> N
 def test_a_bad_flag_value_is_one_line(tiny_model: Path, tmp_path: Path) -> None:
     result = run(*server_args("trainer", str(tiny_model), tmp_path, "--port", "0", "--dtype", "float8"))
     assert result.returncode == 2
-    assert one_line(result) == "opentinker trainer: invalid value for --dtype: dtype must be float32 or bfloat16"
+    assert one_line(result) == "opentinker trainer: invalid value for --dtype: dtype must be auto, float32 or bfloat16"
 
 
 def test_the_gateway_names_its_busy_port(busy_port: int) -> None:
