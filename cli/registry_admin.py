@@ -8,17 +8,17 @@ from collections.abc import Callable, Iterator
 from contextlib import closing, contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import Annotated
 
 import typer
 from rich.table import Table
 
 from opentinker.cli import registry_json as out
 from opentinker.cli.console import table_console
-from opentinker.cli.failure import describe
+from opentinker.cli.failure import reported
 from opentinker.cli.options import DEFAULT_REGISTRY, AsJson, CaCert, RegistryAddr, Token
 from opentinker.cli.rollback_notice import LATEST, rollback_notice
-from opentinker.client import OpenTinkerError, Reconcile, RegistryClient, Version
+from opentinker.client import Reconcile, RegistryClient, Version
 
 console = table_console()  # piped: wide enough that no column is cut
 TRACES_SHOWN = 4  # trace ids per version in the lineage table
@@ -30,16 +30,8 @@ def connect(address: str, token: str | None, ca_cert: Path | None) -> Iterator[R
     """The registry's client for the block; a failed call in it prints `error: CODE: message [REASON]` and
     exits 1 (no traceback)."""
     # No deadline, as before: an admin call (gc, a long watch) takes as long as it takes.
-    with RegistryClient(address, token, timeout=None, ca_cert=ca_cert) as client:
-        try:
-            yield client
-        except OpenTinkerError as exc:
-            fail(describe(exc, ca_cert))
-
-
-def fail(message: str) -> NoReturn:
-    print(f"error: {message}", file=sys.stderr)
-    raise typer.Exit(1)
+    with RegistryClient(address, token, timeout=None, ca_cert=ca_cert) as client, reported(ca_cert):
+        yield client
 
 
 def when(moment: datetime) -> str:

@@ -5,42 +5,33 @@ PERMISSION_DENIED). A failed call prints one line, `error: CODE: message [REASON
 from __future__ import annotations
 
 import dataclasses
-import json
-import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
-from opentinker.cli.failure import describe
+from opentinker.cli import registry_json as out
+from opentinker.cli.console import table_console
+from opentinker.cli.failure import reported
 from opentinker.cli.options import AsJson, CaCert, Token
-from opentinker.client import OpenTinkerError, ServiceClient, TrainingAdapterInfo
+from opentinker.client import ServiceClient, TrainingAdapterInfo
 
 TRAINER_PORT = 7071
 DEFAULT_TRAINER = f"127.0.0.1:{TRAINER_PORT}"
 TrainerAddr = Annotated[str, typer.Option("--trainer", envvar="OPENTINKER_TRAINER", help="Trainer address host:port.")]
 
-console = Console()
+console = table_console()  # piped: wide enough that no column is cut
 
 
 @contextmanager
 def connect(address: str, token: str | None, ca_cert: Path | None) -> Iterator[ServiceClient]:
     # No deadline: loading a version or saving a state of a big adapter takes as long as it takes.
-    with ServiceClient(trainer=address, token=token, timeout=None, ca_cert=ca_cert) as client:
-        try:
-            yield client
-        except OpenTinkerError as exc:
-            fail(describe(exc, ca_cert))
-
-
-def fail(message: str) -> NoReturn:
-    print(f"error: {message}", file=sys.stderr)
-    raise typer.Exit(1)
+    with ServiceClient(trainer=address, token=token, timeout=None, ca_cert=ca_cert) as client, reported(ca_cert):
+        yield client
 
 
 def _plain(value: Any) -> Any:
@@ -57,7 +48,7 @@ def _plain(value: Any) -> Any:
 
 
 def print_json(value: object) -> None:
-    print(json.dumps(_plain(value), indent=2, sort_keys=True))
+    out.print_json(_plain(value))
 
 
 def _parent(info: TrainingAdapterInfo) -> str:

@@ -202,3 +202,21 @@ class PeftReference:
         targets = torch.tensor(list(tokens[1:]))
         result: list[float] = logits[:-1].log_softmax(-1).gather(1, targets[:, None]).squeeze(1).tolist()
         return result
+
+
+Outputs = list[dict[int, list[int]]]  # per request of a workload: sample index -> tokens
+
+
+def seeded_samples(sampler: Sampler, metadata: list[tuple[str, str]]) -> Outputs:
+    """team-b's normal traffic in the two-tenant tests: seeded samples (n=2) of its adapter team-b/policy@1 and
+    one of the base model, one after another."""
+    requests = [
+        request("team-b/policy@1", prompt(10 + i), params(temperature=1.0, seed=100 + i, max_tokens=10), num_samples=2)
+        for i in range(3)
+    ]
+    requests.append(request("base", prompt(20), params(temperature=0.8, seed=7, max_tokens=10), num_samples=2))
+    outputs: Outputs = []
+    for req in requests:
+        result = collect(sampler.Sample(req, metadata=metadata, timeout=120))
+        outputs.append({i: s.tokens for i, s in result.samples.items()})
+    return outputs

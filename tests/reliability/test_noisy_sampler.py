@@ -17,7 +17,7 @@ import pytest
 from faultutil import lora_files, metric, scrape, wait_for
 from overflowutil import out_of_range_lora_files, overflowing_lora_files
 from registryutil import upload
-from samplerutil import collect, params, prompt, request
+from samplerutil import Outputs, params, prompt, request, seeded_samples
 from serverproc import ServerProcess, start_registry, start_sampler
 from tlsutil import write_tokens
 from trainerutil import assert_status, model_input, rpc_error
@@ -32,7 +32,6 @@ MEMORY_BOUND = 64 * MiB  # the sampler's PSS after an abuse, above its PSS befor
 HUGE_REQUEST_MEMORY_BOUND = 192 * MiB
 WORKLOAD_ROUNDS = 2
 NON_FINITE = "opentinker_sampler_non_finite_requests_total"
-Outputs = list[dict[int, list[int]]]  # per request of the workload: sample index -> tokens
 
 
 @dataclass
@@ -63,17 +62,7 @@ class Noisy:
 
 
 def workload(noisy: Noisy) -> Outputs:
-    """team-b's normal traffic: seeded samples (n=2) of its adapter and one of the base model, one after another."""
-    requests = [
-        request("team-b/policy@1", prompt(10 + i), params(temperature=1.0, seed=100 + i, max_tokens=10), num_samples=2)
-        for i in range(3)
-    ]
-    requests.append(request("base", prompt(20), params(temperature=0.8, seed=7, max_tokens=10), num_samples=2))
-    outputs: Outputs = []
-    for req in requests:
-        result = collect(noisy.sampler.Sample(req, metadata=noisy.md("team-b"), timeout=120))
-        outputs.append({i: s.tokens for i, s in result.samples.items()})
-    return outputs
+    return seeded_samples(noisy.sampler, noisy.md("team-b"))
 
 
 def during(noisy: Noisy, abuse: Callable[[], object]) -> tuple[object, list[Outputs], list[BaseException]]:

@@ -16,7 +16,7 @@ import grpc
 import pytest
 from faultutil import lora_files, wait_for
 from registryutil import upload
-from samplerutil import collect, params, prompt, request
+from samplerutil import Outputs, collect, params, request, seeded_samples
 from serverproc import ServerProcess, start_registry, start_sampler
 from tlsutil import write_tokens
 from trainerutil import assert_status, random_tokens, rpc_error
@@ -31,7 +31,6 @@ TEAM_A_SLOTS = 3  # --max-seqs-per-tenant's default: 3/4 of --max-seqs
 QUEUE_CAP = 6  # --max-queued-per-tenant
 REFUSED = 4  # team-a's requests beyond its queue cap
 LONG = 1000  # tokens of each of team-a's requests: far longer than all of team-b's workload
-Outputs = list[dict[int, list[int]]]  # per request of the workload: sample index -> tokens
 
 
 @dataclass
@@ -52,17 +51,7 @@ class Flood:
 
 
 def workload(flood: Flood) -> Outputs:
-    """team-b's normal traffic: seeded samples (n=2) of its adapter and of the base model, one after another."""
-    requests = [
-        request("team-b/policy@1", prompt(10 + i), params(temperature=1.0, seed=100 + i, max_tokens=10), num_samples=2)
-        for i in range(3)
-    ]
-    requests.append(request("base", prompt(20), params(temperature=0.8, seed=7, max_tokens=10), num_samples=2))
-    outputs: Outputs = []
-    for req in requests:
-        result = collect(flood.sampler.Sample(req, metadata=flood.md("team-b"), timeout=120))
-        outputs.append({i: s.tokens for i, s in result.samples.items()})
-    return outputs
+    return seeded_samples(flood.sampler, flood.md("team-b"))
 
 
 def long_prompt(flood: Flood) -> list[int]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import functools
 import json
 import secrets
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +19,7 @@ import torch
 import trainerutil
 from safetensors.torch import load, save
 from serverproc import ServerProcess, registry_store, start_registry, start_trainer
-from trainerabuse import Tenant, alongside, memory_mib, seeded_training, status, tenant
+from trainerabuse import Tenant, beside, fresh, memory_mib, seeded_training, status, tenant
 from trainerutil import assert_same, random_tokens, read_state, sft_batch, sft_datum
 
 from opentinker.client import Datum, LoraConfig, ModelInput, ServiceClient
@@ -68,22 +67,11 @@ def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     assert {"trainer": trainer.terminate(), "registry": registry.terminate()} == {"trainer": 0, "registry": 0}
 
 
-def fresh(who: str) -> str:
-    return f"{who}/{uuid.uuid4().hex[:8]}"
-
-
 @pytest.fixture(scope="module")
 def alone(stack: Stack) -> list[float]:
     """team-b's seeded workload with nobody else on the trainer: the reference every abuse test compares to."""
     outputs: list[float] = seeded_training(stack["team-b"], fresh("team-b"))
     return outputs
-
-
-def beside(stack: Stack, abuse: Callable[[], T], reference: list[float]) -> T:
-    """team-a's abuse while team-b runs its workload on a fresh adapter: team-b's outputs equal the run alone."""
-    result, outputs = alongside(abuse, lambda: seeded_training(stack["team-b"], fresh("team-b")))
-    assert outputs == reference, "team-b's seeded training changed while team-a abused the trainer"
-    return result
 
 
 # --- case 1: an optimizer step that blows the weights up is undone and refused ---------------------------------
@@ -104,7 +92,7 @@ def test_exploding_step_is_undone_and_refused(
         steps = [(1e30, 0.0), (1e12, 0.0), (3e38, 0.0), (1e30, 1e-3)]  # (learning rate, grad clip norm)
         return [status(functools.partial(a.optim_step, name, lr=lr, clip=clip)) for lr, clip in steps]
 
-    refused = beside(stack, abuse, alone)
+    refused = beside(stack["team-b"], abuse, alone)
     assert refused == [(grpc.StatusCode.FAILED_PRECONDITION, "WEIGHTS_OUT_OF_RANGE")] * 4
     # Bitwise as before: weights, gradients, AdamW moments, step, ledger (the state artifact is content-addressed).
     after_id = a.save_state(name)
@@ -170,7 +158,7 @@ def test_resumed_state_snapshots_in_its_own_history(stack: Stack, alone: list[fl
             versions.append(_snapshot(a, copy))
         return versions
 
-    versions = beside(stack, resume_and_snapshot, alone)
+    versions = beside(stack["team-b"], resume_and_snapshot, alone)
     assert versions == [(1, 0), (2, 1), (1, 0), (2, 1)]
 
 
@@ -240,7 +228,7 @@ def test_states_and_versions_of_another_tenant_are_unreachable(stack: Stack, alo
                           refusal(lambda: a.create(fresh("team-a"), init_from="team-b/no-such@1"), "team-b/no-such")),
         }  # fmt: skip
 
-    answers = beside(stack, abuse, alone)
+    answers = beside(stack["team-b"], abuse, alone)
     for what, (theirs, missing) in answers.items():
         assert theirs == missing, f"{what}: another tenant's answer differs from a missing one's: {theirs} {missing}"
     assert answers["LoadState"][0][:2] == (grpc.StatusCode.NOT_FOUND, "STATE_NOT_FOUND")
@@ -279,7 +267,7 @@ def test_padded_batches_are_bounded(stack: Stack, alone: list[float], figure: Ca
             answers.append(status(functools.partial(a.call, "Forward", request)))
         return answers
 
-    answers = beside(stack, abuse, alone)
+    answers = beside(stack["team-b"], abuse, alone)
     assert answers == [(grpc.StatusCode.RESOURCE_EXHAUSTED, "BATCH_TOO_LARGE")] * 4
     adapter = a.call("GetAdapter", trainer_pb2.TrainerServiceGetAdapterRequest(name=name)).adapter
     assert adapter.pending_batches == 0 and adapter.tokens_trained == 0  # refused before anything was computed
@@ -316,7 +304,7 @@ def test_adapter_quota_and_memory_after_delete(
             a.forward_backward(name, sft_batch(3))
             a.optim_step(name)
 
-    made, refused = beside(stack, abuse, alone)
+    made, refused = beside(stack["team-b"], abuse, alone)
     assert refused == (grpc.StatusCode.RESOURCE_EXHAUSTED, "TENANT_QUOTA")
     assert len(made) == QUOTA - held_before and len(team_adapters(a)) == QUOTA
     memory_full = memory_mib(stack.trainer)
@@ -369,7 +357,7 @@ def test_big_request_runs_in_micro_batches(
         parts = [a.forward_backward(parted, [datums[i] for i in group]) for group in groups]
         return big, parts
 
-    big, parts = beside(stack, big_and_parts, alone)
+    big, parts = beside(stack["team-b"], big_and_parts, alone)
     assert [list(o.tensors["logprobs"].float32_values) for o in big.loss_fn_outputs] == [
         list(o.tensors["logprobs"].float32_values) for p in parts for o in p.loss_fn_outputs
     ]

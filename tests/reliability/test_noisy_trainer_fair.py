@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import json
 import secrets
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +17,7 @@ from typing import TypeVar
 import grpc
 import pytest
 from serverproc import ServerProcess, start_registry, start_trainer
-from trainerabuse import Tenant, alongside, memory_mib, seeded_training, tenant
+from trainerabuse import Tenant, beside, fresh, memory_mib, seeded_training, tenant
 from trainerutil import sft_batch
 
 from opentinker.rpc.errors import error_info
@@ -66,22 +65,11 @@ def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     assert {"trainer": trainer.terminate(), "registry": registry.terminate()} == {"trainer": 0, "registry": 0}
 
 
-def fresh(who: str) -> str:
-    return f"{who}/{uuid.uuid4().hex[:8]}"
-
-
 @pytest.fixture(scope="module")
 def alone(stack: Stack) -> list[float]:
     """team-b's seeded workload with nobody else on the trainer: the reference every abuse test compares to."""
     outputs: list[float] = seeded_training(stack["team-b"], fresh("team-b"))
     return outputs
-
-
-def beside(stack: Stack, abuse: Callable[[], T], reference: list[float]) -> T:
-    """team-a's abuse while team-b runs its workload on a fresh adapter: team-b's outputs equal the run alone."""
-    result, outputs = alongside(abuse, lambda: seeded_training(stack["team-b"], fresh("team-b")))
-    assert outputs == reference, "team-b's seeded training changed while team-a abused the trainer"
-    return result
 
 
 def answer(call: Callable[[], object]) -> Answer:
@@ -130,7 +118,7 @@ def test_queue_flood_from_many_adapters_is_bounded_per_tenant(
                 sent.append((name, a.stub.ForwardBackward.future(request, metadata=a.metadata, timeout=120)))
         return [(name, answer(future.result)) for name, future in sent]
 
-    answers = beside(stack, flood, alone)
+    answers = beside(stack["team-b"], flood, alone)
     refused = [(name, got) for name, got in answers if got[0] is not None]
     accepted = [name for name, got in answers if got[0] is None]
     assert refused, "team-a's 32 requests at once never went over its queue limit"
@@ -174,7 +162,7 @@ def test_memory_quota_refuses_before_allocating(
             a.forward_backward(name, sft_batch(3))  # gradients and moments really allocated
             a.optim_step(name)
 
-    made, (code, reason, message) = beside(stack, fill, alone)
+    made, (code, reason, message) = beside(stack["team-b"], fill, alone)
     per_adapter = 16.0
     assert len(made) == int((MAX_MEMORY_MB - held_before) // per_adapter)
     assert (code, reason) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "TENANT_QUOTA")
@@ -189,7 +177,7 @@ def test_memory_quota_refuses_before_allocating(
     def refused_big() -> list[Answer]:
         return [answer(lambda: a.create(fresh("team-a"), rank=1024)) for _ in range(4)]
 
-    big = beside(stack, refused_big, alone)
+    big = beside(stack["team-b"], refused_big, alone)
     assert [got[:2] for got in big] == [(grpc.StatusCode.RESOURCE_EXHAUSTED, "TENANT_QUOTA")] * 4
     assert all("needs 32.0 MiB" in got[2] for got in big)
     memory_after = memory_mib(stack.trainer)

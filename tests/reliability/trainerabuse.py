@@ -4,6 +4,7 @@ the status a refused call got, and the trainer's memory."""
 from __future__ import annotations
 
 import concurrent.futures
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -99,3 +100,15 @@ def alongside(abuse: Callable[[], T], workload: Callable[[], list[float]]) -> tu
 def memory_mib(server: ServerProcess) -> float:
     """The trainer's proportional set size (PSS), MiB."""
     return tree_memory(server.process.pid) / MiB
+
+
+def fresh(who: str) -> str:
+    """A new adapter name of tenant `who`."""
+    return f"{who}/{uuid.uuid4().hex[:8]}"
+
+
+def beside(team_b: Tenant, abuse: Callable[[], T], reference: list[float]) -> T:
+    """team-a's abuse while team-b runs its workload on a fresh adapter: team-b's outputs equal the run alone."""
+    result, outputs = alongside(abuse, lambda: seeded_training(team_b, fresh("team-b")))
+    assert outputs == reference, "team-b's seeded training changed while team-a abused the trainer"
+    return result
