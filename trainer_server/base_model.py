@@ -20,6 +20,7 @@ from opentinker.rpc.errors import InvalidArgument
 from opentinker.v1 import common_pb2
 from opentinker.weights.base_model import ATTN_MODULES, MLP_MODULES, model_digest, resolve_model_dir
 from opentinker.weights.model_config import load_config
+from opentinker.weights.served_name import served_model_name
 
 
 @dataclass(slots=True)
@@ -72,7 +73,13 @@ class BaseModel:
     """HF causal LM, frozen, with LoraLinear hooks; compute happens on one thread at a time."""
 
     def __init__(
-        self, model_path: str, *, device: str = "cpu", dtype: str = "float32", revision: str | None = None
+        self,
+        model_path: str,
+        *,
+        device: str = "cpu",
+        dtype: str = "float32",
+        revision: str | None = None,
+        served_name: str | None = None,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -96,6 +103,7 @@ class BaseModel:
         self._inject()
         self.model_dir = model_dir
         self.digest = model_digest(model_dir)
+        self.served_name = served_model_name(model_path, served_name, model_dir)
 
     def _inject(self) -> None:
         targets = set(ATTN_MODULES + MLP_MODULES)
@@ -155,4 +163,5 @@ class BaseModel:
             dtype=self.dtype,
             device=str(self.device),
             lora_target_modules=sorted({n.rsplit(".", 1)[-1] for n in self.hooks}),
+            served_name=self.served_name,
         )
