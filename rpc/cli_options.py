@@ -30,7 +30,7 @@ ServedModelName = Annotated[
     str | None,
     typer.Option(
         help="Public name of a --model given as a directory, which clients send as base_model and load the "
-        "tokenizer by (default: the hub id its config.json names, else the directory's name). A hub id --model "
+        "tokenizer by (default: the hub id its config.json names, else the path as given). A hub id --model "
         "is its own name."
     ),
 ]

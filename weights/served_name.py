@@ -3,7 +3,8 @@ from a Hugging Face cache), the same in every process serving the same model.
 
 The name is, in order: the hub id given as `--model`; else `--served-model-name`; else the hub id the model's own
 `config.json` names (`_name_or_path`, which transformers writes when it saves a model it loaded from the hub); else
-the hub id of a cache snapshot directory (`.../models--org--name/snapshots/<rev>`); else the directory's name.
+the hub id of a cache snapshot directory (`.../models--org--name/snapshots/<rev>`); else the directory as given
+(a tokenizer id that loads on the machines sharing that path, as before names existed).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def served_model_name(model: str, served: str | None, model_dir: Path) -> str:
         return served
     if is_hub_id:
         return model
-    return _config_name(model_dir) or _cache_name(model_dir) or model_dir.resolve().name
+    return _config_name(model_dir) or _cache_name(model_dir) or model
 
 
 def _config_name(model_dir: Path) -> str | None:

@@ -26,6 +26,7 @@ from opentinker.weights.base_model import model_digest
 
 MODEL = "Qwen/Qwen3-4B-Instruct-2507"  # the cookbook's model_info knows it: renderer qwen3_instruct
 STEPS = 2
+CONTEXT = 4096
 HERE = Path(__file__).resolve().parent
 # One tenant (API key) per recipe: the registry's adapters of a tenant are the recipe's.
 RECIPES = ("math-rl", "sl", "rl-sync", "rl-async", "guess-number")
@@ -61,6 +62,10 @@ def python() -> Path:
 def stack(python: Path, registry_server: ServerProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     root = tmp_path_factory.mktemp("cookbook")
     model = make_family_model(root / "qwen3", "qwen3", seed=3)
+    # The copy's context is Qwen3's shrunk 64x (640); the tiny tokenizer spends a few times Qwen's tokens on the
+    # same text, and guess_number's prompts need ~700. Plain RoPE: any length computes the same way.
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": CONTEXT}, indent=2))
     hf_home = root / "hf-home"
     write_hub_cache(model, hf_home, MODEL)
     with pytest.MonkeyPatch.context() as env:

@@ -1,5 +1,5 @@
 """The model's public name (weights/served_name.py): a hub id given as --model, else --served-model-name, else
-the hub id config.json names, else a cache snapshot's hub id, else the directory's name; bad or conflicting names
+the hub id config.json names, else a cache snapshot's hub id, else the directory as given; bad or conflicting names
 are refused at startup in one line, before the model loads."""
 
 from __future__ import annotations
@@ -29,15 +29,15 @@ def test_a_hub_id_is_its_own_name(tmp_path: Path) -> None:
     assert served_model_name("Qwen/Qwen3-4B-Instruct-2507", "Qwen/Qwen3-4B-Instruct-2507", snapshot)
 
 
-def test_a_directory_is_named_by_the_flag_then_its_config_then_its_cache_then_its_name(tmp_path: Path) -> None:
+def test_a_directory_is_named_by_the_flag_then_its_config_then_its_cache_then_its_path(tmp_path: Path) -> None:
     plain = _model_dir(tmp_path / "my-model")
     assert served_model_name(str(plain), "acme/chat-7b", plain) == "acme/chat-7b"
-    assert served_model_name(str(plain), None, plain) == "my-model"
+    assert served_model_name(str(plain), None, plain) == str(plain)
     named = _model_dir(tmp_path / "ckpt", {"model_type": "qwen3", "_name_or_path": "Qwen/Qwen3-8B"})
     assert served_model_name(str(named), None, named) == "Qwen/Qwen3-8B"
     # A local path recorded by save_pretrained names no model.
     local = _model_dir(tmp_path / "local", {"_name_or_path": str(tmp_path / "my-model")})
-    assert served_model_name(str(local), None, local) == "local"
+    assert served_model_name(str(local), None, local) == str(local)
     source = _model_dir(tmp_path / "source")
     snapshot = write_hub_cache(source, tmp_path / "hf", "acme/tiny-chat")
     assert served_model_name(str(snapshot), None, snapshot) == "acme/tiny-chat"
