@@ -68,25 +68,29 @@ def stack(python: Path, registry_server: ServerProcess, tmp_path_factory: pytest
     (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": CONTEXT}, indent=2))
     hf_home = root / "hf-home"
     write_hub_cache(model, hf_home, MODEL)
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("HF_HOME", str(hf_home))  # inherited by the servers: they find MODEL in this cache only
-        env.setenv("HF_HUB_OFFLINE", "1")
-        env.chdir(root)  # no ./Qwen folder: the model is the cache's
-        trainer = start_trainer(root / "trainer", Path(MODEL), registry_server)
-        sampler = start_sampler(root / "sampler", Path(MODEL), registry_server, "--max-slots", "8")
     keys = root / "keys.json"
     keys.write_text(json.dumps({"keys": [{"key": _key(r), "tenant": _tenant(r)} for r in RECIPES]}))
-    gateway = ServerProcess(
-        opentinker_command(
-            "gateway", "serve", "--trainer", trainer.address, "--sampler", sampler.address,
-            "--registry", registry_server.address, "--keys-file", str(keys), "--port", "0",
-        ),
-        root / "gateway",
-    )  # fmt: skip
-    with RegistryClient(registry_server.address) as registry:
-        yield Stack(python, f"http://{gateway.address}", hf_home, registry, model_digest(model))
-    for server in (gateway, sampler, trainer):
-        assert server.terminate() == 0, server.log()
+    servers: list[ServerProcess] = []
+    try:
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("HF_HOME", str(hf_home))  # inherited by the servers: they find MODEL in this cache only
+            env.setenv("HF_HUB_OFFLINE", "1")
+            env.chdir(root)  # no ./Qwen folder: the model is the cache's
+            servers.append(start_trainer(root / "trainer", Path(MODEL), registry_server))
+            servers.append(start_sampler(root / "sampler", Path(MODEL), registry_server, "--max-slots", "8"))
+        trainer, sampler = servers
+        servers.append(ServerProcess(
+            opentinker_command(
+                "gateway", "serve", "--trainer", trainer.address, "--sampler", sampler.address,
+                "--registry", registry_server.address, "--keys-file", str(keys), "--port", "0",
+            ),
+            root / "gateway",
+        ))  # fmt: skip
+        with RegistryClient(registry_server.address) as registry:
+            yield Stack(python, f"http://{servers[-1].address}", hf_home, registry, model_digest(model))
+    finally:
+        for server in reversed(servers):
+            assert server.terminate() == 0, server.log()
 
 
 def _run(stack: Stack, recipe: str, args: list[str], workdir: Path) -> None:
