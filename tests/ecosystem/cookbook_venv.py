@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 COOKBOOK = "tinker-cookbook==0.6.1"
@@ -92,20 +95,36 @@ def cookbook_python() -> Path:
 
 
 def _check_index() -> None:
-    """The cookbook's own wheel, downloaded without its requirements: the cheapest proof the index answers."""
+    """The cookbook's own wheel, downloaded without its requirements: the cheapest proof the index answers. When
+    pip fails, the index pages are asked directly: only an index that does not answer at all skips the suite."""
     probe = venv_dir().with_name("cookbook-index-probe")
     shutil.rmtree(probe, ignore_errors=True)
     result = subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(probe), COOKBOOK],
+        [sys.executable, "-m", "pip", "download", "--no-deps", "-d", str(probe), COOKBOOK],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     shutil.rmtree(probe, ignore_errors=True)
     if result.returncode == 0:
         return
-    last = (result.stderr.strip().splitlines() or ["(no output)"])[-1]
-    if "No matching distribution" in result.stderr:  # the index answered: a missing release is a failure
-        raise RuntimeError(f"the package index has no {COOKBOOK}: {last}")
-    raise IndexUnreachable(f"the package index cannot be reached (pip download {COOKBOOK}: {last})")
+    output = result.stdout + result.stderr
+    last = (output.strip().splitlines() or ["(no output)"])[-1]
+    listed = re.findall(r"Looking in indexes: (.+)", output)  # printed unless the index is the default one
+    indexes = [url.strip() for line in listed for url in line.split(",")] or ["https://pypi.org/simple"]
+    project = COOKBOOK.split("==", maxsplit=1)[0]
+    if any(_answers(f"{url.rstrip('/')}/{project}/") for url in indexes if url.startswith(("http://", "https://"))):
+        raise RuntimeError(f"pip could not fetch {COOKBOOK} from an index that answers: {last}")
+    raise IndexUnreachable(f"the package index cannot be reached ({', '.join(indexes)}): {last}")
+
+
+def _answers(url: str) -> bool:
+    """Any HTTP reply, a 404 included, proves the index is reachable."""
+    try:
+        with urllib.request.urlopen(url, timeout=20):
+            return True
+    except urllib.error.HTTPError:
+        return True
+    except (OSError, ValueError):
+        return False
 
 
 def _run(args: list[str]) -> None:
