@@ -85,6 +85,7 @@ class BaseModel:
 
         # The same config checks as the sampler's: a model one process refuses, the other refuses too.
         model_dir = resolve_model_dir(model_path, revision)
+        self.served_name = served_model_name(model_path, served_name, model_dir)  # refused before the load
         self.shape = load_config(model_dir)  # eos/bos/pad ids as every process reads them (lists included)
         torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
         self.model_path = model_path
@@ -103,7 +104,6 @@ class BaseModel:
         self._inject()
         self.model_dir = model_dir
         self.digest = model_digest(model_dir)
-        self.served_name = served_model_name(model_path, served_name, model_dir)
 
     def _inject(self) -> None:
         targets = set(ATTN_MODULES + MLP_MODULES)
