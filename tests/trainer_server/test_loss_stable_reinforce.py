@@ -123,6 +123,7 @@ def test_masked_tokens_contribute_nothing_whatever_their_logprobs() -> None:
     assert math.isfinite(loss) and loss == pytest.approx(ref_loss, rel=1e-5)
     np.testing.assert_allclose(grad, ref_grad, rtol=1e-5)
     assert grad[0] == 0.0 and grad[2] == 0.0
+    assert metrics["kl:sum"] == pytest.approx(math.exp(0.2) - 1 - 0.2, rel=1e-5)  # the active token's only
     empty = run(p, q, np.zeros(3), {"kl_coeff": 1.0})
     assert empty[0] == 0.0 and not empty[1].any()
     assert empty[2]["ratio:mean"] == 1.0 and empty[2]["clip_fraction:mean"] == 0.0
