@@ -12,6 +12,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 import tinker
 from gatewayutil import KEY_A, base_url, start_gateway
@@ -20,6 +21,7 @@ from serverproc import ServerProcess, start_sampler, start_trainer
 from tinker import types
 
 from opentinker.client import ServiceClient
+from opentinker.v1 import sampler_pb2, sampler_pb2_grpc
 
 HUB_ID = "acme/tiny-chat"
 
@@ -46,14 +48,28 @@ def named(
                 server.terminate()
 
 
+def _sampler_names(sampler: ServerProcess) -> tuple[str, str]:
+    with grpc.insecure_channel(sampler.address) as channel:
+        info = sampler_pb2_grpc.SamplerServiceStub(channel).GetSamplerInfo(sampler_pb2.GetSamplerInfoRequest())
+    return info.base_model.model, info.base_model.served_name
+
+
 def test_both_servers_report_the_public_name(
-    named: tuple[ServerProcess, ServerProcess, ServerProcess, Path], registry_server: ServerProcess, tiny_model: Path
+    named: tuple[ServerProcess, ServerProcess, ServerProcess, Path],
+    registry_server: ServerProcess,
+    tiny_model: Path,
+    tmp_path: Path,
 ) -> None:
     trainer, sampler, _, _ = named
     with ServiceClient(trainer.address, sampler.address, registry_server.address) as service:
         info = service.get_trainer_info()
         assert (info.model, info.served_name) == (str(tiny_model), HUB_ID)
-        assert service.create_sampling_client("base").base_model() == HUB_ID  # started by the hub id
+    assert _sampler_names(sampler) == (HUB_ID, HUB_ID)  # started by the hub id
+    by_flag = start_sampler(tmp_path, tiny_model, registry_server, "--served-model-name", HUB_ID)
+    try:
+        assert _sampler_names(by_flag) == (str(tiny_model), HUB_ID)
+    finally:
+        by_flag.terminate()
 
 
 def test_the_gateway_lists_and_answers_to_the_public_name(
