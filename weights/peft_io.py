@@ -17,7 +17,7 @@ from pathlib import Path
 from safetensors import SafetensorError, safe_open
 
 from opentinker.v1 import common_pb2
-from opentinker.weights.base_model import model_digest
+from opentinker.weights.base_model import UNEMBED_MODULE, model_digest
 from opentinker.weights.peft import (
     CONFIG_FILE,
     PEFT_FILES,
@@ -64,8 +64,9 @@ def _fail(directory: Path, why: str) -> PeftFolderError:
 
 
 def _base_shapes(base_model: Path) -> dict[str, tuple[int, int]]:
-    """Linear weight path (without '.weight') -> (d_in, d_out), from the safetensors headers only; a base model
-    no server can serve (another family, longrope, ...) is refused first, as the servers refuse it."""
+    """Linear weight path (without '.weight') -> (d_in, d_out), from the safetensors headers only (lm_head from the
+    embedding when the checkpoint ties them and stores no lm_head); a base model no server can serve (another
+    family, longrope, ...) is refused first, as the servers refuse it."""
     from opentinker.rpc.errors import ServiceError
     from opentinker.weights.model_config import load_config
 
@@ -84,6 +85,8 @@ def _base_shapes(base_model: Path) -> dict[str, tuple[int, int]]:
                     shape = handle.get_slice(key).get_shape()
                     if len(shape) == 2:
                         shapes[key.removesuffix(".weight")] = (int(shape[1]), int(shape[0]))
+    if UNEMBED_MODULE not in shapes and "model.embed_tokens" in shapes:  # tied: the embedding is the output layer
+        shapes[UNEMBED_MODULE] = shapes["model.embed_tokens"]
     return shapes
 
 
