@@ -2,13 +2,14 @@
 logprobs, the sampler's (scored, prompt logprobs, greedy decode) and peft's on the exported folder agree in fp32 to
 1e-5, for the untied tiny model and a tied one (qwen3 copy: lm_head's weight is the embedding, which stays frozen);
 a version exports as a peft folder and imports back (`registry import`, shapes checked against the tied
-checkpoint, which stores no lm_head.weight); an adapter peft saved with its default full copy of lm_head is refused
-with the way out, and imports once re-saved without it."""
+checkpoint, which stores no lm_head.weight); an adapter peft saved with its default full copy of lm_head imports
+when the copy is the base model's (left out of the artifact) and is refused otherwise."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -179,11 +180,13 @@ def test_peft_export_and_import_round_trip(
     assert max_diff(served, want) <= TOL
 
 
-def test_a_peft_folder_with_a_full_lm_head_copy_is_refused_with_the_fix(
+def test_peft_folders_with_peft_s_full_lm_head_copy(
     stack: tuple[Path, ServiceClient], registry_server: ServerProcess, tmp_path: Path
 ) -> None:
-    """peft's save_pretrained stores the whole base lm_head (save_embedding_layers="auto") next to its LoRA: that is
-    refused, naming the option; saved with save_embedding_layers=False it imports and serves peft's logprobs."""
+    """peft's save_pretrained stores the whole base lm_head (save_embedding_layers="auto") next to its LoRA. Checked
+    against the base model, a copy equal to it is left out of the import and the adapter serves peft's logprobs;
+    one that differs is refused; with no base model to compare with it is refused, naming the option that leaves
+    it out. Saved with save_embedding_layers=False, the folder imports as it is."""
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
@@ -193,19 +196,47 @@ def test_a_peft_folder_with_a_full_lm_head_copy_is_refused_with_the_fix(
     with torch.no_grad():
         for parameter in (p for n, p in model.named_parameters() if "lora_B" in n):
             parameter.normal_(0, 0.05)
+    probe = tokens_of(9, 24)
+    want = hf_logprobs(model.eval(), probe)
     address = registry_server.address
-    name = unique_name("peft-lm-head")
+
+    def import_folder(folder: Path, name: str, *base: str) -> Any:
+        return registry_cli("import", str(folder), name, *base, "--registry", address, "--json")
+
     model.save_pretrained(str(tmp_path / "default"))
-    refused = registry_cli("import", str(tmp_path / "default"), name, "--base-model", str(model_dir), "--registry",
-                           address)  # fmt: skip
+    copy_key = "base_model.model.lm_head.base_layer.weight"
+    assert copy_key in load_file(tmp_path / "default" / "adapter_model.safetensors")  # peft's own default
+    name = unique_name("peft-lm-head")
+    imported = import_folder(tmp_path / "default", name, "--base-model", str(model_dir))
+    assert imported.exit_code == 0, imported.output
+    version = json.loads(imported.stdout)
+    served = service.create_sampling_client(f"{name}@{version['version']}").compute_logprobs(probe)
+    assert max_diff(served, want) <= TOL
+    stored = tmp_path / "stored"
+    service.registry_client().download_artifact(version["artifact_uri"], stored)
+    assert copy_key not in load_file(stored / "adapter_model.safetensors")  # left out: the base model has it
+
+    # No base model to compare with (the config names none that exists here): refused, saying what to do.
+    unchecked = tmp_path / "unchecked"
+    shutil.copytree(tmp_path / "default", unchecked)
+    config_path = unchecked / "adapter_config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "base_model_name_or_path": "elsewhere"}))
+    refused = import_folder(unchecked, unique_name("refused"))
     assert refused.exit_code == 1 and "save_embedding_layers=False" in refused.output, refused.output
     assert "Traceback" not in refused.output
 
+    # A copy that is not the base model's output layer (trained or resized): refused.
+    changed = tmp_path / "changed"
+    shutil.copytree(tmp_path / "default", changed)
+    tensors = load_file(changed / "adapter_model.safetensors")
+    tensors[copy_key] = tensors[copy_key] * 1.01
+    save_file(tensors, changed / "adapter_model.safetensors")
+    refused = import_folder(changed, unique_name("refused"), "--base-model", str(model_dir))
+    assert refused.exit_code == 1 and "differs from base model" in refused.output, refused.output
+
     model.save_pretrained(str(tmp_path / "lora-only"), save_embedding_layers=False)
-    imported = registry_cli("import", str(tmp_path / "lora-only"), name, "--base-model", str(model_dir), "--registry",
-                            address, "--json")  # fmt: skip
+    name = unique_name("peft-lm-head")
+    imported = import_folder(tmp_path / "lora-only", name)  # base_model_name_or_path is the local model
     assert imported.exit_code == 0, imported.output
-    probe = tokens_of(9, 24)
-    want = hf_logprobs(model.eval(), probe)
     served = service.create_sampling_client(f"{name}@{json.loads(imported.stdout)['version']}").compute_logprobs(probe)
     assert max_diff(served, want) <= TOL
