@@ -379,6 +379,8 @@ class Engine:
         if not any(token_slots):
             return None  # base-model-only batch: no LoRA work at all
         lora, ranks, kernel = self.lora, self.lora.ranks.tolist(), self.kernel
+        unembed = lora.unembed.tolist()
+        row_slots = [slot if unembed[slot] else 0 for slot in row_slots]  # only versions with a LoRA on lm_head
         if kernel == "segments":  # its planned form: rows are ordered by slot, the plan serves every projection
             scales = lora.scaling.tolist()
             runs = plan_runs(plan_segments(token_slots, ranks, scales), lora.scaling)
@@ -392,9 +394,10 @@ class Engine:
             return planned
         slot_ids = torch.tensor(token_slots, dtype=torch.long, device=self.device)
         row_ids = torch.tensor(row_slots, dtype=torch.long, device=self.device)
+        any_unembed = any(row_slots)
 
         def hook(module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            if module in lora.a:
+            if module in lora.a and (any_unembed or module != UNEMBED_MODULE):
                 ids = row_ids if module == UNEMBED_MODULE else slot_ids
                 add_lora(y, x, lora.a[module], lora.b[module], lora.scaling, ids, ranks=ranks, backend=kernel)
             return y

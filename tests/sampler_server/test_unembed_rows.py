@@ -94,6 +94,7 @@ def test_mixed_batch_rows_equal_peft(model_dir: Path, tmp_path: Path, kernel: Ke
         pool.fill(index, weights, rank=rank, scaling=alpha / rank, artifact_sha256="")
         assert index == slot
         folders[slot] = peft_folder(tmp_path / f"adapter-{slot}", model_dir, slot, weights)
+    assert pool.tensors.unembed.tolist() == [0, 1, 0, 1]  # the versions with a LoRA on lm_head
     cache = KVCache(model.config, 4, 32, CPU, torch.float32)
     engine = Engine(model, cache, pool.tensors, Scheduler(max_seqs=4, max_batch_tokens=64), release=pool.release,
                     max_len=32, eos_token_ids=(), kernel=kernel, score_slot=3)  # fmt: skip
@@ -144,3 +145,46 @@ def test_a_tied_model_serves_lm_head_lora_and_keeps_its_embedding(tmp_path: Path
     with_lora = model.forward(batch, cache, engine._lora_hook([1, 1, 1], [1, 1, 1]))
     assert torch.equal(model.embed, before)
     assert (with_lora - model.forward(batch, cache)).abs().max().item() > 1e-2  # the delta was added to the logits
+
+
+@pytest.mark.parametrize("kernel", ["reference", "segments"])
+def test_versions_without_lm_head_skip_the_vocabulary_wide_delta(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch, kernel: Kernel
+) -> None:
+    """A batch whose adapters have no LoRA on lm_head runs no lm_head kernel (its zeros would cost ~8% of the LM
+    head's matmul); one with such an adapter runs it, on that adapter's rows only."""
+    from opentinker.sampler_server import engine as engine_module
+
+    model = LlamaForCausalLM.from_pretrained(tiny_model, device=CPU, dtype=torch.float32)
+    shapes = model.linear_shapes()
+    pool = SlotPool(shapes, max_slots=2, max_rank=8, device=CPU)
+    for slot in (1, 2):  # slot 1: lm_head among its targets; slot 2: none
+        rank, alpha, _ = ADAPTERS[slot]
+        pool.fill(pool.reserve(("skip", slot)), adapter_weights(shapes, slot), rank=rank, scaling=alpha / rank,
+                  artifact_sha256="")  # fmt: skip
+    calls: list[tuple[str, int]] = []  # (module, rows it got)
+    real_runs, real_add = engine_module.add_lora_runs, engine_module.add_lora
+
+    def runs_spy(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, runs: Any) -> None:
+        calls.append(
+            ("lm_head" if b.shape[1] == model.config.vocab_size else "other", sum(r.end - r.start for r in runs))
+        )
+        real_runs(y, x, a, b, runs)
+
+    def add_spy(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        calls.append(("lm_head" if b.shape[1] == model.config.vocab_size else "other", x.shape[0]))
+        real_add(y, x, a, b, *args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "add_lora_runs", runs_spy)
+    monkeypatch.setattr(engine_module, "add_lora", add_spy)
+    cache = KVCache(model.config, 2, 16, CPU, torch.float32)
+    engine = Engine(model, cache, pool.tensors, Scheduler(max_seqs=2, max_batch_tokens=32), release=pool.release,
+                    max_len=16, eos_token_ids=(), kernel=kernel, score_slot=1)  # fmt: skip
+    batch = ForwardBatch.build([[4, 5, 6]], [0], kv_slots=[0], all_logits=True)
+    model.forward(batch, cache, engine._lora_hook([2, 2, 2], [2, 2, 2]))
+    assert calls and not [c for c in calls if c[0] == "lm_head" and c[1] > 0]
+    calls.clear()
+    batch = ForwardBatch.build([[4, 5, 6], [7, 8]], [0, 0], kv_slots=[0, 1], all_logits=False)
+    model.forward(batch, cache, engine._lora_hook([1, 1, 1, 2, 2], [1, 2]))
+    lm_head_rows = [rows for module, rows in calls if module == "lm_head"]
+    assert lm_head_rows == ([1] if kernel == "segments" else [2])  # segments: slot 1's row; others: slot 2's as 0
