@@ -163,7 +163,8 @@ def test_versions_without_lm_head_skip_the_vocabulary_wide_delta(
         pool.fill(pool.reserve(("skip", slot)), adapter_weights(shapes, slot), rank=rank, scaling=alpha / rank,
                   artifact_sha256="")  # fmt: skip
     calls: list[tuple[str, int]] = []  # (module, rows it got)
-    real_runs, real_add = engine_module.add_lora_runs, engine_module.add_lora
+    from opentinker.sampler_server.kernels import add_lora as real_add
+    from opentinker.sampler_server.kernels.segments import add_lora_runs as real_runs
 
     def runs_spy(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, runs: Any) -> None:
         calls.append(
