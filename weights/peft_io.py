@@ -171,6 +171,7 @@ def inspect_peft_folder(directory: Path, base_model: Path | None = None) -> Peft
     if base_model is None and named_base and Path(named_base).is_dir():
         base_model = Path(named_base)
         notes.append(f"checked against base_model_name_or_path {named_base}")
+    base_shapes = _base_shapes(base_model) if base_model is not None else None  # a base no server serves: refused
     # peft saves the whole base lm_head next to a LoRA on it (save_embedding_layers="auto"): a copy equal to the
     # base model's changes nothing and is left out of the import; one that differs is a trained or resized output
     # layer (full weights, which no process serves); without a base model to compare, lora_modules refuses it.
@@ -187,8 +188,7 @@ def inspect_peft_folder(directory: Path, base_model: Path | None = None) -> Peft
     except PeftFormatError as exc:
         raise _fail(directory, str(exc)) from None
     digest = checked = ""
-    if base_model is not None:
-        base_shapes = _base_shapes(base_model)
+    if base_model is not None and base_shapes is not None:
         for module, (d_in, d_out) in sorted(modules.items()):
             if module not in base_shapes:
                 raise _fail(directory, f"targets {module!r}, which base model {base_model} does not have")
