@@ -122,6 +122,9 @@ def _check_lineage(stack: Stack, recipe: str) -> None:
     trained = [versions for versions in by_adapter.values() if versions and versions[-1].lineage.trainer_step]
     assert len(trained) == 1, f"{recipe}: {by_adapter}"
     versions = trained[0]
+    # The SDK's default LoRA (train_unembed=True with attn and mlp) is what the trainer made: lm_head included.
+    adapter = stack.registry.get_adapter(versions[0].adapter)
+    assert set(adapter.target_modules) == {"attn", "mlp", "lm_head"}, adapter
     assert len(versions) >= STEPS, f"{recipe}: {[v.reference for v in versions]}"
     for earlier, later in itertools.pairwise(versions):
         assert later.lineage.parent_version == earlier.number, (earlier, later)
