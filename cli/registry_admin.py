@@ -17,12 +17,13 @@ from opentinker.cli import registry_json as out
 from opentinker.cli.console import table_console
 from opentinker.cli.failure import reported
 from opentinker.cli.options import DEFAULT_REGISTRY, AsJson, CaCert, RegistryAddr, Token
-from opentinker.cli.rollback_notice import LATEST, rollback_notice
+from opentinker.cli.rollback_notice import rollback_notice
 from opentinker.client import Reconcile, RegistryClient, Version
+from opentinker.weights.names import LATEST
 
 console = table_console()  # piped: wide enough that no column is cut
 TRACES_SHOWN = 4  # trace ids per version in the lineage table
-alias_app = typer.Typer(no_args_is_help=True, help="Move or remove aliases.")
+alias_app = typer.Typer(no_args_is_help=True, help="Move, remove or serve aliases.")
 
 
 @contextmanager
@@ -75,7 +76,9 @@ def adapters(
         return
     table = Table("adapter", "versions", "newest", "aliases", "rank", "created")
     for a in found:
-        aliases = ", ".join(f"{k}->{v}" for k, v in sorted(a.aliases.items()))
+        aliases = ", ".join(
+            f"{k}->{v}{' (serving)' if k == a.serving_alias != LATEST else ''}" for k, v in sorted(a.aliases.items())
+        )
         table.add_row(a.name, str(a.version_count), str(a.latest_version), aliases, str(a.rank), when(a.created_at))
     console.print(table)
 
@@ -134,11 +137,13 @@ def show(
     with connect(registry, token, ca_cert) as client:
         v = client.resolve(reference)
         # A version without a LoRA shape of its own has its adapter's (empty there too: all linear modules).
-        targets = v.target_modules or (() if as_json else client.get_adapter(v.adapter).target_modules)
-    if as_json:
+        adapter = None if as_json else client.get_adapter(v.adapter)
+    if adapter is None:
         out.print_json(out.version_json(v))
         return
-    console.print(f"{reference} -> {v.adapter}@{v.number}")
+    targets = v.target_modules or adapter.target_modules
+    via = f" (bare name: serving alias {adapter.serving_alias})" if "@" not in reference else ""
+    console.print(f"{reference} -> {v.adapter}@{v.number}{via}")
     console.print(f"  aliases    {', '.join(v.aliases) or '-'}")
     console.print(f"  artifact   {v.artifact_uri}{' (collected)' if v.artifact_deleted else ''} ({v.size_bytes} B)")
     console.print(f"  lora       rank {v.rank} alpha {v.alpha:g} targets {', '.join(targets) or 'all-linear'}")
@@ -169,6 +174,25 @@ def alias_set(
         out.print_json(out.alias_set_json(move))
     else:
         console.print(f"{name}@{alias}: {move.previous_version or '-'} -> {move.version}")
+
+
+@alias_app.command("serve")
+def alias_serve(
+    name: str,
+    alias: str,
+    registry: RegistryAddr = DEFAULT_REGISTRY,
+    token: Token = None,
+    ca_cert: CaCert = None,
+    as_json: AsJson = False,
+) -> None:
+    """Make bare NAME (no @) resolve to ALIAS for every client and sampler; `latest` restores the default."""
+    with connect(registry, token, ca_cert) as client:
+        move = client.set_serving_alias(name, alias)
+    if as_json:
+        out.print_json(out.serving_alias_json(move))
+    else:
+        at = f"v{move.version}" if move.version else "no version yet"
+        console.print(f"{name} serves @{move.alias} ({at}) to bare names (was @{move.previous_alias})")
 
 
 @alias_app.command("rm")
@@ -203,11 +227,12 @@ def rollback(
     with connect(registry, token, ca_cert) as client:
         move = client.rollback(name, alias, to)
         left = client.get_version(name, move.previous_version) if alias == LATEST and move.previous_version else None
+        serving = client.get_adapter(name).serving_alias if left is not None else LATEST
     if as_json:
         out.print_json(out.rollback_json(move))
     else:
         console.print(f"{name}@{move.alias}: {move.previous_version} -> {move.version}")
-    notice = rollback_notice(name, alias, left, move.version)
+    notice = rollback_notice(name, alias, left, move.version, serving)
     if notice:
         print(notice, file=sys.stderr)
 

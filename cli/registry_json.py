@@ -15,8 +15,19 @@ from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from opentinker.client import Adapter, AliasMove, BatchRecord, Event, GarbageCollection, Lineage, Reconcile, Version
+from opentinker.client import (
+    Adapter,
+    AliasMove,
+    BatchRecord,
+    Event,
+    GarbageCollection,
+    Lineage,
+    Reconcile,
+    ServingAliasMove,
+    Version,
+)
 from opentinker.v1 import common_pb2, registry_pb2
+from opentinker.weights.names import LATEST
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _EVENT_PREFIX = "EVENT_TYPE_"
@@ -71,6 +82,7 @@ def adapter_message(adapter: Adapter) -> registry_pb2.Adapter:
         base_model_digest=adapter.base_model_digest, aliases=adapter.aliases,
         latest_version=adapter.latest_version, version_count=adapter.version_count, created_by=adapter.created_by,
         labels=adapter.labels, description=adapter.description,
+        serving_alias="" if adapter.serving_alias == LATEST else adapter.serving_alias,
     )  # fmt: skip
     _stamp(adapter.created_at, proto.create_time)
     return proto
@@ -110,6 +122,12 @@ def alias_rm_json(move: AliasMove) -> dict[str, Any]:
     return dump(registry_pb2.DeleteAliasResponse(previous_version=move.previous_version, event_id=move.event_id))
 
 
+def serving_alias_json(move: ServingAliasMove) -> dict[str, Any]:
+    reply = registry_pb2.SetServingAliasResponse(previous_alias=move.previous_alias, alias=move.alias,
+                                                 version=move.version, event_id=move.event_id)  # fmt: skip
+    return dump(reply)
+
+
 def rollback_json(move: AliasMove) -> dict[str, Any]:
     reply = registry_pb2.RollbackResponse(alias=move.alias, from_version=move.previous_version,
                                           to_version=move.version, event_id=move.event_id)  # fmt: skip
@@ -135,13 +153,17 @@ def _event_type(name: str) -> registry_pb2.EventType:
 
 def watch_json(message: Event | Reconcile) -> dict[str, Any]:
     if isinstance(message, Reconcile):
-        adapters = [registry_pb2.AdapterAliases(adapter=a, aliases=aliases) for a, aliases in message.aliases.items()]
+        adapters = [
+            registry_pb2.AdapterAliases(adapter=a, aliases=aliases, serving_alias=message.serving_aliases.get(a, ""))
+            for a, aliases in message.aliases.items()
+        ]
         reconcile = registry_pb2.Reconcile(event_id=message.event_id, adapters=adapters, reason=message.reason)
         return dump(registry_pb2.WatchEventsResponse(reconcile=reconcile))
     event = registry_pb2.Event(
         event_id=message.event_id, type=_event_type(message.type), adapter=message.adapter, version=message.version,
         alias=message.alias, previous_version=message.previous_version, aliases=message.aliases,
         actor=message.actor, cause=message.cause, artifact_sha256=message.artifact_sha256,
+        serving_alias="" if message.serving_alias == LATEST else message.serving_alias,
     )  # fmt: skip
     _stamp(message.time, event.time)
     return dump(registry_pb2.WatchEventsResponse(event=event))

@@ -40,6 +40,7 @@ from opentinker.client.registry_client import (
     Lineage,
     Reconcile,
     RegistryClient,
+    ServingAliasMove,
     Version,
 )
 from opentinker.client.renderer import MaskMethod, RenderedConversation, Renderer, TrainOn
@@ -117,6 +118,7 @@ __all__ = [
     "SamplingParams",
     "SavedState",
     "ServiceClient",
+    "ServingAliasMove",
     "StartedFrom",
     "StepMetrics",
     "StepResult",

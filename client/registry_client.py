@@ -32,6 +32,7 @@ from opentinker.client.registry_types import (
     GarbageCollection,
     Lineage,
     Reconcile,
+    ServingAliasMove,
     Version,
 )
 from opentinker.client.registry_wire import (
@@ -56,6 +57,7 @@ __all__ = [
     "Lineage",
     "Reconcile",
     "RegistryClient",
+    "ServingAliasMove",
     "Version",
 ]
 
@@ -232,7 +234,8 @@ class RegistryClient:
                 return versions
 
     def resolve(self, ref: str) -> Version:
-        """The exact version a reference names: "name" (= name@latest), "name@alias" or "name@N"."""
+        """The exact version a reference names: "name" (= name@<its serving alias>, latest unless set),
+        "name@alias" or "name@N"."""
         request = registry_pb2.ResolveRequest(reference=ref)
         return version_from_proto(self._connection.unary("Resolve", request, registry_pb2.ResolveResponse).version)
 
@@ -256,6 +259,13 @@ class RegistryClient:
         request = registry_pb2.DeleteAliasRequest(adapter=adapter, alias=alias, expected_version=expected_version)
         response = self._connection.unary("DeleteAlias", request, registry_pb2.DeleteAliasResponse)
         return AliasMove(adapter, alias, response.previous_version, 0, response.event_id)
+
+    def set_serving_alias(self, adapter: str, alias: str) -> ServingAliasMove:
+        """Makes bare ``adapter`` (no "@") resolve to ``alias`` for every client and sampler ("latest" restores
+        the default): serve ``stable`` and a rollback of stable sticks while training keeps moving latest."""
+        request = registry_pb2.SetServingAliasRequest(adapter=adapter, alias=alias)
+        response = self._connection.unary("SetServingAlias", request, registry_pb2.SetServingAliasResponse)
+        return ServingAliasMove(adapter, response.previous_alias, response.alias, response.version, response.event_id)
 
     def rollback(
         self,

@@ -15,6 +15,7 @@ __all__ = [
     "GarbageCollection",
     "Lineage",
     "Reconcile",
+    "ServingAliasMove",
     "Version",
 ]
 
@@ -66,6 +67,8 @@ class Adapter:
     description: str
     base_model_digest: str = ""
     dropout: float = 0.0
+    # The alias a bare name ("team/agent") resolves to: "latest" unless the operator set another one.
+    serving_alias: str = "latest"
     # The ADAPTER_CREATED event's id when create_adapter returned this record (watch_events can resume there).
     event_id: str = field(default="", compare=False)
 
@@ -108,11 +111,24 @@ class AliasMove:
 
 
 @dataclass(frozen=True, slots=True)
+class ServingAliasMove:
+    """The outcome of set_serving_alias: bare names of ``adapter`` now resolve to ``alias`` (at ``version``;
+    0: it points nowhere yet, as latest before the first publish)."""
+
+    adapter: str
+    previous_alias: str
+    alias: str
+    version: int
+    event_id: str
+
+
+@dataclass(frozen=True, slots=True)
 class Event:
     """One registry change, carrying absolute state (replaying or repeating one is harmless).
 
     ``type`` is the EventType name without its prefix: "ADAPTER_CREATED", "ADAPTER_DELETED",
-    "VERSION_PUBLISHED", "ALIAS_SET", "ALIAS_DELETED" or "ARTIFACT_DELETED".
+    "VERSION_PUBLISHED", "ALIAS_SET", "ALIAS_DELETED", "ARTIFACT_DELETED" or "SERVING_ALIAS_SET".
+    ``serving_alias`` is the adapter's serving alias after the change ("latest" unless set).
     """
 
     event_id: str
@@ -126,6 +142,7 @@ class Event:
     actor: str
     cause: str
     artifact_sha256: str
+    serving_alias: str = "latest"
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +153,8 @@ class Reconcile:
     event_id: str
     aliases: dict[str, dict[str, int]]
     reason: str
+    # adapter -> its serving alias, for adapters whose serving alias is not latest.
+    serving_aliases: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,6 +9,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from opentinker.client.registry_types import Adapter, BatchRecord, Event, Lineage, Reconcile, Version
 from opentinker.v1 import registry_pb2
+from opentinker.weights.names import LATEST
 
 _EVENT_PREFIX: Final = "EVENT_TYPE_"
 
@@ -63,6 +64,7 @@ def adapter_from_proto(proto: registry_pb2.Adapter) -> Adapter:
         description=proto.description,
         base_model_digest=proto.base_model_digest,
         dropout=lora.dropout,
+        serving_alias=proto.serving_alias or LATEST,
     )
 
 
@@ -107,6 +109,7 @@ def event_from_proto(proto: registry_pb2.Event) -> Event:
         actor=proto.actor,
         cause=proto.cause,
         artifact_sha256=proto.artifact_sha256,
+        serving_alias=proto.serving_alias or LATEST,
     )
 
 
@@ -115,6 +118,7 @@ def reconcile_from_proto(proto: registry_pb2.Reconcile) -> Reconcile:
         event_id=proto.event_id,
         aliases={entry.adapter: dict(entry.aliases) for entry in proto.adapters},
         reason=proto.reason,
+        serving_aliases={entry.adapter: entry.serving_alias for entry in proto.adapters if entry.serving_alias},
     )
 
 

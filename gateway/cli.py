@@ -86,6 +86,19 @@ def serve(
     checkpoint_gc_seconds: Annotated[
         float, typer.Option(help="How often expired and deleted checkpoints are deleted from the trainer/registry.")
     ] = 60.0,
+    stability_ttl_seconds: Annotated[
+        float,
+        typer.Option(
+            help="A stable_reinforce stability record (record_stability_info) is kept this long after its last use."
+        ),
+    ] = 86400.0,
+    max_tenant_stability_tokens: Annotated[
+        int,
+        typer.Option(
+            help="Prompt + sampled tokens one tenant's stability records hold; beyond, its least recently "
+            "used are dropped."
+        ),
+    ] = 1 << 22,
     ready_file: Annotated[Path | None, typer.Option(help="Write {address, metrics_address} JSON once serving.")] = None,
     log_level: Annotated[str, typer.Option(help="Logging level.")] = "INFO",
     config_file: opt.Config = None,
@@ -120,6 +133,7 @@ def serve(
         session_ttl_seconds=session_ttl_seconds, max_tenant_pending_bytes=max_tenant_pending_bytes,
         max_sessions_per_tenant=max_sessions_per_tenant, max_inflight_per_tenant=max_inflight_per_tenant,
         max_tenant_result_bytes=max_tenant_result_bytes, checkpoint_gc_seconds=checkpoint_gc_seconds,
+        stability_ttl_seconds=stability_ttl_seconds, max_tenant_stability_tokens=max_tenant_stability_tokens,
     )  # fmt: skip
     positive = {name: value for name, value in config.limits().items() if not value > 0}
     if positive:

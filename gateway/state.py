@@ -20,6 +20,7 @@ from opentinker.gateway.futures import FutureStore
 from opentinker.gateway.models import Lane, ModelTable, TrainingModel
 from opentinker.gateway.runs import RunTable
 from opentinker.gateway.sessions import SessionTable
+from opentinker.gateway.stability import DEFAULT_MAX_TENANT_TOKENS, DEFAULT_TTL_SECONDS, StabilityRecords
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,8 @@ class GatewayConfig:
     session_ttl_seconds: float = 900.0  # a session without heartbeats expires (the SDK sends one every 10 s)
     max_tenant_result_bytes: int = 1 << 30  # finished results one tenant holds (its oldest dropped beyond); 0: none
     checkpoint_gc_seconds: float = 60.0  # how often expired and deleted checkpoints are deleted for real
+    stability_ttl_seconds: float = DEFAULT_TTL_SECONDS  # a stability record is kept this long after its last use
+    max_tenant_stability_tokens: int = DEFAULT_MAX_TENANT_TOKENS  # tokens one tenant's stability records hold
 
     def limits(self) -> dict[str, float]:
         """The numeric flags that must be positive (those where 0 means "no limit" are left out)."""
@@ -78,6 +81,7 @@ class Gateway:
     checkpoints: CheckpointTable = field(default_factory=CheckpointTable)
     runs: RunTable = field(default_factory=RunTable)
     durable: MemoryState = field(default_factory=MemoryState)  # durable.py: Redis with --redis-url
+    stability: StabilityRecords = field(default_factory=StabilityRecords)
     decode_slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(2))  # bodies decoded at once
     json_slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(2))  # big JSON bodies parsed
 
@@ -85,6 +89,8 @@ class Gateway:
         self.futures.poll_seconds = self.config.poll_seconds
         self.futures.max_inflight = self.config.max_inflight_per_tenant
         self.futures.results.max_bytes = self.config.max_tenant_result_bytes or None
+        self.stability.ttl_seconds = self.config.stability_ttl_seconds
+        self.stability.max_tenant_tokens = self.config.max_tenant_stability_tokens
 
     def restore(self, saved: Saved) -> None:
         """The tables as the state store kept them: the models of sessions that have not expired get their lanes

@@ -2,7 +2,8 @@
 
 Redis layout (prefix `ot:`):
     ot:adapters                       zset of live adapter names (score 0, paged by lex range)
-    ot:adapter:{name}                 hash: proto (Adapter bytes), deleted 0|1, create_ms
+    ot:adapter:{name}                 hash: proto (Adapter bytes), deleted 0|1, create_ms, serving (the
+                                      serving alias; absent: latest)
     ot:adapter:{name}:seq             version counter (INCR: contiguous, never reused)
     ot:adapter:{name}:versions        zset of version numbers (score = number)
     ot:adapter:{name}:aliases         hash alias -> version
@@ -11,7 +12,7 @@ Redis layout (prefix `ot:`):
     ot:version:{name}:{n}             hash: proto (Version bytes), publish_ms, artifact_sha256, deleted 0|1
     ot:artifact:{sha256}:refs         set of "name@n" using the artifact (GC deletes files at zero)
     ot:events                         stream; fields: type adapter version alias previous aliases
-                                      time actor cause artifact (absolute state; replay-safe)
+                                      time actor cause artifact serving (absolute state; replay-safe)
 
 Lua scripts do not roll back, so a rejected call must fail before it writes anything, including INCR.
 Errors are returned as `redis.error_reply("REASON message")`; the store maps REASON to a status.
@@ -33,6 +34,9 @@ local function emit(events_key, maxlen, fields)
   for k, v in pairs(fields) do table.insert(args, k); table.insert(args, tostring(v)) end
   return redis.call('XADD', unpack(args))
 end
+local function serving_of(adapter_key)
+  return redis.call('HGET', adapter_key, 'serving') or ''
+end
 local function live_adapter(adapter_key, name)
   if redis.call('EXISTS', adapter_key) == 0 or redis.call('HGET', adapter_key, 'deleted') == '1' then
     return redis.error_reply('ADAPTER_NOT_FOUND adapter ' .. name .. ' not found')
@@ -49,6 +53,7 @@ if redis.call('EXISTS', KEYS[1]) == 1 and redis.call('HGET', KEYS[1], 'deleted')
   return redis.error_reply('ADAPTER_EXISTS adapter ' .. ARGV[1] .. ' already exists')
 end
 redis.call('HSET', KEYS[1], 'proto', ARGV[2], 'deleted', '0', 'create_ms', ARGV[3])
+redis.call('HDEL', KEYS[1], 'serving')
 redis.call('ZADD', KEYS[2], 0, ARGV[1])
 return emit(KEYS[4], ARGV[5], {type='ADAPTER_CREATED', adapter=ARGV[1], time=ARGV[3], actor=ARGV[4],
   cause='create', aliases=alias_map(KEYS[3])})
@@ -61,6 +66,7 @@ DELETE_ADAPTER = (
     + """
 local err = live_adapter(KEYS[1], ARGV[1]); if err then return err end
 redis.call('HSET', KEYS[1], 'deleted', '1')
+redis.call('HDEL', KEYS[1], 'serving')
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('DEL', KEYS[3])
 return emit(KEYS[4], ARGV[4], {type='ADAPTER_DELETED', adapter=ARGV[1], time=ARGV[2], actor=ARGV[3],
@@ -101,7 +107,7 @@ for _, alias in ipairs(moved) do
   redis.call('HSET', KEYS[4], alias, v)
 end
 local id = emit(KEYS[6], ARGV[6], {type='VERSION_PUBLISHED', adapter=ARGV[1], version=v, time=ARGV[4],
-  actor=ARGV[5], cause='publish', artifact=ARGV[3], aliases=alias_map(KEYS[4])})
+  actor=ARGV[5], cause='publish', artifact=ARGV[3], aliases=alias_map(KEYS[4]), serving=serving_of(KEYS[1])})
 if ARGV[7] ~= '' then redis.call('HSET', KEYS[5], ARGV[7], v .. ' ' .. id) end
 return {'NEW', v .. ' ' .. id}
 """
@@ -160,7 +166,7 @@ redis.call('HSET', KEYS[3], ARGV[2], target)
 local cause = 'set'
 if mode ~= 'set' then cause = 'rollback' end
 local id = emit(KEYS[5], ARGV[7], {type='ALIAS_SET', adapter=ARGV[1], version=target, alias=ARGV[2],
-  previous=cur, time=ARGV[5], actor=ARGV[6], cause=cause, aliases=alias_map(KEYS[3])})
+  previous=cur, time=ARGV[5], actor=ARGV[6], cause=cause, aliases=alias_map(KEYS[3]), serving=serving_of(KEYS[1])})
 return {cur, target, id}
 """
 )
@@ -175,16 +181,21 @@ if not cur then return redis.error_reply('ALIAS_NOT_FOUND alias ' .. ARGV[2] .. 
 if ARGV[3] ~= '' and tonumber(ARGV[3]) ~= tonumber(cur) then
   return redis.error_reply('VERSION_CONFLICT alias ' .. ARGV[2] .. ' points to ' .. cur .. ', expected ' .. ARGV[3])
 end
+if serving_of(KEYS[1]) == ARGV[2] then
+  return redis.error_reply('ALIAS_SERVING alias ' .. ARGV[2] .. ' is the serving alias of ' .. ARGV[1] ..
+    ': bare names resolve to it; point serving elsewhere first (opentinker registry alias serve ' .. ARGV[1] ..
+    ' latest)')
+end
 redis.call('HDEL', KEYS[2], ARGV[2])
 redis.call('DEL', KEYS[3])
 local id = emit(KEYS[4], ARGV[6], {type='ALIAS_DELETED', adapter=ARGV[1], alias=ARGV[2], previous=cur,
-  time=ARGV[4], actor=ARGV[5], cause='delete', aliases=alias_map(KEYS[2])})
+  time=ARGV[4], actor=ARGV[5], cause='delete', aliases=alias_map(KEYS[2]), serving=serving_of(KEYS[1])})
 return {tonumber(cur), id}
 """
 )
 
 # Marks a version's artifact collected unless an alias points at it now (checked atomically here).
-# KEYS: version, aliases, events, artifact_refs   ARGV: name, version, now_ms, actor, maxlen
+# KEYS: version, aliases, events, artifact_refs, adapter   ARGV: name, version, now_ms, actor, maxlen
 # Returns the number of versions still referencing the artifact, or -1 if skipped.
 COLLECT_VERSION = (
     _EMIT
@@ -195,7 +206,34 @@ for i = 2, #flat, 2 do if tonumber(flat[i]) == tonumber(ARGV[2]) then return -1 
 redis.call('HSET', KEYS[1], 'deleted', '1')
 redis.call('SREM', KEYS[4], ARGV[1] .. '@' .. ARGV[2])
 emit(KEYS[3], ARGV[5], {type='ARTIFACT_DELETED', adapter=ARGV[1], version=ARGV[2], time=ARGV[3],
-  actor=ARGV[4], cause='gc', artifact=redis.call('HGET', KEYS[1], 'artifact_sha256'), aliases=alias_map(KEYS[2])})
+  actor=ARGV[4], cause='gc', artifact=redis.call('HGET', KEYS[1], 'artifact_sha256'), aliases=alias_map(KEYS[2]),
+  serving=serving_of(KEYS[5])})
 return redis.call('SCARD', KEYS[4])
+"""
+)
+
+# Names the alias bare names resolve to ('latest' clears it). The alias must be set, except latest.
+# KEYS: adapter, aliases, events   ARGV: name, alias, now_ms, actor, maxlen
+# Returns {previous alias ('latest' if none), version a bare name serves now (0: none yet), event id}.
+SET_SERVING_ALIAS = (
+    _EMIT
+    + """
+local err = live_adapter(KEYS[1], ARGV[1]); if err then return err end
+local previous = serving_of(KEYS[1])
+if previous == '' then previous = 'latest' end
+local version = redis.call('HGET', KEYS[2], ARGV[2])
+if ARGV[2] == 'latest' then
+  redis.call('HDEL', KEYS[1], 'serving')
+else
+  if not version then
+    return redis.error_reply('ALIAS_NOT_FOUND alias ' .. ARGV[2] .. ' of ' .. ARGV[1] ..
+      ' is not set: set it first (opentinker registry alias set ' .. ARGV[1] .. ' ' .. ARGV[2] .. ' N)')
+  end
+  redis.call('HSET', KEYS[1], 'serving', ARGV[2])
+end
+local id = emit(KEYS[3], ARGV[5], {type='SERVING_ALIAS_SET', adapter=ARGV[1], version=version or 0,
+  alias=ARGV[2], time=ARGV[3], actor=ARGV[4], cause='serve', aliases=alias_map(KEYS[2]),
+  serving=serving_of(KEYS[1])})
+return {previous, tonumber(version or '0'), id}
 """
 )

@@ -225,6 +225,15 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         previous, event_id = await self.store.delete_alias(name, alias, expected, principal.actor)
         return registry_pb2.DeleteAliasResponse(previous_version=previous, event_id=event_id)
 
+    async def SetServingAlias(self, request: registry_pb2.SetServingAliasRequest, context: Context) -> Any:
+        name = check_adapter_name(request.adapter)
+        alias = check_alias(request.alias or LATEST)
+        principal = require_access(name)
+        previous, version, event_id = await self.store.set_serving_alias(name, alias, principal.actor)
+        return registry_pb2.SetServingAliasResponse(
+            previous_alias=previous, alias=alias, version=version, event_id=event_id
+        )
+
     async def Rollback(self, request: registry_pb2.RollbackRequest, context: Context) -> Any:
         name = check_adapter_name(request.adapter)
         alias = check_alias(request.alias or LATEST)

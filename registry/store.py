@@ -45,6 +45,7 @@ _ERRORS: dict[str, type[ServiceError]] = {
     "NO_PREVIOUS_VERSION": FailedPrecondition,
     "NOT_OLDER": FailedPrecondition,
     "ARTIFACT_DELETED": FailedPrecondition,
+    "ALIAS_SERVING": FailedPrecondition,
 }
 
 _EVENT_TYPES = {
@@ -133,7 +134,7 @@ class RegistryStore:
             name: client.register_script(getattr(scripts, name))
             for name in (
                 "CREATE_ADAPTER", "DELETE_ADAPTER", "PUBLISH_VERSION",
-                "SET_ALIAS", "DELETE_ALIAS", "COLLECT_VERSION",
+                "SET_ALIAS", "DELETE_ALIAS", "COLLECT_VERSION", "SET_SERVING_ALIAS",
             )
         }  # fmt: skip
 
@@ -169,11 +170,11 @@ class RegistryStore:
         key = _adapter_key(name)
         with _redis_errors():
             async with self.redis.pipeline(transaction=True) as pipe:
-                pipe.hmget(key, ["proto", "deleted"])
+                pipe.hmget(key, ["proto", "deleted", "serving"])
                 pipe.hgetall(f"{key}:aliases")
                 pipe.get(f"{key}:seq")
                 pipe.zcard(f"{key}:versions")
-                (proto, deleted), aliases, seq, count = await pipe.execute()
+                (proto, deleted, serving), aliases, seq, count = await pipe.execute()
         if proto is None or deleted == b"1":
             raise NotFound(f"adapter {name!r} not found", reason="ADAPTER_NOT_FOUND", adapter=name)
         adapter = registry_pb2.Adapter.FromString(proto)
@@ -181,6 +182,7 @@ class RegistryStore:
             adapter.aliases[_text(alias)] = int(version)
         adapter.latest_version = int(seq or 0)
         adapter.version_count = int(count)
+        adapter.serving_alias = _text(serving) if serving else ""
         return adapter
 
     async def list_adapters(
@@ -288,7 +290,7 @@ class RegistryStore:
             await self.get_adapter(ref.adapter)
             return await self.get_version(ref.adapter, ref.version)
         adapter = await self.get_adapter(ref.adapter)
-        alias = ref.alias or LATEST
+        alias = (adapter.serving_alias or LATEST) if ref.bare else (ref.alias or LATEST)
         if alias not in adapter.aliases:
             raise NotFound(
                 f"alias {alias!r} of {ref.adapter!r} is not set"
@@ -347,6 +349,14 @@ class RegistryStore:
         assert isinstance(result, list)
         return int(result[0]), _text(result[1])
 
+    async def set_serving_alias(self, name: str, alias: str, actor: str) -> tuple[str, int, str]:
+        """Returns (previous serving alias, version a bare name resolves to now, event id)."""
+        key = _adapter_key(name)
+        keys = [key, f"{key}:aliases", EVENTS_KEY]
+        result = await self._run("SET_SERVING_ALIAS", keys, [name, alias, _now_ms(), actor, self.events_maxlen])
+        assert isinstance(result, list)
+        return _text(result[0]), int(result[1]), _text(result[2])
+
     # Garbage collection
 
     async def collect_version(self, version: registry_pb2.Version, actor: str) -> int | None:
@@ -355,7 +365,7 @@ class RegistryStore:
         name = version.adapter
         keys = [
             f"{_version_prefix(name)}{version.version}", f"{_adapter_key(name)}:aliases", EVENTS_KEY,
-            _refs_key(version.artifact_sha256),
+            _refs_key(version.artifact_sha256), _adapter_key(name),
         ]  # fmt: skip
         args = [name, version.version, _now_ms(), actor, self.events_maxlen]
         remaining = int(await self._run("COLLECT_VERSION", keys, args))
@@ -459,9 +469,10 @@ class RegistryStore:
             snapshot = []
             for name in names:
                 aliases = await self.redis.hgetall(f"{_adapter_key(name)}:aliases")
-                snapshot.append(
-                    registry_pb2.AdapterAliases(adapter=name, aliases={_text(a): int(v) for a, v in aliases.items()})
-                )
+                serving = await self.redis.hget(_adapter_key(name), "serving")
+                entry = registry_pb2.AdapterAliases(adapter=name, serving_alias=_text(serving) if serving else "")
+                entry.aliases.update({_text(a): int(v) for a, v in aliases.items()})
+                snapshot.append(entry)
         return snapshot
 
     async def ping(self) -> bool:
@@ -481,6 +492,7 @@ def event_from_fields(event_id: str, fields: dict[bytes, bytes]) -> registry_pb2
         actor=get("actor") or "",
         cause=get("cause") or "",
         artifact_sha256=get("artifact") or "",
+        serving_alias=get("serving") or "",
     )
     event.time.CopyFrom(_timestamp(int(get("time") or 0)))
     for alias, version in json.loads(get("aliases") or "{}").items():

@@ -36,6 +36,7 @@ from opentinker.weights.peft import (
 class AliasFollowerLike(Protocol):
     def note_traffic(self, adapter: str) -> None: ...
     def served_version(self, adapter: str, alias: str) -> int | None: ...
+    def serving_alias(self, adapter: str) -> str | None: ...
     def adopt(self, adapter: str, alias: str, version: int) -> None: ...
 
 
@@ -78,10 +79,12 @@ class AdapterLoader:
             return BASE_RESOLVED
         require_access(ref.adapter)
         follower = self.follower
+        # A bare name serves the adapter's serving alias; unknown here (None): the registry resolves it.
+        alias = ref.alias if follower is None or not ref.bare else follower.serving_alias(ref.adapter)
         if follower is not None:
             follower.note_traffic(ref.adapter)
-            if ref.alias is not None:
-                number = follower.served_version(ref.adapter, ref.alias)
+            if alias is not None:
+                number = follower.served_version(ref.adapter, alias)
                 cached = self._versions.get((ref.adapter, number)) if number is not None else None
                 if cached is not None:  # the alias as this sampler serves it: no registry round trip
                     message = common_pb2.ResolvedVersion(
@@ -94,8 +97,8 @@ class AdapterLoader:
         )
         version: registry_pb2.Version = response.version
         self._versions[(version.adapter, version.version)] = version
-        if follower is not None and ref.alias is not None:
-            follower.adopt(ref.adapter, ref.alias, version.version)
+        if follower is not None and alias is not None:
+            follower.adopt(ref.adapter, alias, version.version)
         return Resolved((version.adapter, version.version), response.resolved, version)
 
     async def acquire(self, resolved: Resolved, count: int = 1) -> int:

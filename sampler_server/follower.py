@@ -31,6 +31,7 @@ from opentinker.rpc.errors import ServiceError
 from opentinker.rpc.registry_link import Metadata, registry_error
 from opentinker.sampler_server.adapters import AdapterLoader
 from opentinker.v1 import registry_pb2, registry_pb2_grpc, sampler_pb2
+from opentinker.weights.names import LATEST
 
 log = logging.getLogger("opentinker.sampler.follower")
 
@@ -75,6 +76,7 @@ class AliasFollower:
         self.max_attempts = max_attempts
         self.served: dict[str, dict[str, int]] = {}  # adapter -> alias -> version served now
         self.wanted: dict[str, dict[str, int]] = {}  # adapter -> alias -> version the registry says
+        self.serving: dict[str, str] = {}  # adapter -> the alias its bare name resolves to (absent: latest)
         self.last_event_id = ""
         self.traffic: dict[str, float] = {}  # adapter -> monotonic time of its last request
         self.recent: collections.deque[sampler_pb2.ReloadRecord] = collections.deque(maxlen=256)
@@ -102,6 +104,13 @@ class AliasFollower:
 
     def served_version(self, adapter: str, alias: str) -> int | None:
         return self.served.get(adapter, {}).get(alias)
+
+    def serving_alias(self, adapter: str) -> str | None:
+        """The alias a bare name of `adapter` serves, as the event stream says; None: this sampler has not
+        seen the adapter (resolve through the registry, which knows)."""
+        if adapter not in self.wanted:
+            return None
+        return self.serving.get(adapter, LATEST)
 
     def serving_aliases(self, adapter: str, version: int) -> list[str]:
         return sorted(a for a, v in self.served.get(adapter, {}).items() if v == version)
@@ -139,14 +148,23 @@ class AliasFollower:
         snapshot = {entry.adapter: dict(entry.aliases) for entry in reconcile.adapters}
         for adapter in set(self.wanted) - set(snapshot):
             self._apply(adapter, {}, None)
+        for entry in reconcile.adapters:
+            self._serve(entry.adapter, entry.serving_alias)
         for adapter, aliases in snapshot.items():
             self._apply(adapter, aliases, None)
         self.last_event_id = reconcile.event_id
 
     def _event(self, event: registry_pb2.Event) -> None:
-        # Events carry the adapter's whole alias map, so applying one is idempotent.
+        # Events carry the adapter's whole alias map and serving alias, so applying one is idempotent.
+        self._serve(event.adapter, event.serving_alias)
         self._apply(event.adapter, dict(event.aliases), event.time.ToNanoseconds() / 1e9)
         self.last_event_id = event.event_id
+
+    def _serve(self, adapter: str, alias: str) -> None:
+        if alias and alias != LATEST:
+            self.serving[adapter] = alias
+        else:
+            self.serving.pop(adapter, None)
 
     def _apply(self, adapter: str, aliases: dict[str, int], event_time: float | None) -> None:
         self.wanted[adapter] = aliases
@@ -166,6 +184,7 @@ class AliasFollower:
                 self._tasks[key] = asyncio.get_running_loop().create_task(self._reload(target))
         if not aliases:
             self.served.pop(adapter, None)
+            self.serving.pop(adapter, None)
 
     async def _reload(self, target: _Target) -> None:
         """Load the wanted version, then flip the alias; retry with backoff until loaded or superseded."""

@@ -2,7 +2,8 @@
 
 name       "tenant/name" or "name"; each part [a-z0-9][a-z0-9._-]{0,62}
 alias      [a-z][a-z0-9._-]{0,62} (never a number, so "name@7" is always a version)
-reference  "name" (= name@latest), "name@alias", "name@N", or "base" (no LoRA)
+reference  "name" (= name@<serving alias>, latest unless the operator set one), "name@alias", "name@N",
+           or "base" (no LoRA)
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ BASE = "base"
 
 @dataclass(frozen=True, slots=True)
 class Reference:
-    """A parsed reference: exactly one of alias / version is set, unless it is the base model."""
+    """A parsed reference: exactly one of alias / version is set, unless it is the base model. A bare name
+    parses as alias latest with `bare` set: resolvers that know the adapter's serving alias use that instead."""
 
     adapter: str
     alias: str | None = None
     version: int | None = None
+    bare: bool = False
 
     @property
     def is_base(self) -> bool:
@@ -69,7 +72,7 @@ def parse_reference(text: str) -> Reference:
         return Reference(BASE)
     name, sep, suffix = text.partition("@")
     if not sep:
-        return Reference(check_adapter_name(name), alias=LATEST)
+        return Reference(check_adapter_name(name), alias=LATEST, bare=True)
     check_adapter_name(name)
     if suffix.isdigit():
         version = int(suffix)

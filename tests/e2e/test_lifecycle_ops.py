@@ -196,3 +196,42 @@ def test_registry_rollback_says_the_trainer_moves_latest_again(ops: Ops) -> None
     quiet = stack.cli("team-a", "registry", "rollback", name, "--alias", "stable", "--registry",
                       stack.registry.address)  # fmt: skip
     assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr
+
+
+def test_serving_alias_makes_bare_names_follow_stable(ops: Ops) -> None:
+    """`registry alias serve NAME stable`: the SDK's bare reference follows stable, training keeps moving latest,
+    and a rollback of latest says bare names are not affected."""
+    name = fresh("team-a", "serve")
+    stack = ops.stack
+    registry = ("--registry", stack.registry.address)
+    with stack.client(ops.trainer, "team-a") as a:
+        training = a.create_training_client(name, LORA, adam=ADAM, seed=8)
+        for version in (1, 2):
+            train(training, version - 1, version)
+            training.save_snapshot()
+        a.registry_client().set_alias(name, "stable", 1)
+    unset = stack.cli("team-a", "registry", "alias", "serve", name, "canary", *registry)
+    assert unset.returncode == 1 and unset.stderr.count("\n") == 1 and "alias canary" in unset.stderr, unset.stderr
+    served = stack.cli("team-a", "registry", "alias", "serve", name, "stable", *registry, "--json")
+    assert served.returncode == 0, served.stderr
+    assert json.loads(served.stdout) | {"event_id": ""} == {
+        "previous_alias": "latest", "alias": "stable", "version": "1", "event_id": ""
+    }  # fmt: skip
+    assert stack.cli("team-b", "registry", "alias", "serve", name, "latest", *registry).returncode == 1
+    with stack.client(ops.trainer, "team-a") as a:
+        assert a.registry_client().resolve(name).number == 1  # the SDK's default reference: stable
+        train(a.training_client(name), 2, 3)
+        assert a.training_client(name).save_snapshot().number == 3
+        assert a.registry_client().resolve(name).number == 1
+        assert a.registry_client().get_adapter(name).serving_alias == "stable"
+    shown = stack.cli("team-a", "registry", "show", name, *registry)
+    assert f"{name} -> {name}@1 (bare name: serving alias stable)" in shown.stdout, shown.stdout
+    listed = stack.cli("team-a", "registry", "adapters", "--prefix", name, *registry)
+    assert "stable->1 (serving)" in listed.stdout, listed.stdout
+    rolled = stack.cli("team-a", "registry", "rollback", name, *registry)
+    assert rolled.returncode == 0 and f"{name}@latest: 3 -> 2" in rolled.stdout, rolled.stderr
+    assert f"Bare {name} serves @stable, which this rollback did not move" in rolled.stderr, rolled.stderr
+    busy = stack.cli("team-a", "registry", "alias", "rm", name, "stable", *registry)
+    assert busy.returncode == 1 and "is the serving alias" in busy.stderr, busy.stderr
+    back = stack.cli("team-a", "registry", "alias", "serve", name, "latest", *registry)
+    assert back.returncode == 0 and f"{name} serves @latest (v2) to bare names (was @stable)" in back.stdout

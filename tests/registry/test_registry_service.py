@@ -215,6 +215,66 @@ def test_delete_alias(registry: Stub) -> None:
     assert_status(rpc_error(registry.DeleteAlias, latest), grpc.StatusCode.FAILED_PRECONDITION, "ALIAS_MANAGED")
 
 
+def test_serving_alias_is_what_a_bare_name_resolves_to(registry: Stub) -> None:
+    name = unique_name()
+    created = registry.CreateAdapter(registry_pb2.CreateAdapterRequest(name=name))
+    publish(registry, name, aliases=("stable",))
+    publish(registry, name)
+
+    def bare() -> int:
+        return int(registry.Resolve(registry_pb2.ResolveRequest(reference=name)).version.version)
+
+    assert bare() == 2
+    # Refused: an alias the adapter lacks, a bad alias, an unknown adapter; each changes nothing.
+    for request, code, reason in (
+        (registry_pb2.SetServingAliasRequest(adapter=name, alias="canary"), grpc.StatusCode.NOT_FOUND,
+         "ALIAS_NOT_FOUND"),
+        (registry_pb2.SetServingAliasRequest(adapter=name, alias="7"), grpc.StatusCode.INVALID_ARGUMENT,
+         "INVALID_ALIAS"),
+        (registry_pb2.SetServingAliasRequest(adapter=unique_name(), alias="stable"), grpc.StatusCode.NOT_FOUND,
+         "ADAPTER_NOT_FOUND"),
+    ):  # fmt: skip
+        assert_status(rpc_error(registry.SetServingAlias, request), code, reason)
+    assert bare() == 2 and registry.GetAdapter(registry_pb2.GetAdapterRequest(name=name)).adapter.serving_alias == ""
+    moved = registry.SetServingAlias(registry_pb2.SetServingAliasRequest(adapter=name, alias="stable"))
+    assert (moved.previous_alias, moved.alias, moved.version) == ("latest", "stable", 1)
+    assert registry.GetAdapter(registry_pb2.GetAdapterRequest(name=name)).adapter.serving_alias == "stable"
+    publish(registry, name)  # training moves latest, not what bare names get
+    assert bare() == 1
+    assert registry.Resolve(registry_pb2.ResolveRequest(reference=f"{name}@latest")).version.version == 3
+    registry.SetAlias(registry_pb2.SetAliasRequest(adapter=name, alias="stable", version=3))
+    assert bare() == 3
+    registry.Rollback(registry_pb2.RollbackRequest(adapter=name, alias="stable"))
+    assert bare() == 1
+    # The serving alias cannot be deleted while it serves.
+    busy = registry_pb2.DeleteAliasRequest(adapter=name, alias="stable")
+    error = rpc_error(registry.DeleteAlias, busy)
+    assert_status(error, grpc.StatusCode.FAILED_PRECONDITION, "ALIAS_SERVING")
+    assert "serve" in str(error.details()) and bare() == 1
+    # Every event carries the serving alias; a snapshot too.
+    stream = registry.WatchEvents(registry_pb2.WatchEventsRequest(after_event_id=created.event_id, adapters=[name]))
+    events = [next(stream).event for _ in range(6)]
+    stream.cancel()
+    assert [(registry_pb2.EventType.Name(e.type).removeprefix("EVENT_TYPE_"), e.serving_alias) for e in events] == [
+        ("VERSION_PUBLISHED", ""), ("VERSION_PUBLISHED", ""), ("SERVING_ALIAS_SET", "stable"),
+        ("VERSION_PUBLISHED", "stable"), ("ALIAS_SET", "stable"), ("ALIAS_SET", "stable"),
+    ]  # fmt: skip
+    assert (events[2].alias, events[2].version, events[2].actor) == ("stable", 1, "local")
+    watch = registry.WatchEvents(registry_pb2.WatchEventsRequest(adapters=[name], send_snapshot=True))
+    snapshot = next(watch).reconcile
+    watch.cancel()
+    assert [(a.adapter, a.serving_alias) for a in snapshot.adapters] == [(name, "stable")]
+    back = registry.SetServingAlias(registry_pb2.SetServingAliasRequest(adapter=name, alias="latest"))
+    assert (back.previous_alias, back.alias, back.version) == ("stable", "latest", 3) and bare() == 3
+    registry.DeleteAlias(busy)  # no longer serving: deletable
+    # A deleted and re-created adapter starts over on latest.
+    registry.SetAlias(registry_pb2.SetAliasRequest(adapter=name, alias="stable", version=2))
+    registry.SetServingAlias(registry_pb2.SetServingAliasRequest(adapter=name, alias="stable"))
+    registry.DeleteAdapter(registry_pb2.DeleteAdapterRequest(name=name))
+    registry.CreateAdapter(registry_pb2.CreateAdapterRequest(name=name))
+    assert registry.GetAdapter(registry_pb2.GetAdapterRequest(name=name)).adapter.serving_alias == ""
+
+
 def test_lineage_chain_with_batches(registry: Stub) -> None:
     name = unique_name()
     create_adapter(registry, name)

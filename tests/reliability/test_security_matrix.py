@@ -122,6 +122,8 @@ Operation = Callable[[Client, Resource, Secured], object]
 def _registry_aliases(c: Client, r: Resource, s: Secured) -> None:
     m = c.metadata
     c.registry.SetAlias(registry_pb2.SetAliasRequest(adapter=r.name, alias="stable", version=2), metadata=m)
+    c.registry.SetServingAlias(registry_pb2.SetServingAliasRequest(adapter=r.name, alias="stable"), metadata=m)
+    c.registry.SetServingAlias(registry_pb2.SetServingAliasRequest(adapter=r.name, alias="latest"), metadata=m)
     c.registry.Rollback(registry_pb2.RollbackRequest(adapter=r.name, alias="stable", to_version=1), metadata=m)
     c.registry.DeleteAlias(registry_pb2.DeleteAliasRequest(adapter=r.name, alias="stable"), metadata=m)
 
@@ -186,7 +188,7 @@ OPERATIONS: dict[str, tuple[Operation, bool]] = {
         registry_pb2.GetLineageRequest(reference=f"{r.name}@2"), metadata=c.metadata), False),
     "registry.PublishVersion": (lambda c, r, s: c.registry.PublishVersion(registry_pb2.PublishVersionRequest(
         adapter=r.name, artifact_uri=r.artifact_uri, skip_latest=True), metadata=c.metadata), False),
-    "registry.SetAlias+Rollback+DeleteAlias": (_registry_aliases, False),
+    "registry.SetAlias+SetServingAlias+Rollback+DeleteAlias": (_registry_aliases, False),
     "registry.DownloadArtifact": (lambda c, r, s: list(c.registry.DownloadArtifact(
         registry_pb2.DownloadArtifactRequest(artifact_uri=r.artifact_uri), metadata=c.metadata)), False),
     "registry.CreateAdapter": (_registry_create, False),

@@ -64,6 +64,39 @@ def test_new_version_is_served_after_publish_and_rollback_takes_effect(
     assert run(sampler, request(name, p)).versions[0] == (name, 1)
 
 
+def test_bare_name_follows_the_serving_alias(trainer: Trainer, sampler: Sampler, registry: Registry) -> None:
+    """The operator serves `stable`: bare-name requests follow it (a rollback of stable sticks) while training
+    keeps moving latest; `latest` as serving alias restores the default."""
+    name, _ = trained_adapter(trainer, seed=505)
+    p = prompt(505)
+    train(trainer, name, seed=506, steps=2)
+    assert snapshot(trainer, name).version == 2
+    registry.SetAlias(registry_pb2.SetAliasRequest(adapter=name, alias="stable", version=1))
+    served = registry.SetServingAlias(registry_pb2.SetServingAliasRequest(adapter=name, alias="stable"))
+    assert (served.previous_alias, served.alias, served.version) == ("latest", "stable", 1)
+    # Not seen by this sampler before: the registry resolves the bare name to stable.
+    first = run(sampler, request(name, p))
+    assert first.versions[0] == (name, 1) and first.only.tokens == greedy(sampler, f"{name}@1", p)
+    assert run(sampler, request(f"{name}@latest", p)).versions[0] == (name, 2)
+    # Training publishes v3: latest moves, bare names stay on stable.
+    train(trainer, name, seed=507, steps=2)
+    assert snapshot(trainer, name).version == 3
+    assert wait_until(lambda: serving(sampler, name) == 3, timeout=20), loaded(sampler)
+    assert run(sampler, request(name, p)).versions[0] == (name, 1)
+    # The operator promotes, then rolls back stable: bare names follow each move, no trainer undoes it.
+    registry.SetAlias(registry_pb2.SetAliasRequest(adapter=name, alias="stable", version=3))
+    assert wait_until(lambda: run(sampler, request(name, p)).versions[0] == (name, 3), timeout=20)
+    registry.Rollback(registry_pb2.RollbackRequest(adapter=name, alias="stable"))
+    assert wait_until(lambda: run(sampler, request(name, p)).versions[0] == (name, 1), timeout=20)
+    train(trainer, name, seed=508, steps=1)
+    assert snapshot(trainer, name).version == 4
+    assert wait_until(lambda: serving(sampler, name) == 4, timeout=20), loaded(sampler)
+    assert run(sampler, request(name, p)).versions[0] == (name, 1)
+    # Back to the default: bare names serve latest again.
+    registry.SetServingAlias(registry_pb2.SetServingAliasRequest(adapter=name, alias="latest"))
+    assert wait_until(lambda: run(sampler, request(name, p)).versions[0] == (name, 4), timeout=20)
+
+
 def test_version_that_fails_to_load_never_replaces_the_served_one(
     trainer: Trainer, sampler: Sampler, registry: Registry
 ) -> None:

@@ -20,6 +20,7 @@ class EventType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     EVENT_TYPE_ALIAS_SET: _ClassVar[EventType]
     EVENT_TYPE_ALIAS_DELETED: _ClassVar[EventType]
     EVENT_TYPE_ARTIFACT_DELETED: _ClassVar[EventType]
+    EVENT_TYPE_SERVING_ALIAS_SET: _ClassVar[EventType]
 EVENT_TYPE_UNSPECIFIED: EventType
 EVENT_TYPE_ADAPTER_CREATED: EventType
 EVENT_TYPE_ADAPTER_DELETED: EventType
@@ -27,9 +28,10 @@ EVENT_TYPE_VERSION_PUBLISHED: EventType
 EVENT_TYPE_ALIAS_SET: EventType
 EVENT_TYPE_ALIAS_DELETED: EventType
 EVENT_TYPE_ARTIFACT_DELETED: EventType
+EVENT_TYPE_SERVING_ALIAS_SET: EventType
 
 class Adapter(_message.Message):
-    __slots__ = ("name", "tenant", "lora_config", "base_model_digest", "aliases", "latest_version", "version_count", "create_time", "created_by", "labels", "description")
+    __slots__ = ("name", "tenant", "lora_config", "base_model_digest", "aliases", "latest_version", "version_count", "create_time", "created_by", "labels", "description", "serving_alias")
     class AliasesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +57,7 @@ class Adapter(_message.Message):
     CREATED_BY_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    SERVING_ALIAS_FIELD_NUMBER: _ClassVar[int]
     name: str
     tenant: str
     lora_config: _common_pb2.LoraConfig
@@ -66,7 +69,8 @@ class Adapter(_message.Message):
     created_by: str
     labels: _containers.ScalarMap[str, str]
     description: str
-    def __init__(self, name: _Optional[str] = ..., tenant: _Optional[str] = ..., lora_config: _Optional[_Union[_common_pb2.LoraConfig, _Mapping]] = ..., base_model_digest: _Optional[str] = ..., aliases: _Optional[_Mapping[str, int]] = ..., latest_version: _Optional[int] = ..., version_count: _Optional[int] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., created_by: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., description: _Optional[str] = ...) -> None: ...
+    serving_alias: str
+    def __init__(self, name: _Optional[str] = ..., tenant: _Optional[str] = ..., lora_config: _Optional[_Union[_common_pb2.LoraConfig, _Mapping]] = ..., base_model_digest: _Optional[str] = ..., aliases: _Optional[_Mapping[str, int]] = ..., latest_version: _Optional[int] = ..., version_count: _Optional[int] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., created_by: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., description: _Optional[str] = ..., serving_alias: _Optional[str] = ...) -> None: ...
 
 class BatchRecord(_message.Message):
     __slots__ = ("digest", "trace_ids", "step", "num_datums", "num_tokens", "loss_fn", "time")
@@ -312,6 +316,26 @@ class SetAliasResponse(_message.Message):
     event_id: str
     def __init__(self, previous_version: _Optional[int] = ..., version: _Optional[int] = ..., event_id: _Optional[str] = ...) -> None: ...
 
+class SetServingAliasRequest(_message.Message):
+    __slots__ = ("adapter", "alias")
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    ALIAS_FIELD_NUMBER: _ClassVar[int]
+    adapter: str
+    alias: str
+    def __init__(self, adapter: _Optional[str] = ..., alias: _Optional[str] = ...) -> None: ...
+
+class SetServingAliasResponse(_message.Message):
+    __slots__ = ("previous_alias", "alias", "version", "event_id")
+    PREVIOUS_ALIAS_FIELD_NUMBER: _ClassVar[int]
+    ALIAS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    EVENT_ID_FIELD_NUMBER: _ClassVar[int]
+    previous_alias: str
+    alias: str
+    version: int
+    event_id: str
+    def __init__(self, previous_alias: _Optional[str] = ..., alias: _Optional[str] = ..., version: _Optional[int] = ..., event_id: _Optional[str] = ...) -> None: ...
+
 class DeleteAliasRequest(_message.Message):
     __slots__ = ("adapter", "alias", "expected_version")
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
@@ -369,7 +393,7 @@ class GetLineageResponse(_message.Message):
     def __init__(self, chain: _Optional[_Iterable[_Union[Version, _Mapping]]] = ...) -> None: ...
 
 class Event(_message.Message):
-    __slots__ = ("event_id", "type", "adapter", "version", "alias", "previous_version", "aliases", "time", "actor", "cause", "artifact_sha256")
+    __slots__ = ("event_id", "type", "adapter", "version", "alias", "previous_version", "aliases", "time", "actor", "cause", "artifact_sha256", "serving_alias")
     class AliasesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -388,6 +412,7 @@ class Event(_message.Message):
     ACTOR_FIELD_NUMBER: _ClassVar[int]
     CAUSE_FIELD_NUMBER: _ClassVar[int]
     ARTIFACT_SHA256_FIELD_NUMBER: _ClassVar[int]
+    SERVING_ALIAS_FIELD_NUMBER: _ClassVar[int]
     event_id: str
     type: EventType
     adapter: str
@@ -399,10 +424,11 @@ class Event(_message.Message):
     actor: str
     cause: str
     artifact_sha256: str
-    def __init__(self, event_id: _Optional[str] = ..., type: _Optional[_Union[EventType, str]] = ..., adapter: _Optional[str] = ..., version: _Optional[int] = ..., alias: _Optional[str] = ..., previous_version: _Optional[int] = ..., aliases: _Optional[_Mapping[str, int]] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., actor: _Optional[str] = ..., cause: _Optional[str] = ..., artifact_sha256: _Optional[str] = ...) -> None: ...
+    serving_alias: str
+    def __init__(self, event_id: _Optional[str] = ..., type: _Optional[_Union[EventType, str]] = ..., adapter: _Optional[str] = ..., version: _Optional[int] = ..., alias: _Optional[str] = ..., previous_version: _Optional[int] = ..., aliases: _Optional[_Mapping[str, int]] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., actor: _Optional[str] = ..., cause: _Optional[str] = ..., artifact_sha256: _Optional[str] = ..., serving_alias: _Optional[str] = ...) -> None: ...
 
 class AdapterAliases(_message.Message):
-    __slots__ = ("adapter", "aliases")
+    __slots__ = ("adapter", "aliases", "serving_alias")
     class AliasesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -412,9 +438,11 @@ class AdapterAliases(_message.Message):
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     ALIASES_FIELD_NUMBER: _ClassVar[int]
+    SERVING_ALIAS_FIELD_NUMBER: _ClassVar[int]
     adapter: str
     aliases: _containers.ScalarMap[str, int]
-    def __init__(self, adapter: _Optional[str] = ..., aliases: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    serving_alias: str
+    def __init__(self, adapter: _Optional[str] = ..., aliases: _Optional[_Mapping[str, int]] = ..., serving_alias: _Optional[str] = ...) -> None: ...
 
 class Reconcile(_message.Message):
     __slots__ = ("event_id", "adapters", "reason")

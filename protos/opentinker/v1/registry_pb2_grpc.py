@@ -84,6 +84,11 @@ class RegistryServiceStub:
                 request_serializer=opentinker_dot_v1_dot_registry__pb2.DeleteAliasRequest.SerializeToString,
                 response_deserializer=opentinker_dot_v1_dot_registry__pb2.DeleteAliasResponse.FromString,
                 _registered_method=True)
+        self.SetServingAlias = channel.unary_unary(
+                '/opentinker.v1.RegistryService/SetServingAlias',
+                request_serializer=opentinker_dot_v1_dot_registry__pb2.SetServingAliasRequest.SerializeToString,
+                response_deserializer=opentinker_dot_v1_dot_registry__pb2.SetServingAliasResponse.FromString,
+                _registered_method=True)
         self.Rollback = channel.unary_unary(
                 '/opentinker.v1.RegistryService/Rollback',
                 request_serializer=opentinker_dot_v1_dot_registry__pb2.RollbackRequest.SerializeToString,
@@ -216,7 +221,18 @@ class RegistryServiceServicer:
     def DeleteAlias(self, request, context):
         """Removes an alias; "latest" cannot be removed.
         Errors: INVALID_ARGUMENT (INVALID_ADAPTER_NAME, INVALID_ALIAS), NOT_FOUND (ADAPTER_NOT_FOUND, ALIAS_NOT_FOUND),
-        FAILED_PRECONDITION (ALIAS_MANAGED, VERSION_CONFLICT), PERMISSION_DENIED (PERMISSION_DENIED).
+        FAILED_PRECONDITION (ALIAS_MANAGED, VERSION_CONFLICT, ALIAS_SERVING), PERMISSION_DENIED (PERMISSION_DENIED).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetServingAlias(self, request, context):
+        """Names the alias a bare adapter name ("team/agent", no "@") resolves to, for every client and sampler:
+        "stable" makes a rollback of stable stick while training moves latest. "latest" (or empty) restores the
+        default. The serving alias cannot be deleted while it serves.
+        Errors: INVALID_ARGUMENT (INVALID_ADAPTER_NAME, INVALID_ALIAS), NOT_FOUND (ADAPTER_NOT_FOUND, ALIAS_NOT_FOUND),
+        PERMISSION_DENIED (PERMISSION_DENIED).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -347,6 +363,11 @@ def add_RegistryServiceServicer_to_server(servicer, server):
                     servicer.DeleteAlias,
                     request_deserializer=opentinker_dot_v1_dot_registry__pb2.DeleteAliasRequest.FromString,
                     response_serializer=opentinker_dot_v1_dot_registry__pb2.DeleteAliasResponse.SerializeToString,
+            ),
+            'SetServingAlias': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetServingAlias,
+                    request_deserializer=opentinker_dot_v1_dot_registry__pb2.SetServingAliasRequest.FromString,
+                    response_serializer=opentinker_dot_v1_dot_registry__pb2.SetServingAliasResponse.SerializeToString,
             ),
             'Rollback': grpc.unary_unary_rpc_method_handler(
                     servicer.Rollback,
@@ -654,6 +675,33 @@ class RegistryService:
             '/opentinker.v1.RegistryService/DeleteAlias',
             opentinker_dot_v1_dot_registry__pb2.DeleteAliasRequest.SerializeToString,
             opentinker_dot_v1_dot_registry__pb2.DeleteAliasResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetServingAlias(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/opentinker.v1.RegistryService/SetServingAlias',
+            opentinker_dot_v1_dot_registry__pb2.SetServingAliasRequest.SerializeToString,
+            opentinker_dot_v1_dot_registry__pb2.SetServingAliasResponse.FromString,
             options,
             channel_credentials,
             insecure,
