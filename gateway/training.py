@@ -315,6 +315,9 @@ async def record_checkpoint(gw: Gateway, checkpoint: Checkpoint) -> None:
         await gw.durable.put_checkpoint(tombstone)
     await gw.durable.put_checkpoint(checkpoint)
     gw.checkpoints.add(checkpoint)
+    run = gw.runs.find(checkpoint.model_id)
+    if run is not None:  # its last_request_time, stored with each save rather than with every request
+        await gw.durable.put_run(run)
 
 
 def _load_request(
