@@ -18,6 +18,7 @@ from opentinker.gateway.checkpoints import KIND_OF_SEGMENT, Checkpoint, expiry
 from opentinker.gateway.errors import RequestFailed, bad_request, not_found
 from opentinker.gateway.runs import TrainingRun
 from opentinker.gateway.state import Gateway, Json, field_of, gateway_of, json_body, principal_of
+from opentinker.weights.base_model import UNEMBED_MODULE
 
 MAX_PAGE = 1000
 ACCESS_SCOPES = ("owned", "accessible")  # one scope here: a tenant accesses its own runs
@@ -193,7 +194,7 @@ async def weights_info(request: web.Request) -> web.Response:
             "optimizer_config": {"type": "adamw"},
             "is_lora": True,
             "lora_rank": checkpoint.lora.rank,
-            "train_unembed": False,
+            "train_unembed": UNEMBED_MODULE in targets,
             "train_mlp": bool(targets & {"all-linear", "mlp"}),
             "train_attn": bool(targets & {"all-linear", "attn"}),
         }

@@ -107,6 +107,7 @@ def test_rest_routes_are_tenant_scoped(
     assert mine.cursor is not None and mine.cursor.total_count >= 2
     info = rest_a.get_weights_info_by_tinker_path(weights).result()
     assert info.base_model == str(tiny_model) and info.is_lora and info.lora_rank == 4
+    assert (info.train_attn, info.train_mlp, info.train_unembed) == (True, True, True)  # the SDK's defaults
 
     # TTL set and removed; publish flags; a TTL out of range is a 400 that changes nothing.
     rest_a.set_checkpoint_ttl_from_tinker_path(state, 7200).result()
