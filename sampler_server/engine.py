@@ -1,8 +1,8 @@
 """The serving engine: one thread runs `step()` over a continuously changing batch.
 
-    step: schedule (prefill new sequences | decode all running)
+    step: schedule (prefill new sequences | decode all running; blocks for every token, preempting when out)
           -> prefill: one sample per request computes the prompt, its other samples will copy the K/V
-          -> prepare flat tokens, positions, KV slots and each token's adapter slot
+          -> prepare flat tokens, positions, block tables and each token's adapter slot
           -> one model forward; every projection adds each token's own LoRA delta (slot pool + kernels)
           -> sample one token per sequence -> stop checks, detokenize, emit -> free finished sequences
 
@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from opentinker.sampler_server.block_manager import BlockManager
 from opentinker.sampler_server.kernels import Backend, Kernel, add_lora, resolve_kernel
 from opentinker.sampler_server.kernels.segments import add_lora_runs, plan_runs, plan_segments
 from opentinker.sampler_server.model.batch import ForwardBatch
@@ -97,6 +98,9 @@ class EngineStats:
     prompt_tokens_shared: int = 0  # prompt tokens whose K/V a sample copied from another sample of its request
     recent: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens) of recent decode steps
     non_finite_failures: int = 0  # requests ended because their adapter made their logits non-finite
+    blocks_total: int = 0  # KV-cache blocks sequences may hold (the ComputeLogprobs area apart)
+    blocks_used: int = 0  # held by at least one sequence
+    preemptions: int = 0  # running sequences sent back to the queue for want of blocks
 
     def tokens_per_second(self, window: float = RATE_WINDOW) -> float:
         return tokens_per_second(self.recent, window)
@@ -115,7 +119,6 @@ class Engine:
         eos_token_ids: tuple[int, ...],
         tokenizer: Any | None = None,
         kernel: Backend = "auto",
-        score_slot: int,
         burst_wait: float = 0.002,
         on_iteration: Callable[[], None] | None = None,
     ) -> None:
@@ -128,11 +131,18 @@ class Engine:
         self.eos_token_ids = set(eos_token_ids)
         self.tokenizer = tokenizer
         self.kernel: Kernel = resolve_kernel(kernel, cache.device.type)  # the server passes it resolved already
-        self.score_slot = score_slot  # a KV slot kept for ComputeLogprobs
+        # The cache's last blocks are kept for ComputeLogprobs (one max_len sequence); the rest are the pool.
+        score_blocks = -(-max_len // cache.block_size)
+        if cache.num_blocks < 2 * score_blocks:
+            raise ValueError(f"a KV cache of {cache.num_blocks} blocks of {cache.block_size} tokens cannot hold one "
+                             f"{max_len}-token sequence besides the ComputeLogprobs area")  # fmt: skip
+        self.blocks = BlockManager(cache.num_blocks - score_blocks, cache.block_size)
+        self.score_table = list(range(cache.num_blocks - score_blocks, cache.num_blocks))
+        scheduler.use_blocks(self.blocks)
         self.burst_wait = burst_wait  # seconds without a new request that end a burst; the whole wait is at most 10x
         self.on_iteration = on_iteration  # called on the engine thread after each round of inbox + step
         self.device = cache.device
-        self.stats = EngineStats()
+        self.stats = EngineStats(blocks_total=self.blocks.num_blocks)
         self._inbox: queue.SimpleQueue[_Submit | _Abort | _Score | None] = queue.SimpleQueue()
         self._callbacks: dict[str, UpdateCallback] = {}
         self._thread: threading.Thread | None = None
@@ -250,6 +260,7 @@ class Engine:
     def _retire(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
         self.release(seq.lora_slot)  # the request's pin on its adapter version ends with it
+        self.stats.blocks_used = self.blocks.num_used
 
     def step(self) -> None:
         batch = self.scheduler.schedule()
@@ -281,6 +292,8 @@ class Engine:
         self.stats.tokens_generated += appended
         self.stats.recent = [*self.stats.recent[-63:], (time.monotonic(), appended)]
         self.stats.non_finite_failures += len(failed)
+        self.stats.blocks_used = self.blocks.num_used
+        self.stats.preemptions = self.scheduler.preemptions
 
     def _fail_request(self, request_id: str, error: str, reason: str) -> None:
         """Ends every sample of one request with an error; the others in the batch are not touched."""
@@ -297,8 +310,8 @@ class Engine:
     def _prompt_leaders(batch: ScheduledBatch) -> tuple[ScheduledBatch, list[int]]:
         """Prefill: the sequences that run the forward, one per request (its first sample), and for every
         sequence the index among them of the one it takes its prompt from. Sharing needs the same request,
-        prompt, adapter slot and prompt-logprobs wish, which the n samples of a Sample call always have; a
-        decode batch is computed whole."""
+        prompt, adapter slot and prompt-logprobs wish, which the n samples of a Sample call always have, and
+        nothing generated yet (a preempted sample recomputes its own output); a decode batch is computed whole."""
         if not batch.is_prefill:
             return batch, []
         computed: list[Sequence] = []
@@ -306,19 +319,22 @@ class Engine:
         first: dict[tuple[str, int, bool], int] = {}  # (request, adapter slot, prompt logprobs) -> computed index
         for seq in batch.sequences:
             key = (seq.request_id, seq.lora_slot, seq.want_prompt_logprobs)
-            index = first.get(key)
+            index = None if seq.output else first.get(key)
             if index is None or computed[index].prompt != seq.prompt:
                 index = len(computed)
-                first.setdefault(key, index)
+                if not seq.output:
+                    first.setdefault(key, index)
                 computed.append(seq)
             leaders.append(index)
         return ScheduledBatch(computed, is_prefill=True), leaders
 
     def _copy_prompts(self, sequences: list[Sequence], leaders: list[Sequence]) -> None:
         """Each sequence whose leader is another sequence takes the leader's prompt K/V and prompt logprobs."""
+        size = self.cache.block_size
         for seq, leader in zip(sequences, leaders, strict=True):
             if seq is not leader:
-                self.cache.copy_prefix(leader.kv_slot, seq.kv_slot, len(seq.prompt))
+                for i, (src, dst) in enumerate(zip(leader.block_table, seq.block_table, strict=True)):
+                    self.cache.copy_block(src, dst, min(size, len(seq.prompt) - i * size))
                 seq.prompt_logprobs = None if leader.prompt_logprobs is None else list(leader.prompt_logprobs)
                 self.stats.prompt_tokens_shared += len(seq.prompt)
 
@@ -335,7 +351,7 @@ class Engine:
             positions.extend(range(seq.num_cached, seq.num_cached + len(new)))
             token_slots.extend([seq.lora_slot] * len(new))
             new_lens.append(len(new))
-            if batch.is_prefill and seq.want_prompt_logprobs:
+            if batch.is_prefill and _wants_prompt_logprobs(seq):
                 logits_indices.extend(range(start, start + len(new)))
             else:
                 logits_indices.append(start + len(new) - 1)
@@ -343,7 +359,7 @@ class Engine:
         forward = ForwardBatch(
             tokens=torch.tensor(tokens, dtype=torch.long, device=device),
             positions=torch.tensor(positions, dtype=torch.long, device=device),
-            kv_slots=[seq.kv_slot for seq in batch.sequences],
+            block_tables=[seq.block_table for seq in batch.sequences],
             new_lens=new_lens,
             context_lens=[seq.num_tokens for seq in batch.sequences],
             logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=device),
@@ -355,7 +371,7 @@ class Engine:
         rows: list[int] = []
         offset = 0
         for seq in batch.sequences:
-            if batch.is_prefill and seq.want_prompt_logprobs:
+            if batch.is_prefill and _wants_prompt_logprobs(seq):
                 count = len(seq.prompt)
                 prompt_logits = logits[offset : offset + count - 1]  # position i predicts token i+1
                 targets = torch.tensor(seq.prompt[1:], dtype=torch.long, device=logits.device)
@@ -447,7 +463,7 @@ class Engine:
             forward = ForwardBatch(
                 tokens=torch.tensor(tokens, dtype=torch.long, device=self.device),
                 positions=torch.arange(len(tokens), device=self.device),
-                kv_slots=[self.score_slot],
+                block_tables=[self.score_table],
                 new_lens=[len(tokens)],
                 context_lens=[len(tokens)],
                 logits_indices=torch.arange(len(tokens) - 1, device=self.device),
@@ -459,6 +475,11 @@ class Engine:
             job.future.set_exception(exc)
         finally:
             self.release(job.lora_slot)
+
+
+def _wants_prompt_logprobs(seq: Sequence) -> bool:
+    """Prompt logprobs are computed in a sequence's first prefill only (not when it recomputes after preemption)."""
+    return seq.want_prompt_logprobs and seq.prompt_logprobs is None
 
 
 def _ends_with_stop(text: str, new_chars: int, stops: tuple[str, ...]) -> bool:

@@ -355,7 +355,7 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
             slots_used=pool.used(), slots_total=pool.capacity,
             tokens_generated=engine.stats.tokens_generated,
             decode_tokens_per_second=engine.stats.tokens_per_second(),
-            kv_cache_usage=engine.num_running / max(engine.max_seqs, 1),
+            kv_cache_usage=engine.stats.blocks_used / max(engine.stats.blocks_total, 1),  # blocks held
             adapter_loads_total=self.loader.loads, reload_failures_total=self.loader.load_failures,
         )  # fmt: skip
         if follower is not None:
