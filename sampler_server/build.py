@@ -57,6 +57,8 @@ class SamplerConfig:
     max_waiting: int = 256
     num_blocks: int = 0  # KV-cache blocks; 0: kv_cache_mb, or what max_seqs x max_len took in slots
     kv_cache_mb: float = 0.0
+    prefix_cache: bool = True  # reuse cached prompt blocks (--no-prefix-cache: off)
+    share_base_prefix_cache: bool = False  # base-model blocks shared across tenants (single-tenant deployments)
     max_seqs_per_tenant: int | None = None  # None: default_tenant_slots(max_seqs); 0: no limit
     max_queued_per_tenant: int = 256  # 0: no limit
     max_prompt_bytes: int = 0  # 0: PROMPT_BYTES_PER_TOKEN per token of the context
@@ -145,7 +147,8 @@ def build_sampler(config: SamplerConfig) -> BuiltSampler:
         scheduler = Scheduler(max_seqs=max_seqs, max_batch_tokens=max_batch_tokens, max_seqs_per_tenant=per_tenant)
         return Engine(runner, cache, pool.tensors, scheduler, release=release, max_len=context,
                       eos_token_ids=model_config.eos_token_ids, tokenizer=tokenizer, kernel=lora_kernel,
-                      burst_wait=c.burst_wait_ms / 1000, on_iteration=on_iteration)  # fmt: skip
+                      burst_wait=c.burst_wait_ms / 1000, prefix_cache=c.prefix_cache,
+                      on_iteration=on_iteration)  # fmt: skip
 
     engine: EngineAPI
     if not in_process:
@@ -180,6 +183,7 @@ def build_sampler(config: SamplerConfig) -> BuiltSampler:
         follower.start()
         servicer = SamplerServicer(engine, loader, info=info, tokenizer=tokenizer, max_waiting=c.max_waiting,
                                    follower=follower, max_queued_per_tenant=c.max_queued_per_tenant,
+                                   share_base_prefix_cache=c.share_base_prefix_cache,
                                    max_prompt_bytes=c.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * context)  # fmt: skip
         sampler_pb2_grpc.add_SamplerServiceServicer_to_server(servicer, server)
         if isinstance(engine, EngineProcess):

@@ -47,6 +47,16 @@ def serve(
     kv_cache_mb: Annotated[
         float, typer.Option(min=0, help="KV-cache size in MiB, instead of --num-blocks (0: --num-blocks).")
     ] = 0,
+    prefix_cache: Annotated[
+        bool, typer.Option("--prefix-cache/--no-prefix-cache", help="Reuse cached K/V of earlier prompts' blocks.")
+    ] = True,
+    share_base_prefix_cache: Annotated[
+        bool,
+        typer.Option(
+            help="Share the base model's cached blocks across tenants (single-tenant deployments); by default "
+            "they are shared within a tenant only, so no tenant can time another's prompts."
+        ),
+    ] = False,
     max_seqs_per_tenant: Annotated[
         int | None,
         typer.Option(
@@ -151,7 +161,8 @@ def serve(
         model=model, revision=revision, registry=registry, store=store, server=options, registry_token=registry_token,
         registry_ca=registry_ca, device=device, dtype=cast("Dtype", dtype), max_slots=max_slots,
         max_rank=max_rank, max_seqs=max_seqs, max_batch_tokens=max_batch_tokens, max_len=max_len,
-        max_waiting=max_waiting, num_blocks=num_blocks, kv_cache_mb=kv_cache_mb,
+        max_waiting=max_waiting, num_blocks=num_blocks, kv_cache_mb=kv_cache_mb, prefix_cache=prefix_cache,
+        share_base_prefix_cache=share_base_prefix_cache,
         max_seqs_per_tenant=max_seqs_per_tenant,
         max_queued_per_tenant=max_queued_per_tenant, max_prompt_bytes=max_prompt_bytes, burst_wait_ms=burst_wait_ms,
         kernel=cast("Backend", kernel), cpu_gemm=cast("CpuGemm", cpu_gemm), engine_process=engine_process,

@@ -96,11 +96,15 @@ class EngineStats:
     steps: int = 0
     prompt_tokens_computed: int = 0  # prompt tokens run through a prefill forward
     prompt_tokens_shared: int = 0  # prompt tokens whose K/V a sample copied from another sample of its request
+    prompt_tokens_cached: int = 0  # prompt tokens whose K/V were found in the prefix cache
     recent: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens) of recent decode steps
     non_finite_failures: int = 0  # requests ended because their adapter made their logits non-finite
     blocks_total: int = 0  # KV-cache blocks sequences may hold (the ComputeLogprobs area apart)
+    block_size: int = 0  # tokens per block
     blocks_used: int = 0  # held by at least one sequence
     preemptions: int = 0  # running sequences sent back to the queue for want of blocks
+    blocks_cached: int = 0  # full blocks in the prefix cache (held or idle)
+    blocks_evicted: int = 0  # idle cached blocks taken for new tokens
 
     def tokens_per_second(self, window: float = RATE_WINDOW) -> float:
         return tokens_per_second(self.recent, window)
@@ -120,6 +124,7 @@ class Engine:
         tokenizer: Any | None = None,
         kernel: Backend = "auto",
         burst_wait: float = 0.002,
+        prefix_cache: bool = True,
         on_iteration: Callable[[], None] | None = None,
     ) -> None:
         self.model = model
@@ -136,13 +141,13 @@ class Engine:
         if cache.num_blocks < 2 * score_blocks:
             raise ValueError(f"a KV cache of {cache.num_blocks} blocks of {cache.block_size} tokens cannot hold one "
                              f"{max_len}-token sequence besides the ComputeLogprobs area")  # fmt: skip
-        self.blocks = BlockManager(cache.num_blocks - score_blocks, cache.block_size)
+        self.blocks = BlockManager(cache.num_blocks - score_blocks, cache.block_size, prefix_cache=prefix_cache)
         self.score_table = list(range(cache.num_blocks - score_blocks, cache.num_blocks))
         scheduler.use_blocks(self.blocks)
         self.burst_wait = burst_wait  # seconds without a new request that end a burst; the whole wait is at most 10x
         self.on_iteration = on_iteration  # called on the engine thread after each round of inbox + step
         self.device = cache.device
-        self.stats = EngineStats(blocks_total=self.blocks.num_blocks)
+        self.stats = EngineStats(blocks_total=self.blocks.num_blocks, block_size=cache.block_size)
         self._inbox: queue.SimpleQueue[_Submit | _Abort | _Score | None] = queue.SimpleQueue()
         self._callbacks: dict[str, UpdateCallback] = {}
         self._thread: threading.Thread | None = None
@@ -180,6 +185,10 @@ class Engine:
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="sampler-engine", daemon=True)
         self._thread.start()
+
+    @property
+    def started(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
 
     def stop(self) -> None:
         self._stopping = True
@@ -260,7 +269,7 @@ class Engine:
     def _retire(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
         self.release(seq.lora_slot)  # the request's pin on its adapter version ends with it
-        self.stats.blocks_used = self.blocks.num_used
+        self._block_stats()
 
     def step(self) -> None:
         batch = self.scheduler.schedule()
@@ -286,14 +295,22 @@ class Engine:
             if seq.request_id in failed:
                 continue
             seq.num_cached = seq.num_tokens
+            self.blocks.register(seq)  # its newly filled blocks join the prefix cache
             self._append(seq, token, logprob)
             appended += 1
         self.stats.steps += 1
         self.stats.tokens_generated += appended
         self.stats.recent = [*self.stats.recent[-63:], (time.monotonic(), appended)]
         self.stats.non_finite_failures += len(failed)
-        self.stats.blocks_used = self.blocks.num_used
-        self.stats.preemptions = self.scheduler.preemptions
+        self._block_stats()
+
+    def _block_stats(self) -> None:
+        blocks, stats = self.blocks, self.stats
+        stats.blocks_used = blocks.num_used
+        stats.blocks_cached = blocks.num_cached
+        stats.blocks_evicted = blocks.evicted
+        stats.preemptions = self.scheduler.preemptions
+        stats.prompt_tokens_cached = self.scheduler.prompt_tokens_cached
 
     def _fail_request(self, request_id: str, error: str, reason: str) -> None:
         """Ends every sample of one request with an error; the others in the batch are not touched."""

@@ -63,6 +63,7 @@ class Scheduler:
         self.free_kv_slots = list(range(max_seqs - 1, -1, -1))  # free seats in the batch
         self.blocks = blocks
         self.preemptions = 0
+        self.prompt_tokens_cached = 0  # tokens admitted sequences found in the prefix cache
         self._prefilled_last = False  # the previous step was a prefill
         self._turns = itertools.count(1)
         self._last_turn: dict[str, int] = {}  # tenant -> its latest admission; kept while it has sequences
@@ -156,10 +157,15 @@ class Scheduler:
                 if admitted and cost > budget:
                     break  # a single prompt may exceed the budget on its own, in a prefill of its own
                 if self.blocks is not None:
-                    if not self.blocks.can_grow(seq):
+                    # Prompt logprobs need every prompt position's logits: such a first prefill reuses nothing.
+                    first_logprobs = seq.want_prompt_logprobs and seq.prompt_logprobs is None
+                    cached = self.blocks.admit(seq, reuse=not first_logprobs)
+                    if cached < 0:
                         out_of_blocks = True
                         break
-                    self.blocks.grow(seq)
+                    self.prompt_tokens_cached += cached
+                    if not sibling:
+                        cost -= cached
                 queue.popleft()
                 self.num_waiting -= 1
                 seq.kv_slot = self.free_kv_slots.pop()

@@ -49,6 +49,8 @@ class Sequence:
     status: Status = Status.WAITING
     kv_slot: int = -1  # its seat in the batch (one of max_seqs) while running
     block_table: list[int] = field(default_factory=list)  # KV-cache blocks holding its positions, in order
+    block_keys: list[bytes] = field(default_factory=list)  # prefix-cache chain keys of its full blocks, in order
+    cache_key: str = ""  # the weights identity its cached blocks are keyed by (block_manager.py); "": none
     num_cached: int = 0  # tokens whose K/V are in the cache
     output: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
