@@ -4,7 +4,12 @@ table (`Sequence.block_table`, the blocks holding its positions in order), and t
 A sequence holds `ceil(num_tokens / block_size)` blocks: admission takes the blocks of its prompt (or, after a
 preemption, of its prompt and output so far), and a decode step takes one more block whenever the token it
 writes starts a new block. Memory is then proportional to the tokens held, not to max_seqs x max_len. The
-tensors are `model.kv_cache.KVCache`; this file never touches them.
+tensors are `model.kv_cache.KVCache`; this file never touches them: the block copies it decides on are queued
+in `copies` for the engine to run before its next forward.
+
+The n samples of one request share their prompt's blocks by reference (`fork`). A block is written only by a
+sequence that holds it alone: a sample about to append to a partly filled block others hold too takes a copy
+of it first (copy-on-write), so a group of 8 holds one copy of its prompt plus one partial block each.
 
 Prefix cache: every full block is keyed by a hash chain, sha256(parent block's key, the block's token ids), whose
 first link is seeded with the sequence's `cache_key`: the exact weights identity (an adapter version's artifact
@@ -44,6 +49,7 @@ class BlockManager:
         self.cached: dict[bytes, int] = {}  # chain key -> block
         self._idle: collections.OrderedDict[int, None] = collections.OrderedDict()  # cached, unreferenced; LRU first
         self.evicted = 0
+        self.copies: list[tuple[int, int, int]] = []  # (source, destination, rows) the engine copies next
 
     @property
     def num_free(self) -> int:
@@ -62,14 +68,28 @@ class BlockManager:
         return -(-tokens // self.block_size)
 
     def needed(self, seq: Sequence) -> int:
-        """Blocks seq must take before its next forward: enough to hold positions 0..num_tokens-1."""
-        return max(0, self.blocks_for(seq.num_tokens) - len(seq.block_table))
+        """Blocks seq must take before its next forward: enough to hold positions 0..num_tokens-1, plus a copy
+        of a shared block it is about to write to."""
+        return max(0, self.blocks_for(seq.num_tokens) - len(seq.block_table)) + self._shared_target(seq)
+
+    def _shared_target(self, seq: Sequence) -> int:
+        """1 when the block seq writes next (its token at num_tokens - 1) is in its table and held by others."""
+        index = (seq.num_tokens - 1) // self.block_size
+        return int(seq.num_cached < seq.num_tokens and index < len(seq.block_table)
+                   and self.refs[seq.block_table[index]] > 1)  # fmt: skip
 
     def can_grow(self, seq: Sequence) -> bool:
         return self.needed(seq) <= self.num_free
 
     def grow(self, seq: Sequence) -> None:
         """Gives seq the blocks its next forward writes to (the caller checked `can_grow`)."""
+        if self._shared_target(seq):
+            index = (seq.num_tokens - 1) // self.block_size
+            shared, own = seq.block_table[index], self._take()
+            self.refs[shared] -= 1  # others still hold it
+            self.refs[own] = 1
+            seq.block_table[index] = own
+            self.copies.append((shared, own, (seq.num_tokens - 1) % self.block_size))
         for _ in range(self.needed(seq)):
             block = self._take()
             self.refs[block] = 1
@@ -85,6 +105,18 @@ class BlockManager:
             return -1
         self.grow(seq)
         return cached
+
+    def fork(self, leader: Sequence, seq: Sequence) -> None:
+        """seq (another sample of leader's request, same prompt and weights) holds leader's blocks too."""
+        for block in leader.block_table:
+            self.refs[block] += 1
+        seq.block_table = list(leader.block_table)
+        seq.block_keys = list(leader.block_keys)
+        seq.num_cached = leader.num_cached
+
+    def take_copies(self) -> list[tuple[int, int, int]]:
+        copies, self.copies = self.copies, []
+        return copies
 
     def _match(self, seq: Sequence) -> int:
         """Takes the cached blocks of seq's leading full blocks, at most up to its last token: that one is

@@ -1,7 +1,8 @@
 """The serving engine: one thread runs `step()` over a continuously changing batch.
 
     step: schedule (prefill new sequences | decode all running; blocks for every token, preempting when out)
-          -> prefill: one sample per request computes the prompt, its other samples will copy the K/V
+          -> copy-on-write: a sample about to append to a partial block other samples hold gets its own copy
+          -> prefill: one sample per request computes the prompt, its other samples hold the same blocks
           -> prepare flat tokens, positions, block tables and each token's adapter slot
           -> one model forward; every projection adds each token's own LoRA delta (slot pool + kernels)
           -> sample one token per sequence -> stop checks, detokenize, emit -> free finished sequences
@@ -17,8 +18,8 @@ one short prompt as for thirty (each step reads every weight), so starting on th
 whole extra step before the others get their first token.
 
 The n samples of one request (an RL group) share their prompt: the first of them runs the prefill and the
-others copy its K/V and its last-position logits, then each samples with its own generator. A group of 8
-costs one prompt's prefill instead of 8.
+others hold its blocks by reference (block_manager.py) and take its last-position logits, then each samples
+with its own generator. A group of 8 costs one prompt's prefill and one copy of its K/V instead of 8.
 """
 
 from __future__ import annotations
@@ -278,12 +279,14 @@ class Engine:
         # Rows of one adapter side by side: one contiguous segment per adapter for the LoRA kernels.
         batch = ScheduledBatch(sorted(batch.sequences, key=lambda s: s.lora_slot), batch.is_prefill)
         computed, leaders = self._prompt_leaders(batch)
+        for src, dst, rows in self.blocks.take_copies():  # copy-on-write of shared partial blocks
+            self.cache.copy_block(src, dst, rows)
         forward, token_slots = self._prepare(computed)
         logits = self.model.forward(forward, self.cache, self._lora_hook(token_slots))  # [M, V]
         last = self._last_logits(computed, logits)  # [C, V]
         if len(computed.sequences) < len(batch.sequences):
             last = last[torch.tensor(leaders, dtype=torch.long, device=last.device)]  # [B, V]: the leader's row
-            self._copy_prompts(batch.sequences, [computed.sequences[i] for i in leaders])
+            self._share_prompts(batch.sequences)
         if batch.is_prefill:
             self.stats.prompt_tokens_computed += forward.tokens.numel()
         draw = sample(last, batch.sequences)
@@ -325,33 +328,20 @@ class Engine:
 
     @staticmethod
     def _prompt_leaders(batch: ScheduledBatch) -> tuple[ScheduledBatch, list[int]]:
-        """Prefill: the sequences that run the forward, one per request (its first sample), and for every
-        sequence the index among them of the one it takes its prompt from. Sharing needs the same request,
-        prompt, adapter slot and prompt-logprobs wish, which the n samples of a Sample call always have, and
-        nothing generated yet (a preempted sample recomputes its own output); a decode batch is computed whole."""
+        """Prefill: the sequences that run the forward (all but the samples the scheduler gave a `leader`: they
+        hold its prompt blocks), and for every sequence the index among them of the one whose logits it takes."""
         if not batch.is_prefill:
             return batch, []
-        computed: list[Sequence] = []
-        leaders: list[int] = []
-        first: dict[tuple[str, int, bool], int] = {}  # (request, adapter slot, prompt logprobs) -> computed index
-        for seq in batch.sequences:
-            key = (seq.request_id, seq.lora_slot, seq.want_prompt_logprobs)
-            index = None if seq.output else first.get(key)
-            if index is None or computed[index].prompt != seq.prompt:
-                index = len(computed)
-                if not seq.output:
-                    first.setdefault(key, index)
-                computed.append(seq)
-            leaders.append(index)
+        computed = [seq for seq in batch.sequences if seq.leader is None]
+        index = {id(seq): i for i, seq in enumerate(computed)}
+        leaders = [index[id(seq.leader or seq)] for seq in batch.sequences]
         return ScheduledBatch(computed, is_prefill=True), leaders
 
-    def _copy_prompts(self, sequences: list[Sequence], leaders: list[Sequence]) -> None:
-        """Each sequence whose leader is another sequence takes the leader's prompt K/V and prompt logprobs."""
-        size = self.cache.block_size
-        for seq, leader in zip(sequences, leaders, strict=True):
-            if seq is not leader:
-                for i, (src, dst) in enumerate(zip(leader.block_table, seq.block_table, strict=True)):
-                    self.cache.copy_block(src, dst, min(size, len(seq.prompt) - i * size))
+    def _share_prompts(self, sequences: list[Sequence]) -> None:
+        """Each sample that held its leader's prompt blocks takes its prompt logprobs too."""
+        for seq in sequences:
+            leader, seq.leader = seq.leader, None
+            if leader is not None:
                 seq.prompt_logprobs = None if leader.prompt_logprobs is None else list(leader.prompt_logprobs)
                 self.stats.prompt_tokens_shared += len(seq.prompt)
 

@@ -10,8 +10,8 @@ A running sequence holds one of `max_seqs` seats in the batch and the KV-cache b
 block its next token starts. When the blocks run out, the newest running sequence is preempted: its blocks are
 freed and it goes back to the head of its tenant's queue, to recompute its prompt and output so far when it is
 admitted again (its generator is untouched, so it goes on drawing the tokens it would have drawn). The samples of
-one request share their prompt (the engine computes it once), so only a request's first sample in a prefill
-counts against its token budget.
+one request admitted in one prefill share their prompt: the first computes it, the others hold its blocks by
+reference (`leader`), so only the first counts against the prefill's token budget.
 
 The batch is shared fairly between tenants: each tenant's waiting requests form a FIFO queue of their own, and a
 free seat goes to the head request of the waiting tenant that holds the fewest seats (ties: the one admitted
@@ -137,7 +137,7 @@ class Scheduler:
         """Fills free seats turn by turn; a tenant is out of this prefill once it cannot take its next sequence
         (its seat cap, or a prompt beyond the token budget left: it goes first in the next prefill). The prefill
         ends when the next sequence's blocks are not free: nobody jumps it (it would starve behind short ones)."""
-        requests: set[str] = set()
+        leaders: dict[str, Sequence] = {}  # request -> its sample computing the prompt in this prefill
         budget = self.max_batch_tokens
         done: set[str] = set()
         out_of_blocks = False
@@ -152,11 +152,17 @@ class Scheduler:
                 if self.held[tenant] >= self.max_seqs_per_tenant:
                     break
                 seq = queue[0]
-                sibling = seq.request_id in requests and not seq.output  # its prompt is computed once
-                cost = 0 if sibling else seq.num_tokens - seq.num_cached
+                leader = leaders.get(seq.request_id)
+                if leader is not None and not _same_prompt(leader, seq):
+                    leader = None
+                cost = 0 if leader is not None else seq.num_tokens - seq.num_cached
                 if admitted and cost > budget:
                     break  # a single prompt may exceed the budget on its own, in a prefill of its own
-                if self.blocks is not None:
+                if leader is not None:
+                    seq.leader = leader
+                    if self.blocks is not None:
+                        self.blocks.fork(leader, seq)
+                elif self.blocks is not None:
                     # Prompt logprobs need every prompt position's logits: such a first prefill reuses nothing.
                     first_logprobs = seq.want_prompt_logprobs and seq.prompt_logprobs is None
                     cached = self.blocks.admit(seq, reuse=not first_logprobs)
@@ -164,15 +170,15 @@ class Scheduler:
                         out_of_blocks = True
                         break
                     self.prompt_tokens_cached += cached
-                    if not sibling:
-                        cost -= cached
+                    cost -= cached
                 queue.popleft()
                 self.num_waiting -= 1
                 seq.kv_slot = self.free_kv_slots.pop()
                 seq.status = Status.RUNNING
                 self.held[tenant] += 1
                 admitted.append(seq)
-                requests.add(seq.request_id)
+                if leader is None and not seq.output:
+                    leaders.setdefault(seq.request_id, seq)
                 budget -= cost
                 taken += 1
             if taken:
@@ -214,3 +220,11 @@ class Scheduler:
             del self.held[seq.tenant]
         if self.blocks is not None:
             self.blocks.release(seq)
+
+
+def _same_prompt(leader: Sequence, seq: Sequence) -> bool:
+    """Whether seq may hold leader's prompt blocks: another sample of one request (same prompt, weights and
+    prompt-logprobs wish, nothing generated yet), which the n samples of a Sample call always are."""
+    return (not seq.output and seq.prompt == leader.prompt and seq.lora_slot == leader.lora_slot
+            and seq.cache_key == leader.cache_key
+            and seq.want_prompt_logprobs == leader.want_prompt_logprobs)  # fmt: skip

@@ -51,6 +51,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)  # KV-cache blocks holding its positions, in order
     block_keys: list[bytes] = field(default_factory=list)  # prefix-cache chain keys of its full blocks, in order
     cache_key: str = ""  # the weights identity its cached blocks are keyed by (block_manager.py); "": none
+    leader: Sequence | None = None  # in its first prefill: the sample of its request that computes its prompt
     num_cached: int = 0  # tokens whose K/V are in the cache
     output: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)

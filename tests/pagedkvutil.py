@@ -60,14 +60,15 @@ def engine(
 
 def run(engine: Engine, requests: list[list[Sequence]], *, cancel: str = "", stop: bool = True) -> list[int]:
     """Submits every request, cancels `cancel` at its first update, waits until the rest finished; returns the
-    most sequences that ran at once."""
+    most sequences that ran at once and the most blocks held at once."""
     left = sum(len(seqs) for seqs in requests if seqs[0].request_id != cancel)
-    done, lock, most = threading.Event(), threading.Lock(), [0]
+    done, lock, most = threading.Event(), threading.Lock(), [0, 0]
 
     def on_update(update: SequenceUpdate) -> None:
         nonlocal left
         with lock:
             most[0] = max(most[0], engine.num_running)
+            most[1] = max(most[1], engine.blocks.num_used)
             if update.request_id == cancel:
                 engine.abort(cancel)
                 return

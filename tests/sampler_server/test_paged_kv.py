@@ -1,6 +1,7 @@
 """The paged KV cache: sequences hold 16-token blocks of one pool instead of fixed max_len slots. Outputs equal a
 slot-layout engine's (one max_len block per sequence, the old design) for single, n-sample and mixed-adapter
-batches; under a tiny pool, sequences are preempted and recomputed and still finish with the same tokens; every
+batches; the n samples of a request hold one copy of their prompt (copy-on-write of its partial last block);
+under a tiny pool, sequences are preempted and recomputed and still finish with the same tokens; every
 block goes back to the pool when requests end or are cancelled mid-stream."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from pagedkvutil import ADAPTERS, CPU, MAX_LEN, assert_same, engine, make_pool, prompt, run
+from samplerutil import max_diff
 
 from opentinker.sampler_server.model.llama import LlamaForCausalLM
 from opentinker.sampler_server.sequence import SamplingParams, Sequence
@@ -91,3 +93,22 @@ def test_memory_follows_the_tokens_held(runner: LlamaForCausalLM, pool: SlotPool
     assert slots.cache.bytes == paged.cache.bytes
     assert run(slots, short())[0] == 2
     assert run(paged, short())[0] == 8
+
+
+def test_the_samples_of_a_request_share_their_prompt_blocks(runner: LlamaForCausalLM, pool: SlotPool) -> None:
+    # 40 prompt tokens: 2 full blocks and a partial one, held once by 4 samples; each but the last to write takes
+    # its own copy of the partial block (copy-on-write): 3 + 3 blocks, where a copy per sample took 4 x 3.
+    params = SamplingParams(temperature=1.0, max_tokens=4, logprobs=True)
+    group = [Sequence(seq_id=i, request_id="g", sample_index=i, prompt=prompt(40, 5), params=params, lora_slot=1,
+                      seed=70 + i) for i in range(4)]  # fmt: skip
+    paged = engine(runner, pool, block_size=16, num_blocks=32)
+    assert run(paged, [group])[1] == 6
+    assert paged.stats.prompt_tokens_computed == 40 + 3  # + run()'s 3-token probe
+    assert paged.stats.prompt_tokens_shared == 3 * 40
+    alone = [[Sequence(seq_id=i, request_id=f"a{i}", sample_index=i, prompt=prompt(40, 5), params=params,
+                       lora_slot=1, seed=70 + i)] for i in range(4)]  # fmt: skip
+    run(engine(runner, pool, block_size=MAX_LEN, num_blocks=8), alone)
+    assert len({tuple(seq.output) for seq in group}) > 1
+    for together, [by_itself] in zip(group, alone, strict=True):
+        assert together.output == by_itself.output
+        assert max_diff(together.output_logprobs, by_itself.output_logprobs) < 1e-5
