@@ -6,7 +6,6 @@ nothing in the registry.
 
 from __future__ import annotations
 
-import shutil
 import tempfile
 import uuid
 from datetime import UTC, datetime
@@ -22,12 +21,12 @@ from opentinker.cli.options import DEFAULT_REGISTRY, AsJson, CaCert, RegistryAdd
 from opentinker.cli.registry_admin import connect, console
 from opentinker.client import BatchRecord, Lineage, LoraConfig, OpenTinkerError, RegistryClient, Version
 from opentinker.rpc.progress import spinner
-from opentinker.weights.peft import PEFT_FILES
 from opentinker.weights.peft_io import (
     PeftAdapter,
     PeftFolderError,
     check_export_target,
     inspect_peft_folder,
+    write_import_files,
     write_peft_folder,
 )
 
@@ -89,9 +88,7 @@ def _publish_import(
             description=f"imported from {source}"[:1000],
         )  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="opentinker-import-") as tmp:
-        # Only the peft files: the artifact is exactly what the sampler and the trainer read.
-        for file in PEFT_FILES:
-            shutil.copyfile(adapter.directory / file, Path(tmp) / file)
+        write_import_files(adapter, Path(tmp))  # only the peft files, without what the inspection left out
         with spinner(f"uploading {name}", quiet=quiet):
             uploaded = client.upload_artifact(Path(tmp))
     # Imported weights were not trained from any earlier version: no parent, one record naming the source.

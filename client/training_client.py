@@ -191,7 +191,8 @@ class TrainingClient:
     ) -> ForwardBackwardOutput:
         """Computes the loss over ``data`` and adds its gradients to the adapter's gradient buffers.
 
-        loss_fn: "cross_entropy", "importance_sampling", "ppo", "cispo" or "dro"; loss_fn_config e.g.
+        loss_fn: "cross_entropy", "importance_sampling", "ppo", "cispo", "dro" or "stable_reinforce" (whose
+        ``logprobs`` must be the sampler's own, e.g. ``SampledSequence.logprobs``); loss_fn_config e.g.
         {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2} for ppo. ``trace_ids`` are recorded in
         the adapter's data ledger and in the lineage of the next snapshot.
         """

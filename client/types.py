@@ -70,7 +70,8 @@ def _strings(values: Iterable[str], what: str) -> tuple[str, ...]:
 class LoraConfig:
     """LoRA hyper-parameters. alpha None means alpha = rank (scaling 1).
 
-    target_modules: "attn", "mlp", "all-linear" or explicit module names ("q_proj", "down_proj", ...).
+    target_modules: "attn", "mlp", "all-linear" (attn + mlp), "lm_head" (the unembedding) or explicit module names
+    ("q_proj", "down_proj", ...), in any combination.
     """
 
     rank: int = 32

@@ -75,6 +75,19 @@ def serve(
             "are dropped (retrieving one answers 404 RESULT_DROPPED). 0: no limit.",
         ),
     ] = 1 << 30,
+    stability_ttl_seconds: Annotated[
+        float,
+        typer.Option(
+            help="A stable_reinforce stability record (record_stability_info) is kept this long after its last use."
+        ),
+    ] = 86400.0,
+    max_tenant_stability_tokens: Annotated[
+        int,
+        typer.Option(
+            help="Prompt + sampled tokens one tenant's stability records hold; beyond, its least recently "
+            "used are dropped."
+        ),
+    ] = 1 << 22,
     ready_file: Annotated[Path | None, typer.Option(help="Write {address, metrics_address} JSON once serving.")] = None,
     log_level: Annotated[str, typer.Option(help="Logging level.")] = "INFO",
     config_file: opt.Config = None,
@@ -108,7 +121,8 @@ def serve(
         seq_window=seq_window, max_pending_bytes=max_pending_bytes, pending_ttl_seconds=pending_ttl_seconds,
         session_ttl_seconds=session_ttl_seconds, max_tenant_pending_bytes=max_tenant_pending_bytes,
         max_sessions_per_tenant=max_sessions_per_tenant, max_inflight_per_tenant=max_inflight_per_tenant,
-        max_tenant_result_bytes=max_tenant_result_bytes,
+        max_tenant_result_bytes=max_tenant_result_bytes, stability_ttl_seconds=stability_ttl_seconds,
+        max_tenant_stability_tokens=max_tenant_stability_tokens,
     )  # fmt: skip
     positive = {name: value for name, value in config.limits().items() if not value > 0}
     if positive:

@@ -20,6 +20,7 @@ from tinker.proto import tinker_public_pb2 as tpb
 from opentinker.gateway import fields
 from opentinker.gateway.errors import GatewayError, RequestFailed, bad_request
 from opentinker.v1 import common_pb2, sampler_pb2, trainer_pb2
+from opentinker.weights.base_model import UNEMBED_MODULE
 from opentinker.weights.peft import MAX_RANK
 
 MAX_BODY_BYTES = 64 << 20  # decompressed forward_backward body (default; --max-body-bytes); the SDK sends <= 5 MB
@@ -187,19 +188,19 @@ def trace_ids(message: Any, session_id: str) -> list[str]:
 
 def lora_config(lora: Mapping[str, object]) -> tuple[common_pb2.LoraConfig, int | None]:
     """tinker LoraConfig JSON -> ours and its seed (None: draw one). Tinker's "which parts to train" become target
-    modules (the unembedding is never trained here). 400 INVALID_FIELD for a rank or seed out of range."""
+    modules exactly: train_attn -> attn, train_mlp -> mlp, train_unembed -> lm_head (every one defaults to true).
+    400 INVALID_FIELD for a rank or seed out of range, or nothing to train."""
     rank = fields.integer(lora, "rank", 1, MAX_RANK, default=32, where="lora_config.")
     seed = fields.integer(lora, "seed", 0, fields.UINT64_MAX, where="lora_config.")
-    train_attn = fields.boolean(lora, "train_attn", default=True, where="lora_config.")
-    train_mlp = fields.boolean(lora, "train_mlp", default=True, where="lora_config.")
-    fields.boolean(lora, "train_unembed", default=True, where="lora_config.")
-    if train_attn and train_mlp:
-        targets = ["all-linear"]
-    elif train_attn or train_mlp:
-        targets = ["attn" if train_attn else "mlp"]
-    else:
+    parts = {
+        target: fields.boolean(lora, flag, default=True, where="lora_config.")
+        for flag, target in (("train_attn", "attn"), ("train_mlp", "mlp"), ("train_unembed", UNEMBED_MODULE))
+    }
+    targets = [target for target, wanted in parts.items() if wanted]
+    if not targets:
         raise bad_request(
-            "train_attn or train_mlp must be set: this server trains no unembedding LoRA", "INVALID_FIELD"
+            "lora_config: train_attn, train_mlp and train_unembed are all false, so there is nothing to train",
+            "INVALID_FIELD",
         )
     return common_pb2.LoraConfig(rank=rank, target_modules=targets), seed
 

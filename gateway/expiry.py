@@ -39,6 +39,7 @@ def sweep(gw: Gateway, now: float | None = None) -> Swept:
     expired = gw.sessions.expire(now - session_ttl, now - 2 * session_ttl)
     if expired:
         freed += gw.models.drop_sessions(expired, f"its session expired (no heartbeat for {session_ttl:g} s)")
+    gw.stability.expire(now, expired)
     if freed:
         _give_back_memory()
     return Swept(stalled, freed, len(expired))

@@ -74,9 +74,12 @@ async def get_sampler(request: web.Request) -> web.Response:
     )
 
 
+Sampled = list[tuple[list[int], list[float], int]]  # per sample: tokens, their logprobs, our stop reason
+
+
 async def _sample(
     backend: Backend, request: sampler_pb2.SampleRequest, num_samples: int, want_prompt_logprobs: bool
-) -> Outcome:
+) -> tuple[Sampled, list[float] | None]:
     tokens: list[list[int]] = [[] for _ in range(num_samples)]
     logprobs: list[list[float]] = [[] for _ in range(num_samples)]
     stops = [sampler_pb2.STOP_REASON_UNSPECIFIED] * num_samples
@@ -94,8 +97,7 @@ async def _sample(
                 prompt_logprobs = list(message.prompt_logprobs)
     if any(stop == sampler_pb2.STOP_REASON_UNSPECIFIED for stop in stops):
         raise RequestFailed("the sampler's stream ended before every sample finished", "server")
-    sequences = list(zip(tokens, logprobs, stops, strict=True))
-    return Outcome(proto=convert.sample_response(sequences, prompt_logprobs if want_prompt_logprobs else None))
+    return list(zip(tokens, logprobs, stops, strict=True)), prompt_logprobs if want_prompt_logprobs else None
 
 
 def _sample_request(gw: Gateway, body: Json, reference: str, request_id: str) -> tuple[sampler_pb2.SampleRequest, int]:
@@ -129,8 +131,11 @@ async def asample(request: web.Request) -> web.Response:
     gw, principal, backend = gateway_of(request), principal_of(request), backend_of(request)
     body = await json_body(request)
     sampler_id = field_of(body, "sampling_session_id", str, required=False)
+    record_stability = fields.boolean(body, "record_stability_info")
+    session_id: str | None = None
     if sampler_id is not None:
-        reference = gw.sessions.sampler(sampler_id, principal.tenant).reference
+        sampling_session = gw.sessions.sampler(sampler_id, principal.tenant)
+        reference, session_id = sampling_session.reference, sampling_session.session_id
         seq = fields.required_integer(body, "seq_id", 0, fields.INT64_MAX)
         prefix = f"{sampler_id}:{seq}"
     else:
@@ -146,7 +151,18 @@ async def asample(request: web.Request) -> web.Response:
                 raise RequestFailed(f"{name} is not supported by this server")
         if body.get("target_prompt_logprobs") is not None or body.get("prompt_logprobs_last_n") is not None:
             raise RequestFailed("target_prompt_logprobs and prompt_logprobs_last_n are not supported by this server")
-        return await _sample(backend, sample, num_samples, sample.prompt_logprobs)
+        if record_stability and session_id is None:
+            raise RequestFailed("record_stability_info needs a sampling session (create the SamplingClient first)")
+        sequences, prompt_logprobs = await _sample(backend, sample, num_samples, sample.prompt_logprobs)
+        if record_stability and session_id is not None:
+            # what stable_reinforce will form its ratio against (gateway/stability.py)
+            gw.stability.record(
+                principal.tenant,
+                session_id,
+                sample.prompt.chunks[0].encoded_text.tokens,
+                {f"{prefix}:{i}": (tokens, logprobs) for i, (tokens, logprobs, _) in enumerate(sequences)},
+            )
+        return Outcome(proto=convert.sample_response(sequences, prompt_logprobs))
 
     future = gw.futures.create(principal.tenant)
     gw.futures.start(future, job)

@@ -18,6 +18,7 @@ from opentinker.gateway.errors import bad_request
 from opentinker.gateway.futures import FutureStore
 from opentinker.gateway.models import Lane, ModelTable
 from opentinker.gateway.sessions import SessionTable
+from opentinker.gateway.stability import DEFAULT_MAX_TENANT_TOKENS, DEFAULT_TTL_SECONDS, StabilityRecords
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,8 @@ class GatewayConfig:
     pending_ttl_seconds: float = 300.0  # how long a request may wait for an earlier seq_id that never comes
     session_ttl_seconds: float = 900.0  # a session without heartbeats expires (the SDK sends one every 10 s)
     max_tenant_result_bytes: int = 1 << 30  # finished results one tenant holds (its oldest dropped beyond); 0: none
+    stability_ttl_seconds: float = DEFAULT_TTL_SECONDS  # a stability record is kept this long after its last use
+    max_tenant_stability_tokens: int = DEFAULT_MAX_TENANT_TOKENS  # tokens one tenant's stability records hold
 
     def limits(self) -> dict[str, float]:
         """The numeric flags that must be positive (those where 0 means "no limit" are left out)."""
@@ -73,6 +76,7 @@ class Gateway:
     sessions: SessionTable = field(default_factory=SessionTable)
     models: ModelTable = field(default_factory=ModelTable)
     checkpoints: CheckpointTable = field(default_factory=CheckpointTable)
+    stability: StabilityRecords = field(default_factory=StabilityRecords)
     decode_slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(2))  # bodies decoded at once
     json_slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(2))  # big JSON bodies parsed
 
@@ -80,6 +84,8 @@ class Gateway:
         self.futures.poll_seconds = self.config.poll_seconds
         self.futures.max_inflight = self.config.max_inflight_per_tenant
         self.futures.results.max_bytes = self.config.max_tenant_result_bytes or None
+        self.stability.ttl_seconds = self.config.stability_ttl_seconds
+        self.stability.max_tenant_tokens = self.config.max_tenant_stability_tokens
 
     def lane(self, model_id: str) -> Lane:
         """A new model's request lane, within the configured window and pending bytes."""

@@ -9,7 +9,7 @@ from typing import Any
 
 from aiohttp import web
 
-from opentinker.gateway import convert, fields
+from opentinker.gateway import convert, fields, stability
 from opentinker.gateway.backend import Backend
 from opentinker.gateway.checkpoints import Checkpoint, checkpoint_path
 from opentinker.gateway.errors import GatewayError, RequestFailed, bad_request
@@ -184,6 +184,10 @@ async def forward_backward(request: web.Request) -> web.Response:
             )
         config = convert.loss_fn_config(message)
         datums = await asyncio.to_thread(convert.datums, message)
+        if loss_fn == stability.LOSS_FN:
+            # records looked up (and touched) on the event loop that owns them; the checks run off it
+            records = gw.stability.lookup(principal.tenant, model.session_id, stability.sequence_ids(message))
+            await asyncio.to_thread(stability.apply, message, datums, records)
         outputs: list[trainer_pb2.LossFnOutput]
         if forward_only:
             fwd = trainer_pb2.ForwardRequest(

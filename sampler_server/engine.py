@@ -4,7 +4,8 @@
           -> copy-on-write: a sample about to append to a partial block other samples hold gets its own copy
           -> prefill: one sample per request computes the prompt, its other samples hold the same blocks
           -> prepare flat tokens, positions, block tables and each token's adapter slot
-          -> one model forward; every projection adds each token's own LoRA delta (slot pool + kernels)
+          -> one model forward; every projection adds each token's own LoRA delta (slot pool + kernels),
+             the LM head each logit row's
           -> sample one token per sequence -> stop checks, detokenize, emit -> free finished sequences
 
 Other threads talk to the engine only through its inbox (submit, abort, score); it answers through the
@@ -47,6 +48,7 @@ from opentinker.sampler_server.sequence import Sequence
 from opentinker.sampler_server.slot_pool import SlotTensors
 from opentinker.sampler_server.tenant_stats import RATE_WINDOW, tokens_per_second
 from opentinker.v1 import sampler_pb2
+from opentinker.weights.base_model import UNEMBED_MODULE
 
 log = logging.getLogger("opentinker.sampler")
 
@@ -281,8 +283,8 @@ class Engine:
         computed, leaders = self._prompt_leaders(batch)
         for src, dst, rows in self.blocks.take_copies():  # copy-on-write of shared partial blocks
             self.cache.copy_block(src, dst, rows)
-        forward, token_slots = self._prepare(computed)
-        logits = self.model.forward(forward, self.cache, self._lora_hook(token_slots))  # [M, V]
+        forward, token_slots, row_slots = self._prepare(computed)
+        logits = self.model.forward(forward, self.cache, self._lora_hook(token_slots, row_slots))  # [M, V]
         last = self._last_logits(computed, logits)  # [C, V]
         if len(computed.sequences) < len(batch.sequences):
             last = last[torch.tensor(leaders, dtype=torch.long, device=last.device)]  # [B, V]: the leader's row
@@ -345,10 +347,12 @@ class Engine:
                 seq.prompt_logprobs = None if leader.prompt_logprobs is None else list(leader.prompt_logprobs)
                 self.stats.prompt_tokens_shared += len(seq.prompt)
 
-    def _prepare(self, batch: ScheduledBatch) -> tuple[ForwardBatch, list[int]]:
+    def _prepare(self, batch: ScheduledBatch) -> tuple[ForwardBatch, list[int], list[int]]:
+        """The forward batch, the adapter slot of each of its N tokens and of each of its M logit rows."""
         tokens: list[int] = []
         positions: list[int] = []
         token_slots: list[int] = []
+        row_slots: list[int] = []
         new_lens: list[int] = []
         logits_indices: list[int] = []
         for seq in batch.sequences:
@@ -362,6 +366,7 @@ class Engine:
                 logits_indices.extend(range(start, start + len(new)))
             else:
                 logits_indices.append(start + len(new) - 1)
+            row_slots.extend([seq.lora_slot] * (len(logits_indices) - len(row_slots)))
         device = self.device
         forward = ForwardBatch(
             tokens=torch.tensor(tokens, dtype=torch.long, device=device),
@@ -371,7 +376,7 @@ class Engine:
             context_lens=[seq.num_tokens for seq in batch.sequences],
             logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=device),
         )
-        return forward, token_slots
+        return forward, token_slots, row_slots
 
     def _last_logits(self, batch: ScheduledBatch, logits: torch.Tensor) -> torch.Tensor:
         """Picks each sequence's last-position row; records prompt logprobs where they were asked for."""
@@ -389,26 +394,35 @@ class Engine:
             rows.append(offset - 1)
         return logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
 
-    def _lora_hook(self, token_slots: list[int]) -> Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor] | None:
-        """Each token's LoRA delta, added after every projection; planned once per step."""
+    def _lora_hook(
+        self, token_slots: list[int], row_slots: list[int]
+    ) -> Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor] | None:
+        """Each token's LoRA delta, added after every projection, and each logit row's after the unembedding
+        (lm_head sees the M logit rows, `row_slots`, not the N tokens); planned once per step."""
         if not any(token_slots):
             return None  # base-model-only batch: no LoRA work at all
         lora, ranks, kernel = self.lora, self.lora.ranks.tolist(), self.kernel
+        unembed = lora.unembed.tolist()
+        row_slots = [slot if unembed[slot] else 0 for slot in row_slots]  # only versions with a LoRA on lm_head
         if kernel == "segments":  # its planned form: rows are ordered by slot, the plan serves every projection
-            segments = plan_segments(token_slots, ranks, lora.scaling.tolist())
-            runs = plan_runs(segments, lora.scaling)
+            scales = lora.scaling.tolist()
+            runs = plan_runs(plan_segments(token_slots, ranks, scales), lora.scaling)
+            row_runs = plan_runs(plan_segments(row_slots, ranks, scales), lora.scaling)
 
             def planned(module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
                 if module in lora.a:
-                    add_lora_runs(y, x, lora.a[module], lora.b[module], runs)
+                    add_lora_runs(y, x, lora.a[module], lora.b[module], row_runs if module == UNEMBED_MODULE else runs)
                 return y
 
             return planned
         slot_ids = torch.tensor(token_slots, dtype=torch.long, device=self.device)
+        row_ids = torch.tensor(row_slots, dtype=torch.long, device=self.device)
+        any_unembed = any(row_slots)
 
         def hook(module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            if module in lora.a:
-                add_lora(y, x, lora.a[module], lora.b[module], lora.scaling, slot_ids, ranks=ranks, backend=kernel)
+            if module in lora.a and (any_unembed or module != UNEMBED_MODULE):
+                ids = row_ids if module == UNEMBED_MODULE else slot_ids
+                add_lora(y, x, lora.a[module], lora.b[module], lora.scaling, ids, ranks=ranks, backend=kernel)
             return y
 
         return hook
@@ -475,7 +489,8 @@ class Engine:
                 context_lens=[len(tokens)],
                 logits_indices=torch.arange(len(tokens) - 1, device=self.device),
             )
-            logits = self.model.forward(forward, self.cache, self._lora_hook([job.lora_slot] * len(tokens)))  # [L-1, V]
+            hook = self._lora_hook([job.lora_slot] * len(tokens), [job.lora_slot] * (len(tokens) - 1))
+            logits = self.model.forward(forward, self.cache, hook)  # [L-1, V]
             targets = torch.tensor(tokens[1:], dtype=torch.long, device=self.device)
             job.future.set_result(logits.log_softmax(-1).gather(1, targets[:, None]).squeeze(1).tolist())
         except Exception as exc:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from opentinker.rpc.errors import ResourceExhausted
+from opentinker.weights.base_model import UNEMBED_MODULE
 
 VersionKey = tuple[str, int]  # (adapter, version)
 
@@ -36,6 +37,9 @@ class SlotTensors:
     b: dict[str, torch.Tensor]  # module -> [n_slots, d_out, r_max], a view of [n_slots, r_max, d_out] storage
     scaling: torch.Tensor  # [n_slots] float32; 0 for a free slot, so rows that still point there add nothing
     ranks: torch.Tensor  # [n_slots] int32; the rank each slot was loaded with
+    # [n_slots] int8; 1 where the slot's version has a LoRA on lm_head: the engine leaves the others out of the
+    # vocabulary-wide delta (their zeros would cost ~8% of the LM head's own matmul).
+    unembed: torch.Tensor
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, shared: bool) -> torch.Tensor:
@@ -91,8 +95,13 @@ class SlotPool:
             for m, (_, d_out) in shapes.items()
         }
         self.scaling = _zeros((count,), torch.float32, device, shared)
+        cpu = torch.device("cpu")
         self.tensors = SlotTensors(
-            self.a, self.b, self.scaling, _zeros((count,), torch.int32, torch.device("cpu"), shared)
+            self.a,
+            self.b,
+            self.scaling,
+            _zeros((count,), torch.int32, cpu, shared),
+            _zeros((count,), torch.int8, cpu, shared),
         )
         self.slots = [Slot(i) for i in range(count)]
         self.by_key: dict[VersionKey, int] = {}
@@ -142,6 +151,7 @@ class SlotPool:
             slot.last_used = time.monotonic()  # LRU age starts at load, not at the previous occupant's last use
             self.scaling[slot.index] = 0.0
             self.tensors.ranks[slot.index] = 0
+            self.tensors.unembed[slot.index] = 0
             return slot.index
 
     def fill(
@@ -163,6 +173,7 @@ class SlotPool:
                 self.b[module][index, :, :rank].copy_(b)  # b: [d_out, r]
             self.scaling[index] = scaling
             self.tensors.ranks[index] = rank
+            self.tensors.unembed[index] = int(UNEMBED_MODULE in weights)
         with self._lock:
             slot = self.slots[index]
             assert slot.key is not None
@@ -220,6 +231,7 @@ class SlotPool:
         slot.retiring = slot.loading = False
         self.scaling[slot.index] = 0.0  # rows that still point here add nothing
         self.tensors.ranks[slot.index] = 0
+        self.tensors.unembed[slot.index] = 0
 
     def total_refs(self) -> int:
         with self._lock:

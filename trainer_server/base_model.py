@@ -1,4 +1,4 @@
-"""The frozen base model with a LoRA hook in every targetable Linear.
+"""The frozen base model with a LoRA hook in every targetable Linear (the projections and the unembedding).
 
 Each targetable `nn.Linear` is replaced by a `LoraLinear` that holds the frozen base layer and, only while an
 adapter's compute runs, a reference to that adapter's A/B tensors. Adapters never own modules of the base
@@ -18,7 +18,13 @@ from torch import nn
 
 from opentinker.rpc.errors import InvalidArgument
 from opentinker.v1 import common_pb2
-from opentinker.weights.base_model import ATTN_MODULES, MLP_MODULES, model_digest, resolve_model_dir
+from opentinker.weights.base_model import (
+    ATTN_MODULES,
+    MLP_MODULES,
+    UNEMBED_MODULE,
+    model_digest,
+    resolve_model_dir,
+)
 from opentinker.weights.model_config import load_config
 
 
@@ -101,7 +107,10 @@ class BaseModel:
         targets = set(ATTN_MODULES + MLP_MODULES)
         for name, module in list(self.model.named_modules()):
             for child_name, child in list(module.named_children()):
-                if isinstance(child, nn.Linear) and child_name in targets:
+                # The unembedding only at the top (the CausalLM's own lm_head): when tied, its weight is the
+                # embedding's, which stays frozen and unchanged; the LoRA delta is added to the logits alone.
+                wanted = child_name in targets or (child_name == UNEMBED_MODULE and not name)
+                if isinstance(child, nn.Linear) and wanted:
                     hook = LoraLinear(child)
                     setattr(module, child_name, hook)
                     self.hooks[f"{name}.{child_name}" if name else child_name] = hook
@@ -110,8 +119,9 @@ class BaseModel:
         return {name: ModuleShape(h.in_features, h.out_features) for name, h in self.hooks.items()}
 
     def resolve_targets(self, requested: list[str]) -> list[str]:
-        """Target spec ("attn", "mlp", "all-linear", leaf names) -> full module paths."""
+        """Target spec ("attn", "mlp", "all-linear" = attn + mlp, leaf names incl. "lm_head") -> full module paths."""
         leaves: set[str] = set()
+        names = (*ATTN_MODULES, *MLP_MODULES, UNEMBED_MODULE)
         for item in requested or ["all-linear"]:
             if item == "all-linear":
                 leaves.update(ATTN_MODULES + MLP_MODULES)
@@ -119,12 +129,12 @@ class BaseModel:
                 leaves.update(ATTN_MODULES)
             elif item == "mlp":
                 leaves.update(MLP_MODULES)
-            elif item in ATTN_MODULES + MLP_MODULES:
+            elif item in names:
                 leaves.add(item)
             else:
                 raise InvalidArgument(
-                    f"unknown LoRA target module {item!r}: use attn, mlp, all-linear or one of "
-                    f"{', '.join(ATTN_MODULES + MLP_MODULES)}",
+                    f"unknown LoRA target module {item!r}: use attn, mlp, all-linear (attn + mlp) or one of "
+                    f"{', '.join(names)}",
                     reason="INVALID_LORA_CONFIG",
                     field="lora_config.target_modules",
                 )

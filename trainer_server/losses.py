@@ -1,4 +1,4 @@
-"""The five Tinker loss functions over one flat vector of target-token logprobs.
+"""The six Tinker loss functions over one flat vector of target-token logprobs.
 
 The trainer concatenates every datum's positions into one vector of N tokens (no padding) and calls
 `compute_loss`. Every reduction is a SUM over tokens, so the loss of a batch equals the sum of the losses
@@ -12,17 +12,29 @@ w = weights, r = exp(p - q), clip(x) = clamp(x, lo, hi) and sg = stop-gradient:
     ppo                  loss = -sum(min(r * A, clip(r) * A))     lo = 0.8, hi = 1.2
     cispo                loss = -sum(sg(clip(r)) * A * p)         lo = 0.0, hi = 4.0
     dro                  loss = -sum(p * A - beta / 2 * (p - q)^2)  beta = 0.05
+    stable_reinforce     loss = -sum(sg(min(r, 1)) * A * p) + kl_coeff * sum(r - 1 - (p - q))   kl_coeff = 0
+
+stable_reinforce is REINFORCE whose per-token weight is the truncated ratio min(r, 1): a token the trainer now
+finds likelier than the sampler did is weighted as on-policy, one it finds less likely is weighted down, so no
+weight ever exceeds 1 however stale or numerically different the sampler was. The optional penalty is the k3
+estimate of KL(sampler || trainer) per sampled token (>= 0, gradient r - 1), which pulls the policy back
+towards the one that sampled. q must be the sampler's recorded logprobs; the gateway fills them from what it
+recorded when sampling ran with record_stability_info (gateway/stability.py), never from the client's copy.
 
 Gradients w.r.t. p: cross_entropy -w; importance_sampling -A * r; ppo -A * r where the unclipped term is
-the minimum, else 0; cispo -sg(clip(r)) * A; dro -(A - beta * (p - q)).
+the minimum, else 0; cispo -sg(clip(r)) * A; dro -(A - beta * (p - q)); stable_reinforce
+-sg(min(r, 1)) * A + kl_coeff * (r - 1).
 
-Masking: a token with w = 0 (cross_entropy) or A = 0 (importance_sampling, ppo, cispo) contributes exactly
+Masking: a token with w = 0 (cross_entropy) or A = 0 (importance_sampling, ppo, cispo, stable_reinforce, its
+penalty included) contributes exactly
 0 to the loss and to the gradient whatever its p and q (prompt positions often carry q = 0): its ratio is
 formed from p - q replaced by 0, so an overflowing exp cannot turn 0 * inf into NaN. dro has no mask: its
 (p - q)^2 penalty applies at every position, A = 0 or not.
 
 Metrics are named "name:reduction" and always include "loss:sum". cross_entropy adds "weights:sum";
-importance_sampling adds "ratio:mean"; ppo and cispo add "clip_fraction:mean". Means run over the active
+importance_sampling adds "ratio:mean"; ppo and cispo add "clip_fraction:mean"; stable_reinforce adds
+"ratio:mean", "clip_fraction:mean" (tokens with r > 1, whose weight was truncated) and "kl:sum" (the penalty's
+sum before kl_coeff). Means run over the active
 tokens (A != 0) only, so prompt positions do not dilute them; with no active token ratio:mean is 1.0 and
 clip_fraction:mean is 0.0. ppo's clip fraction counts tokens where the clipped term is strictly smaller
 (A > 0 and r > hi, or A < 0 and r < lo); cispo's counts tokens where clip(r) != r.
@@ -45,6 +57,7 @@ from opentinker.rpc.errors import InvalidArgument
 CLIP_LOW = "clip_low_threshold"
 CLIP_HIGH = "clip_high_threshold"
 BETA = "beta"
+KL_COEFF = "kl_coeff"
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +93,7 @@ LOSS_FNS: Mapping[str, LossSpec] = MappingProxyType(
             _spec("ppo", _PG_INPUTS, {CLIP_LOW: 0.8, CLIP_HIGH: 1.2}),
             _spec("cispo", _PG_INPUTS, {CLIP_LOW: 0.0, CLIP_HIGH: 4.0}),
             _spec("dro", _PG_INPUTS, {BETA: 0.05}),
+            _spec("stable_reinforce", _PG_INPUTS, {KL_COEFF: 0.0}),
         )
     }
 )
@@ -120,7 +134,7 @@ def resolve_config(loss_fn: str, config: Mapping[str, float]) -> dict[str, float
         if not math.isfinite(number):
             raise _config_error(loss_fn, key, f"{key} must be finite, got {value!r}")
         resolved[key] = number
-    for key in (CLIP_LOW, CLIP_HIGH, BETA):
+    for key in (CLIP_LOW, CLIP_HIGH, BETA, KL_COEFF):
         if key in resolved and resolved[key] < 0:
             raise _config_error(loss_fn, key, f"{key} must be >= 0, got {resolved[key]!r}")
     if CLIP_LOW in resolved and resolved[CLIP_LOW] > resolved[CLIP_HIGH]:
@@ -204,6 +218,26 @@ def _dro(
     return -objective.sum(), {}
 
 
+def _stable_reinforce(
+    p: torch.Tensor, inputs: Mapping[str, torch.Tensor], config: Mapping[str, float]
+) -> tuple[torch.Tensor, _Metrics]:
+    q, a = inputs["logprobs"], inputs["advantages"]  # [N], [N]
+    active = a != 0  # [N]
+    r = _masked_ratio(p, q, active)  # [N], exactly 1 where inactive
+    weight = r.detach().clamp(max=1.0)  # [N], sg(min(r, 1))
+    policy = torch.where(active, weight * a * p, torch.zeros_like(p))  # [N]
+    # k3 = r - 1 - log r: with log r formed as in _masked_ratio it is exactly 0 where inactive
+    log_ratio = torch.where(active, p - q, torch.zeros_like(p))  # [N]
+    kl = (r - 1.0 - log_ratio).sum()
+    truncated = (r.detach() > 1.0).to(p.dtype)  # [N]
+    metrics = {
+        "ratio:mean": _active_mean(r.detach(), active, 1.0),
+        "clip_fraction:mean": _active_mean(truncated, active, 0.0),
+        "kl:sum": kl.detach(),
+    }
+    return -policy.sum() + config[KL_COEFF] * kl, metrics
+
+
 _IMPLS: Mapping[str, _LossImpl] = MappingProxyType(
     {
         "cross_entropy": _cross_entropy,
@@ -211,6 +245,7 @@ _IMPLS: Mapping[str, _LossImpl] = MappingProxyType(
         "ppo": _ppo,
         "cispo": _cispo,
         "dro": _dro,
+        "stable_reinforce": _stable_reinforce,
     }
 )
 

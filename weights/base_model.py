@@ -18,7 +18,11 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3"
 # Leaf names of the Llama-family projections, by group: the modules a LoRA adapter may target.
 ATTN_MODULES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")
-LORA_TARGETS: frozenset[str] = frozenset(ATTN_MODULES + MLP_MODULES)
+# The unembedding (output projection, hidden -> vocab). A LoRA on it changes the logits only: with tied embeddings
+# (tie_word_embeddings) the input embedding stays frozen, as in peft, which adds the delta after lm_head's matmul.
+UNEMBED_MODULE = "lm_head"
+# "all-linear" is attn + mlp (peft's "all-linear" leaves the output layer out too); lm_head is named on its own.
+LORA_TARGETS: frozenset[str] = frozenset((*ATTN_MODULES, *MLP_MODULES, UNEMBED_MODULE))
 
 
 def resolve_model_dir(name_or_path: str, revision: str | None = None) -> Path:

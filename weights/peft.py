@@ -4,9 +4,9 @@ default, and ONE validator of an adapter's config and tensors.
 An adapter is usable when the trainer and the sampler compute exactly what peft computes: `adapter_config.json`
 with peft_type LORA and none of the features that change the math (DoRA, fan_in_fan_out, LoRA biases, per-module
 ranks or alphas, full weights in modules_to_save), and `adapter_model.safetensors` holding one
-`lora_A`/`lora_B` pair per targeted projection, with shapes that agree with the rank. `registry import`, the
-sampler's loader and the trainer's snapshot loading all call `parse_peft_config` and `lora_modules`, so what one
-of them accepts the others accept too.
+`lora_A`/`lora_B` pair per targeted projection (the output projection `lm_head` included), with shapes that agree
+with the rank. `registry import`, the sampler's loader and the trainer's snapshot loading all call
+`parse_peft_config` and `lora_modules`, so what one of them accepts the others accept too.
 """
 
 from __future__ import annotations
@@ -18,13 +18,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from opentinker.weights.base_model import LORA_TARGETS
+from opentinker.weights.base_model import LORA_TARGETS, UNEMBED_MODULE
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PEFT_FILES = (CONFIG_FILE, WEIGHTS_FILE)
 # peft's key prefix for a causal LM: "base_model.model.<module path>.lora_A.weight".
 PEFT_PREFIX = "base_model.model."
+# The whole output layer, which peft's save_pretrained stores beside a LoRA on lm_head (save_embedding_layers="auto").
+FULL_UNEMBED_KEY = f"{PEFT_PREFIX}{UNEMBED_MODULE}.base_layer.weight"
 # The largest LoRA rank any process accepts (the sampler may serve less: its --max-rank).
 MAX_RANK = 1024
 # The largest LoRA scaling (alpha / r) and weight magnitude any process accepts. Trained adapters stay far below
@@ -157,6 +159,11 @@ def lora_modules(shapes: Mapping[str, Sequence[int]], config: PeftConfig) -> dic
     for key, shape in shapes.items():
         if key.endswith(".lora_B.weight") and key.replace(".lora_B.", ".lora_A.") in shapes:
             continue
+        if key == FULL_UNEMBED_KEY:
+            raise PeftFormatError(f"{WEIGHTS_FILE}: {key} is a full copy of lm_head (peft saves one with a LoRA on "
+                                  "lm_head): re-save the adapter with save_pretrained(..., "
+                                  "save_embedding_layers=False), or import it with --base-model, which leaves out "
+                                  "a copy equal to the base model's")  # fmt: skip
         if not key.startswith(PEFT_PREFIX) or not key.endswith(".lora_A.weight"):
             raise PeftFormatError(f"{WEIGHTS_FILE}: unexpected tensor {key!r} (only "
                                   f"'{PEFT_PREFIX}<module>.lora_A.weight' / '.lora_B.weight' pairs)")  # fmt: skip

@@ -17,9 +17,10 @@ from pathlib import Path
 from safetensors import SafetensorError, safe_open
 
 from opentinker.v1 import common_pb2
-from opentinker.weights.base_model import model_digest
+from opentinker.weights.base_model import UNEMBED_MODULE, model_digest
 from opentinker.weights.peft import (
     CONFIG_FILE,
+    FULL_UNEMBED_KEY,
     PEFT_FILES,
     WEIGHTS_FILE,
     LoraMagnitudeError,
@@ -47,6 +48,7 @@ class PeftAdapter:
     base_model_digest: str = ""  # set when the base model was available to check against
     base_model_checked: str = ""  # the directory the shapes were checked against
     notes: list[str] = field(default_factory=list)
+    dropped: tuple[str, ...] = ()  # tensors of the folder left out of the import (write_import_files)
 
     @property
     def target_modules(self) -> list[str]:
@@ -64,8 +66,9 @@ def _fail(directory: Path, why: str) -> PeftFolderError:
 
 
 def _base_shapes(base_model: Path) -> dict[str, tuple[int, int]]:
-    """Linear weight path (without '.weight') -> (d_in, d_out), from the safetensors headers only; a base model
-    no server can serve (another family, longrope, ...) is refused first, as the servers refuse it."""
+    """Linear weight path (without '.weight') -> (d_in, d_out), from the safetensors headers only (lm_head from the
+    embedding when the checkpoint ties them and stores no lm_head); a base model no server can serve (another
+    family, longrope, ...) is refused first, as the servers refuse it."""
     from opentinker.rpc.errors import ServiceError
     from opentinker.weights.model_config import load_config
 
@@ -84,6 +87,8 @@ def _base_shapes(base_model: Path) -> dict[str, tuple[int, int]]:
                     shape = handle.get_slice(key).get_shape()
                     if len(shape) == 2:
                         shapes[key.removesuffix(".weight")] = (int(shape[1]), int(shape[0]))
+    if UNEMBED_MODULE not in shapes and "model.embed_tokens" in shapes:  # tied: the embedding is the output layer
+        shapes[UNEMBED_MODULE] = shapes["model.embed_tokens"]
     return shapes
 
 
@@ -123,6 +128,33 @@ def _read_weights(directory: Path, scaling: float) -> dict[str, list[int]]:
     return shapes
 
 
+def _unembed_file(base_model: Path) -> tuple[Path, str] | None:
+    """The base checkpoint's file and tensor name of its output layer: lm_head.weight, or the embedding when tied."""
+    for name in (f"{UNEMBED_MODULE}.weight", "model.embed_tokens.weight"):
+        for path in sorted(base_model.glob("*.safetensors")):
+            with safe_open(str(path), framework="pt") as handle:
+                if name in handle.keys():  # noqa: SIM118 -- safe_open handles are not iterable
+                    return path, name
+    return None
+
+
+def _is_base_unembed(directory: Path, base_model: Path) -> bool:
+    """Whether the adapter's full lm_head copy holds exactly the base model's output layer (compared in float32, a
+    block of rows at a time: a vocabulary-wide matrix can be gigabytes)."""
+    found = _unembed_file(base_model)
+    if found is None:
+        return False
+    with safe_open(str(directory / WEIGHTS_FILE), framework="pt") as mine, safe_open(str(found[0]), "pt") as base:
+        copy, original = mine.get_slice(FULL_UNEMBED_KEY), base.get_slice(found[1])
+        rows = copy.get_shape()[0]
+        if copy.get_shape() != original.get_shape():
+            return False
+        for start in range(0, rows, 4096):
+            if not copy[start : start + 4096].float().equal(original[start : start + 4096].float()):
+                return False
+    return True
+
+
 def inspect_peft_folder(directory: Path, base_model: Path | None = None) -> PeftAdapter:
     """The adapter in `directory`, checked; against `base_model` (a local HF folder) when given, else against
     the config's base_model_name_or_path when that is a local folder. PeftFolderError otherwise."""
@@ -131,17 +163,32 @@ def inspect_peft_folder(directory: Path, base_model: Path | None = None) -> Peft
     _refuse_symlinks(directory)
     try:
         config = read_peft_config(directory / CONFIG_FILE)
-        modules = lora_modules(_read_weights(directory, config.scaling), config)
     except PeftFormatError as exc:
         raise _fail(directory, str(exc)) from None
+    shapes = _read_weights(directory, config.scaling)
     named_base = config.base_model_name_or_path
     notes: list[str] = []
     if base_model is None and named_base and Path(named_base).is_dir():
         base_model = Path(named_base)
         notes.append(f"checked against base_model_name_or_path {named_base}")
+    base_shapes = _base_shapes(base_model) if base_model is not None else None  # a base no server serves: refused
+    # peft saves the whole base lm_head next to a LoRA on it (save_embedding_layers="auto"): a copy equal to the
+    # base model's changes nothing and is left out of the import; one that differs is a trained or resized output
+    # layer (full weights, which no process serves); without a base model to compare, lora_modules refuses it.
+    dropped: tuple[str, ...] = ()
+    if FULL_UNEMBED_KEY in shapes and base_model is not None:
+        if not _is_base_unembed(directory, base_model):
+            raise _fail(directory, f"{WEIGHTS_FILE}: {FULL_UNEMBED_KEY} differs from base model {base_model}'s "
+                        "lm_head: a trained or resized output layer is full weights, which none serves")  # fmt: skip
+        del shapes[FULL_UNEMBED_KEY]
+        dropped = (FULL_UNEMBED_KEY,)
+        notes.append(f"left out {FULL_UNEMBED_KEY}: peft's copy of the base model's lm_head (equal to it)")
+    try:
+        modules = lora_modules(shapes, config)
+    except PeftFormatError as exc:
+        raise _fail(directory, str(exc)) from None
     digest = checked = ""
-    if base_model is not None:
-        base_shapes = _base_shapes(base_model)
+    if base_model is not None and base_shapes is not None:
         for module, (d_in, d_out) in sorted(modules.items()):
             if module not in base_shapes:
                 raise _fail(directory, f"targets {module!r}, which base model {base_model} does not have")
@@ -158,7 +205,22 @@ def inspect_peft_folder(directory: Path, base_model: Path | None = None) -> Peft
     return PeftAdapter(directory=directory, rank=config.rank, alpha=config.alpha, dropout=config.dropout,
                        use_rslora=config.use_rslora,
                        modules=modules, base_model_name_or_path=named_base, weights_sha256=sha.hexdigest(),
-                       base_model_digest=digest, base_model_checked=checked, notes=notes)  # fmt: skip
+                       base_model_digest=digest, base_model_checked=checked, notes=notes, dropped=dropped)  # fmt: skip
+
+
+def write_import_files(adapter: PeftAdapter, out_dir: Path) -> None:
+    """The peft files an import publishes, into `out_dir`: copied byte for byte, or the weights rewritten without
+    the tensors the inspection left out (`dropped`), so the artifact is exactly what the sampler and trainer read."""
+    shutil.copyfile(adapter.directory / CONFIG_FILE, out_dir / CONFIG_FILE)
+    if not adapter.dropped:
+        shutil.copyfile(adapter.directory / WEIGHTS_FILE, out_dir / WEIGHTS_FILE)
+        return
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(adapter.directory / WEIGHTS_FILE))
+    with safe_open(str(adapter.directory / WEIGHTS_FILE), framework="pt") as handle:
+        metadata = handle.metadata()
+    save_file({k: v for k, v in tensors.items() if k not in adapter.dropped}, str(out_dir / WEIGHTS_FILE), metadata)
 
 
 def check_export_target(out_dir: Path) -> None:

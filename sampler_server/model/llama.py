@@ -3,7 +3,8 @@
 One `forward` serves any mix of sequences: whole-prompt prefill, a prefill chunk on top of a cached prefix,
 and single-token decode. Projections run on the flat [N, d] tokens of all sequences (no padding); only
 attention looks at sequences one by one (prefill) or as one gathered batch (decode). After every
-q/k/v/o/gate/up/down projection the engine's `LoraHook` may add each token's LoRA delta.
+q/k/v/o/gate/up/down projection the engine's `LoraHook` may add each token's LoRA delta, and after the LM head
+(`lm_head`) each logit row's.
 
 Numerics follow transformers' modeling_llama/qwen2/qwen3/mistral (RMSNorm in float32, rotate-half RoPE with
 cos/sin cast to the model dtype, residual adds in the model dtype), so fp32 logits agree to ~1e-6.
@@ -26,13 +27,15 @@ from opentinker.sampler_server.model.batch import ForwardBatch, check_batch
 from opentinker.sampler_server.model.kv_cache import KVCache
 from opentinker.sampler_server.model.linear import linear, onednn_packing_works, pack_onednn
 from opentinker.sampler_server.model.weights import LayerWeights, Linear, linear_shapes, load_weights
+from opentinker.weights.base_model import UNEMBED_MODULE
 from opentinker.weights.model_config import ModelConfig
 from opentinker.weights.rope import inverse_frequencies
 
 
 class LoraHook(Protocol):
     def __call__(self, module: str, x: torch.Tensor, y: torch.Tensor, /) -> torch.Tensor:
-        """module: HF path ("model.layers.0.self_attn.q_proj"); x: [N, d_in]; y: [N, d_out] base output.
+        """module: HF path ("model.layers.0.self_attn.q_proj"); x: [N, d_in]; y: [N, d_out] base output. For
+        "lm_head" the rows are the batch's M logit rows (`ForwardBatch.logits_indices`): x [M, hidden], y [M, vocab].
 
         Returns y plus each token's LoRA delta. Positional-only, so any plain `Callable[[str, Tensor, Tensor],
         Tensor]` is a LoraHook.
@@ -174,5 +177,6 @@ class LlamaForCausalLM:
             h = h + project(f"{p}.mlp.down_proj", layer.down_proj, F.silu(gate) * up, lora)
 
         rows = h[batch.logits_indices.to(dev)]  # [M, hidden]
-        logits = linear(rms_norm(rows, self.norm, c.rms_norm_eps), self.lm_head)  # [M, vocab]
-        return logits.float()
+        # The unembedding's hook sees the M logit rows, not the N tokens: the engine maps them to their slots.
+        logits = project(UNEMBED_MODULE, Linear(self.lm_head, None), rms_norm(rows, self.norm, c.rms_norm_eps), lora)
+        return logits.float()  # [M, vocab]

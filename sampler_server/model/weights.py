@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from opentinker.rpc.errors import InvalidArgument
+from opentinker.weights.base_model import UNEMBED_MODULE
 from opentinker.weights.model_config import ModelConfig, load_config
 
 
@@ -139,11 +140,14 @@ def projection_shapes(c: ModelConfig) -> dict[str, tuple[int, int]]:
 
 
 def linear_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
-    """HF module path of every LoRA-targetable projection -> (d_in, d_out), from the config alone (a server
-    process that leaves the weights to its engine process sizes its adapter slots with this)."""
+    """HF module path of every LoRA-targetable projection -> (d_in, d_out), the unembedding `lm_head` (hidden ->
+    vocab) last, from the config alone (a server process that leaves the weights to its engine process sizes its
+    adapter slots with this)."""
     per_layer = projection_shapes(config)
-    return {
+    shapes = {
         f"model.layers.{i}.{proj}": (d_in, d_out)
         for i in range(config.num_layers)
         for proj, (d_out, d_in) in per_layer.items()
     }
+    shapes[UNEMBED_MODULE] = (config.hidden_size, config.vocab_size)
+    return shapes

@@ -146,8 +146,8 @@ def test_bad_requests_get_sdk_errors_and_the_gateway_keeps_serving(
     # poisoned, as the SDK expects; other models keep training.
     service = tinker.ServiceClient(base_url=base_url(gateway), api_key=KEY_A)
     training = service.create_lora_training_client(base_model=str(tiny_model), rank=4, seed=2).result()
-    with pytest.raises(tinker.RequestFailedError, match=r"stable_reinforce.*not supported"):
-        training.forward_backward([sft_datum()], "stable_reinforce").result()
+    with pytest.raises(tinker.RequestFailedError, match=r"gspo.*not supported"):
+        training.forward_backward([sft_datum()], "gspo").result()
     with pytest.raises(tinker.RequestFailedError, match="earlier request"):
         training.optim_step(types.AdamParams(learning_rate=1e-3)).result()
     with pytest.raises(tinker.RequestFailedError, match="not supported"):

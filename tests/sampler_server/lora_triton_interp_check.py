@@ -49,11 +49,14 @@ def run_case(
     dtype: torch.dtype = torch.float32,
     slots: list[int] | None = None,
     strided: bool = False,
+    pool_layout: bool = False,
     atol: float = 1e-5,
 ) -> dict[str, object]:
     gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
     n, d_in, d_out, num_slots, max_rank = shape
     a, b, scaling = make_pool(gen, num_slots, max_rank, d_in, d_out, dtype)
+    if pool_layout:  # B as the slot pool keeps it: [S, R, d_out] storage seen as [S, d_out, R] (rank stride d_out)
+        b = b.transpose(1, 2).contiguous().transpose(1, 2)
     if slots is None:
         slot_ids = torch.randint(0, num_slots, (n,), generator=gen)  # [N]
         slot_ids[0] = 0  # always one row without adapter
@@ -81,6 +84,7 @@ def main() -> None:
     tiny = TritonConfig(block_m=4, block_r=4, block_k=16, block_n=8)  # elementwise path, several blocks per axis
     dot = TritonConfig(block_m=16, block_r=16, block_k=16, block_n=16)  # tl.dot path (every block >= 16)
     shape = Shape(n=8, d_in=32, d_out=24, num_slots=4, max_rank=8)
+    vocab = Shape(n=7, d_in=32, d_out=515, num_slots=4, max_rank=8)
     results = [
         run_case("fp32_elementwise", shape, tiny),
         run_case("fp32_dot", shape, dot),
@@ -91,6 +95,12 @@ def main() -> None:
         run_case("all_rows_one_slot", shape, dot, slots=[2] * 8),
         run_case("single_row", Shape(1, 16, 16, 3, 8), tiny, slots=[1]),
         run_case("fp16", shape, dot, dtype=torch.float16, atol=1e-2),
+        # The unembedding: hidden -> vocab, an expand over many column blocks (and a ragged last one), on the logit
+        # rows of a few sequences, B in the pool's layout.
+        run_case("vocab_wide_elementwise", vocab, tiny, pool_layout=True),
+        run_case("vocab_wide_dot", vocab, dot, pool_layout=True),
+        run_case("vocab_wide_default_config", vocab, None, pool_layout=True),
+        run_case("vocab_wide_sorted_rows", vocab, dot, slots=[0, 1, 1, 2, 2, 2, 3], pool_layout=True),
     ]
     print(json.dumps(results))
 

@@ -67,7 +67,7 @@ def kernel_used(monkeypatch: pytest.MonkeyPatch, flag: Backend, device: str) -> 
     monkeypatch.setattr(kernels, "add_lora_segments", recorder("segments, unplanned"))
     monkeypatch.setattr(kernels, "add_lora_triton", recorder("triton"))
     monkeypatch.setattr(kernels, "lora_delta_reference", recorder("reference"))
-    hook = engine._lora_hook([1, 1])
+    hook = engine._lora_hook([1, 1], [1])
     assert hook is not None
     hook(MODULE, torch.zeros(2, 8), torch.zeros(2, 6))
     return engine.kernel, calls

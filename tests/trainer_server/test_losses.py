@@ -76,6 +76,20 @@ def ref_dro(p: list[float], q: list[float], a: list[float], beta: float = 0.05) 
     return loss, grad
 
 
+def ref_stable_reinforce(p: list[float], q: list[float], a: list[float], kl_coeff: float = 0.0) -> Ref:
+    loss = 0.0
+    grad = []
+    for p_i, q_i, a_i in zip(p, q, a, strict=True):
+        if a_i == 0:
+            grad.append(0.0)
+            continue
+        ratio = math.exp(p_i - q_i)
+        weight = min(ratio, 1.0)  # a constant: stop-gradient
+        loss += -weight * a_i * p_i + kl_coeff * (ratio - 1 - (p_i - q_i))
+        grad.append(-weight * a_i + kl_coeff * (ratio - 1))
+    return loss, grad
+
+
 def ref_loss(loss_fn: str, p: list[float], ins: Mapping[str, list[float]], **config: float) -> Ref:
     if loss_fn == "cross_entropy":
         return ref_cross_entropy(p, ins["weights"])
@@ -84,6 +98,7 @@ def ref_loss(loss_fn: str, p: list[float], ins: Mapping[str, list[float]], **con
         "ppo": ref_ppo,
         "cispo": ref_cispo,
         "dro": ref_dro,
+        "stable_reinforce": ref_stable_reinforce,
     }
     return refs[loss_fn](p, ins["logprobs"], ins["advantages"], **config)
 
@@ -128,8 +143,8 @@ def inputs_for(loss_fn: str) -> dict[str, list[float]]:
 # --- registry ----------------------------------------------------------------------------------------------
 
 
-def test_registry_lists_the_five_losses_with_their_inputs_and_defaults() -> None:
-    assert set(LOSS_FNS) == {"cross_entropy", "importance_sampling", "ppo", "cispo", "dro"}
+def test_registry_lists_the_six_losses_with_their_inputs_and_defaults() -> None:
+    assert set(LOSS_FNS) == {"cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "stable_reinforce"}
     assert required_inputs("cross_entropy") == ("target_tokens", "weights")
     for name in PG_LOSSES:
         assert required_inputs(name) == ("target_tokens", "logprobs", "advantages")
@@ -137,6 +152,8 @@ def test_registry_lists_the_five_losses_with_their_inputs_and_defaults() -> None
     assert dict(LOSS_FNS["ppo"].defaults) == {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
     assert dict(LOSS_FNS["cispo"].defaults) == {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}
     assert dict(LOSS_FNS["dro"].defaults) == {"beta": 0.05}
+    assert required_inputs("stable_reinforce") == ("target_tokens", "logprobs", "advantages")
+    assert dict(LOSS_FNS["stable_reinforce"].defaults) == {"kl_coeff": 0.0}
     assert dict(LOSS_FNS["cross_entropy"].defaults) == {}
     assert dict(LOSS_FNS["importance_sampling"].defaults) == {}
     with pytest.raises(TypeError):
@@ -193,8 +210,8 @@ def test_gradcheck_float64(loss_fn: str) -> None:
     p0 = p.detach().clone()  # gradcheck perturbs p in place
 
     def fn(x: torch.Tensor) -> torch.Tensor:
-        if loss_fn == "cispo":
-            # the stop-gradient weight clip(r) is a constant of the objective: move q with x (detached) so
+        if loss_fn in ("cispo", "stable_reinforce"):
+            # the stop-gradient weight clip(r) (min(r, 1)) is a constant of the objective: move q with x (detached) so
             # finite differences see the frozen-weight objective -sum(c * A * x) whose gradient autograd gives
             inputs["logprobs"] = q + (x.detach() - p0)
         result = compute_loss(loss_fn, x, inputs, {})
