@@ -215,8 +215,9 @@ def kv_blocks(c: SamplerConfig, model_config: Any, context: int, dtype: Any) -> 
         blocks, option = c.num_blocks, "--num-blocks"
     elif c.kv_cache_mb:
         blocks, option = KVCache.blocks_for(model_config, c.kv_cache_mb, BLOCK_SIZE, dtype), "--kv-cache-mb"
-    else:
-        blocks, option = c.max_seqs * per_sequence, "--max-seqs"
+    else:  # at most the bytes of the max_seqs + 1 slots (ComputeLogprobs' included) of max_len the slot cache took
+        # (and always room for one max_len sequence: the rounding could leave less with one or two slots)
+        blocks, option = max(per_sequence, (c.max_seqs + 1) * context // BLOCK_SIZE - per_sequence), "--max-seqs"
     if blocks < per_sequence:
         raise BadOption(f"{blocks} KV-cache blocks of {BLOCK_SIZE} tokens cannot hold one {context}-token sequence "
                         f"(--max-len); it needs {per_sequence}", option)  # fmt: skip

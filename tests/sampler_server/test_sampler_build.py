@@ -44,8 +44,10 @@ def test_kv_cache_size_flags(tiny_model: Path, tmp_path: Path) -> None:
     from opentinker.weights.model_config import load_config
 
     model_config = load_config(tiny_model)
-    # Default: the memory max_seqs fixed slots of max_len took (100 positions -> 7 blocks of 16 each).
-    assert kv_blocks(config(tiny_model, tmp_path, max_seqs=3), model_config, 100, torch.float32) == 3 * 7
+    # Default: at most the memory of the 3 + 1 fixed slots of 100 positions the slot cache took (25 blocks of 16),
+    # less the ComputeLogprobs area (one 100-token sequence: 7 blocks).
+    assert kv_blocks(config(tiny_model, tmp_path, max_seqs=3), model_config, 100, torch.float32) == 25 - 7
+    assert kv_blocks(config(tiny_model, tmp_path, max_seqs=64), model_config, 4096, torch.float32) == 64 * 256
     assert kv_blocks(config(tiny_model, tmp_path, num_blocks=50), model_config, 100, torch.float32) == 50
     one_block = KVCache.bytes_for(model_config, 1, 16, torch.float32)
     by_size = config(tiny_model, tmp_path, kv_cache_mb=40 * one_block / 2**20)
