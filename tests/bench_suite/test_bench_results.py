@@ -102,7 +102,10 @@ def test_workload_shapes_match_the_sampler_model(tiny_model: Path) -> None:
                               num_key_value_heads=config["num_key_value_heads"])  # fmt: skip
     runner = LlamaForCausalLM.from_pretrained(tiny_model, device=torch.device("cpu"), dtype=torch.float32)
     shapes = workload.linear_shapes(spec)
-    assert shapes == runner.linear_shapes()
+    served = runner.linear_shapes()
+    # The benchmarks' adapters target attn + mlp: every projection the sampler serves, all but lm_head.
+    assert served.pop("lm_head") == (spec.hidden_size, spec.vocab_size)
+    assert shapes == served
     weights = workload.lora_weights(shapes, seed=1)
     assert sum((a.numel() + b.numel()) * 4 for a, b in weights.values()) == workload.raw_bytes(shapes)
     files = workload.peft_files(weights)
