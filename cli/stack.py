@@ -110,13 +110,13 @@ def validate(plan: StackPlan) -> None:
         args = full[full.index("serve") + 1 :]
         try:
             with command.make_context(f"opentinker {service} serve", args) as ctx:
-                model = ctx.params.get("model")
+                model, params = ctx.params.get("model"), ctx.params
         except Exception as exc:  # click's usage errors: the message names the flag
             message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
             raise ConfigError(f"[{service}]: {message}") from None
         if model is not None:
             try:
-                check_model(str(model))
+                check_model(str(model), params.get("revision"), params.get("served_model_name"))
             except StartupError as exc:
                 raise ConfigError(f"[{service}]: {exc}") from None
 

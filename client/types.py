@@ -212,6 +212,7 @@ class TrainerInfo:
     loss_fns: tuple[str, ...]
     lora_target_modules: tuple[str, ...] = ()
     max_resident_adapters: int = 0
+    served_name: str = ""  # the model's public name (a hub id or --served-model-name), which clients send
 
 
 # Sampling

@@ -181,6 +181,7 @@ def trainer_info_from_proto(proto: trainer_pb2.GetTrainerInfoResponse) -> Traine
         loss_fns=tuple(proto.loss_fns),
         lora_target_modules=tuple(base.lora_target_modules),
         max_resident_adapters=proto.max_resident_adapters,
+        served_name=base.served_name,
     )
 
 

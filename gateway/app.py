@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from opentinker.gateway import expiry, sampling, training
+from opentinker.gateway import checkpoint_gc, expiry, rest, sampling, training
 from opentinker.gateway.auth import KEY_PREFIX
 from opentinker.gateway.errors import GatewayError, RequestFailed
 from opentinker.gateway.state import (
@@ -118,6 +118,7 @@ async def create_session(request: web.Request) -> web.Response:
     version = body.get("sdk_version")
     warning = check_sdk_version(version)
     session = gw.sessions.create(principal.tenant, str(version or ""), gw.config.max_sessions_per_tenant)
+    await gw.durable.put_session(session)
     reply: dict[str, object] = {"type": "create_session", "session_id": session.session_id}
     if warning is not None:
         reply["warning_message"] = warning
@@ -139,6 +140,7 @@ async def finish_session(request: web.Request) -> web.Response:
     status = reason.get("type") if isinstance(reason, dict) else None
     if session.finished is None:
         session.finished = str(status or "success")
+        await gw.durable.put_session(session)
     return web.json_response({})
 
 
@@ -186,11 +188,14 @@ def create_app(gateway: Gateway) -> web.Application:
     app.router.add_post("/api/v1/telemetry", telemetry)
     training.add_routes(app)
     sampling.add_routes(app)
+    rest.add_routes(app)
 
     sweeps: list[asyncio.Task[None]] = []
 
     async def startup(app: web.Application) -> None:
-        sweeps.append(asyncio.get_running_loop().create_task(expiry.run_sweeps(gateway)))
+        loop = asyncio.get_running_loop()
+        sweeps.append(loop.create_task(expiry.run_sweeps(gateway)))
+        sweeps.append(loop.create_task(checkpoint_gc.run_collector(gateway)))
 
     async def cleanup(app: web.Application) -> None:
         for task in sweeps:
@@ -198,6 +203,7 @@ def create_app(gateway: Gateway) -> web.Application:
         await asyncio.gather(*sweeps, return_exceptions=True)
         await gateway.futures.close()
         await gateway.backends.close()
+        await gateway.durable.close()
 
     app.on_startup.append(startup)
     app.on_cleanup.append(cleanup)

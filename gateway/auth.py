@@ -108,6 +108,10 @@ class KeyStore:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def principal_of_tenant(self, tenant: str) -> Principal | None:
+        """The first key's principal of ``tenant``: the checkpoint GC acts with its token, not the caller's."""
+        return next((entry.principal for entry in self._entries if entry.principal.tenant == tenant), None)
+
     def lookup(self, key: str) -> Principal | None:
         if not key.startswith(KEY_PREFIX):
             return None

@@ -22,14 +22,15 @@ class Backend:
 class BaseModelInfo:
     """What the trainer serves: the SDK's ``base_model`` must name it."""
 
-    model: str  # the name or path the trainer was started with
+    model: str  # its public name (weights/served_name.py): what clients see, and the tokenizer id
+    started_as: str  # the name or path the trainer was started with
     architecture: str
     max_positions: int
     loss_fns: frozenset[str]
 
     def matches(self, name: str) -> bool:
-        """The trainer's model by its full name/path or its last path component."""
-        return name in (self.model, self.model.rstrip("/").rsplit("/", 1)[-1])
+        """The public name (`org/name`), or the name/path the trainer was started with or its last component."""
+        return name in (self.model, self.started_as, self.started_as.rstrip("/").rsplit("/", 1)[-1])
 
 
 class Backends:
@@ -57,7 +58,8 @@ class Backends:
                 "GetTrainerInfo", trainer_pb2.GetTrainerInfoRequest(), trainer_pb2.GetTrainerInfoResponse
             )
             self.base = BaseModelInfo(
-                model=info.base_model.model,
+                model=info.base_model.served_name or info.base_model.model,  # an older trainer: no served_name
+                started_as=info.base_model.model,
                 architecture=info.base_model.architecture,
                 max_positions=info.base_model.max_position_embeddings,
                 loss_fns=frozenset(info.loss_fns),

@@ -75,6 +75,17 @@ def serve(
             "are dropped (retrieving one answers 404 RESULT_DROPPED). 0: no limit.",
         ),
     ] = 1 << 30,
+    redis_url: Annotated[
+        str | None,
+        typer.Option(
+            envvar="OPENTINKER_GATEWAY_REDIS_URL",
+            help="Redis for the gateway's state (sessions, model ids, tinker:// paths, checkpoint TTLs), so that "
+            "tinker clients go on after a gateway restart; without it that state is in memory only.",
+        ),
+    ] = None,
+    checkpoint_gc_seconds: Annotated[
+        float, typer.Option(help="How often expired and deleted checkpoints are deleted from the trainer/registry.")
+    ] = 60.0,
     stability_ttl_seconds: Annotated[
         float,
         typer.Option(
@@ -121,15 +132,15 @@ def serve(
         seq_window=seq_window, max_pending_bytes=max_pending_bytes, pending_ttl_seconds=pending_ttl_seconds,
         session_ttl_seconds=session_ttl_seconds, max_tenant_pending_bytes=max_tenant_pending_bytes,
         max_sessions_per_tenant=max_sessions_per_tenant, max_inflight_per_tenant=max_inflight_per_tenant,
-        max_tenant_result_bytes=max_tenant_result_bytes, stability_ttl_seconds=stability_ttl_seconds,
-        max_tenant_stability_tokens=max_tenant_stability_tokens,
+        max_tenant_result_bytes=max_tenant_result_bytes, checkpoint_gc_seconds=checkpoint_gc_seconds,
+        stability_ttl_seconds=stability_ttl_seconds, max_tenant_stability_tokens=max_tenant_stability_tokens,
     )  # fmt: skip
     positive = {name: value for name, value in config.limits().items() if not value > 0}
     if positive:
         typer.echo(f"these must be positive: {', '.join('--' + n.replace('_', '-') for n in positive)}", err=True)
         raise typer.Exit(2)
 
-    asyncio.run(_run(keys, (trainer, sampler, registry), config, host, port, ready_file))
+    asyncio.run(_run(keys, (trainer, sampler, registry), config, host, port, ready_file, redis_url))
 
 
 async def _run(
@@ -139,18 +150,38 @@ async def _run(
     host: str,
     port: int,
     ready_file: Path | None,
+    redis_url: str | None,
 ) -> None:
+    import redis
     from aiohttp import web
 
     from opentinker.gateway.app import create_app
     from opentinker.gateway.backend import Backends
+    from opentinker.gateway.durable import MemoryState, RedisState
     from opentinker.gateway.state import Gateway
     from opentinker.rpc.server import write_ready_file
 
     # Big bodies are decoded and parsed on worker threads; when one runs Python code, the event loop waits for the
     # GIL up to the switch interval at each wake-up: 1 ms instead of 5 keeps other tenants' requests moving.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    gateway = Gateway(keys=keys, backends=Backends(*addresses), config=config)
+    durable = MemoryState() if redis_url is None else RedisState(redis_url)
+    try:
+        saved = await durable.load()
+    except (redis.RedisError, ValueError, KeyError) as exc:  # unreachable, or not this gateway's records
+        typer.echo(f"gateway state store {durable.where}: {exc}", err=True)
+        raise typer.Exit(2) from None
+    gateway = Gateway(keys=keys, backends=Backends(*addresses), config=config, durable=durable)
+    gateway.restore(saved)
+    if durable.durable:
+        log.info(
+            "gateway state in %s: %d sessions, %d training runs, %d checkpoint paths restored",
+            durable.where, len(gateway.sessions), len(gateway.runs), len(gateway.checkpoints),
+        )  # fmt: skip
+    else:
+        log.warning(
+            "gateway state is in memory only: a restart forgets every session, model id and tinker:// path "
+            "(pass --redis-url to keep them)"
+        )
     # forward_backward bodies are decompressed by the gateway itself (zstd, size-capped).
     runner = web.AppRunner(create_app(gateway), access_log=None, auto_decompress=False)
     await runner.setup()

@@ -9,7 +9,7 @@ import ctypes
 import ctypes.util
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from opentinker.gateway.state import Gateway
 
@@ -21,6 +21,7 @@ class Swept:
     stalled_models: int
     freed_bytes: int
     expired_sessions: int
+    expired: set[str] = field(default_factory=set)  # their ids
 
 
 def sweep(gw: Gateway, now: float | None = None) -> Swept:
@@ -42,7 +43,7 @@ def sweep(gw: Gateway, now: float | None = None) -> Swept:
     gw.stability.expire(now, expired)
     if freed:
         _give_back_memory()
-    return Swept(stalled, freed, len(expired))
+    return Swept(stalled, freed, len(expired), expired)
 
 
 def _give_back_memory() -> None:
@@ -60,12 +61,24 @@ def interval(gw: Gateway) -> float:
     return min(max(min(gw.config.pending_ttl_seconds, gw.config.session_ttl_seconds) / 4, 0.25), 30.0)
 
 
+async def store_expired(gw: Gateway, expired: set[str]) -> None:
+    """Tells the state store what the last sweep changed: expired sessions, forgotten ones and their samplers."""
+    for session_id in expired:
+        session = gw.sessions.find(session_id)
+        if session is not None:
+            await gw.durable.put_session(session)
+    forgotten, samplers = gw.sessions.forgotten, gw.sessions.forgotten_samplers
+    gw.sessions.forgotten, gw.sessions.forgotten_samplers = [], []
+    await gw.durable.forget_sessions(forgotten, samplers)
+
+
 async def run_sweeps(gw: Gateway) -> None:
     """Sweeps until cancelled; a sweep that fails is logged and the next one runs."""
     while True:
         await asyncio.sleep(interval(gw))
         try:
             swept = sweep(gw)
+            await store_expired(gw, swept.expired)
         except Exception:
             log.exception("sweep failed")
             continue

@@ -60,9 +60,9 @@ async def create_sampling_session(request: web.Request) -> web.Response:
     reference = await _reference(gw, principal.tenant, principal.token, model_path, base_model)
     base = await gw.backends.base_model(principal.token)
     sampler_id = f"{session_id}:sample:{seq}"
-    gw.sessions.add_sampler(
-        SamplingSession(sampler_id, principal.tenant, session_id, reference, base.model, model_path)
-    )
+    sampler = SamplingSession(sampler_id, principal.tenant, session_id, reference, base.model, model_path)
+    await gw.durable.put_sampler(sampler)
+    gw.sessions.add_sampler(sampler)
     return web.json_response({"type": "create_sampling_session", "sampling_session_id": sampler_id})
 
 

@@ -22,6 +22,17 @@ class Session:
     last_heartbeat: float = field(default_factory=time.monotonic)
     finished: str | None = None  # the finish reason, first one wins
 
+    def to_json(self) -> dict[str, object]:
+        return {"session_id": self.session_id, "tenant": self.tenant, "sdk_version": self.sdk_version,
+                "finished": self.finished}  # fmt: skip
+
+    @classmethod
+    def from_json(cls, data: dict[str, object]) -> Session:
+        """A session read back after a restart: its heartbeat clock starts again now."""
+        finished = data.get("finished")
+        return cls(str(data["session_id"]), str(data["tenant"]), str(data.get("sdk_version") or ""),
+                   finished=None if finished is None else str(finished))  # fmt: skip
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingSession:
@@ -31,6 +42,16 @@ class SamplingSession:
     reference: str  # "base" or "tenant/adapter@N"
     base_model: str
     model_path: str | None
+
+    def to_json(self) -> dict[str, object]:
+        return {"sampling_session_id": self.sampling_session_id, "tenant": self.tenant, "session_id": self.session_id,
+                "reference": self.reference, "base_model": self.base_model, "model_path": self.model_path}  # fmt: skip
+
+    @classmethod
+    def from_json(cls, data: dict[str, object]) -> SamplingSession:
+        path = data.get("model_path")
+        return cls(str(data["sampling_session_id"]), str(data["tenant"]), str(data["session_id"]),
+                   str(data["reference"]), str(data["base_model"]), None if path is None else str(path))  # fmt: skip
 
 
 def new_id() -> str:
@@ -42,6 +63,17 @@ class SessionTable:
     def __init__(self) -> None:
         self._sessions: dict[str, Session] = {}
         self._samplers: dict[str, SamplingSession] = {}
+        # What `expire` changed since the state store last heard of it (expiry.py drains these).
+        self.forgotten: list[str] = []
+        self.forgotten_samplers: list[str] = []
+
+    def restore(self, sessions: list[Session], samplers: list[SamplingSession]) -> None:
+        """Sessions and sampling sessions read back from the state store after a restart."""
+        self._sessions.update((s.session_id, s) for s in sessions)
+        self._samplers.update((s.sampling_session_id, s) for s in samplers)
+
+    def find(self, session_id: str) -> Session | None:
+        return self._sessions.get(session_id)
 
     def create(self, tenant: str, sdk_version: str, limit: int | None = None) -> Session:
         """A new session of ``tenant``; 429 TOO_MANY_SESSIONS when it holds ``limit`` (expired ones aside)."""
@@ -82,11 +114,13 @@ class SessionTable:
             if session.finished == "expired":
                 if session.last_heartbeat < forget_before:
                     del self._sessions[session_id]
+                    self.forgotten.append(session_id)
                 continue
             session.finished, session.sdk_version = "expired", ""
             expired.add(session_id)
         for sampler_id in [s for s, sampler in self._samplers.items() if sampler.session_id in expired]:
             del self._samplers[sampler_id]
+            self.forgotten_samplers.append(sampler_id)
         return expired
 
     def __len__(self) -> int:

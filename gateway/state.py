@@ -14,9 +14,11 @@ from opentinker.gateway.auth import KeyStore, Principal
 from opentinker.gateway.backend import Backend, Backends
 from opentinker.gateway.bodies import parse_json
 from opentinker.gateway.checkpoints import CheckpointTable
+from opentinker.gateway.durable import MemoryState, Saved
 from opentinker.gateway.errors import bad_request
 from opentinker.gateway.futures import FutureStore
-from opentinker.gateway.models import Lane, ModelTable
+from opentinker.gateway.models import Lane, ModelTable, TrainingModel
+from opentinker.gateway.runs import RunTable
 from opentinker.gateway.sessions import SessionTable
 from opentinker.gateway.stability import DEFAULT_MAX_TENANT_TOKENS, DEFAULT_TTL_SECONDS, StabilityRecords
 
@@ -50,6 +52,7 @@ class GatewayConfig:
     pending_ttl_seconds: float = 300.0  # how long a request may wait for an earlier seq_id that never comes
     session_ttl_seconds: float = 900.0  # a session without heartbeats expires (the SDK sends one every 10 s)
     max_tenant_result_bytes: int = 1 << 30  # finished results one tenant holds (its oldest dropped beyond); 0: none
+    checkpoint_gc_seconds: float = 60.0  # how often expired and deleted checkpoints are deleted for real
     stability_ttl_seconds: float = DEFAULT_TTL_SECONDS  # a stability record is kept this long after its last use
     max_tenant_stability_tokens: int = DEFAULT_MAX_TENANT_TOKENS  # tokens one tenant's stability records hold
 
@@ -76,6 +79,8 @@ class Gateway:
     sessions: SessionTable = field(default_factory=SessionTable)
     models: ModelTable = field(default_factory=ModelTable)
     checkpoints: CheckpointTable = field(default_factory=CheckpointTable)
+    runs: RunTable = field(default_factory=RunTable)
+    durable: MemoryState = field(default_factory=MemoryState)  # durable.py: Redis with --redis-url
     stability: StabilityRecords = field(default_factory=StabilityRecords)
     decode_slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(2))  # bodies decoded at once
     json_slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(2))  # big JSON bodies parsed
@@ -86,6 +91,23 @@ class Gateway:
         self.futures.results.max_bytes = self.config.max_tenant_result_bytes or None
         self.stability.ttl_seconds = self.config.stability_ttl_seconds
         self.stability.max_tenant_tokens = self.config.max_tenant_stability_tokens
+
+    def restore(self, saved: Saved) -> None:
+        """The tables as the state store kept them: the models of sessions that have not expired get their lanes
+        back, expecting the seq_id after the last one accepted."""
+        self.sessions.restore(saved.sessions, saved.samplers)
+        for run in saved.runs:
+            self.runs.add(run)
+            session = self.sessions.find(run.session_id)
+            if session is None or session.finished == "expired":
+                continue
+            lane = self.lane(run.model_id)
+            lane.next_seq = saved.seq.get(run.model_id, 0) + 1
+            self.models.add(
+                TrainingModel(run.model_id, run.tenant, run.session_id, run.adapter, run.lora, run.base_model, lane)
+            )
+        for checkpoint in saved.checkpoints:
+            self.checkpoints.add(checkpoint)
 
     def lane(self, model_id: str) -> Lane:
         """A new model's request lane, within the configured window and pending bytes."""

@@ -5,16 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import time
 from typing import Any
 
 from aiohttp import web
 
 from opentinker.gateway import convert, fields, stability
 from opentinker.gateway.backend import Backend
-from opentinker.gateway.checkpoints import Checkpoint, checkpoint_path
+from opentinker.gateway.checkpoints import Checkpoint, checkpoint_path, expiry
 from opentinker.gateway.errors import GatewayError, RequestFailed, bad_request
 from opentinker.gateway.futures import Future, Job, Outcome
 from opentinker.gateway.models import TrainingModel
+from opentinker.gateway.runs import TrainingRun, user_metadata
 from opentinker.gateway.sessions import SamplingSession
 from opentinker.gateway.state import (
     Gateway,
@@ -69,14 +71,21 @@ async def _create_adapter(
     backend: Backend,
     request: trainer_pb2.TrainerServiceCreateAdapterRequest,
     model: TrainingModel,
+    metadata: dict[str, str] | None,
     weights_from: str = "",
 ) -> None:
     """Creates the adapter (then loads the LoRA weights of saved state `weights_from`, if given) before the
-    model becomes visible, so a failed load leaves no half-made model behind."""
+    model becomes visible, so a failed load leaves no half-made model behind; its training run is stored before
+    the client hears of the model id."""
     await backend.trainer.unary_async("CreateAdapter", request, trainer_pb2.TrainerServiceCreateAdapterResponse)
     if weights_from:
         load = trainer_pb2.LoadStateRequest(adapter=request.name, state_id=weights_from, weights_only=True)
         await backend.trainer.unary_async("LoadState", load, trainer_pb2.LoadStateResponse)
+    run = TrainingRun(
+        model.model_id, model.tenant, model.session_id, model.adapter, model.lora, model.base_model, metadata
+    )
+    await gw.durable.put_run(run)
+    gw.runs.add(run)
     gw.models.add(model)
 
 
@@ -90,6 +99,7 @@ async def create_model(request: web.Request) -> web.Response:
     base_model = required(body, "base_model", str)
     config, seed = convert.lora_config(fields.mapping(body, "lora_config"))
     optimizer = fields.mapping(body, "optimizer_config")
+    metadata = user_metadata(body.get("user_metadata"))
 
     async def job() -> Outcome:
         base = await gw.backends.base_model(principal.token)
@@ -104,7 +114,7 @@ async def create_model(request: web.Request) -> web.Response:
         )
         lane = gw.lane(model_id)
         model = TrainingModel(model_id, principal.tenant, session_id, create.name, config, base.model, lane)
-        await _create_adapter(gw, backend, create, model)
+        await _create_adapter(gw, backend, create, model, metadata)
         return Outcome(json={"model_id": model_id, "type": "create_model"})
 
     return _start_creation(gw, principal.tenant, model_id, job)
@@ -153,6 +163,10 @@ async def _submit(
     except GatewayError:
         gw.futures.discard(future)
         raise
+    run = gw.runs.find(model.model_id)
+    if run is not None:
+        run.last_request = time.time()
+    await gw.durable.put_seq(model.model_id, seq_id)  # after a restart, the lane expects the next one
     return _future_reply(future.request_id, model.model_id)
 
 
@@ -233,6 +247,7 @@ async def save_weights(request: web.Request) -> web.Response:
     model = gw.models.get(required(body, "model_id", str), principal.tenant)
     name = field_of(body, "path", str, required=False) or "state"
     overwrite = fields.boolean(body, "overwrite")
+    expires_at, metadata = _retention(body)
 
     async def job() -> Outcome:
         path = checkpoint_path(model.model_id, "state", name)
@@ -240,7 +255,9 @@ async def save_weights(request: web.Request) -> web.Response:
             raise RequestFailed(f"checkpoint {path} exists; pass overwrite=True to replace it")
         save = trainer_pb2.SaveStateRequest(adapter=model.adapter, label=name)
         reply = await backend.trainer.unary_async("SaveState", save, trainer_pb2.SaveStateResponse)
-        gw.checkpoints.add(Checkpoint(path, model.tenant, "state", reply.state_id, model.lora, model.model_id))
+        checkpoint = Checkpoint(path, model.tenant, "state", reply.state_id, model.lora, model.model_id,
+                                expires_at=expires_at, size_bytes=reply.size_bytes, user_metadata=metadata)  # fmt: skip
+        await record_checkpoint(gw, checkpoint)
         return Outcome(json={"path": path, "type": "save_weights"})
 
     return await _submit(request, model, fields.required_integer(body, "seq_id", 1, fields.INT64_MAX), job)
@@ -255,6 +272,7 @@ async def save_weights_for_sampler(request: web.Request) -> web.Response:
     name = field_of(body, "path", str, required=False)
     sampler_seq = fields.integer(body, "sampling_session_seq_id", 0, fields.INT32_MAX)
     kind = body.get("kind", "snapshot")
+    expires_at, metadata = _retention(body)
 
     async def job() -> Outcome:
         if kind != "snapshot":
@@ -266,15 +284,40 @@ async def save_weights_for_sampler(request: web.Request) -> web.Response:
         reply = await backend.trainer.unary_async("SaveSnapshot", save, trainer_pb2.SaveSnapshotResponse)
         reference = f"{model.adapter}@{reply.version.version}"
         if path is not None:
-            gw.checkpoints.add(Checkpoint(path, model.tenant, "sampler", reference, model.lora, model.model_id))
+            size = reply.version.artifact_size_bytes
+            checkpoint = Checkpoint(path, model.tenant, "sampler", reference, model.lora, model.model_id,
+                                    expires_at=expires_at, size_bytes=size, user_metadata=metadata)  # fmt: skip
+            await record_checkpoint(gw, checkpoint)
             return Outcome(json={"path": path, "type": "save_weights_for_sampler"})
         sampler_id = f"{model.session_id}:sample:{sampler_seq}"
-        gw.sessions.add_sampler(
-            SamplingSession(sampler_id, model.tenant, model.session_id, reference, model.base_model, None)
-        )
+        sampler = SamplingSession(sampler_id, model.tenant, model.session_id, reference, model.base_model, None)
+        await gw.durable.put_sampler(sampler)
+        gw.sessions.add_sampler(sampler)
         return Outcome(json={"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"})
 
     return await _submit(request, model, fields.required_integer(body, "seq_id", 1, fields.INT64_MAX), job)
+
+
+def _retention(body: Json) -> tuple[float | None, dict[str, str] | None]:
+    """A save's expiry (``ttl_seconds``) and ``user_metadata``; 400 INVALID_FIELD for either out of bounds."""
+    try:
+        expires_at = expiry(body.get("ttl_seconds"))
+    except ValueError as exc:
+        raise bad_request(str(exc), "INVALID_FIELD") from None
+    return expires_at, user_metadata(body.get("user_metadata"))
+
+
+async def record_checkpoint(gw: Gateway, checkpoint: Checkpoint) -> None:
+    """Stores a new checkpoint; the one it replaces under the same path becomes a tombstone, its target deleted by
+    the checkpoint GC (unless the new one stands for the same target)."""
+    tombstone = gw.checkpoints.retire(checkpoint.path)
+    if tombstone is not None:  # stored first: a crash in between leaves the old target to the GC, not leaked
+        await gw.durable.put_checkpoint(tombstone)
+    await gw.durable.put_checkpoint(checkpoint)
+    gw.checkpoints.add(checkpoint)
+    run = gw.runs.find(checkpoint.model_id)
+    if run is not None:  # its last_request_time, stored with each save rather than with every request
+        await gw.durable.put_run(run)
 
 
 def _load_request(
@@ -325,6 +368,7 @@ async def load_weights(request: web.Request) -> web.Response:
     if resent is not None:
         return _future_reply(resent, model_id)
     base_override = field_of(body, "base_model", str, required=False)
+    metadata = user_metadata(body.get("user_metadata"))
 
     async def create_from() -> Outcome:
         base = await gw.backends.base_model(principal.token)
@@ -337,7 +381,7 @@ async def load_weights(request: web.Request) -> web.Response:
         lora = common_pb2.LoraConfig()
         lora.CopyFrom(checkpoint.lora)
         model = TrainingModel(model_id, principal.tenant, session_id, create.name, lora, base.model, gw.lane(model_id))
-        await _create_adapter(gw, backend, create, model, weights_from)
+        await _create_adapter(gw, backend, create, model, metadata, weights_from)
         return Outcome(json={"path": path, "model_id": model_id, "type": "load_weights"})
 
     return _start_creation(gw, principal.tenant, model_id, create_from)

@@ -330,6 +330,29 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
             response.bytes_freed += freed
         return response
 
+    async def DeleteVersion(self, request: registry_pb2.DeleteVersionRequest, context: Context) -> Any:
+        """One version collected on its tenant's request (an expired or deleted checkpoint of the gateway)."""
+        name = check_adapter_name(request.adapter)
+        principal = require_access(name)
+        if request.version < 1:
+            raise InvalidArgument("version numbers start at 1", reason="INVALID_VERSION")
+        await self.store.get_adapter(name)
+        version = await self.store.get_version(name, request.version)
+        freed = 0
+        if not version.artifact_deleted:
+            held_by = ", ".join(version.aliases)
+            remaining = None if held_by else await self.store.collect_version(version, principal.actor)
+            if remaining is None:  # checked again atomically by the store: an alias may have moved onto it
+                raise FailedPrecondition(
+                    f"{name}@{request.version} is kept while an alias points to it ({held_by or 'just moved'})",
+                    reason="VERSION_ALIASED",
+                )
+            if remaining == 0:
+                freed = await asyncio.to_thread(self.artifacts.delete, version.artifact_uri)
+                await self.store.forget_upload(version.artifact_sha256)
+            version = await self.store.get_version(name, request.version)
+        return registry_pb2.DeleteVersionResponse(version=version, bytes_freed=freed)
+
     async def UploadArtifact(self, request_iterator: AsyncIterator[Any], context: Context) -> Any:
         principal = current_principal()
         used = await stored_bytes(self.store, principal)

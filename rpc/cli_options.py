@@ -26,6 +26,14 @@ RegistryCa = Annotated[
         help="PEM root certificate(s) verifying the registry's TLS certificate; when set, TLS to the registry.",
     ),
 ]  # fmt: skip
+ServedModelName = Annotated[
+    str | None,
+    typer.Option(
+        help="Public name of a --model given as a directory, which clients send as base_model and load the "
+        "tokenizer by (default: the hub id its config.json names, else the path as given). A hub id --model "
+        "is its own name."
+    ),
+]
 ReadyFile = Annotated[Path | None, typer.Option(help="Write {address, metrics_address} JSON here once serving.")]
 LogLevel = Annotated[str, typer.Option(help="Logging level.")]
 MaxMessageMb = Annotated[

@@ -48,11 +48,13 @@ def check_ports(host: str, port: int, metrics_port: int) -> None:
     check_port(host, metrics_port, "--metrics-port")
 
 
-def check_model(model: str, revision: str | None = None) -> Path:
+def check_model(model: str, revision: str | None = None, served_name: str | None = None) -> Path:
     """The model's directory, or StartupError naming --model: found before the slow load, not as a hub OSError.
-    Its config.json is read and checked too (an unsupported family is refused before any weight is read)."""
+    Its config.json is read and checked too (an unsupported family is refused before any weight is read), and
+    the public name it will be served under (--served-model-name, weights/served_name.py)."""
     from opentinker.weights.base_model import resolve_model_dir
     from opentinker.weights.model_config import load_config
+    from opentinker.weights.served_name import served_model_name
 
     try:
         model_dir = resolve_model_dir(model, revision)
@@ -64,6 +66,10 @@ def check_model(model: str, revision: str | None = None) -> Path:
         load_config(model_dir)
     except ServiceError as exc:
         raise StartupError(f"--model {model}: {exc.message}") from None
+    try:
+        served_model_name(model, served_name, model_dir)
+    except ServiceError as exc:
+        raise StartupError(exc.message) from None
     return model_dir
 
 

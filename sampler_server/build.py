@@ -47,6 +47,7 @@ class SamplerConfig:
     registry_token: str | None = None
     registry_ca: Path | None = None
     revision: str | None = None  # of a hub id: the cached snapshot to use (None: main)
+    served_model_name: str | None = None  # the public name of a model given as a directory (served_name.py)
     device: str = "auto"  # auto, cpu or cuda
     dtype: Dtype = "auto"  # auto: bfloat16 on CUDA, float32 on the CPU
     max_slots: int = 32
@@ -115,6 +116,7 @@ def build_sampler(config: SamplerConfig) -> BuiltSampler:
     from opentinker.weights.artifact_store import ArtifactStore
     from opentinker.weights.base_model import model_digest, pick_device, pick_dtype, resolve_model_dir
     from opentinker.weights.model_config import load_config
+    from opentinker.weights.served_name import served_model_name
 
     c = config
     model, registry, registry_token, registry_ca = c.model, c.registry, c.registry_token, c.registry_ca
@@ -125,6 +127,7 @@ def build_sampler(config: SamplerConfig) -> BuiltSampler:
     torch_dtype = torch.float32 if dtype == "float32" else torch.bfloat16
     lora_kernel = resolve_kernel(c.kernel, torch_device.type)  # the engine runs it, GetSamplerInfo reports it
     model_dir = resolve_model_dir(model, c.revision)
+    served_name = served_model_name(model, c.served_model_name, model_dir)  # refused before the load
     model_config = load_config(model_dir)
     context = c.max_len or min(model_config.context_length, 4096)
     shapes = linear_shapes(model_config)
@@ -167,6 +170,7 @@ def build_sampler(config: SamplerConfig) -> BuiltSampler:
         model=model, model_digest=digest, architecture=model_config.arch, vocab_size=model_config.vocab_size,
         hidden_size=model_config.hidden_size, num_layers=model_config.num_layers, max_position_embeddings=context,
         dtype=dtype, device=str(torch_device), lora_target_modules=sorted({m.rsplit(".", 1)[-1] for m in shapes}),
+        served_name=served_name,
     )  # fmt: skip
     metadata = bearer_metadata(registry_token) or None
     state: dict[str, object] = {}

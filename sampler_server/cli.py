@@ -27,6 +27,7 @@ def serve(
     revision: Annotated[
         str | None, typer.Option(help="Of a hub id --model: the cached commit, branch or tag (as `hf download`).")
     ] = None,
+    served_model_name: opt.ServedModelName = None,
     dtype: Annotated[
         str, typer.Option(help="auto (bfloat16 on CUDA, float32 on the CPU), float32 or bfloat16.")
     ] = "auto",
@@ -143,7 +144,7 @@ def serve(
     exposure = opt.server_options(host, port, metrics_port, tokens_file, insecure_public, tls_cert, tls_key, ready_file)
     exit_if_unsafe("sampler", exposure)
     check_ports(host, port, metrics_port)  # a busy port or a missing model: found before the model loads
-    check_model(model, revision)
+    check_model(model, revision, served_model_name)
     if dtype not in ("auto", "float32", "bfloat16"):
         raise typer.BadParameter("dtype must be auto, float32 or bfloat16", param_hint="--dtype")
     if cpu_gemm not in ("onednn", "torch"):
@@ -158,8 +159,9 @@ def serve(
     options = opt.server_options(host, port, metrics_port, tokens_file, insecure_public, tls_cert, tls_key, ready_file,
                                  max_message_mb)  # fmt: skip
     config = SamplerConfig(
-        model=model, revision=revision, registry=registry, store=store, server=options, registry_token=registry_token,
-        registry_ca=registry_ca, device=device, dtype=cast("Dtype", dtype), max_slots=max_slots,
+        model=model, revision=revision, served_model_name=served_model_name, registry=registry, store=store,
+        server=options, registry_token=registry_token, registry_ca=registry_ca, device=device,
+        dtype=cast("Dtype", dtype), max_slots=max_slots,
         max_rank=max_rank, max_seqs=max_seqs, max_batch_tokens=max_batch_tokens, max_len=max_len,
         max_waiting=max_waiting, num_blocks=num_blocks, kv_cache_mb=kv_cache_mb, prefix_cache=prefix_cache,
         share_base_prefix_cache=share_base_prefix_cache,

@@ -26,6 +26,7 @@ from opentinker.weights.base_model import (
     resolve_model_dir,
 )
 from opentinker.weights.model_config import load_config
+from opentinker.weights.served_name import served_model_name
 
 
 @dataclass(slots=True)
@@ -78,12 +79,19 @@ class BaseModel:
     """HF causal LM, frozen, with LoraLinear hooks; compute happens on one thread at a time."""
 
     def __init__(
-        self, model_path: str, *, device: str = "cpu", dtype: str = "float32", revision: str | None = None
+        self,
+        model_path: str,
+        *,
+        device: str = "cpu",
+        dtype: str = "float32",
+        revision: str | None = None,
+        served_name: str | None = None,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
         # The same config checks as the sampler's: a model one process refuses, the other refuses too.
         model_dir = resolve_model_dir(model_path, revision)
+        self.served_name = served_model_name(model_path, served_name, model_dir)  # refused before the load
         self.shape = load_config(model_dir)  # eos/bos/pad ids as every process reads them (lists included)
         torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
         self.model_path = model_path
@@ -165,4 +173,5 @@ class BaseModel:
             dtype=self.dtype,
             device=str(self.device),
             lora_target_modules=sorted({n.rsplit(".", 1)[-1] for n in self.hooks}),
+            served_name=self.served_name,
         )

@@ -26,6 +26,7 @@ class TrainerConfig:
     registry_token: str | None = None
     registry_ca: Path | None = None
     revision: str | None = None  # of a hub id: the cached snapshot to use (None: main)
+    served_model_name: str | None = None  # the public name of a model given as a directory (served_name.py)
     device: str = "auto"  # auto, cpu or cuda
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bfloat16 on CUDA, float32 on the CPU
     max_resident_adapters: int = 0  # 0: no limit
@@ -72,7 +73,8 @@ def build_trainer(config: TrainerConfig) -> BuiltTrainer:
     artifacts.cleanup_temp()
     with spinner(f"loading {model}"):
         device = pick_device(c.device)
-        base = BaseModel(model, device=device, dtype=pick_dtype(c.dtype, device), revision=c.revision)
+        base = BaseModel(model, device=device, dtype=pick_dtype(c.dtype, device), revision=c.revision,
+                         served_name=c.served_model_name)  # fmt: skip
     trainer = Trainer(base, artifacts, max_resident=c.max_resident_adapters,
                       spill_dir=c.spill_dir or store.parent / "trainer-spill")  # fmt: skip
     scheduler = AdapterScheduler()

@@ -27,6 +27,7 @@ def serve(
     revision: Annotated[
         str | None, typer.Option(help="Of a hub id --model: the cached commit, branch or tag (as `hf download`).")
     ] = None,
+    served_model_name: opt.ServedModelName = None,
     dtype: Annotated[
         str, typer.Option(help="auto (bfloat16 on CUDA, float32 on the CPU), float32 or bfloat16.")
     ] = "auto",
@@ -106,7 +107,7 @@ def serve(
     exposure = opt.server_options(host, port, metrics_port, tokens_file, insecure_public, tls_cert, tls_key, ready_file)
     exit_if_unsafe("trainer", exposure)
     check_ports(host, port, metrics_port)  # a busy port or a missing model: found before the model loads
-    check_model(model, revision)
+    check_model(model, revision, served_model_name)
     if dtype not in ("auto", "float32", "bfloat16"):
         raise typer.BadParameter("dtype must be auto, float32 or bfloat16", param_hint="--dtype")
     if max_adapters_per_tenant < 0:
@@ -124,8 +125,9 @@ def serve(
     options = opt.server_options(host, port, metrics_port, tokens_file, insecure_public, tls_cert, tls_key, ready_file,
                                  max_message_mb)  # fmt: skip
     config = TrainerConfig(
-        model=model, revision=revision, registry=registry, store=store, server=options, registry_token=registry_token,
-        registry_ca=registry_ca, device=device, dtype=cast("Literal['auto', 'float32', 'bfloat16']", dtype),
+        model=model, revision=revision, served_model_name=served_model_name, registry=registry, store=store,
+        server=options, registry_token=registry_token, registry_ca=registry_ca, device=device,
+        dtype=cast("Literal['auto', 'float32', 'bfloat16']", dtype),
         max_resident_adapters=max_resident_adapters, spill_dir=spill_dir, max_batch_tokens=max_batch_tokens,
         max_batch_positions=max_batch_positions, max_adapters_per_tenant=max_adapters_per_tenant,
         micro_batch_positions=micro_batch_positions, max_tenant_memory_mb=max_tenant_memory_mb,

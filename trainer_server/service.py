@@ -403,6 +403,13 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         )
         return trainer_pb2.LoadStateResponse(adapter=adapter_message(state))
 
+    async def DeleteState(self, request: trainer_pb2.DeleteStateRequest, context: Context) -> Any:
+        if not request.state_id:
+            raise InvalidArgument("state_id is required", reason="INVALID_STATE_ID", field="state_id")
+        principal = current_principal()
+        freed = await asyncio.to_thread(self.trainer.delete_state, request.state_id, principal)
+        return trainer_pb2.DeleteStateResponse(bytes_freed=freed)
+
     async def ResetAdapter(self, request: trainer_pb2.ResetAdapterRequest, context: Context) -> Any:
         name = self._known(request.adapter)
         if not request.reference:

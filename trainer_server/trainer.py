@@ -384,6 +384,20 @@ class Trainer:
             )
         return directory, meta
 
+    def delete_state(self, uri: str, principal: Principal = LOCAL_PRINCIPAL) -> int:
+        """Removes a saved state from the store; the bytes freed. NOT_FOUND STATE_NOT_FOUND for what check_state
+        would not show `principal` (no such state, a snapshot, another tenant's state)."""
+        missing = NotFound(f"state {uri} not found", reason="STATE_NOT_FOUND", state_id=uri)
+        try:
+            directory = self.artifacts.path(uri)
+        except NotFound:
+            raise missing from None
+        meta_file = directory / "state.json"
+        meta = json.loads(meta_file.read_text()) if meta_file.is_file() else None
+        if not isinstance(meta, dict) or not may_load(meta, principal):
+            raise missing
+        return self.artifacts.delete(uri)
+
     def load_state(
         self, name: str, uri: str, *, weights_only: bool = False, principal: Principal = LOCAL_PRINCIPAL
     ) -> AdapterState:

@@ -75,7 +75,7 @@ def train_snapshot_and_sample(service: ServiceClient, tiny_model: Path) -> None:
         loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
     )
     info = service.get_trainer_info()
-    assert (info.model, info.model_digest) == (HUB_ID, model_digest(tiny_model))
+    assert (info.model, info.model_digest, info.served_name) == (HUB_ID, model_digest(tiny_model), HUB_ID)
     training = service.create_training_client("hub/tiny", LoraConfig(rank=4), seed=1)
     for _ in range(3):
         training.forward_backward([datum], "cross_entropy")

@@ -33,7 +33,16 @@ POST_ROUTES = (
     "save_weights", "save_weights_for_sampler", "load_weights", "create_sampling_session", "asample",
 )  # fmt: skip
 GET_ROUTES = ("healthz", "get_server_capabilities", "samplers/{sampler}")
-EXAMPLES = {route: 40 for route in (*POST_ROUTES, *GET_ROUTES)} | {
+ONE_CHECKPOINT = "training_runs/{run}/checkpoints/{segment}/{name}"
+# The RestClient's routes and their methods (GET and DELETE without a body).
+REST_ROUTES = {
+    "training_runs": ("GET",), "training_runs/{run}": ("GET",), "training_runs/{run}/checkpoints": ("GET",),
+    "checkpoints": ("GET",), ONE_CHECKPOINT: ("GET", "DELETE"), f"{ONE_CHECKPOINT}/ttl": ("PUT",),
+    f"{ONE_CHECKPOINT}/publish": ("POST", "DELETE"), "weights_info": ("POST",),
+}  # fmt: skip
+QUERIES = ["", "?limit=5", "?limit=0", "?limit=-1", "?limit=99999999999999999999", "?offset=3&limit=2",
+           "?access_scope=accessible", "?access_scope=x", "?limit=abc", "?offset=-4"]  # fmt: skip
+EXAMPLES = {route: 40 for route in (*POST_ROUTES, *GET_ROUTES, *REST_ROUTES)} | {
     "forward_backward": 80, "asample": 70, "create_model": 50, "healthz": 10, "client/dynamic_config": 15,
     "telemetry": 15, "get_server_capabilities": 10,
 }  # fmt: skip
@@ -102,6 +111,7 @@ def fuzz(
         weights = _post(http, "save_weights_for_sampler", {"model_id": model_id, "seq_id": 2, "path": "w"}).json()
         sampler_body = {"session_id": session_id, "sampling_session_seq_id": 0, "base_model": "tiny-qwen2"}
         sampler = _post(http, "create_sampling_session", sampler_body).json()["sampling_session_id"]
+        _post(http, "save_weights", {"model_id": model_id, "seq_id": 3, "path": "doomed"})  # fuzzed DELETEs may hit it
         known = {
             "session": session_id, "model": model_id, "sampler": sampler, "request": created["request_id"],
             "state": str(_result(http, state["request_id"])["path"]),
@@ -120,9 +130,13 @@ def fuzz(
             "telemetry": {"events": []},
             "create_model": {**model_body, "model_seq_id": 1, "optimizer_config": {"type": "adamw"}},
             "get_info": {"model_id": model_id},
-            "optim_step": {"model_id": model_id, "seq_id": 3, "adam_params": {"learning_rate": 1e-3, "beta1": 0.9}},
-            "save_weights": {"model_id": model_id, "seq_id": 3, "path": "s2", "overwrite": False},
-            "save_weights_for_sampler": {"model_id": model_id, "seq_id": 3, "path": "w2"},
+            "optim_step": {"model_id": model_id, "seq_id": 4, "adam_params": {"learning_rate": 1e-3, "beta1": 0.9}},
+            "save_weights": {"model_id": model_id, "seq_id": 4, "path": "s2", "overwrite": False, "ttl_seconds": 3600,
+                             "user_metadata": {"k": "v"}},
+            "save_weights_for_sampler": {"model_id": model_id, "seq_id": 4, "path": "w2", "ttl_seconds": 7200},
+            f"{ONE_CHECKPOINT}/ttl": {"ttl_seconds": 7200},
+            f"{ONE_CHECKPOINT}/publish": {},
+            "weights_info": {"tinker_path": known["weights"]},
             "load_weights": {"session_id": session_id, "model_seq_id": 2, "path": known["state"], "optimizer": True},
             "create_sampling_session": {**sampler_body, "sampling_session_seq_id": 1},
             "asample": {
@@ -246,12 +260,18 @@ def request_of(draw: st.DrawFn, fuzz: Fuzz, route: str) -> tuple[str, str, bytes
     known = fuzz.known
     key = draw(st.sampled_from([KEY_A] * 16 + [KEY_B, "", "tml-nobody", "sk-x", "tml- x"]))
     headers = {"X-API-Key": key} if key else {}
+    method = draw(st.sampled_from(REST_ROUTES.get(route, ("GET",) if route in GET_ROUTES else ("POST",))))
+    # DELETE aims at the throwaway checkpoint, not at the ones the other routes use.
+    names = ["doomed", "nope", "x" * 300] if method == "DELETE" else ["s", "w", "doomed", "nope", "x" * 300, "%0A"]
     path = route.format(
         session=draw(st.sampled_from([known["session"], "nope", "x" * 300, "%0A"])),
         sampler=draw(st.sampled_from([known["sampler"], "nope", "x" * 300])),
+        run=draw(st.sampled_from([known["model"], known["model"], "nope", "x" * 300, "a:train:0"])),
+        segment=draw(st.sampled_from(["weights", "sampler_weights", "external_weights", "x"])),
+        name=draw(st.sampled_from(names)),
     )
-    if route in GET_ROUTES:
-        return "GET", path, b"", headers
+    if method in ("GET", "DELETE"):
+        return method, path + (draw(st.sampled_from(QUERIES)) if method == "GET" else ""), b"", headers
     if route == "forward_backward":
         body, encoding = draw(protobuf_body(known))
         headers["Content-Type"] = "application/x-protobuf"
@@ -268,7 +288,7 @@ def request_of(draw: st.DrawFn, fuzz: Fuzz, route: str) -> tuple[str, str, bytes
     else:
         body = json.dumps(draw(mutated(template, known))).encode()
     headers["Content-Type"] = "application/json"
-    return "POST", path, body, headers
+    return method, path, body, headers
 
 
 # --- checks -----------------------------------------------------------------------------------------------
@@ -291,7 +311,13 @@ def test_every_route_is_fuzzed(fuzz: Fuzz) -> None:
 
     app = create_app(Gateway(keys=KeyStore([]), backends=Backends("x:1", "x:2", "x:3")))
     served = {r.resource.canonical.removeprefix("/api/v1/") for r in app.router.routes() if r.resource is not None}
-    fuzzed = {route.replace("{session}", "{session_id}").replace("{sampler}", "{sampler_id}") for route in EXAMPLES}
+    names = {"{session}": "{session_id}", "{sampler}": "{sampler_id}", "{run}": "{run_id}"}
+    fuzzed = set()
+    for route in EXAMPLES:
+        canonical = route
+        for short, full in names.items():
+            canonical = canonical.replace(short, full)
+        fuzzed.add(canonical)
     assert served == fuzzed
 
 

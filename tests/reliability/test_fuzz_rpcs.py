@@ -45,17 +45,21 @@ EXAMPLES: dict[str, int] = {
     "RegistryService/DeleteAlias": 35, "RegistryService/SetServingAlias": 35,
     "RegistryService/Rollback": 40, "RegistryService/GetLineage": 35,
     "RegistryService/WatchEvents": 10, "RegistryService/GarbageCollect": 30, "RegistryService/UploadArtifact": 55,
-    "RegistryService/DownloadArtifact": 35,
+    "RegistryService/DownloadArtifact": 35, "RegistryService/DeleteVersion": 30,
     "TrainerService/GetTrainerInfo": 15, "TrainerService/CreateAdapter": 55, "TrainerService/GetAdapter": 30,
     "TrainerService/ListAdapters": 20, "TrainerService/DeleteAdapter": 30, "TrainerService/ForwardBackward": 70,
     "TrainerService/Forward": 55, "TrainerService/OptimStep": 40, "TrainerService/SaveSnapshot": 35,
     "TrainerService/SaveState": 30, "TrainerService/LoadState": 35, "TrainerService/ResetAdapter": 35,
+    "TrainerService/DeleteState": 30,
     "SamplerService/GetSamplerInfo": 15, "SamplerService/Sample": 70, "SamplerService/ComputeLogprobs": 50,
     "SamplerService/LoadAdapter": 40, "SamplerService/UnloadAdapter": 35, "SamplerService/ListLoaded": 15,
     "SamplerService/GetStats": 15,
 }  # fmt: skip
 # Fuzzing never deletes the adapters the other examples aim at (deleting them is a valid call).
-DESTRUCTIVE = {"RegistryService/DeleteAdapter", "TrainerService/DeleteAdapter"}
+DESTRUCTIVE = {
+    "RegistryService/DeleteAdapter", "TrainerService/DeleteAdapter", "RegistryService/DeleteVersion",
+    "TrainerService/DeleteState",
+}  # fmt: skip
 DELIBERATE = {
     grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ALREADY_EXISTS,
     grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.RESOURCE_EXHAUSTED,

@@ -163,6 +163,17 @@ def _load_unload(c: Client, r: Resource, s: Secured) -> None:
     c.sampler.UnloadAdapter(sampler_pb2.UnloadAdapterRequest(reference=f"{r.name}@2"), metadata=c.metadata)
 
 
+def _delete_version(c: Client, r: Resource, s: Secured) -> None:
+    """The owner or an admin: a version the admin publishes for it (not latest), sharing v1's artifact."""
+    admin = s.client(ADMIN)
+    publish = registry_pb2.PublishVersionRequest(adapter=r.name, artifact_uri=r.artifact_uri, skip_latest=True)
+    number = admin.registry.PublishVersion(publish, metadata=admin.metadata).version.version
+    deleted = c.registry.DeleteVersion(
+        registry_pb2.DeleteVersionRequest(adapter=r.name, version=number), metadata=c.metadata
+    )
+    assert deleted.version.artifact_deleted and deleted.bytes_freed == 0  # v1 still uses the artifact
+
+
 # (service, operation, admin only)
 OPERATIONS: dict[str, tuple[Operation, bool]] = {
     "registry.GetAdapter": (lambda c, r, s: c.registry.GetAdapter(
@@ -182,6 +193,7 @@ OPERATIONS: dict[str, tuple[Operation, bool]] = {
         registry_pb2.DownloadArtifactRequest(artifact_uri=r.artifact_uri), metadata=c.metadata)), False),
     "registry.CreateAdapter": (_registry_create, False),
     "registry.DeleteAdapter": (_registry_delete, False),
+    "registry.DeleteVersion": (_delete_version, False),
     "registry.GarbageCollect": (lambda c, r, s: c.registry.GarbageCollect(registry_pb2.GarbageCollectRequest(
         adapter=r.name, dry_run=True), metadata=c.metadata), True),
     "trainer.GetAdapter": (lambda c, r, s: c.trainer.GetAdapter(
@@ -242,6 +254,34 @@ def test_listings_show_only_own_adapters(secured: Secured) -> None:
             else:
                 assert tenants <= {who}, f"{who} sees {names} in {listing}"
                 assert listing == "sampler" or f"{who}/policy" in names, (listing, names)
+
+
+def test_states_are_deleted_only_by_their_tenant_and_aliased_versions_kept(secured: Secured) -> None:
+    owner, other, admin = secured.client("team-a"), secured.client("team-b"), secured.client(ADMIN)
+    name = secured.resources["team-a"].name
+    state_id = admin.trainer.SaveState(
+        trainer_pb2.SaveStateRequest(adapter=name, label="doomed"), metadata=admin.metadata
+    ).state_id
+    delete = trainer_pb2.DeleteStateRequest(state_id=state_id)
+    with pytest.raises(grpc.RpcError) as refused:  # another tenant's state reads as one that does not exist
+        other.trainer.DeleteState(delete, metadata=other.metadata)
+    assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+    owner.trainer.LoadState(trainer_pb2.LoadStateRequest(adapter=name, state_id=state_id), metadata=owner.metadata)
+    assert owner.trainer.DeleteState(delete, metadata=owner.metadata).bytes_freed > 0
+    with pytest.raises(grpc.RpcError) as gone:
+        owner.trainer.LoadState(trainer_pb2.LoadStateRequest(adapter=name, state_id=state_id), metadata=owner.metadata)
+    assert gone.value.code() == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(grpc.RpcError) as again:
+        owner.trainer.DeleteState(delete, metadata=owner.metadata)
+    assert again.value.code() == grpc.StatusCode.NOT_FOUND
+    latest = owner.registry.Resolve(registry_pb2.ResolveRequest(reference=f"{name}@latest"), metadata=owner.metadata)
+    aliased = registry_pb2.DeleteVersionRequest(adapter=name, version=latest.version.version)
+    with pytest.raises(grpc.RpcError) as kept:
+        owner.registry.DeleteVersion(aliased, metadata=owner.metadata)
+    assert kept.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "latest" in str(kept.value.details())
+    assert not owner.registry.GetVersion(
+        registry_pb2.GetVersionRequest(adapter=name, version=latest.version.version), metadata=owner.metadata
+    ).version.artifact_deleted
 
 
 def raw(data: bytes) -> bytes:

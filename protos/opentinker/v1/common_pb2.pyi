@@ -102,7 +102,7 @@ class ResolvedVersion(_message.Message):
     def __init__(self, adapter: _Optional[str] = ..., version: _Optional[int] = ..., reference: _Optional[str] = ..., artifact_sha256: _Optional[str] = ...) -> None: ...
 
 class BaseModelInfo(_message.Message):
-    __slots__ = ("model", "model_digest", "architecture", "vocab_size", "hidden_size", "num_layers", "max_position_embeddings", "dtype", "device", "lora_target_modules")
+    __slots__ = ("model", "model_digest", "architecture", "vocab_size", "hidden_size", "num_layers", "max_position_embeddings", "dtype", "device", "lora_target_modules", "served_name")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_DIGEST_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +113,7 @@ class BaseModelInfo(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     LORA_TARGET_MODULES_FIELD_NUMBER: _ClassVar[int]
+    SERVED_NAME_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_digest: str
     architecture: str
@@ -123,4 +124,5 @@ class BaseModelInfo(_message.Message):
     dtype: str
     device: str
     lora_target_modules: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model: _Optional[str] = ..., model_digest: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., lora_target_modules: _Optional[_Iterable[str]] = ...) -> None: ...
+    served_name: str
+    def __init__(self, model: _Optional[str] = ..., model_digest: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., lora_target_modules: _Optional[_Iterable[str]] = ..., served_name: _Optional[str] = ...) -> None: ...

@@ -502,6 +502,22 @@ class GarbageCollectResponse(_message.Message):
     bytes_freed: int
     def __init__(self, collected: _Optional[_Iterable[_Union[CollectedVersion, _Mapping]]] = ..., bytes_freed: _Optional[int] = ...) -> None: ...
 
+class DeleteVersionRequest(_message.Message):
+    __slots__ = ("adapter", "version")
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    adapter: str
+    version: int
+    def __init__(self, adapter: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+
+class DeleteVersionResponse(_message.Message):
+    __slots__ = ("version", "bytes_freed")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FREED_FIELD_NUMBER: _ClassVar[int]
+    version: Version
+    bytes_freed: int
+    def __init__(self, version: _Optional[_Union[Version, _Mapping]] = ..., bytes_freed: _Optional[int] = ...) -> None: ...
+
 class ArtifactFileHeader(_message.Message):
     __slots__ = ("path", "size_bytes", "sha256")
     PATH_FIELD_NUMBER: _ClassVar[int]

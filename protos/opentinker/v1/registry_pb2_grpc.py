@@ -109,6 +109,11 @@ class RegistryServiceStub:
                 request_serializer=opentinker_dot_v1_dot_registry__pb2.GarbageCollectRequest.SerializeToString,
                 response_deserializer=opentinker_dot_v1_dot_registry__pb2.GarbageCollectResponse.FromString,
                 _registered_method=True)
+        self.DeleteVersion = channel.unary_unary(
+                '/opentinker.v1.RegistryService/DeleteVersion',
+                request_serializer=opentinker_dot_v1_dot_registry__pb2.DeleteVersionRequest.SerializeToString,
+                response_deserializer=opentinker_dot_v1_dot_registry__pb2.DeleteVersionResponse.FromString,
+                _registered_method=True)
         self.UploadArtifact = channel.stream_unary(
                 '/opentinker.v1.RegistryService/UploadArtifact',
                 request_serializer=opentinker_dot_v1_dot_registry__pb2.UploadArtifactRequest.SerializeToString,
@@ -273,6 +278,17 @@ class RegistryServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DeleteVersion(self, request, context):
+        """Deletes one version's artifact as garbage collection does (the record and its lineage stay, artifact_deleted
+        set); the adapter's own tenant may. A version an alias points to is kept: FAILED_PRECONDITION VERSION_ALIASED.
+        Deleting a collected version again changes nothing.
+        Errors: INVALID_ARGUMENT (INVALID_ADAPTER_NAME, INVALID_VERSION), NOT_FOUND (ADAPTER_NOT_FOUND,
+        VERSION_NOT_FOUND), FAILED_PRECONDITION (VERSION_ALIASED), PERMISSION_DENIED (PERMISSION_DENIED).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def UploadArtifact(self, request_iterator, context):
         """Stores an artifact sent in chunks (first message carries the header); nothing is stored on error.
         At most --max-artifact-files files; a user tenant's uploads count to its --tenant-storage-quota-mb; an
@@ -372,6 +388,11 @@ def add_RegistryServiceServicer_to_server(servicer, server):
                     servicer.GarbageCollect,
                     request_deserializer=opentinker_dot_v1_dot_registry__pb2.GarbageCollectRequest.FromString,
                     response_serializer=opentinker_dot_v1_dot_registry__pb2.GarbageCollectResponse.SerializeToString,
+            ),
+            'DeleteVersion': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteVersion,
+                    request_deserializer=opentinker_dot_v1_dot_registry__pb2.DeleteVersionRequest.FromString,
+                    response_serializer=opentinker_dot_v1_dot_registry__pb2.DeleteVersionResponse.SerializeToString,
             ),
             'UploadArtifact': grpc.stream_unary_rpc_method_handler(
                     servicer.UploadArtifact,
@@ -789,6 +810,33 @@ class RegistryService:
             '/opentinker.v1.RegistryService/GarbageCollect',
             opentinker_dot_v1_dot_registry__pb2.GarbageCollectRequest.SerializeToString,
             opentinker_dot_v1_dot_registry__pb2.GarbageCollectResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteVersion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/opentinker.v1.RegistryService/DeleteVersion',
+            opentinker_dot_v1_dot_registry__pb2.DeleteVersionRequest.SerializeToString,
+            opentinker_dot_v1_dot_registry__pb2.DeleteVersionResponse.FromString,
             options,
             channel_credentials,
             insecure,

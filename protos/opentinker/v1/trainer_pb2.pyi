@@ -344,3 +344,15 @@ class ResetAdapterResponse(_message.Message):
     version: _registry_pb2.Version
     optimizer_kept: bool
     def __init__(self, adapter: _Optional[_Union[TrainingAdapter, _Mapping]] = ..., version: _Optional[_Union[_registry_pb2.Version, _Mapping]] = ..., optimizer_kept: _Optional[bool] = ...) -> None: ...
+
+class DeleteStateRequest(_message.Message):
+    __slots__ = ("state_id",)
+    STATE_ID_FIELD_NUMBER: _ClassVar[int]
+    state_id: str
+    def __init__(self, state_id: _Optional[str] = ...) -> None: ...
+
+class DeleteStateResponse(_message.Message):
+    __slots__ = ("bytes_freed",)
+    BYTES_FREED_FIELD_NUMBER: _ClassVar[int]
+    bytes_freed: int
+    def __init__(self, bytes_freed: _Optional[int] = ...) -> None: ...

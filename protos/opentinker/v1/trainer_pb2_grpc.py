@@ -94,6 +94,11 @@ class TrainerServiceStub:
                 request_serializer=opentinker_dot_v1_dot_trainer__pb2.ResetAdapterRequest.SerializeToString,
                 response_deserializer=opentinker_dot_v1_dot_trainer__pb2.ResetAdapterResponse.FromString,
                 _registered_method=True)
+        self.DeleteState = channel.unary_unary(
+                '/opentinker.v1.TrainerService/DeleteState',
+                request_serializer=opentinker_dot_v1_dot_trainer__pb2.DeleteStateRequest.SerializeToString,
+                response_deserializer=opentinker_dot_v1_dot_trainer__pb2.DeleteStateResponse.FromString,
+                _registered_method=True)
 
 
 class TrainerServiceServicer:
@@ -234,6 +239,16 @@ class TrainerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DeleteState(self, request, context):
+        """Deletes a saved state from the trainer's store (an expired or deleted checkpoint). A state of another tenant
+        answers exactly as a state that does not exist; deleting it twice answers NOT_FOUND the second time.
+        Errors: INVALID_ARGUMENT (INVALID_STATE_ID, INVALID_ARTIFACT_URI), NOT_FOUND (STATE_NOT_FOUND),
+        DATA_LOSS (DIGEST_MISMATCH), PERMISSION_DENIED (PERMISSION_DENIED).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrainerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -296,6 +311,11 @@ def add_TrainerServiceServicer_to_server(servicer, server):
                     servicer.ResetAdapter,
                     request_deserializer=opentinker_dot_v1_dot_trainer__pb2.ResetAdapterRequest.FromString,
                     response_serializer=opentinker_dot_v1_dot_trainer__pb2.ResetAdapterResponse.SerializeToString,
+            ),
+            'DeleteState': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteState,
+                    request_deserializer=opentinker_dot_v1_dot_trainer__pb2.DeleteStateRequest.FromString,
+                    response_serializer=opentinker_dot_v1_dot_trainer__pb2.DeleteStateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -622,6 +642,33 @@ class TrainerService:
             '/opentinker.v1.TrainerService/ResetAdapter',
             opentinker_dot_v1_dot_trainer__pb2.ResetAdapterRequest.SerializeToString,
             opentinker_dot_v1_dot_trainer__pb2.ResetAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/opentinker.v1.TrainerService/DeleteState',
+            opentinker_dot_v1_dot_trainer__pb2.DeleteStateRequest.SerializeToString,
+            opentinker_dot_v1_dot_trainer__pb2.DeleteStateResponse.FromString,
             options,
             channel_credentials,
             insecure,
