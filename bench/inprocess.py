@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from workload import ALPHA, RANK, Weights
 
+from opentinker.sampler_server.block_manager import BLOCK_SIZE
 from opentinker.sampler_server.engine import Engine, SequenceUpdate, UpdateCallback
 from opentinker.sampler_server.model.kv_cache import KVCache
 from opentinker.sampler_server.model.llama import LlamaForCausalLM
@@ -39,7 +40,8 @@ def build_engine(
     runner = LlamaForCausalLM.from_pretrained(model, device=device, dtype=torch.float32)
     if cpu_gemm == "onednn":
         runner.pack_for_cpu()
-    cache = KVCache(runner.config, max_seqs + 1, max_len, device, torch.float32)
+    blocks = -(-max_len // BLOCK_SIZE)  # per sequence; + one sequence's for ComputeLogprobs, as the server
+    cache = KVCache(runner.config, (max_seqs + 1) * blocks, BLOCK_SIZE, device, torch.float32)
     pool = SlotPool(runner.linear_shapes(), max_slots=max_slots, max_rank=RANK, device=device)
     tok = None
     if tokenizer:
@@ -48,8 +50,8 @@ def build_engine(
         tok = AutoTokenizer.from_pretrained(model)
     eos = runner.config.eos_token_ids if stop_on_eos else ()
     engine = Engine(runner, cache, pool.tensors, Scheduler(max_seqs=max_seqs, max_batch_tokens=max_batch_tokens),
-                    release=pool.release, max_len=max_len, eos_token_ids=eos, tokenizer=tok, kernel="auto",
-                    score_slot=max_seqs)  # fmt: skip
+                    release=pool.release, max_len=max_len, eos_token_ids=eos, tokenizer=tok,
+                    kernel="auto")  # fmt: skip
     return engine, pool
 
 

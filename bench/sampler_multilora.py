@@ -46,6 +46,7 @@ import torch
 from results import record
 
 from opentinker.client.tiny_model import TinyModelSpec, make_tiny_model
+from opentinker.sampler_server.block_manager import BLOCK_SIZE
 from opentinker.sampler_server.engine import Engine, SequenceUpdate
 from opentinker.sampler_server.model.kv_cache import KVCache
 from opentinker.sampler_server.model.llama import LlamaForCausalLM
@@ -178,11 +179,12 @@ class OurSampler:
         self._ids = itertools.count()
 
     def engine(self) -> Engine:
-        cache = KVCache(self.runner.config, self.batch + 1, self.max_len, self.device, torch.float32)  # + score slot
+        blocks = -(-self.max_len // BLOCK_SIZE)  # per sequence; + one sequence's for ComputeLogprobs
+        cache = KVCache(self.runner.config, (self.batch + 1) * blocks, BLOCK_SIZE, self.device, torch.float32)
         scheduler = Scheduler(max_seqs=self.batch, max_batch_tokens=self.batch * self.max_len)  # one prefill
         return Engine(self.runner, cache, self.pool.tensors, scheduler, release=self.pool.release,
-                      max_len=self.max_len, eos_token_ids=(), tokenizer=None, kernel="auto",
-                      score_slot=self.batch)  # fmt: skip
+                      max_len=self.max_len, eos_token_ids=(), tokenizer=None,
+                      kernel="auto")  # fmt: skip
 
     @staticmethod
     def _on_update(update: SequenceUpdate) -> None:

@@ -56,6 +56,10 @@ class SamplerConfig:
     max_batch_tokens: int = 4096
     max_len: int = 0  # 0: the model's, capped at 4096
     max_waiting: int = 256
+    num_blocks: int = 0  # KV-cache blocks; 0: kv_cache_mb, or what max_seqs x max_len took in slots
+    kv_cache_mb: float = 0.0
+    prefix_cache: bool = True  # reuse cached prompt blocks (--no-prefix-cache: off)
+    share_base_prefix_cache: bool = False  # base-model blocks shared across tenants (single-tenant deployments)
     max_seqs_per_tenant: int | None = None  # None: default_tenant_slots(max_seqs); 0: no limit
     max_queued_per_tenant: int = 256  # 0: no limit
     max_prompt_bytes: int = 0  # 0: PROMPT_BYTES_PER_TOKEN per token of the context
@@ -96,6 +100,7 @@ def build_sampler(config: SamplerConfig) -> BuiltSampler:
     from opentinker.rpc.registry_link import registry_channel
     from opentinker.rpc.server import ServiceBinding
     from opentinker.sampler_server.adapters import AdapterLoader
+    from opentinker.sampler_server.block_manager import BLOCK_SIZE
     from opentinker.sampler_server.engine import Engine
     from opentinker.sampler_server.engine_process import EngineProcess
     from opentinker.sampler_server.follower import AliasFollower
@@ -126,6 +131,7 @@ def build_sampler(config: SamplerConfig) -> BuiltSampler:
     model_config = load_config(model_dir)
     context = c.max_len or min(model_config.context_length, 4096)
     shapes = linear_shapes(model_config)
+    num_blocks = kv_blocks(c, model_config, context, torch_dtype)
     if c.engine_process and torch_device.type != "cpu":
         raise BadOption("the engine process shares its adapter slots in CPU memory; on CUDA the engine "
                         "runs in the server process", "--engine-process")  # fmt: skip
@@ -139,11 +145,13 @@ def build_sampler(config: SamplerConfig) -> BuiltSampler:
         packed = c.cpu_gemm == "onednn" and runner.pack_for_cpu()
         if torch_device.type == "cpu" and torch_dtype == torch.float32:
             log.info("base matmuls: %s", "oneDNN packed weights" if packed else "torch dense weights")
-        cache = KVCache(model_config, max_seqs + 1, context, torch_device, torch_dtype)  # + one for ComputeLogprobs
+        score_blocks = -(-context // BLOCK_SIZE)  # the ComputeLogprobs area, besides the pool
+        cache = KVCache(model_config, num_blocks + score_blocks, BLOCK_SIZE, torch_device, torch_dtype)
         scheduler = Scheduler(max_seqs=max_seqs, max_batch_tokens=max_batch_tokens, max_seqs_per_tenant=per_tenant)
         return Engine(runner, cache, pool.tensors, scheduler, release=release, max_len=context,
                       eos_token_ids=model_config.eos_token_ids, tokenizer=tokenizer, kernel=lora_kernel,
-                      score_slot=max_seqs, burst_wait=c.burst_wait_ms / 1000, on_iteration=on_iteration)  # fmt: skip
+                      burst_wait=c.burst_wait_ms / 1000, prefix_cache=c.prefix_cache,
+                      on_iteration=on_iteration)  # fmt: skip
 
     engine: EngineAPI
     if not in_process:
@@ -179,6 +187,7 @@ def build_sampler(config: SamplerConfig) -> BuiltSampler:
         follower.start()
         servicer = SamplerServicer(engine, loader, info=info, tokenizer=tokenizer, max_waiting=c.max_waiting,
                                    follower=follower, max_queued_per_tenant=c.max_queued_per_tenant,
+                                   share_base_prefix_cache=c.share_base_prefix_cache,
                                    max_prompt_bytes=c.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * context)  # fmt: skip
         sampler_pb2_grpc.add_SamplerServiceServicer_to_server(servicer, server)
         if isinstance(engine, EngineProcess):
@@ -197,6 +206,26 @@ def build_sampler(config: SamplerConfig) -> BuiltSampler:
 
     binding = ServiceBinding(sampler_pb2.DESCRIPTOR.services_by_name["SamplerService"].full_name, add)
     return BuiltSampler([binding], on_stop, engine)
+
+
+def kv_blocks(c: SamplerConfig, model_config: Any, context: int, dtype: Any) -> int:
+    """The KV-cache pool's blocks from the flags; the default takes the memory today's max_seqs fixed slots of
+    max_len took, so memory never grows by default. Raises BadOption when one max_len sequence would not fit."""
+    from opentinker.sampler_server.block_manager import BLOCK_SIZE
+    from opentinker.sampler_server.model.kv_cache import KVCache
+
+    per_sequence = -(-context // BLOCK_SIZE)
+    if c.num_blocks:
+        blocks, option = c.num_blocks, "--num-blocks"
+    elif c.kv_cache_mb:
+        blocks, option = KVCache.blocks_for(model_config, c.kv_cache_mb, BLOCK_SIZE, dtype), "--kv-cache-mb"
+    else:  # at most the bytes of the max_seqs + 1 slots (ComputeLogprobs' included) of max_len the slot cache took
+        # (and always room for one max_len sequence: the rounding could leave less with one or two slots)
+        blocks, option = max(per_sequence, (c.max_seqs + 1) * context // BLOCK_SIZE - per_sequence), "--max-seqs"
+    if blocks < per_sequence:
+        raise BadOption(f"{blocks} KV-cache blocks of {BLOCK_SIZE} tokens cannot hold one {context}-token sequence "
+                        f"(--max-len); it needs {per_sequence}", option)  # fmt: skip
+    return blocks
 
 
 def serve_sampler(config: SamplerConfig) -> None:

@@ -33,15 +33,36 @@ def serve(
     ] = "auto",
     max_slots: Annotated[int, typer.Option(help="Adapter versions resident at once.")] = 32,
     max_rank: Annotated[int, typer.Option(help="Largest LoRA rank served (smaller ranks are zero-padded).")] = 64,
-    max_seqs: Annotated[int, typer.Option(help="Sequences in a batch (KV-cache slots).")] = 64,
+    max_seqs: Annotated[int, typer.Option(help="Sequences in a batch.")] = 64,
     max_batch_tokens: Annotated[int, typer.Option(help="Prompt tokens per prefill step.")] = 4096,
     max_len: Annotated[int, typer.Option(help="Context per sequence (0: the model's, capped at 4096).")] = 0,
     max_waiting: Annotated[int, typer.Option(help="Queued sequences before RESOURCE_EXHAUSTED.")] = 256,
+    num_blocks: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="KV-cache blocks of 16 tokens shared by every sequence. 0: what --max-seqs x --max-len positions "
+            "took in fixed slots (or --kv-cache-mb).",
+        ),
+    ] = 0,
+    kv_cache_mb: Annotated[
+        float, typer.Option(min=0, help="KV-cache size in MiB, instead of --num-blocks (0: --num-blocks).")
+    ] = 0,
+    prefix_cache: Annotated[
+        bool, typer.Option("--prefix-cache/--no-prefix-cache", help="Reuse cached K/V of earlier prompts' blocks.")
+    ] = True,
+    share_base_prefix_cache: Annotated[
+        bool,
+        typer.Option(
+            help="Share the base model's cached blocks across tenants (single-tenant deployments); by default "
+            "they are shared within a tenant only, so no tenant can time another's prompts."
+        ),
+    ] = False,
     max_seqs_per_tenant: Annotated[
         int | None,
         typer.Option(
             min=0,
-            help="KV slots (sequences in the batch) one tenant may hold at once, so that others always find one "
+            help="Seats (sequences in the batch) one tenant may hold at once, so that others always find one "
             "soon. Default: 3/4 of --max-seqs (at least 1); 0: no limit.",
         ),
     ] = None,
@@ -130,6 +151,8 @@ def serve(
         raise typer.BadParameter("cpu-gemm must be onednn or torch", param_hint="--cpu-gemm")
     if kernel not in ("auto", "segments", "reference", "triton"):
         raise typer.BadParameter("kernel must be auto, segments, reference or triton", param_hint="--kernel")
+    if num_blocks and kv_cache_mb:
+        raise typer.BadParameter("give --num-blocks or --kv-cache-mb, not both", param_hint="--kv-cache-mb")
     if max_seqs_per_tenant is not None and max_seqs_per_tenant > max_seqs:
         raise typer.BadParameter(f"{max_seqs_per_tenant} is more than --max-seqs ({max_seqs}); 0 means no limit",
                                  param_hint="--max-seqs-per-tenant")  # fmt: skip
@@ -140,7 +163,9 @@ def serve(
         server=options, registry_token=registry_token, registry_ca=registry_ca, device=device,
         dtype=cast("Dtype", dtype), max_slots=max_slots,
         max_rank=max_rank, max_seqs=max_seqs, max_batch_tokens=max_batch_tokens, max_len=max_len,
-        max_waiting=max_waiting, max_seqs_per_tenant=max_seqs_per_tenant,
+        max_waiting=max_waiting, num_blocks=num_blocks, kv_cache_mb=kv_cache_mb, prefix_cache=prefix_cache,
+        share_base_prefix_cache=share_base_prefix_cache,
+        max_seqs_per_tenant=max_seqs_per_tenant,
         max_queued_per_tenant=max_queued_per_tenant, max_prompt_bytes=max_prompt_bytes, burst_wait_ms=burst_wait_ms,
         kernel=cast("Backend", kernel), cpu_gemm=cast("CpuGemm", cpu_gemm), engine_process=engine_process,
         follow=tuple(follow or ()), follow_window=follow_window,

@@ -1,8 +1,9 @@
 """The serving engine: one thread runs `step()` over a continuously changing batch.
 
-    step: schedule (prefill new sequences | decode all running)
-          -> prefill: one sample per request computes the prompt, its other samples will copy the K/V
-          -> prepare flat tokens, positions, KV slots and each token's adapter slot
+    step: schedule (prefill new sequences | decode all running; blocks for every token, preempting when out)
+          -> copy-on-write: a sample about to append to a partial block other samples hold gets its own copy
+          -> prefill: one sample per request computes the prompt, its other samples hold the same blocks
+          -> prepare flat tokens, positions, block tables and each token's adapter slot
           -> one model forward; every projection adds each token's own LoRA delta (slot pool + kernels),
              the LM head each logit row's
           -> sample one token per sequence -> stop checks, detokenize, emit -> free finished sequences
@@ -18,8 +19,8 @@ one short prompt as for thirty (each step reads every weight), so starting on th
 whole extra step before the others get their first token.
 
 The n samples of one request (an RL group) share their prompt: the first of them runs the prefill and the
-others copy its K/V and its last-position logits, then each samples with its own generator. A group of 8
-costs one prompt's prefill instead of 8.
+others hold its blocks by reference (block_manager.py) and take its last-position logits, then each samples
+with its own generator. A group of 8 costs one prompt's prefill and one copy of its K/V instead of 8.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from typing import Any
 
 import torch
 
+from opentinker.sampler_server.block_manager import BlockManager
 from opentinker.sampler_server.kernels import Backend, Kernel, add_lora, resolve_kernel
 from opentinker.sampler_server.kernels.segments import add_lora_runs, plan_runs, plan_segments
 from opentinker.sampler_server.model.batch import ForwardBatch
@@ -97,8 +99,15 @@ class EngineStats:
     steps: int = 0
     prompt_tokens_computed: int = 0  # prompt tokens run through a prefill forward
     prompt_tokens_shared: int = 0  # prompt tokens whose K/V a sample copied from another sample of its request
+    prompt_tokens_cached: int = 0  # prompt tokens whose K/V were found in the prefix cache
     recent: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens) of recent decode steps
     non_finite_failures: int = 0  # requests ended because their adapter made their logits non-finite
+    blocks_total: int = 0  # KV-cache blocks sequences may hold (the ComputeLogprobs area apart)
+    block_size: int = 0  # tokens per block
+    blocks_used: int = 0  # held by at least one sequence
+    preemptions: int = 0  # running sequences sent back to the queue for want of blocks
+    blocks_cached: int = 0  # full blocks in the prefix cache (held or idle)
+    blocks_evicted: int = 0  # idle cached blocks taken for new tokens
 
     def tokens_per_second(self, window: float = RATE_WINDOW) -> float:
         return tokens_per_second(self.recent, window)
@@ -117,8 +126,8 @@ class Engine:
         eos_token_ids: tuple[int, ...],
         tokenizer: Any | None = None,
         kernel: Backend = "auto",
-        score_slot: int,
         burst_wait: float = 0.002,
+        prefix_cache: bool = True,
         on_iteration: Callable[[], None] | None = None,
     ) -> None:
         self.model = model
@@ -130,11 +139,18 @@ class Engine:
         self.eos_token_ids = set(eos_token_ids)
         self.tokenizer = tokenizer
         self.kernel: Kernel = resolve_kernel(kernel, cache.device.type)  # the server passes it resolved already
-        self.score_slot = score_slot  # a KV slot kept for ComputeLogprobs
+        # The cache's last blocks are kept for ComputeLogprobs (one max_len sequence); the rest are the pool.
+        score_blocks = -(-max_len // cache.block_size)
+        if cache.num_blocks < 2 * score_blocks:
+            raise ValueError(f"a KV cache of {cache.num_blocks} blocks of {cache.block_size} tokens cannot hold one "
+                             f"{max_len}-token sequence besides the ComputeLogprobs area")  # fmt: skip
+        self.blocks = BlockManager(cache.num_blocks - score_blocks, cache.block_size, prefix_cache=prefix_cache)
+        self.score_table = list(range(cache.num_blocks - score_blocks, cache.num_blocks))
+        scheduler.use_blocks(self.blocks)
         self.burst_wait = burst_wait  # seconds without a new request that end a burst; the whole wait is at most 10x
         self.on_iteration = on_iteration  # called on the engine thread after each round of inbox + step
         self.device = cache.device
-        self.stats = EngineStats()
+        self.stats = EngineStats(blocks_total=self.blocks.num_blocks, block_size=cache.block_size)
         self._inbox: queue.SimpleQueue[_Submit | _Abort | _Score | None] = queue.SimpleQueue()
         self._callbacks: dict[str, UpdateCallback] = {}
         self._thread: threading.Thread | None = None
@@ -172,6 +188,10 @@ class Engine:
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="sampler-engine", daemon=True)
         self._thread.start()
+
+    @property
+    def started(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
 
     def stop(self) -> None:
         self._stopping = True
@@ -252,6 +272,7 @@ class Engine:
     def _retire(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
         self.release(seq.lora_slot)  # the request's pin on its adapter version ends with it
+        self._block_stats()
 
     def step(self) -> None:
         batch = self.scheduler.schedule()
@@ -260,12 +281,14 @@ class Engine:
         # Rows of one adapter side by side: one contiguous segment per adapter for the LoRA kernels.
         batch = ScheduledBatch(sorted(batch.sequences, key=lambda s: s.lora_slot), batch.is_prefill)
         computed, leaders = self._prompt_leaders(batch)
+        for src, dst, rows in self.blocks.take_copies():  # copy-on-write of shared partial blocks
+            self.cache.copy_block(src, dst, rows)
         forward, token_slots, row_slots = self._prepare(computed)
         logits = self.model.forward(forward, self.cache, self._lora_hook(token_slots, row_slots))  # [M, V]
         last = self._last_logits(computed, logits)  # [C, V]
         if len(computed.sequences) < len(batch.sequences):
             last = last[torch.tensor(leaders, dtype=torch.long, device=last.device)]  # [B, V]: the leader's row
-            self._copy_prompts(batch.sequences, [computed.sequences[i] for i in leaders])
+            self._share_prompts(batch.sequences)
         if batch.is_prefill:
             self.stats.prompt_tokens_computed += forward.tokens.numel()
         draw = sample(last, batch.sequences)
@@ -277,12 +300,22 @@ class Engine:
             if seq.request_id in failed:
                 continue
             seq.num_cached = seq.num_tokens
+            self.blocks.register(seq)  # its newly filled blocks join the prefix cache
             self._append(seq, token, logprob)
             appended += 1
         self.stats.steps += 1
         self.stats.tokens_generated += appended
         self.stats.recent = [*self.stats.recent[-63:], (time.monotonic(), appended)]
         self.stats.non_finite_failures += len(failed)
+        self._block_stats()
+
+    def _block_stats(self) -> None:
+        blocks, stats = self.blocks, self.stats
+        stats.blocks_used = blocks.num_used
+        stats.blocks_cached = blocks.num_cached
+        stats.blocks_evicted = blocks.evicted
+        stats.preemptions = self.scheduler.preemptions
+        stats.prompt_tokens_cached = self.scheduler.prompt_tokens_cached
 
     def _fail_request(self, request_id: str, error: str, reason: str) -> None:
         """Ends every sample of one request with an error; the others in the batch are not touched."""
@@ -297,30 +330,20 @@ class Engine:
 
     @staticmethod
     def _prompt_leaders(batch: ScheduledBatch) -> tuple[ScheduledBatch, list[int]]:
-        """Prefill: the sequences that run the forward, one per request (its first sample), and for every
-        sequence the index among them of the one it takes its prompt from. Sharing needs the same request,
-        prompt, adapter slot and prompt-logprobs wish, which the n samples of a Sample call always have; a
-        decode batch is computed whole."""
+        """Prefill: the sequences that run the forward (all but the samples the scheduler gave a `leader`: they
+        hold its prompt blocks), and for every sequence the index among them of the one whose logits it takes."""
         if not batch.is_prefill:
             return batch, []
-        computed: list[Sequence] = []
-        leaders: list[int] = []
-        first: dict[tuple[str, int, bool], int] = {}  # (request, adapter slot, prompt logprobs) -> computed index
-        for seq in batch.sequences:
-            key = (seq.request_id, seq.lora_slot, seq.want_prompt_logprobs)
-            index = first.get(key)
-            if index is None or computed[index].prompt != seq.prompt:
-                index = len(computed)
-                first.setdefault(key, index)
-                computed.append(seq)
-            leaders.append(index)
+        computed = [seq for seq in batch.sequences if seq.leader is None]
+        index = {id(seq): i for i, seq in enumerate(computed)}
+        leaders = [index[id(seq.leader or seq)] for seq in batch.sequences]
         return ScheduledBatch(computed, is_prefill=True), leaders
 
-    def _copy_prompts(self, sequences: list[Sequence], leaders: list[Sequence]) -> None:
-        """Each sequence whose leader is another sequence takes the leader's prompt K/V and prompt logprobs."""
-        for seq, leader in zip(sequences, leaders, strict=True):
-            if seq is not leader:
-                self.cache.copy_prefix(leader.kv_slot, seq.kv_slot, len(seq.prompt))
+    def _share_prompts(self, sequences: list[Sequence]) -> None:
+        """Each sample that held its leader's prompt blocks takes its prompt logprobs too."""
+        for seq in sequences:
+            leader, seq.leader = seq.leader, None
+            if leader is not None:
                 seq.prompt_logprobs = None if leader.prompt_logprobs is None else list(leader.prompt_logprobs)
                 self.stats.prompt_tokens_shared += len(seq.prompt)
 
@@ -339,7 +362,7 @@ class Engine:
             positions.extend(range(seq.num_cached, seq.num_cached + len(new)))
             token_slots.extend([seq.lora_slot] * len(new))
             new_lens.append(len(new))
-            if batch.is_prefill and seq.want_prompt_logprobs:
+            if batch.is_prefill and _wants_prompt_logprobs(seq):
                 logits_indices.extend(range(start, start + len(new)))
             else:
                 logits_indices.append(start + len(new) - 1)
@@ -348,7 +371,7 @@ class Engine:
         forward = ForwardBatch(
             tokens=torch.tensor(tokens, dtype=torch.long, device=device),
             positions=torch.tensor(positions, dtype=torch.long, device=device),
-            kv_slots=[seq.kv_slot for seq in batch.sequences],
+            block_tables=[seq.block_table for seq in batch.sequences],
             new_lens=new_lens,
             context_lens=[seq.num_tokens for seq in batch.sequences],
             logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=device),
@@ -360,7 +383,7 @@ class Engine:
         rows: list[int] = []
         offset = 0
         for seq in batch.sequences:
-            if batch.is_prefill and seq.want_prompt_logprobs:
+            if batch.is_prefill and _wants_prompt_logprobs(seq):
                 count = len(seq.prompt)
                 prompt_logits = logits[offset : offset + count - 1]  # position i predicts token i+1
                 targets = torch.tensor(seq.prompt[1:], dtype=torch.long, device=logits.device)
@@ -461,7 +484,7 @@ class Engine:
             forward = ForwardBatch(
                 tokens=torch.tensor(tokens, dtype=torch.long, device=self.device),
                 positions=torch.arange(len(tokens), device=self.device),
-                kv_slots=[self.score_slot],
+                block_tables=[self.score_table],
                 new_lens=[len(tokens)],
                 context_lens=[len(tokens)],
                 logits_indices=torch.arange(len(tokens) - 1, device=self.device),
@@ -474,6 +497,11 @@ class Engine:
             job.future.set_exception(exc)
         finally:
             self.release(job.lora_slot)
+
+
+def _wants_prompt_logprobs(seq: Sequence) -> bool:
+    """Prompt logprobs are computed in a sequence's first prefill only (not when it recomputes after preemption)."""
+    return seq.want_prompt_logprobs and seq.prompt_logprobs is None
 
 
 def _ends_with_stop(text: str, new_chars: int, stops: tuple[str, ...]) -> bool:

@@ -51,8 +51,22 @@ class SamplerCollector(Collector):
         prompt = CounterMetricFamily("opentinker_sampler_prompt_tokens", "Prompt tokens prefilled, by where their "
                                      "K/V came from", labels=["source"])  # fmt: skip
         prompt.add_metric(["computed"], engine.stats.prompt_tokens_computed)
+        prompt.add_metric(["cached"], engine.stats.prompt_tokens_cached)
         prompt.add_metric(["shared"], engine.stats.prompt_tokens_shared)
         yield prompt
+        stats = engine.stats
+        blocks = GaugeMetricFamily("opentinker_sampler_kv_blocks", "KV-cache blocks: free, used (held by a "
+                                   "sequence), cached (holding a prefix-cache block, held or idle)",
+                                   labels=["state"])  # fmt: skip
+        blocks.add_metric(["free"], stats.blocks_total - stats.blocks_used)
+        blocks.add_metric(["used"], stats.blocks_used)
+        blocks.add_metric(["cached"], stats.blocks_cached)
+        yield blocks
+        yield CounterMetricFamily("opentinker_sampler_kv_blocks_evicted", "Idle prefix-cache blocks evicted (LRU) "
+                                  "for new tokens", value=stats.blocks_evicted)  # fmt: skip
+        yield CounterMetricFamily("opentinker_sampler_preemptions", "Running sequences sent back to the queue "
+                                  "to recompute later because the KV-cache blocks ran out",
+                                  value=stats.preemptions)  # fmt: skip
         yield CounterMetricFamily("opentinker_sampler_non_finite_requests", "Requests ended (FAILED_PRECONDITION "
                                   "NON_FINITE_OUTPUT) because their adapter made their logits inf or NaN",
                                   value=engine.stats.non_finite_failures)  # fmt: skip

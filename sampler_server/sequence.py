@@ -1,4 +1,4 @@
-"""One generated sequence: its prompt, sampling parameters, pinned adapter slot, KV slot and output."""
+"""One generated sequence: its prompt, sampling parameters, pinned adapter slot, KV-cache blocks and output."""
 
 from __future__ import annotations
 
@@ -47,7 +47,11 @@ class Sequence:
     tenant: str = ""  # whose batch share it uses (the scheduler's fairness key; see tenant_stats.batch_tenant)
     want_prompt_logprobs: bool = False
     status: Status = Status.WAITING
-    kv_slot: int = -1
+    kv_slot: int = -1  # its seat in the batch (one of max_seqs) while running
+    block_table: list[int] = field(default_factory=list)  # KV-cache blocks holding its positions, in order
+    block_keys: list[bytes] = field(default_factory=list)  # prefix-cache chain keys of its full blocks, in order
+    cache_key: str = ""  # the weights identity its cached blocks are keyed by (block_manager.py); "": none
+    leader: Sequence | None = None  # in its first prefill: the sample of its request that computes its prompt
     num_cached: int = 0  # tokens whose K/V are in the cache
     output: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)

@@ -123,6 +123,7 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
         follower: AliasFollower | None = None,
         max_prompt_bytes: int = 65536,
         max_queued_per_tenant: int = 0,
+        share_base_prefix_cache: bool = False,
     ) -> None:
         self.engine = engine
         self.pool = loader.pool  # the slot books: which version is in which slot, pins, references
@@ -133,6 +134,7 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
         self.follower = follower
         self.max_prompt_bytes = max_prompt_bytes
         self.max_queued_per_tenant = max_queued_per_tenant  # 0: no per-tenant bound, only max_waiting
+        self.share_base_prefix_cache = share_base_prefix_cache  # base-model blocks shared across tenants
         self.tenants = TenantStats()  # each tenant's own GetStats figures
         # Tokenizing runs here, off the event loop, one prompt at a time (a fast tokenizer is not safe to share
         # between threads): a long prompt_text delays no other tenant's stream, only other text prompts.
@@ -206,7 +208,8 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
             slot = await self.loader.acquire(resolved, count)  # refs released by the engine as sequences end
             request_id = f"{request.request_id or 'req'}-{uuid.uuid4().hex[:12]}"
             tenant = batch_tenant(principal, request.model)
-            sequences = [self._sequence(request_id, i, prompt, params, slot, request.prompt_logprobs, tenant)
+            key = self._cache_key(slot, principal.tenant or "")
+            sequences = [self._sequence(request_id, i, prompt, params, slot, request.prompt_logprobs, tenant, key)
                          for i in range(count)]  # fmt: skip
             updates: asyncio.Queue[SequenceUpdate] = asyncio.Queue()
             loop = asyncio.get_running_loop()
@@ -278,14 +281,27 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
         slot: int,
         prompt_logprobs: bool,
         tenant: str,
+        cache_key: str,
     ) -> Sequence:
         seed = None
         if not params.greedy:
             seed = int.from_bytes(os.urandom(7), "little") if params.seed is None else (params.seed + index) % 2**64
         return Sequence(
             seq_id=next(self._seq_ids), request_id=request_id, sample_index=index, prompt=list(prompt), params=params,
-            lora_slot=slot, tenant=tenant, want_prompt_logprobs=prompt_logprobs, seed=seed,
+            lora_slot=slot, tenant=tenant, want_prompt_logprobs=prompt_logprobs, seed=seed, cache_key=cache_key,
         )  # fmt: skip
+
+    def _cache_key(self, slot: int, tenant: str) -> str:
+        """The prefix cache's weights identity for a request (block_manager.py): the content digest of the
+        adapter version in its slot, or the base model's digest salted with the caller's tenant (unless
+        --share-base-prefix-cache), so no tenant can time another's prompts. Never a name or an alias."""
+        base = self.info.model_digest
+        if slot:
+            sha = self.pool.slots[slot].artifact_sha256
+            return f"lora:{base}:{sha}" if sha and base else ""  # no digest, no caching
+        if not base:
+            return ""
+        return f"base:{base}" if self.share_base_prefix_cache else f"base:{base}:tenant:{tenant}"
 
     async def ComputeLogprobs(self, request: sampler_pb2.ComputeLogprobsRequest, context: Context) -> Any:
         if not request.inputs:
@@ -355,8 +371,14 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
             slots_used=pool.used(), slots_total=pool.capacity,
             tokens_generated=engine.stats.tokens_generated,
             decode_tokens_per_second=engine.stats.tokens_per_second(),
-            kv_cache_usage=engine.num_running / max(engine.max_seqs, 1),
+            kv_cache_usage=engine.stats.blocks_used / max(engine.stats.blocks_total, 1),  # blocks held
             adapter_loads_total=self.loader.loads, reload_failures_total=self.loader.load_failures,
+            prompt_tokens_computed=engine.stats.prompt_tokens_computed,
+            prompt_tokens_cached=engine.stats.prompt_tokens_cached,
+            prompt_tokens_shared=engine.stats.prompt_tokens_shared, kv_blocks_total=engine.stats.blocks_total,
+            kv_blocks_used=engine.stats.blocks_used, kv_blocks_cached=engine.stats.blocks_cached,
+            kv_blocks_evicted=engine.stats.blocks_evicted, preemptions_total=engine.stats.preemptions,
+            kv_block_size=engine.stats.block_size,
         )  # fmt: skip
         if follower is not None:
             stats.reloads_total = follower.reloads_total

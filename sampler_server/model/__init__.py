@@ -1,4 +1,4 @@
-"""The sampler's own model forward: the slot KV cache and the Llama-family decoder (its config is read by
+"""The sampler's own model forward: the paged KV cache and the Llama-family decoder (its config is read by
 opentinker.weights.model_config, the same reader the trainer uses)."""
 
 from opentinker.sampler_server.model.batch import ForwardBatch

@@ -1,4 +1,4 @@
-"""`ForwardBatch`: the flat tokens of one forward step and where each sequence's tokens sit in the KV cache."""
+"""`ForwardBatch`: the flat tokens of one forward step and the block table each sequence's tokens live in."""
 
 from __future__ import annotations
 
@@ -14,17 +14,28 @@ from opentinker.sampler_server.model.kv_cache import KVCache
 class ForwardBatch:
     tokens: torch.Tensor  # [N] int64, the new tokens of every sequence, concatenated
     positions: torch.Tensor  # [N] int64, absolute position of each token in its sequence
-    kv_slots: list[int]  # [B] cache slot of each sequence
+    block_tables: list[list[int]]  # [B] the cache blocks holding each sequence's positions, in order
     new_lens: list[int]  # [B] new tokens per sequence in this batch (decode: all 1)
     context_lens: list[int]  # [B] tokens of each sequence in the cache after this step (prefix + new)
     logits_indices: torch.Tensor  # [M] int64 indices into the N tokens whose logits are wanted
 
     @classmethod
     def build(
-        cls, chunks: Sequence[Sequence[int]], prefix_lens: Sequence[int], kv_slots: Sequence[int], *, all_logits: bool
+        cls,
+        chunks: Sequence[Sequence[int]],
+        prefix_lens: Sequence[int],
+        kv_slots: Sequence[int] | None = None,
+        *,
+        block_tables: Sequence[Sequence[int]] | None = None,
+        all_logits: bool,
     ) -> ForwardBatch:
-        """Sequence b appends tokens `chunks[b]` after `prefix_lens[b]` cached ones; logits of the last token of
-        each sequence, or of every token when `all_logits`."""
+        """Sequence b appends tokens `chunks[b]` after `prefix_lens[b]` cached ones, in `block_tables[b]` (or in
+        the one block `kv_slots[b]`, a cache whose blocks are max_len long); logits of the last token of each
+        sequence, or of every token when `all_logits`."""
+        if block_tables is None:
+            if kv_slots is None:
+                raise ValueError("give kv_slots or block_tables")
+            block_tables = [[slot] for slot in kv_slots]
         tokens: list[int] = []
         positions: list[int] = []
         wanted: list[int] = []
@@ -36,33 +47,52 @@ class ForwardBatch:
         return cls(
             tokens=torch.tensor(tokens, dtype=torch.int64),
             positions=torch.tensor(positions, dtype=torch.int64),
-            kv_slots=list(kv_slots),
+            block_tables=[list(table) for table in block_tables],
             new_lens=[len(chunk) for chunk in chunks],
             context_lens=[prefix + len(chunk) for chunk, prefix in zip(chunks, prefix_lens, strict=True)],
             logits_indices=torch.tensor(wanted, dtype=torch.int64),
         )
 
-    def segments(self) -> Iterator[tuple[int, int, int, int]]:
-        """(first token index, kv slot, new tokens, context length) of each sequence."""
+    def segments(self) -> Iterator[tuple[int, list[int], int, int]]:
+        """(first token index, block table, new tokens, context length) of each sequence."""
         start = 0
-        for slot, length, context in zip(self.kv_slots, self.new_lens, self.context_lens, strict=True):
-            yield start, slot, length, context
+        for table, length, context in zip(self.block_tables, self.new_lens, self.context_lens, strict=True):
+            yield start, table, length, context
             start += length
+
+    def token_rows(self, block_size: int) -> torch.Tensor:
+        """[N] int64: the row of the flat cache ([num_blocks * block_size, ...]) each new token is written to."""
+        rows: list[int] = []
+        for table, length, context in zip(self.block_tables, self.new_lens, self.context_lens, strict=True):
+            rows.extend(table[p // block_size] * block_size + p % block_size for p in range(context - length, context))
+        return torch.tensor(rows, dtype=torch.int64)
+
+
+def context_rows(table: Sequence[int], length: int, block_size: int) -> torch.Tensor:
+    """[length] int64: the flat cache rows of positions 0..length-1 of a sequence with this block table."""
+    blocks = torch.tensor(table[: -(-length // block_size)], dtype=torch.int64)
+    rows = (blocks[:, None] * block_size + torch.arange(block_size, dtype=torch.int64)[None, :]).flatten()
+    return rows[:length]
 
 
 def check_batch(batch: ForwardBatch, cache: KVCache) -> None:
     """Host-side consistency checks (no device sync); a failure is a scheduler bug, hence ValueError."""
     n = batch.tokens.shape[0]
-    if not len(batch.kv_slots) == len(batch.new_lens) == len(batch.context_lens):
-        raise ValueError("kv_slots, new_lens and context_lens must have one entry per sequence")
+    if not len(batch.block_tables) == len(batch.new_lens) == len(batch.context_lens):
+        raise ValueError("block_tables, new_lens and context_lens must have one entry per sequence")
     if batch.positions.shape != (n,) or sum(batch.new_lens) != n:
         raise ValueError(
             f"{n} tokens but positions {tuple(batch.positions.shape)} and new_lens sum {sum(batch.new_lens)}"
         )
-    if len(set(batch.kv_slots)) != len(batch.kv_slots):
-        raise ValueError(f"a kv slot appears twice in one batch: {batch.kv_slots}")
-    for slot, length, context in zip(batch.kv_slots, batch.new_lens, batch.context_lens, strict=True):
-        if not 0 <= slot < cache.max_seqs:
-            raise ValueError(f"kv slot {slot} outside [0, {cache.max_seqs})")
-        if not 1 <= length <= context <= cache.max_len:
-            raise ValueError(f"need 1 <= new_len {length} <= context_len {context} <= cache max_len {cache.max_len}")
+    size = cache.block_size
+    written: set[int] = set()
+    for table, length, context in zip(batch.block_tables, batch.new_lens, batch.context_lens, strict=True):
+        if not 1 <= length <= context <= len(table) * size:
+            raise ValueError(f"need 1 <= new_len {length} <= context_len {context} <= the block table's "
+                             f"{len(table)} x {size} positions")  # fmt: skip
+        if any(not 0 <= block < cache.num_blocks for block in table):
+            raise ValueError(f"a block of {table} is outside [0, {cache.num_blocks})")
+        targets = set(table[(context - length) // size : (context - 1) // size + 1])
+        if targets & written:
+            raise ValueError(f"blocks {sorted(targets & written)} are written by two sequences in one batch")
+        written |= targets

@@ -1,4 +1,4 @@
-"""The sampler's own forward for Llama-family decoders (llama, mistral, qwen2, qwen3), over a slot KV cache.
+"""The sampler's own forward for Llama-family decoders (llama, mistral, qwen2, qwen3), over a paged KV cache.
 
 One `forward` serves any mix of sequences: whole-prompt prefill, a prefill chunk on top of a cached prefix,
 and single-token decode. Projections run on the flat [N, d] tokens of all sequences (no padding); only
@@ -120,7 +120,7 @@ class LlamaForCausalLM:
         return linear_shapes(self.config)
 
     def forward(self, batch: ForwardBatch, cache: KVCache, lora: LoraHook | None = None) -> torch.Tensor:
-        """Append the batch's tokens to their cache slots and return float32 logits [M, vocab]."""
+        """Append the batch's tokens to their cache blocks and return float32 logits [M, vocab]."""
         check_batch(batch, cache)
         with torch.inference_mode():
             return self._forward(batch, cache, lora)
@@ -146,14 +146,12 @@ class LlamaForCausalLM:
         tokens = batch.tokens.to(dev)  # [N]
         positions = batch.positions.to(dev)  # [N]
         n = tokens.shape[0]
-        # Cache address of every new token: (slot, position).
-        token_slots = torch.repeat_interleave(
-            torch.tensor(batch.kv_slots, dtype=torch.int64), torch.tensor(batch.new_lens, dtype=torch.int64)
-        ).to(dev)  # [N]
+        size = cache.block_size
+        token_rows = batch.token_rows(size).to(dev)  # [N]: where each new token's K/V goes in the flat cache
         freqs = positions.to(torch.float32)[:, None] * self._token_inv_freq(batch)  # [N, head_dim / 2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [N, head_dim]
         cos, sin = (emb.cos() * self.rope_scale).to(self.dtype), (emb.sin() * self.rope_scale).to(self.dtype)
-        plan = AttentionPlan(batch, positions, dev, c.sliding_window)
+        plan = AttentionPlan(batch, positions, dev, c.sliding_window, size)
 
         h = F.embedding(tokens, self.embed)  # [N, hidden]
         for i, layer in enumerate(self.layers):
@@ -166,10 +164,11 @@ class LlamaForCausalLM:
                 q = rms_norm(q, layer.q_norm, c.rms_norm_eps)
                 k = rms_norm(k, layer.k_norm, c.rms_norm_eps)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            # cache.k[i]: [slots, kv_heads, max_len, head_dim]; [token_slots, :, positions] addresses [N, kv_heads, hd]
-            cache.k[i][token_slots, :, positions] = k
-            cache.v[i][token_slots, :, positions] = v
-            attn = attention(c, q, cache.k[i], cache.v[i], plan)  # [N, heads * head_dim]
+            # cache.k[i]: [blocks, block_size, kv_heads, hd] viewed as rows [blocks * block_size, kv_heads, hd]
+            k_rows = cache.k[i].view(-1, c.num_kv_heads, c.head_dim)
+            v_rows = cache.v[i].view(-1, c.num_kv_heads, c.head_dim)
+            k_rows[token_rows], v_rows[token_rows] = k, v
+            attn = attention(c, q, k_rows, v_rows, plan)  # [N, heads * head_dim]
             h = h + project(f"{p}.self_attn.o_proj", layer.o_proj, attn, lora)
 
             x = rms_norm(h, layer.post_norm, c.rms_norm_eps)

@@ -39,7 +39,7 @@ def detokenizing_engine(model: Path, tokenizer: Any) -> Engine:
     pool = SlotPool(runner.linear_shapes(), max_slots=1, max_rank=4, device=CPU)
     return Engine(runner, KVCache(runner.config, 2, 8, CPU, torch.float32), pool.tensors,
                   Scheduler(max_seqs=1, max_batch_tokens=8), release=pool.release, max_len=8, eos_token_ids=(),
-                  tokenizer=tokenizer, score_slot=1)  # fmt: skip
+                  tokenizer=tokenizer)  # fmt: skip
 
 
 def test_deltas_add_up_to_the_whole_text_from_small_windows(tiny_model: Path) -> None:

@@ -47,13 +47,13 @@ def test_resolve_kernel_refuses_an_unknown_flag() -> None:
 
 
 def kernel_used(monkeypatch: pytest.MonkeyPatch, flag: Backend, device: str) -> tuple[Kernel, list[str]]:
-    """An engine made with `flag` on `device` (a stand-in cache: only its device is read), and the kernel
+    """An engine made with `flag` on `device` (a stand-in cache: only its device and size are read), and the kernel
     functions its LoRA hook calls on a two-token batch of adapter slot 1."""
     pool = SlotPool(SHAPES, max_slots=2, max_rank=2, device=torch.device("cpu"))
     pool.tensors.scaling[1], pool.tensors.ranks[1] = 1.0, 2
-    cache = types.SimpleNamespace(device=torch.device(device))
+    cache = types.SimpleNamespace(device=torch.device(device), num_blocks=2, block_size=8)
     engine = Engine(cast(Any, None), cast(Any, cache), pool.tensors, Scheduler(max_seqs=1, max_batch_tokens=8),
-                    release=pool.release, max_len=8, eos_token_ids=(), kernel=flag, score_slot=0)  # fmt: skip
+                    release=pool.release, max_len=8, eos_token_ids=(), kernel=flag)  # fmt: skip
     calls: list[str] = []
 
     def recorder(name: str) -> Any:

@@ -264,7 +264,7 @@ def test_kv_cache_bytes_matches_formula(pair: Pair) -> None:
         cache = KVCache(config, 3, 40, CPU, dtype)
         expected = 3 * 40 * config.num_layers * 2 * config.num_kv_heads * config.head_dim * size
         assert cache.bytes == expected == KVCache.bytes_for(config, 3, 40, dtype)
-        assert cache.k[0].shape == (3, config.num_kv_heads, 40, config.head_dim)
+        assert cache.k[0].shape == (3, 40, config.num_kv_heads, config.head_dim)  # blocks, rows, kv heads, hd
 
 
 # Architectures the tiny-model factory does not cover: qwen3 (q/k norms, head_dim != hidden / heads, tied

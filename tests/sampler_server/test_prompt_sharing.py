@@ -41,7 +41,7 @@ def run_engine(runner: LlamaForCausalLM, requests: list[list[Sequence]]) -> Engi
     cache = KVCache(runner.config, 17, 64, CPU, torch.float32)
     pool = SlotPool(runner.linear_shapes(), max_slots=1, max_rank=4, device=CPU)
     engine = Engine(runner, cache, pool.tensors, Scheduler(max_seqs=16, max_batch_tokens=4096), release=pool.release,
-                    max_len=64, eos_token_ids=(), score_slot=16, burst_wait=0.05)  # fmt: skip
+                    max_len=64, eos_token_ids=(), burst_wait=0.05)  # fmt: skip
     left = sum(map(len, requests))
     done, lock = threading.Event(), threading.Lock()
 

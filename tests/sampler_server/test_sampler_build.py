@@ -1,6 +1,6 @@
 """The sampler's builder (what `opentinker sampler serve` calls once its flags are parsed) on its own: an
 in-process engine running the kernel it was given, one SamplerService binding, a clean stop; and the refusal of an
-engine process on CUDA, which the CLI turns into its --engine-process error."""
+engine process on CUDA, which the CLI turns into its --engine-process error; the KV cache's size from its flags."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 
 from opentinker.rpc.server import ServerOptions
 from opentinker.sampler_server.build import BadOption, SamplerConfig, build_sampler
+from opentinker.sampler_server.engine import Engine
 from opentinker.weights import base_model
 
 
@@ -33,3 +34,28 @@ def test_engine_process_on_cuda_is_refused(tiny_model: Path, tmp_path: Path, mon
     with pytest.raises(BadOption, match="on CUDA the engine runs in the server process") as caught:
         build_sampler(config(tiny_model, tmp_path, engine_process=True))
     assert caught.value.option == "--engine-process"
+
+
+def test_kv_cache_size_flags(tiny_model: Path, tmp_path: Path) -> None:
+    import torch
+
+    from opentinker.sampler_server.build import kv_blocks
+    from opentinker.sampler_server.model.kv_cache import KVCache
+    from opentinker.weights.model_config import load_config
+
+    model_config = load_config(tiny_model)
+    # Default: at most the memory of the 3 + 1 fixed slots of 100 positions the slot cache took (25 blocks of 16),
+    # less the ComputeLogprobs area (one 100-token sequence: 7 blocks).
+    assert kv_blocks(config(tiny_model, tmp_path, max_seqs=3), model_config, 100, torch.float32) == 25 - 7
+    assert kv_blocks(config(tiny_model, tmp_path, max_seqs=64), model_config, 4096, torch.float32) == 64 * 256
+    assert kv_blocks(config(tiny_model, tmp_path, num_blocks=50), model_config, 100, torch.float32) == 50
+    one_block = KVCache.bytes_for(model_config, 1, 16, torch.float32)
+    by_size = config(tiny_model, tmp_path, kv_cache_mb=40 * one_block / 2**20)
+    assert kv_blocks(by_size, model_config, 100, torch.float32) == 40
+    with pytest.raises(BadOption, match="cannot hold one 100-token sequence") as caught:
+        kv_blocks(config(tiny_model, tmp_path, num_blocks=6), model_config, 100, torch.float32)
+    assert caught.value.option == "--num-blocks"
+    built = build_sampler(config(tiny_model, tmp_path, num_blocks=40, max_len=64))
+    assert isinstance(built.engine, Engine) and built.engine.blocks.num_blocks == 40
+    assert built.engine.cache.num_blocks == 40 + 4  # + one max_len sequence's for ComputeLogprobs
+    asyncio.run(built.on_stop())

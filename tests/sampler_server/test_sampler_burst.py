@@ -71,7 +71,7 @@ def run_burst(
     cache = KVCache(runner.config, 65, 32, CPU, torch.float32)
     pool = SlotPool(runner.linear_shapes(), max_slots=1, max_rank=4, device=CPU)
     engine = Engine(runner, cache, pool.tensors, scheduler, release=pool.release, max_len=32, eos_token_ids=(),
-                    score_slot=64, burst_wait=burst_wait)  # fmt: skip
+                    burst_wait=burst_wait)  # fmt: skip
     engine.start()
     try:
         first, done = submit_spread(engine, count, gap)

@@ -97,7 +97,7 @@ def test_mixed_batch_rows_equal_peft(model_dir: Path, tmp_path: Path, kernel: Ke
     assert pool.tensors.unembed.tolist() == [0, 1, 0, 1]  # the versions with a LoRA on lm_head
     cache = KVCache(model.config, 4, 32, CPU, torch.float32)
     engine = Engine(model, cache, pool.tensors, Scheduler(max_seqs=4, max_batch_tokens=64), release=pool.release,
-                    max_len=32, eos_token_ids=(), kernel=kernel, score_slot=3)  # fmt: skip
+                    max_len=32, eos_token_ids=(), kernel=kernel)  # fmt: skip
     prompts = [[3 + (7 * s + 11 * i) % 400 for i in range(5 + s)] for s in range(4)]  # slot s: prompt s
     batch = ForwardBatch.build(prompts, [0] * 4, kv_slots=[0, 1, 2, 3], all_logits=all_logits)
     token_slots = [s for s, p in enumerate(prompts) for _ in p]
@@ -138,9 +138,9 @@ def test_a_tied_model_serves_lm_head_lora_and_keeps_its_embedding(tmp_path: Path
     pool = SlotPool(model.linear_shapes(), max_slots=1, max_rank=8, device=CPU)
     weights = adapter_weights(model.linear_shapes(), 3)
     pool.fill(pool.reserve(("tied", 1)), weights, rank=8, scaling=2.0, artifact_sha256="")
-    cache = KVCache(model.config, 1, 16, CPU, torch.float32)
+    cache = KVCache(model.config, 2, 16, CPU, torch.float32)  # block 1: the engine's ComputeLogprobs area
     engine = Engine(model, cache, pool.tensors, Scheduler(max_seqs=1, max_batch_tokens=16), release=pool.release,
-                    max_len=16, eos_token_ids=(), kernel="segments", score_slot=0)  # fmt: skip
+                    max_len=16, eos_token_ids=(), kernel="segments")  # fmt: skip
     batch = ForwardBatch.build([[4, 5, 6]], [0], kv_slots=[0], all_logits=True)
     with_lora = model.forward(batch, cache, engine._lora_hook([1, 1, 1], [1, 1, 1]))
     assert torch.equal(model.embed, before)
@@ -180,7 +180,7 @@ def test_versions_without_lm_head_skip_the_vocabulary_wide_delta(
     monkeypatch.setattr(engine_module, "add_lora", add_spy)
     cache = KVCache(model.config, 2, 16, CPU, torch.float32)
     engine = Engine(model, cache, pool.tensors, Scheduler(max_seqs=2, max_batch_tokens=32), release=pool.release,
-                    max_len=16, eos_token_ids=(), kernel=kernel, score_slot=1)  # fmt: skip
+                    max_len=16, eos_token_ids=(), kernel=kernel)  # fmt: skip
     batch = ForwardBatch.build([[4, 5, 6]], [0], kv_slots=[0], all_logits=True)
     model.forward(batch, cache, engine._lora_hook([2, 2, 2], [2, 2, 2]))
     assert calls and not [c for c in calls if c[0] == "lm_head" and c[1] > 0]

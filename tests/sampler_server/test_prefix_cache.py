@@ -1,0 +1,151 @@
+"""The prefix cache: a request reuses the K/V of its longest cached prefix of full blocks, keyed by a hash chain
+seeded with the exact weights identity. Outputs equal a cache-off engine's; a hot reload, a rollback and a
+re-created adapter each get their own version's K/V; two tenants on the base model share nothing by default;
+idle cached blocks are evicted LRU under a small pool and every reference ends with its request."""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+import torch
+from pagedkvutil import CPU, assert_same, fill_random, make_pool, prompt, run
+from pagedkvutil import engine as paged_engine
+
+from opentinker.sampler_server.engine import Engine
+from opentinker.sampler_server.model.llama import LlamaForCausalLM
+from opentinker.sampler_server.sequence import SamplingParams, Sequence
+from opentinker.sampler_server.service import SamplerServicer
+from opentinker.sampler_server.slot_pool import SlotPool
+
+SYSTEM = prompt(35, 99)  # a shared "system prompt": two full blocks and a bit
+MAX_LEN = 128
+
+
+def engine(runner: LlamaForCausalLM, pool: SlotPool, *, num_blocks: int, prefix_cache: bool = True) -> Engine:
+    return paged_engine(runner, pool, block_size=16, num_blocks=num_blocks, prefix_cache=prefix_cache,
+                        max_len=MAX_LEN)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_model: Path) -> LlamaForCausalLM:
+    return LlamaForCausalLM.from_pretrained(tiny_model, device=CPU, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def pool(runner: LlamaForCausalLM) -> SlotPool:
+    return make_pool(runner)
+
+
+def ask(request_id: str, tokens: list[int], *, slot: int = 0, key: str = "k", seed: int | None = None,
+        samples: int = 1, max_tokens: int = 8, prompt_logprobs: bool = False) -> list[Sequence]:  # fmt: skip
+    params = SamplingParams(temperature=0.0 if seed is None else 1.0, max_tokens=max_tokens, logprobs=True)
+    return [Sequence(seq_id=i, request_id=request_id, sample_index=i, prompt=list(tokens), params=params,
+                     lora_slot=slot, cache_key=key, seed=None if seed is None else seed + i,
+                     want_prompt_logprobs=prompt_logprobs) for i in range(samples)]  # fmt: skip
+
+
+def conversation(engine: Engine, *, slot: int = 0, key: str = "k") -> list[list[Sequence]]:
+    """Three turns, each re-sending the conversation so far (the shared system prompt, every earlier turn's
+    observation and answer) plus a new observation; turn by turn, as an agent does."""
+    turns: list[list[Sequence]] = []
+    history = list(SYSTEM)
+    for turn in range(3):
+        history += prompt(5 + 3 * turn, turn)
+        request = ask(f"t{turn}", history, slot=slot, key=key, seed=50 + turn if turn % 2 else None, samples=2)
+        run(engine, [request], stop=False)
+        turns.append(request)
+        history += request[0].output
+    return turns
+
+
+def test_multi_turn_with_the_cache_equals_without(runner: LlamaForCausalLM, pool: SlotPool) -> None:
+    for slot in (0, 1):
+        on, off = (
+            engine(runner, pool, num_blocks=32),
+            engine(runner, pool, num_blocks=32, prefix_cache=False),
+        )
+        try:
+            cached_turns, plain_turns = conversation(on, slot=slot), conversation(off, slot=slot)
+            logprobs = ask("lp", [*SYSTEM, 4, 5, 6], slot=slot, prompt_logprobs=True)  # computes every position
+            logprobs_ref = ask("lp", [*SYSTEM, 4, 5, 6], slot=slot, prompt_logprobs=True)
+            run(on, [logprobs], stop=False)
+            run(off, [logprobs_ref], stop=False)
+        finally:
+            on.stop()
+            off.stop()
+        assert_same(cached_turns, plain_turns)
+        assert_same([logprobs], [logprobs_ref])
+        assert on.stats.prompt_tokens_cached >= 2 * 32  # every later turn found at least the system prompt
+        assert on.stats.prompt_tokens_computed < off.stats.prompt_tokens_computed
+        assert off.stats.prompt_tokens_cached == 0 and off.stats.blocks_cached == 0
+
+
+def test_each_version_gets_its_own_kv(runner: LlamaForCausalLM) -> None:
+    # name@latest at v1 (slot 1), v2 published (slot 2), rollback to v1, then the adapter deleted and re-created
+    # with other weights (loaded into slot 2 again): the key is each slot's artifact sha256, never the name. Each
+    # answer is compared with a cache-off engine's for the weights served at that moment.
+    pool = make_pool(runner, adapters=2)
+    on, off = engine(runner, pool, num_blocks=32), engine(runner, pool, num_blocks=32, prefix_cache=False)
+    long = SYSTEM + prompt(20, 3)
+    served = [(1, "sha-0"), (2, "sha-1"), (1, "sha-0"), (2, "sha-recreated")]
+    answers, references = [], []
+    try:
+        for step, (slot, sha) in enumerate(served):
+            if sha == "sha-recreated":
+                assert on.stats.prompt_tokens_cached == 48  # the rollback found v1's 3 full blocks; v2 none
+                fill_random(pool, runner, 2, seed=1234, sha=sha)  # same name, other weights, same slot
+            answers.append(ask(f"v{step}", long, slot=slot, key=f"lora:{sha}"))
+            references.append(ask(f"v{step}", long, slot=slot, key=""))
+            run(on, [answers[-1]], stop=False)
+            run(off, [references[-1]], stop=False)
+        assert on.stats.prompt_tokens_cached == 48  # the re-created adapter reused nothing
+    finally:
+        on.stop()
+        off.stop()
+    assert_same(answers, references)
+    # The contrast that makes this test able to fail: the three weights really answer differently.
+    assert len({tuple(seqs[0].output) for seqs in references}) == 3
+
+
+def test_two_tenants_on_the_base_model_share_nothing_by_default(runner: LlamaForCausalLM, pool: SlotPool) -> None:
+    def key(tenant: str, *, share: bool) -> str:
+        fake = types.SimpleNamespace(info=types.SimpleNamespace(model_digest="base-digest"), pool=pool,
+                                     share_base_prefix_cache=share)  # fmt: skip
+        return SamplerServicer._cache_key(cast(Any, fake), 0, tenant)
+
+    assert key("team-a", share=False) != key("team-b", share=False)
+    assert key("team-a", share=True) == key("team-b", share=True)
+    fake = types.SimpleNamespace(info=types.SimpleNamespace(model_digest="base-digest"), pool=pool,
+                                 share_base_prefix_cache=False)  # fmt: skip
+    assert SamplerServicer._cache_key(cast(Any, fake), 1, "team-a") == "lora:base-digest:sha-0"
+
+    on = engine(runner, pool, num_blocks=32)
+    try:
+        run(on, [ask("a1", SYSTEM, key=key("team-a", share=False))], stop=False)
+        run(on, [ask("b1", SYSTEM, key=key("team-b", share=False))], stop=False)
+        assert on.stats.prompt_tokens_cached == 0  # team-b cannot time team-a's prompt
+        run(on, [ask("a2", SYSTEM, key=key("team-a", share=False))], stop=False)
+        assert on.stats.prompt_tokens_cached == 32  # team-a finds its own
+        run(on, [ask("s1", SYSTEM, key=key("team-a", share=True))], stop=False)
+        run(on, [ask("s2", SYSTEM, key=key("team-b", share=True))], stop=False)
+        assert on.stats.prompt_tokens_cached == 64  # shared on purpose: team-b finds team-a's
+    finally:
+        on.stop()
+
+
+def test_a_small_pool_evicts_idle_blocks_lru_and_keeps_outputs(runner: LlamaForCausalLM, pool: SlotPool) -> None:
+    def requests() -> list[list[Sequence]]:
+        return [ask(f"e{i}", SYSTEM + prompt(4 + i, i), slot=i % 3, key=f"k{i % 3}", samples=1 + i % 2, seed=i)
+                for i in range(8)]  # fmt: skip
+
+    tiny = engine(runner, pool, num_blocks=8)  # one 128-token sequence; each of these takes 4 blocks
+    ours = requests()
+    run(tiny, ours[:4], stop=False)
+    run(tiny, ours[4:])  # checks every reference ended with its request
+    assert tiny.stats.blocks_evicted > 0 and tiny.stats.prompt_tokens_cached > 0
+    reference = requests()
+    run(engine(runner, pool, num_blocks=64, prefix_cache=False), reference)
+    assert_same(ours, reference)
