@@ -132,6 +132,9 @@ def build_sampler(config: SamplerConfig) -> BuiltSampler:
     context = c.max_len or min(model_config.context_length, 4096)
     shapes = linear_shapes(model_config)
     num_blocks = kv_blocks(c, model_config, context, torch_dtype)
+    # Dynamic NTK rotates a prompt's keys by frequencies of that sequence's length past the context: a block
+    # cached in one sequence would not equal the same block computed in a longer one, so no reuse there.
+    prefix_cache = c.prefix_cache and model_config.rope.rope_type != "dynamic"
     if c.engine_process and torch_device.type != "cpu":
         raise BadOption("the engine process shares its adapter slots in CPU memory; on CUDA the engine "
                         "runs in the server process", "--engine-process")  # fmt: skip
@@ -150,7 +153,7 @@ def build_sampler(config: SamplerConfig) -> BuiltSampler:
         scheduler = Scheduler(max_seqs=max_seqs, max_batch_tokens=max_batch_tokens, max_seqs_per_tenant=per_tenant)
         return Engine(runner, cache, pool.tensors, scheduler, release=release, max_len=context,
                       eos_token_ids=model_config.eos_token_ids, tokenizer=tokenizer, kernel=lora_kernel,
-                      burst_wait=c.burst_wait_ms / 1000, prefix_cache=c.prefix_cache,
+                      burst_wait=c.burst_wait_ms / 1000, prefix_cache=prefix_cache,
                       on_iteration=on_iteration)  # fmt: skip
 
     engine: EngineAPI

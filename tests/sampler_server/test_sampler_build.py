@@ -59,3 +59,21 @@ def test_kv_cache_size_flags(tiny_model: Path, tmp_path: Path) -> None:
     assert isinstance(built.engine, Engine) and built.engine.blocks.num_blocks == 40
     assert built.engine.cache.num_blocks == 40 + 4  # + one max_len sequence's for ComputeLogprobs
     asyncio.run(built.on_stop())
+
+
+def test_dynamic_rope_serves_without_the_prefix_cache(tiny_model: Path, tmp_path: Path) -> None:
+    """Dynamic NTK keys past the context depend on the whole sequence's length: no block reuse for such models."""
+    import json
+    import shutil
+
+    dynamic = tmp_path / "dynamic"
+    shutil.copytree(tiny_model, dynamic)
+    settings = json.loads((dynamic / "config.json").read_text())
+    settings["rope_parameters"] = settings.get("rope_parameters", {}) | {"rope_type": "dynamic", "factor": 2.0}
+    (dynamic / "config.json").write_text(json.dumps(settings))
+    plain = build_sampler(config(tiny_model, tmp_path / "a"))
+    scaled = build_sampler(config(dynamic, tmp_path / "b"))
+    assert isinstance(plain.engine, Engine) and isinstance(scaled.engine, Engine)
+    assert plain.engine.blocks.prefix_cache and not scaled.engine.blocks.prefix_cache
+    for built in (plain, scaled):
+        asyncio.run(built.on_stop())
