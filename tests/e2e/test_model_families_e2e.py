@@ -1,6 +1,6 @@
 """The support matrix, through real servers: for each scaled copy of a public checkpoint (`make-tiny-model
 --like`), a trainer and a sampler process started with the checkpoint's hub id (in a local HF cache layout,
-offline) agree with transformers (and peft, for a trained adapter) to 1e-5 in fp32 over 320 positions, past the
+offline) agree with transformers (and peft, for a trained adapter) to 3e-5 in fp32 over 320 positions, past the
 checkpoint's pretrained context length; greedy decoding equals transformers' token for token."""
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ from opentinker.weights.base_model import model_digest
 from opentinker.weights.model_config import load_config
 
 LENGTH = 320
-TOL = 1e-5
+# fp32 logprobs near -6 over 320 positions: the sampler's paged attention sums in another order than transformers'
+# SDPA (1.4e-5 seen once on qwen3-8b); a wrong rope or missing norm differs by > 1e-3 (the checks below).
+TOL = 3e-5
 
 
 def _tokens(length: int, seed: int) -> list[int]:
