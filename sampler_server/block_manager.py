@@ -18,6 +18,11 @@ longest run of its leading blocks found under its own chain by reference and com
 reload, a rollback or a re-created adapter can never meet another version's K/V: different weights, different
 chain. A block nobody references stays cached until a fresh block is needed; then the least recently used of
 them is evicted. A referenced block is never evicted.
+
+Per tenant (`Sequence.tenant`), the books count the distinct blocks its sequences reference (`held_by`), for the
+scheduler's per-tenant bound. A block several tenants reference (a prefix shared on purpose) counts against every
+one of them, so riding another tenant's cached prefix never lets a tenant past its bound; within a tenant a
+block counts once, however many of its samples hold it.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ import hashlib
 from opentinker.sampler_server.sequence import Sequence
 
 BLOCK_SIZE = 16  # tokens per block (vLLM's and nano-vllm's default order of size: small waste, short tables)
+NO_BLOCKS = -1  # `admit`: the pool has not the blocks free
+TENANT_FULL = -2  # `admit`: the sequence's tenant would hold more than its bound
 
 
 def block_key(parent: bytes, tokens: list[int]) -> bytes:
@@ -50,6 +57,7 @@ class BlockManager:
         self._idle: collections.OrderedDict[int, None] = collections.OrderedDict()  # cached, unreferenced; LRU first
         self.evicted = 0
         self.copies: list[tuple[int, int, int]] = []  # (source, destination, rows) the engine copies next
+        self._tenant_refs: dict[str, collections.Counter[int]] = {}  # tenant -> its sequences' references per block
 
     @property
     def num_free(self) -> int:
@@ -63,6 +71,11 @@ class BlockManager:
     @property
     def num_cached(self) -> int:
         return len(self.cached)
+
+    def held_by(self, tenant: str) -> int:
+        """Distinct blocks the tenant's sequences reference."""
+        refs = self._tenant_refs.get(tenant)
+        return 0 if refs is None else len(refs)
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
@@ -81,35 +94,40 @@ class BlockManager:
     def can_grow(self, seq: Sequence) -> bool:
         return self.needed(seq) <= self.num_free
 
+    def within(self, seq: Sequence, limit: int) -> bool:
+        """Whether seq's tenant stays within `limit` blocks (0: no bound) once seq took what it needs next."""
+        return not limit or self.held_by(seq.tenant) + self.needed(seq) <= limit
+
     def grow(self, seq: Sequence) -> None:
         """Gives seq the blocks its next forward writes to (the caller checked `can_grow`)."""
         if self._shared_target(seq):
             index = (seq.num_tokens - 1) // self.block_size
             shared, own = seq.block_table[index], self._take()
-            self.refs[shared] -= 1  # others still hold it
-            self.refs[own] = 1
+            self._unref(seq.tenant, shared)  # others still hold it
+            self._ref(seq.tenant, own)
             seq.block_table[index] = own
             self.copies.append((shared, own, (seq.num_tokens - 1) % self.block_size))
         for _ in range(self.needed(seq)):
             block = self._take()
-            self.refs[block] = 1
+            self._ref(seq.tenant, block)
             seq.block_table.append(block)
 
-    def admit(self, seq: Sequence, *, reuse: bool = True) -> int:
-        """Gives a waiting sequence its blocks: its longest cached prefix by reference (when `reuse`), fresh
-        blocks for the rest. Returns the tokens found cached, or -1 (and takes nothing) when the blocks are
-        not free."""
+    def admit(self, seq: Sequence, *, reuse: bool = True, limit: int = 0) -> int:
+        """Gives a waiting sequence the blocks of all its tokens: its longest cached prefix by reference (when
+        `reuse`), fresh blocks for the rest. Returns the tokens found cached, or (taking nothing) NO_BLOCKS when
+        the blocks are not free, TENANT_FULL when its tenant would hold more than `limit` blocks (0: no bound)."""
         cached = self._match(seq) if reuse else 0
-        if not self.can_grow(seq):
+        if not self.can_grow(seq) or not self.within(seq, limit):
+            full = self.can_grow(seq)
             self.release(seq)
-            return -1
+            return TENANT_FULL if full else NO_BLOCKS
         self.grow(seq)
         return cached
 
     def fork(self, leader: Sequence, seq: Sequence) -> None:
         """seq (another sample of leader's request, same prompt and weights) holds leader's blocks too."""
         for block in leader.block_table:
-            self.refs[block] += 1
+            self._ref(seq.tenant, block)
         seq.block_table = list(leader.block_table)
         seq.block_keys = list(leader.block_keys)
         seq.num_cached = leader.num_cached
@@ -131,7 +149,7 @@ class BlockManager:
                 break
             if self.refs[block] == 0:
                 del self._idle[block]
-            self.refs[block] += 1
+            self._ref(seq.tenant, block)
             seq.block_table.append(block)
             seq.block_keys.append(key)
             parent = key
@@ -156,7 +174,7 @@ class BlockManager:
     def release(self, seq: Sequence) -> None:
         """seq lets go of every block it holds (finished, aborted or preempted); cached ones stay cached."""
         for block in seq.block_table:
-            self.refs[block] -= 1
+            self._unref(seq.tenant, block)
             assert self.refs[block] >= 0, f"block {block} released more often than taken"
             if self.refs[block] == 0:
                 if self.keys[block] is None:
@@ -166,6 +184,22 @@ class BlockManager:
         seq.block_table = []
         seq.block_keys = []
         seq.num_cached = 0
+
+    def _ref(self, tenant: str, block: int) -> None:
+        self.refs[block] += 1
+        refs = self._tenant_refs.get(tenant)
+        if refs is None:
+            refs = self._tenant_refs[tenant] = collections.Counter()
+        refs[block] += 1
+
+    def _unref(self, tenant: str, block: int) -> None:
+        self.refs[block] -= 1
+        refs = self._tenant_refs[tenant]
+        refs[block] -= 1
+        if not refs[block]:
+            del refs[block]
+            if not refs:
+                del self._tenant_refs[tenant]
 
     def _take(self) -> int:
         if self._free:

@@ -54,6 +54,7 @@ class SamplerConfig:
     max_rank: int = 64
     max_seqs: int = 64
     max_batch_tokens: int = 4096
+    prefill_chunk_tokens: int = 512  # prompt tokens per mixed step; 0: whole prompts, a step prefills or decodes
     max_len: int = 0  # 0: the model's, capped at 4096
     max_waiting: int = 256
     num_blocks: int = 0  # KV-cache blocks; 0: kv_cache_mb, or what max_seqs x max_len took in slots
@@ -61,6 +62,7 @@ class SamplerConfig:
     prefix_cache: bool = True  # reuse cached prompt blocks (--no-prefix-cache: off)
     share_base_prefix_cache: bool = False  # base-model blocks shared across tenants (single-tenant deployments)
     max_seqs_per_tenant: int | None = None  # None: default_tenant_slots(max_seqs); 0: no limit
+    max_kv_blocks_per_tenant: int | None = None  # None: default_tenant_blocks(the pool); 0: no bound
     max_queued_per_tenant: int = 256  # 0: no limit
     max_prompt_bytes: int = 0  # 0: PROMPT_BYTES_PER_TOKEN per token of the context
     burst_wait_ms: float = 2.0
@@ -109,7 +111,7 @@ def build_sampler(config: SamplerConfig) -> BuiltSampler:
     from opentinker.sampler_server.model.kv_cache import KVCache
     from opentinker.sampler_server.model.llama import LlamaForCausalLM
     from opentinker.sampler_server.model.weights import linear_shapes
-    from opentinker.sampler_server.scheduler import Scheduler, default_tenant_slots
+    from opentinker.sampler_server.scheduler import Scheduler, default_tenant_blocks, default_tenant_slots
     from opentinker.sampler_server.service import SamplerServicer
     from opentinker.sampler_server.slot_pool import SlotPool
     from opentinker.v1 import common_pb2, registry_pb2_grpc, sampler_pb2, sampler_pb2_grpc
@@ -132,6 +134,8 @@ def build_sampler(config: SamplerConfig) -> BuiltSampler:
     context = c.max_len or min(model_config.context_length, 4096)
     shapes = linear_shapes(model_config)
     num_blocks = kv_blocks(c, model_config, context, torch_dtype)
+    tenant_blocks = c.max_kv_blocks_per_tenant
+    tenant_blocks = default_tenant_blocks(num_blocks) if tenant_blocks is None else tenant_blocks
     # Dynamic NTK rotates a prompt's keys by frequencies of that sequence's length past the context: a block
     # cached in one sequence would not equal the same block computed in a longer one, so no reuse there.
     prefix_cache = c.prefix_cache and model_config.rope.rope_type != "dynamic"
@@ -150,7 +154,13 @@ def build_sampler(config: SamplerConfig) -> BuiltSampler:
             log.info("base matmuls: %s", "oneDNN packed weights" if packed else "torch dense weights")
         score_blocks = -(-context // BLOCK_SIZE)  # the ComputeLogprobs area, besides the pool
         cache = KVCache(model_config, num_blocks + score_blocks, BLOCK_SIZE, torch_device, torch_dtype)
-        scheduler = Scheduler(max_seqs=max_seqs, max_batch_tokens=max_batch_tokens, max_seqs_per_tenant=per_tenant)
+        scheduler = Scheduler(
+            max_seqs=max_seqs,
+            max_batch_tokens=max_batch_tokens,
+            max_seqs_per_tenant=per_tenant,
+            prefill_chunk_tokens=c.prefill_chunk_tokens,
+            max_blocks_per_tenant=tenant_blocks,
+        )
         return Engine(runner, cache, pool.tensors, scheduler, release=release, max_len=context,
                       eos_token_ids=model_config.eos_token_ids, tokenizer=tokenizer, kernel=lora_kernel,
                       burst_wait=c.burst_wait_ms / 1000, prefix_cache=prefix_cache,

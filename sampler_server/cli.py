@@ -34,7 +34,15 @@ def serve(
     max_slots: Annotated[int, typer.Option(help="Adapter versions resident at once.")] = 32,
     max_rank: Annotated[int, typer.Option(help="Largest LoRA rank served (smaller ranks are zero-padded).")] = 64,
     max_seqs: Annotated[int, typer.Option(help="Sequences in a batch.")] = 64,
-    max_batch_tokens: Annotated[int, typer.Option(help="Prompt tokens per prefill step.")] = 4096,
+    max_batch_tokens: Annotated[int, typer.Option(help="Tokens (decodes and prompt tokens) per step.")] = 4096,
+    prefill_chunk_tokens: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Prompt tokens per step, in chunks beside every running sequence's decode token, so that a long "
+            "prompt never stalls running streams. 0: whole prompts, a step prefills or decodes.",
+        ),
+    ] = 512,
     max_len: Annotated[int, typer.Option(help="Context per sequence (0: the model's, capped at 4096).")] = 0,
     max_waiting: Annotated[int, typer.Option(help="Queued sequences before RESOURCE_EXHAUSTED.")] = 256,
     num_blocks: Annotated[
@@ -64,6 +72,15 @@ def serve(
             min=0,
             help="Seats (sequences in the batch) one tenant may hold at once, so that others always find one "
             "soon. Default: 3/4 of --max-seqs (at least 1); 0: no limit.",
+        ),
+    ] = None,
+    max_kv_blocks_per_tenant: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            help="KV-cache blocks one tenant may hold at once (never less than one --max-len sequence's); when "
+            "the pool runs out, the tenant most over its fair share is preempted first. Default: 3/4 of the "
+            "pool; 0: no bound.",
         ),
     ] = None,
     max_queued_per_tenant: Annotated[
@@ -163,6 +180,7 @@ def serve(
         server=options, registry_token=registry_token, registry_ca=registry_ca, device=device,
         dtype=cast("Dtype", dtype), max_slots=max_slots,
         max_rank=max_rank, max_seqs=max_seqs, max_batch_tokens=max_batch_tokens, max_len=max_len,
+        prefill_chunk_tokens=prefill_chunk_tokens, max_kv_blocks_per_tenant=max_kv_blocks_per_tenant,
         max_waiting=max_waiting, num_blocks=num_blocks, kv_cache_mb=kv_cache_mb, prefix_cache=prefix_cache,
         share_base_prefix_cache=share_base_prefix_cache,
         max_seqs_per_tenant=max_seqs_per_tenant,

@@ -1,12 +1,16 @@
 """The serving engine: one thread runs `step()` over a continuously changing batch.
 
-    step: schedule (prefill new sequences | decode all running; blocks for every token, preempting when out)
+    step: schedule (each sequence's chunk: 1 decode token, a run of prompt tokens, or 0 for a sample taking
+          its leader's row; in chunked mode decodes and prompt chunks share a step; blocks for every token,
+          preempting when out)
           -> copy-on-write: a sample about to append to a partial block other samples hold gets its own copy
-          -> prefill: one sample per request computes the prompt, its other samples hold the same blocks
-          -> prepare flat tokens, positions, block tables and each token's adapter slot
+          -> prepare flat tokens, positions, block tables and each token's adapter slot (one sample per request
+             computes the prompt, its other samples hold the same blocks)
           -> one model forward; every projection adds each token's own LoRA delta (slot pool + kernels),
-             the LM head each logit row's
-          -> sample one token per sequence -> stop checks, detokenize, emit -> free finished sequences
+             the LM head each logit row's (only rows to sample from, and prompt-logprob positions)
+          -> sample one token per sequence whose chunk ended what it lacked; a partly computed prompt only
+             advances (num_cached += chunk)
+          -> stop checks, detokenize, emit -> free finished sequences
 
 Other threads talk to the engine only through its inbox (submit, abort, score); it answers through the
 callbacks given at submission, on the engine thread. The engine reads the adapters' weights from `SlotTensors`
@@ -21,6 +25,9 @@ whole extra step before the others get their first token.
 The n samples of one request (an RL group) share their prompt: the first of them runs the prefill and the
 others hold its blocks by reference (block_manager.py) and take its last-position logits, then each samples
 with its own generator. A group of 8 costs one prompt's prefill and one copy of its K/V instead of 8.
+
+A prompt prefilled in chunks gives the same tokens and logprobs as in one piece: each chunk attends to the
+K/V its earlier chunks wrote, and prompt logprobs are gathered chunk by chunk (`prompt_logprobs_so_far`).
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ from opentinker.sampler_server.model.batch import ForwardBatch
 from opentinker.sampler_server.model.kv_cache import KVCache
 from opentinker.sampler_server.model.llama import LlamaForCausalLM
 from opentinker.sampler_server.sampling import sample
-from opentinker.sampler_server.scheduler import ScheduledBatch, Scheduler
+from opentinker.sampler_server.scheduler import Scheduler
 from opentinker.sampler_server.sequence import Sequence
 from opentinker.sampler_server.slot_pool import SlotTensors
 from opentinker.sampler_server.tenant_stats import RATE_WINDOW, tokens_per_second
@@ -146,7 +153,7 @@ class Engine:
                              f"{max_len}-token sequence besides the ComputeLogprobs area")  # fmt: skip
         self.blocks = BlockManager(cache.num_blocks - score_blocks, cache.block_size, prefix_cache=prefix_cache)
         self.score_table = list(range(cache.num_blocks - score_blocks, cache.num_blocks))
-        scheduler.use_blocks(self.blocks)
+        scheduler.use_blocks(self.blocks, sequence_blocks=score_blocks)
         self.burst_wait = burst_wait  # seconds without a new request that end a burst; the whole wait is at most 10x
         self.on_iteration = on_iteration  # called on the engine thread after each round of inbox + step
         self.device = cache.device
@@ -279,24 +286,32 @@ class Engine:
         if batch is None:
             return
         # Rows of one adapter side by side: one contiguous segment per adapter for the LoRA kernels.
-        batch = ScheduledBatch(sorted(batch.sequences, key=lambda s: s.lora_slot), batch.is_prefill)
-        computed, leaders = self._prompt_leaders(batch)
+        work = sorted(zip(batch.sequences, batch.chunks, strict=True), key=lambda w: w[0].lora_slot)
+        computed = [(seq, chunk) for seq, chunk in work if chunk]  # the others take their leader's row
+        ending = [seq for seq, chunk in computed if seq.num_cached + chunk == seq.num_tokens]  # they sample
+        partial = [(seq, chunk) for seq, chunk in computed if seq.num_cached + chunk < seq.num_tokens]
+        sampling = [seq for seq, chunk in work if not chunk or seq.num_cached + chunk == seq.num_tokens]
         for src, dst, rows in self.blocks.take_copies():  # copy-on-write of shared partial blocks
             self.cache.copy_block(src, dst, rows)
         forward, token_slots, row_slots = self._prepare(computed)
         logits = self.model.forward(forward, self.cache, self._lora_hook(token_slots, row_slots))  # [M, V]
-        last = self._last_logits(computed, logits)  # [C, V]
-        if len(computed.sequences) < len(batch.sequences):
-            last = last[torch.tensor(leaders, dtype=torch.long, device=last.device)]  # [B, V]: the leader's row
-            self._share_prompts(batch.sequences)
-        if batch.is_prefill:
-            self.stats.prompt_tokens_computed += forward.tokens.numel()
-        draw = sample(last, batch.sequences)
-        failed = {batch.sequences[row].request_id for row in draw.failed}
+        last = self._last_logits(computed, logits)  # [E, V]: each ending sequence's last-position row
+        if len(sampling) > len(ending):
+            index = {id(seq): i for i, seq in enumerate(ending)}
+            picked = torch.tensor([index[id(seq.leader or seq)] for seq in sampling], dtype=torch.long)
+            last = last[picked.to(last.device)]  # [S, V]: a sample holding its leader's prompt takes its row
+            self._share_prompts(sampling)
+        self.stats.prompt_tokens_computed += batch.prefill_tokens
+        draw = sample(last, sampling)
+        failed = {sampling[row].request_id for row in draw.failed}
         for request_id in failed:  # only those requests end; the step goes on for every other row
             self._fail_request(request_id, NON_FINITE_MESSAGE, NON_FINITE_OUTPUT)
+        for seq, chunk in partial:  # a prompt computed in part: no token yet
+            if seq.request_id not in failed:
+                seq.num_cached += chunk
+                self.blocks.register(seq)
         appended = 0
-        for seq, token, logprob in zip(batch.sequences, draw.tokens, draw.logprobs, strict=True):
+        for seq, token, logprob in zip(sampling, draw.tokens, draw.logprobs, strict=True):
             if seq.request_id in failed:
                 continue
             seq.num_cached = seq.num_tokens
@@ -328,17 +343,6 @@ class Engine:
                     callback(SequenceUpdate(request_id, seq.sample_index, [], [], "", finished=True, error=error,
                                             error_reason=reason))  # fmt: skip
 
-    @staticmethod
-    def _prompt_leaders(batch: ScheduledBatch) -> tuple[ScheduledBatch, list[int]]:
-        """Prefill: the sequences that run the forward (all but the samples the scheduler gave a `leader`: they
-        hold its prompt blocks), and for every sequence the index among them of the one whose logits it takes."""
-        if not batch.is_prefill:
-            return batch, []
-        computed = [seq for seq in batch.sequences if seq.leader is None]
-        index = {id(seq): i for i, seq in enumerate(computed)}
-        leaders = [index[id(seq.leader or seq)] for seq in batch.sequences]
-        return ScheduledBatch(computed, is_prefill=True), leaders
-
     def _share_prompts(self, sequences: list[Sequence]) -> None:
         """Each sample that held its leader's prompt blocks takes its prompt logprobs too."""
         for seq in sequences:
@@ -347,51 +351,62 @@ class Engine:
                 seq.prompt_logprobs = None if leader.prompt_logprobs is None else list(leader.prompt_logprobs)
                 self.stats.prompt_tokens_shared += len(seq.prompt)
 
-    def _prepare(self, batch: ScheduledBatch) -> tuple[ForwardBatch, list[int], list[int]]:
-        """The forward batch, the adapter slot of each of its N tokens and of each of its M logit rows."""
+    def _prepare(self, computed: list[tuple[Sequence, int]]) -> tuple[ForwardBatch, list[int], list[int]]:
+        """The forward batch of each sequence's chunk (its next `chunk` tokens from num_cached on), the adapter
+        slot of each of its N tokens and of each of its M logit rows: one per sequence whose chunk ends it (its
+        last position, to sample from), every position of a prompt chunk whose prompt logprobs are wanted,
+        none for other partial chunks."""
         tokens: list[int] = []
         positions: list[int] = []
         token_slots: list[int] = []
         row_slots: list[int] = []
         new_lens: list[int] = []
         logits_indices: list[int] = []
-        for seq in batch.sequences:
-            new = seq.tokens[seq.num_cached :]  # prefill: the prompt; decode: the last sampled token
+        for seq, chunk in computed:
+            new = seq.tokens[seq.num_cached : seq.num_cached + chunk]  # a prompt chunk, or the last sampled token
             start = len(tokens)
             tokens.extend(new)
-            positions.extend(range(seq.num_cached, seq.num_cached + len(new)))
-            token_slots.extend([seq.lora_slot] * len(new))
-            new_lens.append(len(new))
-            if batch.is_prefill and _wants_prompt_logprobs(seq):
-                logits_indices.extend(range(start, start + len(new)))
-            else:
-                logits_indices.append(start + len(new) - 1)
+            positions.extend(range(seq.num_cached, seq.num_cached + chunk))
+            token_slots.extend([seq.lora_slot] * chunk)
+            new_lens.append(chunk)
+            if _wants_prompt_logprobs(seq):
+                logits_indices.extend(range(start, start + chunk))
+            elif seq.num_cached + chunk == seq.num_tokens:
+                logits_indices.append(start + chunk - 1)
             row_slots.extend([seq.lora_slot] * (len(logits_indices) - len(row_slots)))
         device = self.device
         forward = ForwardBatch(
             tokens=torch.tensor(tokens, dtype=torch.long, device=device),
             positions=torch.tensor(positions, dtype=torch.long, device=device),
-            block_tables=[seq.block_table for seq in batch.sequences],
+            block_tables=[seq.block_table for seq, _ in computed],
             new_lens=new_lens,
-            context_lens=[seq.num_tokens for seq in batch.sequences],
+            context_lens=[seq.num_cached + chunk for seq, chunk in computed],
             logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=device),
         )
         return forward, token_slots, row_slots
 
-    def _last_logits(self, batch: ScheduledBatch, logits: torch.Tensor) -> torch.Tensor:
-        """Picks each sequence's last-position row; records prompt logprobs where they were asked for."""
+    def _last_logits(self, computed: list[tuple[Sequence, int]], logits: torch.Tensor) -> torch.Tensor:
+        """Picks the last-position row of each sequence whose chunk ends it; collects prompt logprobs chunk by
+        chunk where they were asked for (position p predicts token p+1), whole once the last chunk is in."""
         rows: list[int] = []
         offset = 0
-        for seq in batch.sequences:
-            if batch.is_prefill and _wants_prompt_logprobs(seq):
-                count = len(seq.prompt)
-                prompt_logits = logits[offset : offset + count - 1]  # position i predicts token i+1
-                targets = torch.tensor(seq.prompt[1:], dtype=torch.long, device=logits.device)
-                seq.prompt_logprobs = prompt_logits.log_softmax(-1).gather(1, targets[:, None]).squeeze(1).tolist()
-                offset += count
-            else:
+        for seq, chunk in computed:
+            ends = seq.num_cached + chunk == seq.num_tokens
+            if _wants_prompt_logprobs(seq):
+                begin = seq.num_cached  # 0 at a first (or, after a preemption, again first) chunk
+                count = min(begin + chunk, len(seq.prompt) - 1) - begin  # positions predicting a prompt token
+                targets = torch.tensor(seq.prompt[begin + 1 : begin + 1 + count], dtype=torch.long,
+                                       device=logits.device)  # fmt: skip
+                picked = logits[offset : offset + count].log_softmax(-1).gather(1, targets[:, None]).squeeze(1)
+                so_far = [] if begin == 0 else seq.prompt_logprobs_so_far
+                seq.prompt_logprobs_so_far = [*so_far, *picked.tolist()]
+                if ends:
+                    seq.prompt_logprobs, seq.prompt_logprobs_so_far = seq.prompt_logprobs_so_far, []
+                offset += chunk
+            elif ends:
                 offset += 1
-            rows.append(offset - 1)
+            if ends:
+                rows.append(offset - 1)
         return logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
 
     def _lora_hook(
@@ -500,7 +515,8 @@ class Engine:
 
 
 def _wants_prompt_logprobs(seq: Sequence) -> bool:
-    """Prompt logprobs are computed in a sequence's first prefill only (not when it recomputes after preemption)."""
+    """Prompt logprobs are computed in a sequence's first prefill only (not when it recomputes after preemption,
+    unless it was preempted before its last prompt chunk)."""
     return seq.want_prompt_logprobs and seq.prompt_logprobs is None
 
 

@@ -56,6 +56,7 @@ class Sequence:
     output: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     prompt_logprobs: list[float] | None = None
+    prompt_logprobs_so_far: list[float] = field(default_factory=list)  # of the prompt chunks computed so far
     stop_reason: int = sampler_pb2.STOP_REASON_UNSPECIFIED
     seed: int | None = None  # sampling seed of this sample (None: greedy); the engine makes its generator
     generator: torch.Generator | None = None
