@@ -2,7 +2,7 @@
 
 One `forward` serves any mix of sequences: whole-prompt prefill, a prefill chunk on top of a cached prefix,
 and single-token decode. Projections run on the flat [N, d] tokens of all sequences (no padding); only
-attention looks at sequences one by one (prefill) or as one gathered batch (decode). After every
+attention groups them (decodes in one call, prefills in another, or the Triton kernel on CUDA: `attention`). After every
 q/k/v/o/gate/up/down projection the engine's `LoraHook` may add each token's LoRA delta, and after the LM head
 (`lm_head`) each logit row's.
 
@@ -89,6 +89,7 @@ class LlamaForCausalLM:
         # rope_scale multiplies cos and sin (yarn's attention factor, 1 otherwise).
         inv_freq, self.rope_scale = inverse_frequencies(config.rope, config.head_dim, config.max_position_embeddings)
         self.inv_freq = inv_freq.to(self.device)
+        self.batch_prefills = True  # several prefill segments of a step in one attention call (torch path)
 
     @classmethod
     def from_pretrained(cls, model_dir: Path, *, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
@@ -151,7 +152,7 @@ class LlamaForCausalLM:
         freqs = positions.to(torch.float32)[:, None] * self._token_inv_freq(batch)  # [N, head_dim / 2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [N, head_dim]
         cos, sin = (emb.cos() * self.rope_scale).to(self.dtype), (emb.sin() * self.rope_scale).to(self.dtype)
-        plan = AttentionPlan(batch, positions, dev, c.sliding_window, size)
+        plan = AttentionPlan(batch, positions, dev, c.sliding_window, size, batch_prefills=self.batch_prefills)
 
         h = F.embedding(tokens, self.embed)  # [N, hidden]
         for i, layer in enumerate(self.layers):

@@ -1,0 +1,118 @@
+"""Attention over block tables: the torch path's batched prefill (several multi-token segments in one padded SDPA
+call) equals the per-segment path and a float64 oracle; the Triton paged attention kernel, interpreted on the CPU,
+equals the torch path on decode, prefill, continuation of a cached prefix, GQA, sliding window, mixed steps and
+shuffled block tables; the backend is chosen by the cache's device."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from pagedattnutil import CASES, AttnCase, make_inputs, naive_attention, run_attention
+
+from opentinker.sampler_server.kernels import TRITON_AVAILABLE
+from opentinker.sampler_server.kernels.paged_attention_ops import PagedAttentionMeta, paged_attention
+from opentinker.sampler_server.model import ForwardBatch, KVCache, LlamaForCausalLM
+from opentinker.sampler_server.model.attention import AttentionPlan, resolve_attention
+
+FP32 = 1e-5  # fp32 rounding of attention outputs of magnitude ~1 (summation order differs, nothing else)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
+def test_batched_prefill_equals_the_per_segment_path(case: AttnCase) -> None:
+    inputs = make_inputs(case)
+    batched = run_attention(inputs, "torch", block_size=case.block_size)
+    per_segment = run_attention(inputs, "torch", block_size=case.block_size, batch_prefills=False)
+    oracle = naive_attention(inputs, case.block_size)
+    assert (batched - per_segment).abs().max().item() <= FP32
+    assert (batched - oracle).abs().max().item() <= FP32
+    assert (per_segment - oracle).abs().max().item() <= FP32
+
+
+def test_the_plan_batches_two_or_more_prefills_and_leaves_one_alone() -> None:
+    for name, segments, batched in (
+        ("two", ((5, 9), (1, 4), (3, 3)), True),
+        ("one", ((5, 9), (1, 4), (1, 3)), False),
+        ("none", ((1, 9), (1, 4)), False),
+    ):
+        inputs = make_inputs(AttnCase(name, segments))
+        plan = AttentionPlan(inputs.batch, inputs.batch.positions, torch.device("cpu"), None, 4, "torch")
+        assert (plan.prefill_batch is not None) == batched, name
+        assert plan.decode_rows is not None or name == "two"
+
+
+def test_a_mixed_batch_of_the_tiny_model_gives_each_sequences_logits_alone(tiny_model: Path) -> None:
+    # Whole prompts of different lengths, a chunk continuing a cached prefix and a decode, in one forward, equal
+    # each sequence forwarded by itself (one prefill: the single-segment path) in the same blocks.
+    model = LlamaForCausalLM.from_pretrained(tiny_model, device=torch.device("cpu"), dtype=torch.float32)
+    prompts = [list(range(3, 3 + n)) for n in (21, 9, 30, 17)]
+    prefix = {2: 12, 3: 16}  # sequence 2 continues 12 cached tokens; sequence 3 decodes its 17th
+    tables = [[0, 5], [2], [7, 1], [3, 6]]
+
+    def fresh_cache() -> KVCache:
+        cache = KVCache(model.config, 8, 16, torch.device("cpu"), torch.float32)
+        for i, cached in prefix.items():
+            model.forward(ForwardBatch.build([prompts[i][:cached]], [0], block_tables=[tables[i]], all_logits=False),
+                          cache)  # fmt: skip
+        return cache
+
+    chunks = [prompt[prefix.get(i, 0) :] for i, prompt in enumerate(prompts)]
+    starts = [prefix.get(i, 0) for i in range(len(prompts))]
+    together = model.forward(ForwardBatch.build(chunks, starts, block_tables=tables, all_logits=True), fresh_cache())
+    alone, cache = [], fresh_cache()
+    for i, chunk in enumerate(chunks):
+        alone.append(model.forward(ForwardBatch.build([chunk], [starts[i]], block_tables=[tables[i]],
+                                                      all_logits=True), cache))  # fmt: skip
+    assert together.shape[0] == sum(len(chunk) for chunk in chunks)
+    assert (together - torch.cat(alone)).abs().max().item() <= 1e-4  # logits of magnitude ~10
+
+
+def test_the_backend_follows_the_caches_device() -> None:
+    assert resolve_attention("cpu", triton_available=True) == "torch"
+    assert resolve_attention("cuda", triton_available=True) == "triton"
+    assert resolve_attention("cuda", triton_available=False) == "torch"
+    assert resolve_attention("cpu") == "torch"
+
+
+def test_the_triton_kernel_refuses_cpu_tensors_without_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    inputs = make_inputs(CASES[0])
+    meta = PagedAttentionMeta.build(
+        inputs.batch.block_tables, inputs.batch.new_lens, inputs.batch.context_lens, 4, None, torch.device("cpu")
+    )
+    with pytest.raises(RuntimeError, match="CUDA tensors, or TRITON_INTERPRET=1"):
+        paged_attention(inputs.q, inputs.k_rows, inputs.v_rows, meta)
+
+
+@pytest.mark.skipif(not TRITON_AVAILABLE, reason="triton is not installed, so its kernel cannot run (even interpreted)")
+def test_the_triton_kernel_under_the_interpreter_equals_the_torch_path() -> None:
+    script = Path(__file__).with_name("pagedattn_triton_interp_check.py")
+    proc = subprocess.run(
+        [sys.executable, str(script)], env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
+        timeout=240,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(results) == 3 * len(CASES)
+    for case in results:
+        assert case["finite"], case
+        assert case["err_vs_torch"] <= FP32, case
+        assert case["err_vs_oracle"] <= FP32, case
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and TRITON_AVAILABLE), reason="needs a CUDA device and triton")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_triton_kernel_on_cuda_equals_the_torch_path(dtype: torch.dtype) -> None:
+    case = AttnCase("cuda", ((1, 300), (64, 64), (40, 200), (1, 17), (130, 130), (1, 1)), heads=8, kv_heads=2,
+                    head_dim=64, block_size=16)  # fmt: skip
+    inputs = make_inputs(case, dtype)
+    cuda = make_inputs(case, dtype)
+    moved = type(cuda)(cuda.config, cuda.q.cuda(), cuda.k_rows.cuda(), cuda.v_rows.cuda(), cuda.batch)
+    triton_out = run_attention(moved, "triton", block_size=16).cpu().float()
+    torch_out = run_attention(inputs, "torch", block_size=16).float()
+    assert (triton_out - torch_out).abs().max().item() <= (FP32 if dtype == torch.float32 else 2e-2)
