@@ -80,7 +80,10 @@ class Run:
 
 def stats(address: str) -> sampler_pb2.GetStatsResponse:
     with grpc.insecure_channel(address) as channel:
-        return sampler_pb2_grpc.SamplerServiceStub(channel).GetStats(sampler_pb2.GetStatsRequest(), timeout=30)
+        response: sampler_pb2.GetStatsResponse = sampler_pb2_grpc.SamplerServiceStub(channel).GetStats(
+            sampler_pb2.GetStatsRequest(), timeout=30
+        )
+        return response
 
 
 async def conversation(
@@ -168,6 +171,7 @@ def main() -> None:
         try:
             names = [f"agent-{i}" for i in range(setup.adapters)]
             for i, name in enumerate(names):
+                stack.client.create_adapter(name, rank=16, alpha=32)
                 publish(stack, name, peft_files(lora_weights(shapes, seed=300 + i)))
             addresses = {side: stack.samplers[side].address for side in SIDES}
             for side in SIDES:  # warm-up: load the adapters, run each batch shape once
@@ -185,7 +189,7 @@ def main() -> None:
 def report(setup: Setup, spec: ModelSpec, runs: dict[str, list[Run]], memory: kv_concurrency.Concurrency,
            seconds: float) -> None:  # fmt: skip
     def med(side: str, field: str) -> float:
-        return statistics.median(getattr(r, field) for r in runs[side])
+        return float(statistics.median(float(getattr(r, field)) for r in runs[side]))
 
     computed = med("on", "computed") / med("off", "computed")
     ttft = med("on", "ttft_p50") / med("off", "ttft_p50")
