@@ -30,6 +30,7 @@ SCRIPTS = (
     "group_sampling.py",  # RL groups: n samples sharing one prompt
     "noisy_neighbours.py",  # team-b latency during team-a abuse / alone
     "bf16_drift.py",  # sampler vs trainer logprobs in bfloat16, per model family
+    "prefix_cache.py",  # multi-turn agents, prefix cache on / off; the paged KV memory figure
 )
 
 

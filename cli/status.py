@@ -21,8 +21,9 @@ from rich.table import Table
 from opentinker.cli.console import table_console
 from opentinker.cli.failure import describe
 from opentinker.cli.registry_json import adapter_json
-from opentinker.client import OpenTinkerError, RegistryClient
+from opentinker.client import OpenTinkerError, RegistryClient, SamplerStats
 from opentinker.client.connection import Connection
+from opentinker.client.wire import sampler_stats_from_proto
 from opentinker.v1 import sampler_pb2, sampler_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 
 TIMEOUT = 5.0
@@ -31,7 +32,7 @@ RECENT_RELOADS = 5
 
 @dataclass(frozen=True, slots=True)
 class Section:
-    tables: list[Table]
+    tables: list[Table | str]
     data: dict[str, Any]
 
 
@@ -140,7 +141,7 @@ def _sampler(address: str, token: str | None, ca_cert: Path | None) -> Section:
         slots.add_row(str(adapter.slot), f"{adapter.version.adapter}@{adapter.version.version}",
                       ", ".join(adapter.serving_aliases), str(adapter.rank), str(adapter.active_requests),
                       "yes" if adapter.pinned else "")  # fmt: skip
-    tables = [slots]
+    tables: list[Table | str] = [slots, kv_cache_line(sampler_stats_from_proto(stats))]
     recent = list(stats.recent_reloads)[-RECENT_RELOADS:]
     if recent:  # a table of their own: a reload's outcome is no slot's "pinned"
         reloads = Table("version", "alias", "outcome", title=f"sampler: last {len(recent)} reloads")
@@ -149,6 +150,20 @@ def _sampler(address: str, token: str | None, ca_cert: Path | None) -> Section:
             reloads.add_row(f"{record.adapter}@{record.to_version}", record.alias, outcome)
         tables.append(reloads)
     return Section(tables, {"stats": _dump(stats), "loaded": [_dump(a) for a in loaded.adapters]})
+
+
+def kv_cache_line(stats: SamplerStats) -> str:
+    """The paged KV cache at a glance: blocks (engine-wide, an admin's view), the caller's own prefix-cache
+    hit rate, preemptions."""
+    own = stats.own_prompt_tokens_cached + stats.own_prompt_tokens_computed
+    rate = f"hit rate {stats.prefix_cache_hit_rate:.0%} of {own:,} prompt tokens"
+    if not stats.kv_blocks_total:  # a tenant's caller: the engine-wide books are not its to see
+        return f"KV cache: {rate}"
+    return (
+        f"KV cache: blocks used {stats.kv_blocks_used}, cached {stats.kv_blocks_cached}, free "
+        f"{stats.kv_blocks_free} of {stats.kv_blocks_total} ({stats.kv_block_size} tokens each), {rate}, "
+        f"{stats.kv_blocks_evicted} evicted, {stats.preemptions_total} preemptions"
+    )
 
 
 _SECTIONS: dict[str, Callable[[str, str | None, Path | None], Section]] = {

@@ -337,7 +337,11 @@ class LoadedAdapter:
 class SamplerStats:
     """A sampler's load: requests, adapter slots, throughput (decode tokens/s over the last seconds) and
     adapter loads. ``reloads_total``: hot reloads of followed aliases; ``adapter_loads_total``: every version
-    loaded into a slot (on demand or by hot reload); ``reload_failures_total``: every failed load."""
+    loaded into a slot (on demand or by hot reload); ``reload_failures_total``: every failed load.
+
+    The paged KV cache: ``kv_blocks_*`` and ``preemptions_total`` are engine-wide (0 for a tenant's caller);
+    ``own_prompt_tokens_*`` are the caller's own Sample prompts by where their K/V came from (an admin's: every
+    caller's), and ``prefix_cache_hit_rate`` is cached / (cached + computed) of those."""
 
     running_requests: int
     waiting_requests: int
@@ -351,3 +355,22 @@ class SamplerStats:
     reload_failures_total: int
     last_event_id: str
     adapter_loads_total: int = 0
+    kv_block_size: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_cached: int = 0
+    kv_blocks_evicted: int = 0
+    preemptions_total: int = 0
+    own_prompt_tokens_cached: int = 0
+    own_prompt_tokens_computed: int = 0
+    own_prompt_tokens_shared: int = 0
+
+    @property
+    def kv_blocks_free(self) -> int:
+        return self.kv_blocks_total - self.kv_blocks_used
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Of the caller's prompt tokens that needed K/V (cached or computed), the fraction found cached."""
+        looked_up = self.own_prompt_tokens_cached + self.own_prompt_tokens_computed
+        return self.own_prompt_tokens_cached / looked_up if looked_up else 0.0

@@ -256,4 +256,13 @@ def sampler_stats_from_proto(proto: sampler_pb2.GetStatsResponse) -> SamplerStat
         reload_failures_total=proto.reload_failures_total,
         last_event_id=proto.last_event_id,
         adapter_loads_total=proto.adapter_loads_total,
+        kv_block_size=proto.kv_block_size,
+        kv_blocks_total=proto.kv_blocks_total,
+        kv_blocks_used=proto.kv_blocks_used,
+        kv_blocks_cached=proto.kv_blocks_cached,
+        kv_blocks_evicted=proto.kv_blocks_evicted,
+        preemptions_total=proto.preemptions_total,
+        own_prompt_tokens_cached=proto.own_prompt_tokens_cached,
+        own_prompt_tokens_computed=proto.own_prompt_tokens_computed,
+        own_prompt_tokens_shared=proto.own_prompt_tokens_shared,
     )

@@ -77,6 +77,7 @@ class SequenceUpdate:
     prompt_logprobs: list[float] | None = None  # on a sample's first update, when they were asked for
     error: str = ""  # set when the engine failed this sequence (the request ends with an error status)
     error_reason: str = ""  # NON_FINITE_OUTPUT: the request's adapter made its logits non-finite; "": the engine
+    prompt_sources: tuple[int, int, int] = (0, 0, 0)  # the sample's tokens cached, computed, shared so far
 
 
 UpdateCallback = Callable[[SequenceUpdate], None]
@@ -98,6 +99,7 @@ class _Score:
     tokens: list[int]
     lora_slot: int
     future: concurrent.futures.Future[list[float]]
+    cache_key: str = ""  # the weights identity its full blocks are cached under ("": none)
 
 
 @dataclass(slots=True)
@@ -171,9 +173,9 @@ class Engine:
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
 
-    def score(self, tokens: list[int], lora_slot: int) -> concurrent.futures.Future[list[float]]:
+    def score(self, tokens: list[int], lora_slot: int, cache_key: str = "") -> concurrent.futures.Future[list[float]]:
         future: concurrent.futures.Future[list[float]] = concurrent.futures.Future()
-        self._inbox.put(_Score(tokens, lora_slot, future))
+        self._inbox.put(_Score(tokens, lora_slot, future, cache_key))
         return future
 
     @property
@@ -464,13 +466,15 @@ class Engine:
         new_logprobs = seq.output_logprobs[seq.emitted_tokens :]
         seq.emitted_tokens = len(seq.output)
         callback = self._callbacks.get(seq.request_id)
+        sources = (seq.tokens_cached, seq.tokens_computed, seq.tokens_shared)
         if finished:
             self._retire(seq)
             if all(s.request_id != seq.request_id for s in [*self.scheduler.waiting, *self.scheduler.running]):
                 self._callbacks.pop(seq.request_id, None)
         if callback is not None:
             callback(SequenceUpdate(seq.request_id, seq.sample_index, new_tokens, new_logprobs, text_delta, finished,
-                                    seq.stop_reason, seq.prompt_logprobs if first else None))  # fmt: skip
+                                    seq.stop_reason, seq.prompt_logprobs if first else None,
+                                    prompt_sources=sources))  # fmt: skip
 
     def _detokenize(self, seq: Sequence, *, final: bool = False) -> str:
         """The text the newest tokens add, appended to seq.text. Only a window of the output is decoded: from the
@@ -491,15 +495,21 @@ class Engine:
         return delta
 
     def _score(self, job: _Score) -> None:
+        """Logprobs of every position after the first. They need every position's hidden state, which the
+        cache does not hold, so the whole input is computed (a cached prefix saves nothing here); its K/V go to
+        pool blocks that join the prefix cache under the job's key (block_manager.py), so the next Sample that
+        extends the input (an RL loop's next turn) finds them. When the pool has no blocks to spare, the
+        reserved score area serves and nothing is cached."""
         if job.future.set_running_or_notify_cancel() is False:
             self.release(job.lora_slot)  # cancelled before it ran: its pin still ends here
             return
+        seq = self.blocks.score_sequence(job.tokens, job.lora_slot, job.cache_key)
         try:
             tokens = job.tokens
             forward = ForwardBatch(
                 tokens=torch.tensor(tokens, dtype=torch.long, device=self.device),
                 positions=torch.arange(len(tokens), device=self.device),
-                block_tables=[self.score_table],
+                block_tables=[seq.block_table if seq is not None else self.score_table],
                 new_lens=[len(tokens)],
                 context_lens=[len(tokens)],
                 logits_indices=torch.arange(len(tokens) - 1, device=self.device),
@@ -507,10 +517,17 @@ class Engine:
             hook = self._lora_hook([job.lora_slot] * len(tokens), [job.lora_slot] * (len(tokens) - 1))
             logits = self.model.forward(forward, self.cache, hook)  # [L-1, V]
             targets = torch.tensor(tokens[1:], dtype=torch.long, device=self.device)
-            job.future.set_result(logits.log_softmax(-1).gather(1, targets[:, None]).squeeze(1).tolist())
+            logprobs = logits.log_softmax(-1).gather(1, targets[:, None]).squeeze(1)  # [L-1]
+            if seq is not None and bool(logprobs.isfinite().all()):  # non-finite K/V are never cached
+                seq.num_cached = len(tokens)
+                self.blocks.register(seq)
+            job.future.set_result(logprobs.tolist())
         except Exception as exc:
             job.future.set_exception(exc)
         finally:
+            if seq is not None:
+                self.blocks.release(seq)  # registered blocks stay cached, idle; the others are free again
+            self._block_stats()
             self.release(job.lora_slot)
 
 

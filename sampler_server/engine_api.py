@@ -17,8 +17,9 @@ class EngineAPI(Protocol):
 
     def abort(self, request_id: str) -> None: ...
 
-    def score(self, tokens: list[int], lora_slot: int) -> concurrent.futures.Future[list[float]]:
-        """Logprobs of tokens[1:] under the adapter in `lora_slot`; the engine ends the caller's pin on it."""
+    def score(self, tokens: list[int], lora_slot: int, cache_key: str = "") -> concurrent.futures.Future[list[float]]:
+        """Logprobs of tokens[1:] under the adapter in `lora_slot`; the engine ends the caller's pin on it. Its
+        full blocks join the prefix cache under `cache_key` (the weights identity; "": not cached)."""
         ...
 
     def start(self) -> None: ...

@@ -125,7 +125,7 @@ def _engine_main(conn: Connection, build: EngineBuilder, server_pid: int) -> Non
             engine.abort(message[1])
         elif kind == "score":
             job = message[1]
-            future = engine.score(message[2], message[3])
+            future = engine.score(message[2], message[3], message[4])
             future.add_done_callback(functools.partial(outbox.score_done, job))
         else:
             break
@@ -221,12 +221,12 @@ class EngineProcess:
             self._callbacks.pop(request_id, None)
         self._send(("abort", request_id))
 
-    def score(self, tokens: list[int], lora_slot: int) -> concurrent.futures.Future[list[float]]:
+    def score(self, tokens: list[int], lora_slot: int, cache_key: str = "") -> concurrent.futures.Future[list[float]]:
         future: concurrent.futures.Future[list[float]] = concurrent.futures.Future()
         job = next(self._jobs)
         with self._lock:
             self._scores[job] = future
-        if not self._send(("score", job, tokens, lora_slot)):
+        if not self._send(("score", job, tokens, lora_slot, cache_key)):
             with self._lock:
                 self._scores.pop(job, None)
             self.pool.release(lora_slot)

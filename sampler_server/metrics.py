@@ -62,6 +62,10 @@ class SamplerCollector(Collector):
         blocks.add_metric(["used"], stats.blocks_used)
         blocks.add_metric(["cached"], stats.blocks_cached)
         yield blocks
+        looked_up = stats.prompt_tokens_cached + stats.prompt_tokens_computed
+        yield GaugeMetricFamily("opentinker_sampler_prefix_cache_hit_ratio", "Of the prompt tokens that needed "
+                                "K/V since start (cached or computed), the fraction found in the prefix cache",
+                                value=stats.prompt_tokens_cached / looked_up if looked_up else 0.0)  # fmt: skip
         yield CounterMetricFamily("opentinker_sampler_kv_blocks_evicted", "Idle prefix-cache blocks evicted (LRU) "
                                   "for new tokens", value=stats.blocks_evicted)  # fmt: skip
         yield CounterMetricFamily("opentinker_sampler_preemptions", "Running sequences sent back to the queue "

@@ -64,6 +64,10 @@ class Sequence:
     emitted_tokens: int = 0  # tokens already sent to the client
     detok_prefix: int = 0  # output index where the next detokenization window starts (context for the new text)
     detok_read: int = 0  # output tokens whose text is in `text`
+    # Tokens by where their K/V came from, summed over its admissions (a preempted one's recompute included)
+    tokens_cached: int = 0  # found in the prefix cache
+    tokens_computed: int = 0  # run through a prefill forward
+    tokens_shared: int = 0  # held by reference from another sample of its request
 
     @property
     def tokens(self) -> list[int]:

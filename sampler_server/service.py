@@ -66,7 +66,7 @@ def coalesce(updates: list[SequenceUpdate]) -> list[SequenceUpdate]:
         merged[index] = new if old is None else SequenceUpdate(
             new.request_id, index, old.tokens + new.tokens, old.logprobs + new.logprobs, old.text + new.text,
             new.finished, new.stop_reason, old.prompt_logprobs, new.error or old.error,
-            new.error_reason or old.error_reason,
+            new.error_reason or old.error_reason, new.prompt_sources,
         )  # fmt: skip
     return list(merged.values())
 
@@ -78,6 +78,12 @@ def _non_finite(resolved: Resolved) -> FailedPrecondition:
         "this request ended, other requests were not affected",
         reason="NON_FINITE_OUTPUT",
     )
+
+
+def _add_own_prompt_tokens(stats: sampler_pb2.GetStatsResponse, activity: TenantActivity) -> None:
+    stats.own_prompt_tokens_cached += activity.prompt_tokens_cached
+    stats.own_prompt_tokens_computed += activity.prompt_tokens_computed
+    stats.own_prompt_tokens_shared += activity.prompt_tokens_shared
 
 
 def _engine_error(update: SequenceUpdate, resolved: Resolved) -> Exception:
@@ -218,6 +224,7 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
             self.engine.submit(sequences, functools.partial(self._mailbox.post, updates))
             submitted = request_id
             first = [True] * count
+            counted = [(0, 0, 0)] * count  # each sample's prompt_sources already in its tenant's books
             while remaining:
                 pending = [await updates.get()]
                 while not updates.empty():  # the client read slower than we generate: one message per sample
@@ -230,6 +237,8 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
                         started.add(update.sample_index)
                         activity.waiting, activity.running = activity.waiting - 1, activity.running + 1
                     activity.add_tokens(len(update.tokens))
+                    activity.add_prompt_sources(counted[update.sample_index], update.prompt_sources)
+                    counted[update.sample_index] = update.prompt_sources
                     if update.finished:
                         remaining -= 1
                         done.add(update.sample_index)
@@ -309,9 +318,11 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
         sequences = [self._check_tokens(tokens_of(m), f"inputs[{i}]") for i, m in enumerate(request.inputs)]
         resolved = await self.loader.resolve(request.model or "base")
         response = sampler_pb2.ComputeLogprobsResponse(version=resolved.message)
+        tenant = current_principal().tenant or ""
         for tokens in sequences:
             slot = await self.loader.acquire(resolved)  # released by the engine after scoring
-            logprobs = await asyncio.wrap_future(self.engine.score(tokens, slot))
+            # Its blocks join the prefix cache under the same weights identity a Sample of this slot uses.
+            logprobs = await asyncio.wrap_future(self.engine.score(tokens, slot, self._cache_key(slot, tenant)))
             if not all(math.isfinite(x) for x in logprobs):
                 raise _non_finite(resolved)
             response.results.append(sampler_pb2.TokenLogprobs(logprobs=logprobs))
@@ -380,6 +391,8 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
             kv_blocks_evicted=engine.stats.blocks_evicted, preemptions_total=engine.stats.preemptions,
             kv_block_size=engine.stats.block_size,
         )  # fmt: skip
+        for activity in self.tenants.all():  # every caller's requests: the engine's counts less ComputeLogprobs
+            _add_own_prompt_tokens(stats, activity)
         if follower is not None:
             stats.reloads_total = follower.reloads_total
             stats.last_event_id = follower.last_event_id
@@ -399,6 +412,7 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
             adapter_loads_total=sum(n for a, n in loader.loads_by_adapter.items() if mine(a)),
             reload_failures_total=sum(n for a, n in loader.load_failures_by_adapter.items() if mine(a)),
         )  # fmt: skip
+        _add_own_prompt_tokens(stats, activity)
         if follower is not None:
             stats.reloads_total = sum(n for a, n in follower.reloads_by_adapter.items() if mine(a))
             stats.recent_reloads.extend(r for r in follower.recent if mine(r.adapter))

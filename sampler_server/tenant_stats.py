@@ -40,6 +40,16 @@ class TenantActivity:
     running: int = 0  # samples streaming
     tokens_generated: int = 0
     recent: list[tuple[float, int]] = field(default_factory=list)  # (monotonic time, tokens) of recent messages
+    # Its samples' prompt tokens by where their K/V came from (prefix cache, a prefill forward, another sample)
+    prompt_tokens_cached: int = 0
+    prompt_tokens_computed: int = 0
+    prompt_tokens_shared: int = 0
+
+    def add_prompt_sources(self, before: tuple[int, int, int], now: tuple[int, int, int]) -> None:
+        """Adds what a sample's (cached, computed, shared) counts gained since `before`."""
+        self.prompt_tokens_cached += now[0] - before[0]
+        self.prompt_tokens_computed += now[1] - before[1]
+        self.prompt_tokens_shared += now[2] - before[2]
 
     def add_tokens(self, count: int) -> None:
         if count:
@@ -53,6 +63,9 @@ class TenantActivity:
 class TenantStats:
     def __init__(self) -> None:
         self._tenants: dict[str, TenantActivity] = {}
+
+    def all(self) -> list[TenantActivity]:
+        return list(self._tenants.values())
 
     def of(self, tenant: str) -> TenantActivity:
         activity = self._tenants.get(tenant)

@@ -207,7 +207,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("running_requests", "waiting_requests", "max_waiting", "slots_used", "slots_total", "tokens_generated", "decode_tokens_per_second", "kv_cache_usage", "reloads_total", "reload_failures_total", "last_event_id", "recent_reloads", "adapter_loads_total", "prompt_tokens_computed", "prompt_tokens_cached", "prompt_tokens_shared", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "kv_blocks_evicted", "preemptions_total", "kv_block_size")
+    __slots__ = ("running_requests", "waiting_requests", "max_waiting", "slots_used", "slots_total", "tokens_generated", "decode_tokens_per_second", "kv_cache_usage", "reloads_total", "reload_failures_total", "last_event_id", "recent_reloads", "adapter_loads_total", "prompt_tokens_computed", "prompt_tokens_cached", "prompt_tokens_shared", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "kv_blocks_evicted", "preemptions_total", "kv_block_size", "own_prompt_tokens_cached", "own_prompt_tokens_computed", "own_prompt_tokens_shared")
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     MAX_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -230,6 +230,9 @@ class GetStatsResponse(_message.Message):
     KV_BLOCKS_EVICTED_FIELD_NUMBER: _ClassVar[int]
     PREEMPTIONS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    OWN_PROMPT_TOKENS_CACHED_FIELD_NUMBER: _ClassVar[int]
+    OWN_PROMPT_TOKENS_COMPUTED_FIELD_NUMBER: _ClassVar[int]
+    OWN_PROMPT_TOKENS_SHARED_FIELD_NUMBER: _ClassVar[int]
     running_requests: int
     waiting_requests: int
     max_waiting: int
@@ -252,4 +255,7 @@ class GetStatsResponse(_message.Message):
     kv_blocks_evicted: int
     preemptions_total: int
     kv_block_size: int
-    def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., max_waiting: _Optional[int] = ..., slots_used: _Optional[int] = ..., slots_total: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., decode_tokens_per_second: _Optional[float] = ..., kv_cache_usage: _Optional[float] = ..., reloads_total: _Optional[int] = ..., reload_failures_total: _Optional[int] = ..., last_event_id: _Optional[str] = ..., recent_reloads: _Optional[_Iterable[_Union[ReloadRecord, _Mapping]]] = ..., adapter_loads_total: _Optional[int] = ..., prompt_tokens_computed: _Optional[int] = ..., prompt_tokens_cached: _Optional[int] = ..., prompt_tokens_shared: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., kv_blocks_evicted: _Optional[int] = ..., preemptions_total: _Optional[int] = ..., kv_block_size: _Optional[int] = ...) -> None: ...
+    own_prompt_tokens_cached: int
+    own_prompt_tokens_computed: int
+    own_prompt_tokens_shared: int
+    def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., max_waiting: _Optional[int] = ..., slots_used: _Optional[int] = ..., slots_total: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., decode_tokens_per_second: _Optional[float] = ..., kv_cache_usage: _Optional[float] = ..., reloads_total: _Optional[int] = ..., reload_failures_total: _Optional[int] = ..., last_event_id: _Optional[str] = ..., recent_reloads: _Optional[_Iterable[_Union[ReloadRecord, _Mapping]]] = ..., adapter_loads_total: _Optional[int] = ..., prompt_tokens_computed: _Optional[int] = ..., prompt_tokens_cached: _Optional[int] = ..., prompt_tokens_shared: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., kv_blocks_evicted: _Optional[int] = ..., preemptions_total: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., own_prompt_tokens_cached: _Optional[int] = ..., own_prompt_tokens_computed: _Optional[int] = ..., own_prompt_tokens_shared: _Optional[int] = ...) -> None: ...
