@@ -34,7 +34,9 @@ def serve(
     max_slots: Annotated[int, typer.Option(help="Adapter versions resident at once.")] = 32,
     max_rank: Annotated[int, typer.Option(help="Largest LoRA rank served (smaller ranks are zero-padded).")] = 64,
     max_seqs: Annotated[int, typer.Option(help="Sequences in a batch.")] = 64,
-    max_batch_tokens: Annotated[int, typer.Option(help="Tokens (decodes and prompt tokens) per step.")] = 4096,
+    max_batch_tokens: Annotated[
+        int, typer.Option(help="Tokens per step: decodes and prompt chunks, or a whole-prompt prefill.")
+    ] = 4096,
     prefill_chunk_tokens: Annotated[
         int,
         typer.Option(

@@ -14,8 +14,10 @@ import torch
 from chunkedutil import chunked_engine
 from pagedkvutil import ADAPTERS, CPU, assert_same, make_pool, prompt, run
 
+from opentinker.sampler_server.block_manager import BlockManager
 from opentinker.sampler_server.engine import SequenceUpdate
 from opentinker.sampler_server.model.llama import LlamaForCausalLM
+from opentinker.sampler_server.scheduler import Scheduler
 from opentinker.sampler_server.sequence import SamplingParams, Sequence
 from opentinker.sampler_server.slot_pool import SlotPool
 
@@ -129,3 +131,29 @@ def test_a_long_prompt_entering_in_chunks_never_stalls_a_running_stream(
     # ...where the whole prompt's prefill is a step without it: its gap there is 2 steps.
     assert whole.count(0) == 1 and len(whole) == 24
     assert_same([[seq] for seq in outputs], [[seq] for seq in whole_outputs])
+
+
+def test_samples_wait_for_their_leaders_last_chunk_and_go_back_with_it_when_it_is_preempted() -> None:
+    blocks = BlockManager(32, block_size=4)
+    scheduler = Scheduler(max_seqs=8, max_batch_tokens=4096, prefill_chunk_tokens=4)
+    scheduler.use_blocks(blocks)
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    group = [Sequence(seq_id=i, request_id="g", sample_index=i, prompt=list(range(1, 15)), params=params,
+                      lora_slot=0) for i in range(3)]  # fmt: skip
+    for seq in group:
+        scheduler.add(seq)
+    batch = scheduler.schedule()
+    assert batch is not None and (batch.sequences, batch.chunks) == ([group[0]], [4])  # the others wait outside
+    assert group[1].leader is group[0] and blocks.num_used == 4  # 14 tokens: 4 blocks, held once
+    group[0].num_cached += 4
+    scheduler.preempt(group[0])  # before its prompt is computed: its samples cannot use the blocks either
+    assert [seq.sample_index for seq in scheduler.waiting] == [0, 1, 2] and blocks.num_used == 0
+    assert all(seq.leader is None for seq in group) and scheduler.preemptions == 3
+    chunks = []
+    for _ in range(4):  # admitted again together; the first recomputes from token 0, 4 tokens a step
+        batch = scheduler.schedule()
+        assert batch is not None
+        chunks.append(batch.chunks)
+        group[0].num_cached += batch.chunks[0]
+    assert chunks == [[4], [4], [4], [2, 0, 0]]  # the last chunk's step takes the samples in
+    assert batch.sequences == group
