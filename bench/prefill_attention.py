@@ -41,7 +41,7 @@ def workload(lengths: list[int], cached: list[int]) -> tuple[ForwardBatch, int]:
         count = -(-length // BLOCK)
         tables.append(list(range(next_block, next_block + count)))
         next_block += count
-    chunks = [list(range(3, 3 + length))[done:] for length, done in zip(lengths, cached, strict=True)]
+    chunks = [[3 + t % 500 for t in range(length)][done:] for length, done in zip(lengths, cached, strict=True)]
     return ForwardBatch.build(chunks, cached, block_tables=tables, all_logits=False), next_block
 
 
