@@ -70,11 +70,13 @@ def make_inputs(case: AttnCase, dtype: torch.dtype = torch.float32) -> AttnInput
 def run_attention(
     inputs: AttnInputs, backend: AttentionBackend, *, block_size: int, batch_prefills: bool = True
 ) -> torch.Tensor:
-    """[N, heads * hd] attention of the batch's tokens by one path."""
+    """[N, heads * hd] attention of the batch's tokens by one path (torch: prefills batched whatever the padding
+    when `batch_prefills`, each by itself otherwise)."""
     plan = AttentionPlan(
         inputs.batch, inputs.batch.positions, inputs.q.device, inputs.config.sliding_window, block_size, backend,
-        batch_prefills=batch_prefills,
+        batch_prefills=batch_prefills, min_pad_fill=0.0,
     )  # fmt: skip
+    assert backend != "torch" or (plan.prefill_batch is not None) == (batch_prefills and len(plan.prefills) > 1)
     return attention(inputs.config, inputs.q, inputs.k_rows, inputs.v_rows, plan)
 
 

@@ -18,7 +18,7 @@ from pagedattnutil import CASES, AttnCase, make_inputs, naive_attention, run_att
 from opentinker.sampler_server.kernels import TRITON_AVAILABLE
 from opentinker.sampler_server.kernels.paged_attention_ops import PagedAttentionMeta, paged_attention
 from opentinker.sampler_server.model import ForwardBatch, KVCache, LlamaForCausalLM
-from opentinker.sampler_server.model.attention import AttentionPlan, resolve_attention
+from opentinker.sampler_server.model.attention import MIN_PAD_FILL, AttentionPlan, padding_fill, resolve_attention
 
 FP32 = 1e-5  # fp32 rounding of attention outputs of magnitude ~1 (summation order differs, nothing else)
 
@@ -36,23 +36,24 @@ def test_batched_prefill_equals_the_per_segment_path(case: AttnCase) -> None:
 
 def test_the_plan_batches_two_or_more_prefills_and_leaves_one_alone() -> None:
     for name, segments, batched in (
-        ("two", ((5, 9), (1, 4), (3, 3)), True),
+        ("two", ((5, 9), (1, 4), (4, 8)), True),  # fill 77 / 90
         ("one", ((5, 9), (1, 4), (1, 3)), False),
         ("none", ((1, 9), (1, 4)), False),
+        ("mostly_padding", ((2, 2), (80, 80), (2, 2), (2, 2)), False),  # fill 0.25: each keeps its own call
     ):
         inputs = make_inputs(AttnCase(name, segments))
         plan = AttentionPlan(inputs.batch, inputs.batch.positions, torch.device("cpu"), None, 4, "torch")
         assert (plan.prefill_batch is not None) == batched, name
-        assert plan.decode_rows is not None or name == "two"
+        assert plan.decode_rows is not None or name in ("two", "mostly_padding")
 
 
 def test_a_mixed_batch_of_the_tiny_model_gives_each_sequences_logits_alone(tiny_model: Path) -> None:
     # Whole prompts of different lengths, a chunk continuing a cached prefix and a decode, in one forward, equal
     # each sequence forwarded by itself (one prefill: the single-segment path) in the same blocks.
     model = LlamaForCausalLM.from_pretrained(tiny_model, device=torch.device("cpu"), dtype=torch.float32)
-    prompts = [list(range(3, 3 + n)) for n in (21, 9, 30, 17)]
+    prompts = [list(range(3, 3 + n)) for n in (21, 18, 30, 17)]
     prefix = {2: 12, 3: 16}  # sequence 2 continues 12 cached tokens; sequence 3 decodes its 17th
-    tables = [[0, 5], [2], [7, 1], [3, 6]]
+    tables = [[0, 5], [2, 4], [7, 1], [3, 6]]
 
     def fresh_cache() -> KVCache:
         cache = KVCache(model.config, 8, 16, torch.device("cpu"), torch.float32)
@@ -63,6 +64,8 @@ def test_a_mixed_batch_of_the_tiny_model_gives_each_sequences_logits_alone(tiny_
 
     chunks = [prompt[prefix.get(i, 0) :] for i, prompt in enumerate(prompts)]
     starts = [prefix.get(i, 0) for i in range(len(prompts))]
+    prefills = [(0, len(chunk), torch.arange(starts[i] + len(chunk))) for i, chunk in enumerate(chunks[:3])]
+    assert padding_fill(prefills) >= MIN_PAD_FILL  # the three prefills do run as one padded call
     together = model.forward(ForwardBatch.build(chunks, starts, block_tables=tables, all_logits=True), fresh_cache())
     alone, cache = [], fresh_cache()
     for i, chunk in enumerate(chunks):
