@@ -12,13 +12,14 @@ cache on / cache off (medians over repetitions):
 and whether both sides generated the same tokens (they should: the cached K/V is the computed one). Also printed:
 the paged KV cache's memory figure (bench/kv_concurrency.py).
 
-    .venv/bin/python bench/prefix_cache.py [--quick]
+    .venv/bin/python bench/prefix_cache.py [--quick] [--reps N]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import math
 import random
 import statistics
@@ -158,8 +159,11 @@ def run(address: str, names: list[str], setup: Setup, vocab: int, rep: int) -> R
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small model, one repetition")
+    parser.add_argument("--reps", type=int, default=0, help="repetitions of each side (0: the setup's)")
     args = parser.parse_args()
     setup, spec = (QUICK, QUICK_SPEC) if args.quick else (FULL, FULL_SPEC)
+    if args.reps:
+        setup = dataclasses.replace(setup, reps=args.reps)
     began = time.perf_counter()
     memory = kv_concurrency.measure()
     longest = setup.system_tokens + setup.turns * (setup.observation_tokens + 8 + setup.max_tokens)
