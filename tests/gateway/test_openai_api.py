@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -257,4 +258,25 @@ def test_other_tenants_models_wrong_keys_and_bad_bodies(
         )
     # still serving
     ok = client_a.chat.completions.create(model=AGENT, messages=MESSAGES, max_tokens=2)
+    assert ok.choices[0].message.role == "assistant"
+
+
+def test_a_client_that_goes_away_cancels_its_samples(
+    gateway: ServerProcess, service: ServiceClient, versions: dict[str, int]
+) -> None:
+    sampler = service.create_sampling_client("base")
+    before = sampler.stats().tokens_generated
+    body = {"model": AGENT, "messages": MESSAGES, "max_tokens": 1900, "stream": True, "temperature": 1.0}
+    headers = {"Authorization": f"Bearer {KEY_A}"}
+    with httpx.stream("POST", f"{base_url(gateway)}/v1/chat/completions", json=body, headers=headers) as reply:
+        assert reply.status_code == 200
+        lines = reply.iter_lines()
+        assert next(line for line in lines if line.startswith("data: ")).startswith("data: {")
+    # The sample ends when the gateway's next write fails: well before its 1,900 tokens.
+    deadline = time.monotonic() + 60
+    while (stats := sampler.stats()).running_requests or stats.waiting_requests:
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.1)
+    assert stats.tokens_generated - before < 1900, stats
+    ok = openai_client(gateway, KEY_A).chat.completions.create(model=AGENT, messages=MESSAGES, max_tokens=2)
     assert ok.choices[0].message.role == "assistant"

@@ -69,7 +69,8 @@ def test_completion_prompts() -> None:
     assert completion_request({"model": "m", "prompt": [1, 2]}, 8).prompts == ((1, 2),)
     assert completion_request({"model": "m", "prompt": [[1], [2, 3]]}, 8).prompts == ((1,), (2, 3))
     assert completion_request({"model": "m", "prompt": ["a", "b"]}, 8).prompts == ("a", "b")
-    for bad in ([], [1, "a"], [[]], "", [-1], {"x": 1}):
+    bads: list[object] = [[], [1, "a"], [[]], "", [-1], {"x": 1}]
+    for bad in bads:
         with pytest.raises(OpenAIError):
             completion_request({"model": "m", "prompt": bad}, 8)
     with pytest.raises(OpenAIError):
