@@ -99,6 +99,13 @@ def serve(
             "used are dropped."
         ),
     ] = 1 << 22,
+    tokenizer: Annotated[
+        str | None,
+        typer.Option(
+            help="Tokenizer (directory or hub id in the local HF cache) for /v1 chat templates and text prompts; "
+            "default: the model the trainer was started with."
+        ),
+    ] = None,
     ready_file: Annotated[Path | None, typer.Option(help="Write {address, metrics_address} JSON once serving.")] = None,
     log_level: Annotated[str, typer.Option(help="Logging level.")] = "INFO",
     config_file: opt.Config = None,
@@ -140,7 +147,7 @@ def serve(
         typer.echo(f"these must be positive: {', '.join('--' + n.replace('_', '-') for n in positive)}", err=True)
         raise typer.Exit(2)
 
-    asyncio.run(_run(keys, (trainer, sampler, registry), config, host, port, ready_file, redis_url))
+    asyncio.run(_run(keys, (trainer, sampler, registry), config, host, port, ready_file, redis_url, tokenizer))
 
 
 async def _run(
@@ -151,12 +158,14 @@ async def _run(
     port: int,
     ready_file: Path | None,
     redis_url: str | None,
+    tokenizer: str | None = None,
 ) -> None:
     import redis
     from aiohttp import web
 
     from opentinker.gateway.app import create_app
     from opentinker.gateway.backend import Backends
+    from opentinker.gateway.chat_template import TokenizerHandle
     from opentinker.gateway.durable import MemoryState, RedisState
     from opentinker.gateway.state import Gateway
     from opentinker.rpc.server import write_ready_file
@@ -170,7 +179,9 @@ async def _run(
     except (redis.RedisError, ValueError, KeyError) as exc:  # unreachable, or not this gateway's records
         typer.echo(f"gateway state store {durable.where}: {exc}", err=True)
         raise typer.Exit(2) from None
-    gateway = Gateway(keys=keys, backends=Backends(*addresses), config=config, durable=durable)
+    gateway = Gateway(
+        keys=keys, backends=Backends(*addresses), config=config, durable=durable, tokenizer=TokenizerHandle(tokenizer)
+    )
     gateway.restore(saved)
     if durable.durable:
         log.info(
