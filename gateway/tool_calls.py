@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import json
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, TypeAlias
 
 __all__ = [
     "PARSER_CHOICES",
-    "ParsedOutput",
+    "Parsed",
     "ParserChoice",
     "ToolCall",
     "ToolCallFormat",
@@ -38,6 +39,7 @@ __all__ = [
     "new_call_id",
     "parse_tool_calls",
     "resolve_format",
+    "wanted",
 ]
 
 ToolCallFormat: TypeAlias = Literal["hermes", "llama3", "none"]
@@ -68,17 +70,17 @@ class ToolCall:
 
 
 @dataclass(frozen=True, slots=True)
-class ParsedOutput:
+class Parsed:
     """A completion split into its text and its tool calls. ``content`` is None when there is no text (OpenAI
     sends ``content: null`` beside tool calls); without tool calls it is the completion's text unchanged."""
 
     content: str | None
-    tool_calls: tuple[ToolCall, ...]
+    calls: tuple[ToolCall, ...]
 
     @property
     def finish_reason(self) -> str | None:
         """``tool_calls`` when calls were parsed; None: keep the sampler's reason (stop, length)."""
-        return "tool_calls" if self.tool_calls else None
+        return "tool_calls" if self.calls else None
 
 
 def new_call_id() -> str:
@@ -105,13 +107,13 @@ def resolve_format(choice: ParserChoice, chat_template: str | dict[str, str] | N
     return detect_format(chat_template) if choice == "auto" else choice
 
 
-def parse_tool_calls(text: str, fmt: ToolCallFormat) -> ParsedOutput:
+def parse_tool_calls(text: str, fmt: ToolCallFormat) -> Parsed:
     """``text`` split into content and tool calls (see the module docstring); never raises on model output."""
     split = _split(text, fmt)
     if split is None:
-        return ParsedOutput(text, ())
+        return Parsed(text, ())
     outside, calls = split
-    return ParsedOutput(outside.strip() or None, calls)
+    return Parsed(outside.strip() or None, calls)
 
 
 class ToolCallStream:
@@ -134,15 +136,15 @@ class ToolCallStream:
         self._sent = safe
         return out
 
-    def finish(self) -> ParsedOutput:
+    def finish(self) -> Parsed:
         split = _split(self._text, self._fmt)
         if split is None:
             rest = self._text[self._sent :]
-            return ParsedOutput(rest or None, ())
+            return Parsed(rest or None, ())
         outside, calls = split
         # What was sent is a prefix of the text before the first call, hence of `outside`.
         rest = outside[self._sent :]
-        return ParsedOutput(rest if rest.strip() else None, calls)
+        return Parsed(rest if rest.strip() else None, calls)
 
 
 # Internals
@@ -256,3 +258,9 @@ def _safe_length(text: str, fmt: ToolCallFormat) -> int:
             return 0  # may still be (or is) a JSON tool call: hold all of it
         return len(text)
     return len(text)
+
+
+def wanted(tools: Sequence[object], tool_choice: object) -> bool:
+    """Whether a chat request's output is parsed for tool calls: it gave tools and did not say ``"none"``.
+    ``"required"`` and a named function are parsed like ``"auto"``: nothing forces the model to call one."""
+    return bool(tools) and tool_choice != "none"

@@ -8,7 +8,7 @@ import pytest
 
 from opentinker.client.tiny_model import CHAT_TEMPLATE
 from opentinker.gateway.tool_calls import (
-    ParsedOutput,
+    Parsed,
     ToolCallFormat,
     ToolCallStream,
     detect_format,
@@ -19,8 +19,8 @@ from opentinker.gateway.tool_calls import (
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
 
 
-def _calls(parsed: ParsedOutput) -> list[tuple[str, dict[str, object]]]:
-    return [(call.name, json.loads(call.arguments)) for call in parsed.tool_calls]
+def _calls(parsed: Parsed) -> list[tuple[str, dict[str, object]]]:
+    return [(call.name, json.loads(call.arguments)) for call in parsed.calls]
 
 
 # Hermes / Qwen
@@ -31,7 +31,7 @@ def test_hermes_one_call() -> None:
     assert _calls(parsed) == [("get_weather", {"city": "Paris"})]
     assert parsed.content is None
     assert parsed.finish_reason == "tool_calls"
-    call = parsed.tool_calls[0]
+    call = parsed.calls[0]
     assert call.id.startswith("call_") and len(call.id) > len("call_") + 8
     assert isinstance(call.arguments, str)  # OpenAI's shape: JSON text
     assert call.to_openai() == {
@@ -47,7 +47,7 @@ def test_hermes_two_calls_have_distinct_ids() -> None:
     text = f"<tool_call>{WEATHER}</tool_call>\n<tool_call>{time}</tool_call>"
     parsed = parse_tool_calls(text, "hermes")
     assert _calls(parsed) == [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET"})]
-    assert len({call.id for call in parsed.tool_calls}) == 2
+    assert len({call.id for call in parsed.calls}) == 2
     assert parsed.content is None
 
 
@@ -61,7 +61,7 @@ def test_hermes_nested_braces_and_tags_inside_strings() -> None:
     args = {"query": "a {b} }} {{ c", "code": "if x: {'k': [1, 2]}", "tag": "</tool_call> inside"}
     text = "<tool_call>" + json.dumps({"name": "run", "arguments": args}) + "</tool_call>"
     # The end tag inside a string cuts the block there: the JSON is incomplete, so it is text.
-    assert parse_tool_calls(text, "hermes") == ParsedOutput(text, ())
+    assert parse_tool_calls(text, "hermes") == Parsed(text, ())
     del args["tag"]
     text = "<tool_call>" + json.dumps({"name": "run", "arguments": args}) + "</tool_call>"
     assert _calls(parse_tool_calls(text, "hermes")) == [("run", args)]
@@ -69,7 +69,7 @@ def test_hermes_nested_braces_and_tags_inside_strings() -> None:
 
 def test_hermes_unicode_arguments_are_not_escaped() -> None:
     parsed = parse_tool_calls('<tool_call>{"name": "f", "arguments": {"city": "東京"}}</tool_call>', "hermes")
-    assert parsed.tool_calls[0].arguments == '{"city": "東京"}'
+    assert parsed.calls[0].arguments == '{"city": "東京"}'
 
 
 @pytest.mark.parametrize(
@@ -90,13 +90,13 @@ def test_hermes_unicode_arguments_are_not_escaped() -> None:
     ],
 )
 def test_hermes_malformed_stays_text(text: str) -> None:
-    assert parse_tool_calls(text, "hermes") == ParsedOutput(text, ())
+    assert parse_tool_calls(text, "hermes") == Parsed(text, ())
 
 
 def test_hermes_one_bad_block_leaves_everything_text() -> None:
     text = f"<tool_call>{WEATHER}</tool_call><tool_call>{{oops</tool_call>"
     parsed = parse_tool_calls(text, "hermes")
-    assert parsed.tool_calls == () and parsed.content == text and parsed.finish_reason is None
+    assert parsed.calls == () and parsed.content == text and parsed.finish_reason is None
 
 
 def test_hermes_unclosed_last_block_with_complete_json() -> None:
@@ -106,21 +106,21 @@ def test_hermes_unclosed_last_block_with_complete_json() -> None:
 
 def test_hermes_arguments_variants() -> None:
     as_text = parse_tool_calls('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>', "hermes")
-    assert as_text.tool_calls[0].arguments == '{"a": 1}'
+    assert as_text.calls[0].arguments == '{"a": 1}'
     missing = parse_tool_calls('<tool_call>{"name": "f"}</tool_call>', "hermes")
-    assert missing.tool_calls[0].arguments == "{}"
+    assert missing.calls[0].arguments == "{}"
     null = parse_tool_calls('<tool_call>{"name": "f", "arguments": null}</tool_call>', "hermes")
-    assert null.tool_calls[0].arguments == "{}"
+    assert null.calls[0].arguments == "{}"
     parameters = parse_tool_calls('<tool_call>{"name": "f", "parameters": {"a": 1}}</tool_call>', "hermes")
-    assert json.loads(parameters.tool_calls[0].arguments) == {"a": 1}
+    assert json.loads(parameters.calls[0].arguments) == {"a": 1}
 
 
 def test_plain_text_and_no_parser() -> None:
-    assert parse_tool_calls("It is sunny in Paris.", "hermes") == ParsedOutput("It is sunny in Paris.", ())
-    assert parse_tool_calls("", "hermes") == ParsedOutput("", ())
+    assert parse_tool_calls("It is sunny in Paris.", "hermes") == Parsed("It is sunny in Paris.", ())
+    assert parse_tool_calls("", "hermes") == Parsed("", ())
     text = f"<tool_call>{WEATHER}</tool_call>"
-    assert parse_tool_calls(text, "none") == ParsedOutput(text, ())
-    assert parse_tool_calls(WEATHER, "hermes") == ParsedOutput(WEATHER, ())  # bare JSON is not hermes
+    assert parse_tool_calls(text, "none") == Parsed(text, ())
+    assert parse_tool_calls(WEATHER, "hermes") == Parsed(WEATHER, ())  # bare JSON is not hermes
 
 
 # Llama 3
@@ -157,7 +157,7 @@ def test_llama3_arguments_key_and_several_calls() -> None:
     ],
 )
 def test_llama3_malformed_stays_text(text: str) -> None:
-    assert parse_tool_calls(text, "llama3") == ParsedOutput(text, ())
+    assert parse_tool_calls(text, "llama3") == Parsed(text, ())
 
 
 def test_llama3_nested_braces_in_strings() -> None:
@@ -167,7 +167,7 @@ def test_llama3_nested_braces_in_strings() -> None:
 
 def test_hermes_text_is_not_llama3() -> None:
     text = f"<tool_call>{WEATHER}</tool_call>"
-    assert parse_tool_calls(text, "llama3") == ParsedOutput(text, ())
+    assert parse_tool_calls(text, "llama3") == Parsed(text, ())
 
 
 # Which format
@@ -193,7 +193,7 @@ def test_resolve_format_flag_overrides_the_template() -> None:
 # Streaming
 
 
-def _stream(text: str, fmt: ToolCallFormat, step: int = 1) -> tuple[list[str], ParsedOutput]:
+def _stream(text: str, fmt: ToolCallFormat, step: int = 1) -> tuple[list[str], Parsed]:
     stream = ToolCallStream(fmt)
     sent = [stream.feed(text[i : i + step]) for i in range(0, len(text), step)]
     return sent, stream.finish()
@@ -214,7 +214,7 @@ def test_stream_hermes_text_that_only_looks_like_a_tag(step: int) -> None:
     text = "a < b and <tool but not a call"
     sent, end = _stream(text, "hermes", step)
     assert "".join(sent) + (end.content or "") == text
-    assert end.tool_calls == ()
+    assert end.calls == ()
 
 
 @pytest.mark.parametrize("step", [1, 5])
@@ -222,14 +222,14 @@ def test_stream_hermes_bad_call_comes_out_as_text(step: int) -> None:
     text = "ok <tool_call>{broken</tool_call> done"
     sent, end = _stream(text, "hermes", step)
     assert "".join(sent) == "ok "
-    assert end == ParsedOutput("<tool_call>{broken</tool_call> done", ())
+    assert end == Parsed("<tool_call>{broken</tool_call> done", ())
 
 
 def test_stream_hermes_text_after_the_call_comes_at_the_end() -> None:
     sent, end = _stream(f"<tool_call>{WEATHER}</tool_call> Done.", "hermes", 2)
     assert "".join(sent) == ""
     assert end.content == " Done."
-    assert len(end.tool_calls) == 1
+    assert len(end.calls) == 1
 
 
 @pytest.mark.parametrize("step", [1, 6])
@@ -237,13 +237,13 @@ def test_stream_llama3(step: int) -> None:
     sent, end = _stream(f"<|python_tag|>{LLAMA}", "llama3", step)
     assert "".join(sent) == "" and _calls(end) == [("get_weather", {"city": "Paris"})]
     sent, end = _stream("  Paris is sunny.", "llama3", step)
-    assert "".join(sent) + (end.content or "") == "  Paris is sunny." and end.tool_calls == ()
+    assert "".join(sent) + (end.content or "") == "  Paris is sunny." and end.calls == ()
     sent, end = _stream('{"answer": 42}', "llama3", step)
-    assert "".join(sent) == "" and end == ParsedOutput('{"answer": 42}', ())
+    assert "".join(sent) == "" and end == Parsed('{"answer": 42}', ())
     assert "".join(_stream("<|pyth", "llama3", step)[0]) == ""  # may still become the tag
 
 
 def test_stream_without_a_parser_passes_everything() -> None:
     text = f"<tool_call>{WEATHER}</tool_call>"
     sent, end = _stream(text, "none", 4)
-    assert "".join(sent) == text and end == ParsedOutput(None, ())
+    assert "".join(sent) == text and end == Parsed(None, ())
