@@ -25,6 +25,7 @@ SCRIPTS = (
     "sampler_multilora.py",  # P1, P2, P3
     "hot_reload.py",  # P4
     "streaming.py",  # P6
+    "openai_streaming.py",  # /v1 SSE vs gRPC Sample streams
     "scale.py",  # P7
     "continuous_batching.py",  # P8
     "group_sampling.py",  # RL groups: n samples sharing one prompt

@@ -99,6 +99,20 @@ def serve(
             "used are dropped."
         ),
     ] = 1 << 22,
+    tokenizer: Annotated[
+        str | None,
+        typer.Option(
+            help="Tokenizer (directory or hub id in the local HF cache) for /v1 chat templates and text prompts; "
+            "default: the model the trainer was started with."
+        ),
+    ] = None,
+    tool_call_parser: Annotated[
+        str,
+        typer.Option(
+            help="/v1 tool calls in the model's output: auto (the format its chat template teaches), hermes "
+            "(<tool_call>{json}</tool_call>), llama3 (JSON, <|python_tag|>) or none (always text)."
+        ),
+    ] = "auto",
     ready_file: Annotated[Path | None, typer.Option(help="Write {address, metrics_address} JSON once serving.")] = None,
     log_level: Annotated[str, typer.Option(help="Logging level.")] = "INFO",
     config_file: opt.Config = None,
@@ -108,6 +122,7 @@ def serve(
     from opentinker.gateway.auth import KeysFileError, KeyStore
     from opentinker.gateway.logsafe import configure
     from opentinker.gateway.state import GatewayConfig
+    from opentinker.gateway.tool_calls import PARSER_CHOICES
     from opentinker.rpc.server import is_loopback
     from opentinker.rpc.startup import check_port, startup_errors
 
@@ -134,13 +149,17 @@ def serve(
         max_sessions_per_tenant=max_sessions_per_tenant, max_inflight_per_tenant=max_inflight_per_tenant,
         max_tenant_result_bytes=max_tenant_result_bytes, checkpoint_gc_seconds=checkpoint_gc_seconds,
         stability_ttl_seconds=stability_ttl_seconds, max_tenant_stability_tokens=max_tenant_stability_tokens,
+        tool_call_parser=tool_call_parser,
     )  # fmt: skip
+    if tool_call_parser not in PARSER_CHOICES:
+        typer.echo(f"--tool-call-parser must be one of {', '.join(PARSER_CHOICES)}", err=True)
+        raise typer.Exit(2)
     positive = {name: value for name, value in config.limits().items() if not value > 0}
     if positive:
         typer.echo(f"these must be positive: {', '.join('--' + n.replace('_', '-') for n in positive)}", err=True)
         raise typer.Exit(2)
 
-    asyncio.run(_run(keys, (trainer, sampler, registry), config, host, port, ready_file, redis_url))
+    asyncio.run(_run(keys, (trainer, sampler, registry), config, host, port, ready_file, redis_url, tokenizer))
 
 
 async def _run(
@@ -151,12 +170,14 @@ async def _run(
     port: int,
     ready_file: Path | None,
     redis_url: str | None,
+    tokenizer: str | None = None,
 ) -> None:
     import redis
     from aiohttp import web
 
     from opentinker.gateway.app import create_app
     from opentinker.gateway.backend import Backends
+    from opentinker.gateway.chat_template import TokenizerHandle
     from opentinker.gateway.durable import MemoryState, RedisState
     from opentinker.gateway.state import Gateway
     from opentinker.rpc.server import write_ready_file
@@ -170,7 +191,9 @@ async def _run(
     except (redis.RedisError, ValueError, KeyError) as exc:  # unreachable, or not this gateway's records
         typer.echo(f"gateway state store {durable.where}: {exc}", err=True)
         raise typer.Exit(2) from None
-    gateway = Gateway(keys=keys, backends=Backends(*addresses), config=config, durable=durable)
+    gateway = Gateway(
+        keys=keys, backends=Backends(*addresses), config=config, durable=durable, tokenizer=TokenizerHandle(tokenizer)
+    )
     gateway.restore(saved)
     if durable.durable:
         log.info(

@@ -13,6 +13,7 @@ from aiohttp import web
 from opentinker.gateway.auth import KeyStore, Principal
 from opentinker.gateway.backend import Backend, Backends
 from opentinker.gateway.bodies import parse_json
+from opentinker.gateway.chat_template import TokenizerHandle
 from opentinker.gateway.checkpoints import CheckpointTable
 from opentinker.gateway.durable import MemoryState, Saved
 from opentinker.gateway.errors import bad_request
@@ -55,6 +56,7 @@ class GatewayConfig:
     checkpoint_gc_seconds: float = 60.0  # how often expired and deleted checkpoints are deleted for real
     stability_ttl_seconds: float = DEFAULT_TTL_SECONDS  # a stability record is kept this long after its last use
     max_tenant_stability_tokens: int = DEFAULT_MAX_TENANT_TOKENS  # tokens one tenant's stability records hold
+    tool_call_parser: str = "auto"  # /v1 tool calls: auto (from the chat template), hermes, llama3, none
 
     def limits(self) -> dict[str, float]:
         """The numeric flags that must be positive (those where 0 means "no limit" are left out)."""
@@ -82,6 +84,7 @@ class Gateway:
     runs: RunTable = field(default_factory=RunTable)
     durable: MemoryState = field(default_factory=MemoryState)  # durable.py: Redis with --redis-url
     stability: StabilityRecords = field(default_factory=StabilityRecords)
+    tokenizer: TokenizerHandle = field(default_factory=TokenizerHandle)  # /v1 chat templates (--tokenizer)
     decode_slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(2))  # bodies decoded at once
     json_slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(2))  # big JSON bodies parsed
 

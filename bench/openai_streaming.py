@@ -1,0 +1,183 @@
+"""The OpenAI-compatible endpoint's streaming overhead: N concurrent streamed chat completions through the
+gateway's /v1/chat/completions (the unmodified openai SDK's AsyncOpenAI, SSE) vs the same requests as N gRPC
+Sample streams straight to the sampler (the same prompt token ids: the chat template rendered by the gateway,
+the same greedy parameters, so both sides sample the same tokens). Same registry, trainer, sampler and
+gateway processes for both; the runs alternate (a, b), (b, a), ...; medians of:
+
+  wall time until the last stream ends, HTTP / gRPC                            (target <= 1.10)
+  time to first token, median over requests, HTTP - gRPC                      (reported)
+
+    .venv/bin/python bench/openai_streaming.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import openai
+from openai.types.chat import ChatCompletionMessageParam
+from results import record
+from stack import aio_stub, model_input, stream
+from workload import FULL_SPEC, QUICK_SPEC, model_dir, spec_config
+
+from opentinker.cli.launch import ServerProcess, opentinker_command, start_registry, start_sampler, start_trainer
+from opentinker.v1 import sampler_pb2, sampler_pb2_grpc
+
+KEY = "tml-bench-openai"
+MAX_LEN = 256
+
+
+@dataclass(frozen=True, slots=True)
+class Setup:
+    requests: int
+    max_tokens: int
+    reps: int
+
+
+FULL = Setup(requests=32, max_tokens=32, reps=5)
+QUICK = Setup(requests=8, max_tokens=16, reps=3)
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    wall: float  # seconds from the first request sent to the last stream's end
+    ttft: float  # median seconds to each request's first token
+    tokens: int
+
+
+def question(i: int) -> list[ChatCompletionMessageParam]:
+    return [{"role": "user", "content": f"Question {i}: what is {i} plus {2 * i}? Answer step by step."}]
+
+
+async def http_stream(
+    client: openai.AsyncOpenAI, i: int, max_tokens: int, start: float
+) -> tuple[float, float, list[int]]:
+    first, tokens = math.nan, list[int]()
+    chunks = await client.chat.completions.create(
+        model="base", messages=question(i), max_tokens=max_tokens, temperature=0.0, stream=True,
+        extra_body={"return_token_ids": True},
+    )  # fmt: skip
+    async for chunk in chunks:
+        for choice in chunk.choices:
+            new = (choice.model_extra or {}).get("token_ids") or []
+            if new and math.isnan(first):
+                first = time.monotonic()
+            tokens.extend(new)
+    return first - start, time.monotonic(), tokens
+
+
+async def over_http(client: openai.AsyncOpenAI, setup: Setup) -> tuple[Run, list[list[int]]]:
+    start = time.monotonic()
+    done = await asyncio.gather(*(http_stream(client, i, setup.max_tokens, start) for i in range(setup.requests)))
+    run = Run(max(end for _, end, _ in done) - start, statistics.median(t for t, _, _ in done),
+              sum(len(tokens) for _, _, tokens in done))  # fmt: skip
+    return run, [tokens for _, _, tokens in done]
+
+
+async def over_grpc(stub: sampler_pb2_grpc.SamplerServiceStub, requests: list[sampler_pb2.SampleRequest]) -> Run:
+    start = time.monotonic()
+    streams = await asyncio.gather(*(stream(stub, r) for r in requests))
+    failed = [s.error for s in streams if s.error]
+    if failed:
+        raise RuntimeError(f"{len(failed)} streams failed: {failed[0]}")
+    return Run(max(s.end for s in streams) - start, statistics.median(s.first - start for s in streams),
+               sum(s.tokens for s in streams))  # fmt: skip
+
+
+async def prompts(client: openai.AsyncOpenAI, setup: Setup) -> list[list[int]]:
+    """Each request's prompt token ids as the gateway renders them (a 1-token completion answers them)."""
+    out = []
+    for i in range(setup.requests):
+        reply = await client.chat.completions.create(
+            model="base",
+            messages=question(i),
+            max_tokens=1,
+            extra_body={"return_token_ids": True},
+        )
+        out.append(list((reply.model_extra or {})["prompt_token_ids"]))
+    return out
+
+
+async def alternate(gateway: ServerProcess, sampler: ServerProcess, setup: Setup) -> tuple[dict[str, list[Run]], bool]:
+    client = openai.AsyncOpenAI(base_url=f"http://{gateway.address}/v1", api_key=KEY, max_retries=0, timeout=600)
+    channel, stub = aio_stub(sampler.address)
+    ids = await prompts(client, setup)
+    params = sampler_pb2.SamplingParams(temperature=0.0, max_tokens=setup.max_tokens, logprobs=True)
+    requests = [sampler_pb2.SampleRequest(model="base", prompt=model_input(p), sampling_params=params) for p in ids]
+    runs: dict[str, list[Run]] = {"http": [], "grpc": []}
+    await over_http(client, setup)  # warm-up: connections, tokenizer, first-call allocations
+    await over_grpc(stub, requests)
+    same = True
+    for rep in range(setup.reps):
+        for side in ("http", "grpc") if rep % 2 == 0 else ("grpc", "http"):
+            if side == "http":
+                runs["http"].append((await over_http(client, setup))[0])
+            else:
+                runs["grpc"].append(await over_grpc(stub, requests))
+        same = same and runs["http"][-1].tokens == runs["grpc"][-1].tokens
+    await client.close()
+    await channel.close()
+    return runs, same
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small model, fewer requests and repetitions")
+    args = parser.parse_args()
+    setup, spec = (QUICK, QUICK_SPEC) if args.quick else (FULL, FULL_SPEC)
+    began = time.perf_counter()
+    model = model_dir(spec)
+    n = setup.requests
+    with tempfile.TemporaryDirectory(prefix="ot-bench-openai-") as tmp:
+        work = Path(tmp)
+        servers: list[ServerProcess] = []
+        try:
+            registry = start_registry(work / "registry")
+            servers.append(registry)
+            servers.append(trainer := start_trainer(work / "trainer", model, registry))
+            sampler_flags = ["--max-seqs", str(n), "--max-seqs-per-tenant", "0", "--max-len", str(MAX_LEN),
+                             "--metrics-port", "-1"]  # fmt: skip
+            servers.append(sampler := start_sampler(work / "sampler", model, registry, *sampler_flags))
+            (work / "keys.json").write_text(json.dumps({"keys": [{"key": KEY, "tenant": "bench"}]}))
+            gateway_args = opentinker_command(
+                "gateway", "serve", "--trainer", trainer.address, "--sampler", sampler.address,
+                "--registry", registry.address, "--keys-file", str(work / "keys.json"), "--port", "0",
+            )  # fmt: skip
+            servers.append(gateway := ServerProcess(gateway_args, work / "gateway", timeout=120))
+            runs, same = asyncio.run(alternate(gateway, sampler, setup))
+        finally:
+            for server in reversed(servers):
+                server.terminate()
+    wall = {side: statistics.median(r.wall for r in rs) for side, rs in runs.items()}
+    ttft = {side: statistics.median(r.ttft for r in rs) for side, rs in runs.items()}
+    ratio = wall["http"] / wall["grpc"]
+    overhead_ms = (ttft["http"] - ttft["grpc"]) * 1000
+    config = {
+        **spec_config(spec),
+        "requests": f"{n} concurrent chat completions on the base model, greedy, {setup.max_tokens} tokens max",
+        "sampler": f"--max-seqs {n} --max-len {MAX_LEN}",
+        "reps": setup.reps,
+        "same_token_counts": same,
+    }
+    record("OpenAI streaming wall, HTTP SSE / gRPC", ratio, target=1.10, comparison="<=", config=config)
+    record("OpenAI streaming time to first token overhead", overhead_ms, unit="ms", config=config)
+    print(f"OpenAI-compatible streaming ({config['model']})")
+    print(f"  {config['requests']}; {setup.reps} alternating reps, medians")
+    for side, label in (("http", f"{n} /v1 SSE streams"), ("grpc", f"{n} gRPC Sample streams")):
+        walls = ", ".join(f"{r.wall:.2f}" for r in runs[side])
+        print(f"    {label:<22} wall {wall[side]:.3f} s (runs {walls}); median first token "
+              f"{ttft[side] * 1000:.1f} ms; tokens {sorted({r.tokens for r in runs[side]})}")  # fmt: skip
+    print(f"  wall HTTP / gRPC {ratio:.3f} (target <= 1.10); first-token overhead {overhead_ms:+.1f} ms")
+    print(f"  total {time.perf_counter() - began:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
