@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias
@@ -58,6 +58,9 @@ _KNOWN_END_TOKENS: tuple[str, ...] = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 Span: TypeAlias = tuple[int, int]
+Message: TypeAlias = Mapping[str, object]
+"""A chat message: ``role`` and ``content`` (strings); an assistant's ``tool_calls``, a tool's ``tool_call_id``."""
+Tools: TypeAlias = Sequence[Mapping[str, object]] | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,24 +131,26 @@ class Renderer:
 
     def render(
         self,
-        messages: Sequence[Mapping[str, str]],
+        messages: Sequence[Message],
         train_on: TrainOn = "all_assistant",
         *,
         mask_method: MaskMethod = "auto",
+        tools: Tools = None,
     ) -> RenderedConversation:
         """The chat-template tokens of ``messages`` and their weights.
 
         ``train_on``: "last_assistant" / "all_assistant" weigh the content and closing end-of-turn token of
         the last / every assistant message 1.0 and every other token 0.0 (a ValueError when there is no
         assistant message: such a datum would train on nothing); "all" weighs every token 1.0.
+        ``tools``: the tool schemas the template renders (OpenAI's ``tools`` list), when it supports them.
         """
         if train_on not in _TRAIN_ON:
             raise ValueError(f"train_on must be one of {_TRAIN_ON}, got {train_on!r}")
         msgs = _messages(messages)
-        tokens = self._encode(msgs)
+        tokens = self._encode(msgs, tools=tools)
         if train_on == "all":
             return RenderedConversation(tuple(tokens), (1.0,) * len(tokens))
-        spans = self.assistant_spans(msgs, mask_method=mask_method)
+        spans = self.assistant_spans(msgs, mask_method=mask_method, tools=tools)
         if not spans:
             raise ValueError(f"train_on={train_on!r} but the conversation has no assistant message")
         chosen = spans[-1:] if train_on == "last_assistant" else spans
@@ -160,23 +165,30 @@ class Renderer:
 
     def sft_datum(
         self,
-        messages: Sequence[Mapping[str, str]],
+        messages: Sequence[Message],
         train_on: TrainOn = "all_assistant",
         *,
         mask_method: MaskMethod = "auto",
+        tools: Tools = None,
     ) -> Datum:
         """``render(messages, train_on).to_datum()``: a cross_entropy datum."""
-        return self.render(messages, train_on, mask_method=mask_method).to_datum()
+        return self.render(messages, train_on, mask_method=mask_method, tools=tools).to_datum()
 
-    def assistant_spans(self, messages: Sequence[Mapping[str, str]], *, mask_method: MaskMethod = "auto") -> list[Span]:
+    def assistant_spans(
+        self,
+        messages: Sequence[Message],
+        *,
+        mask_method: MaskMethod = "auto",
+        tools: Tools = None,
+    ) -> list[Span]:
         """One ``(start, end)`` token range per assistant message, in order: its content and closing stop
         token within the rendering of ``messages``."""
         if mask_method not in _MASK_METHODS:
             raise ValueError(f"mask_method must be one of {_MASK_METHODS}, got {mask_method!r}")
         msgs = _messages(messages)
         if mask_method == "prefix":
-            return self._prefix_spans(msgs)
-        spans = self._generation_spans(msgs) if self.supports_generation_markers else None
+            return self._prefix_spans(msgs, tools)
+        spans = self._generation_spans(msgs, tools) if self.supports_generation_markers else None
         if spans is not None:
             return spans
         if mask_method == "generation":
@@ -184,7 +196,7 @@ class Renderer:
                 "the chat template has no usable {% generation %} markers "
                 "(none, or they do not mark exactly one span per assistant message); use mask_method='prefix'"
             )
-        return self._prefix_spans(msgs)
+        return self._prefix_spans(msgs, tools)
 
     @property
     def supports_generation_markers(self) -> bool:
@@ -195,9 +207,15 @@ class Renderer:
 
     # Sampling
 
-    def prompt_tokens(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    def prompt_tokens(
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool = True,
+        *,
+        tools: Tools = None,
+    ) -> list[int]:
         """The tokens to sample the next assistant message from (ending with the assistant header)."""
-        return self._encode(_messages(messages), add_generation_prompt=add_generation_prompt)
+        return self._encode(_messages(messages), add_generation_prompt=add_generation_prompt, tools=tools)
 
     def parse_response(self, tokens: Sequence[int]) -> tuple[str, bool]:
         """The text of a sampled response up to its first stop token (excluded), and whether a stop token
@@ -213,39 +231,49 @@ class Renderer:
 
     # Internals
 
-    def _encode(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> list[int]:
+    def _encode(
+        self, messages: list[dict[str, object]], add_generation_prompt: bool = False, tools: Tools = None
+    ) -> list[int]:
         out = self._tokenizer.apply_chat_template(
-            messages, tokenize=True, return_dict=True, add_generation_prompt=add_generation_prompt
+            messages,  # type: ignore[arg-type]  # tool_calls are lists, not strings
+            tokenize=True,
+            return_dict=True,
+            add_generation_prompt=add_generation_prompt,
+            tools=_tools(tools),
         )
         return _input_ids(out)
 
-    def _generation_spans(self, messages: list[dict[str, str]]) -> list[Span] | None:
+    def _generation_spans(self, messages: list[dict[str, object]], tools: Tools) -> list[Span] | None:
         """Spans from the template's generation markers; None when they do not map one-to-one onto the
         assistant messages (or the tokenizer cannot compute the mask)."""
         try:
             out: Any = self._tokenizer.apply_chat_template(
-                messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+                messages,  # type: ignore[arg-type]
+                tokenize=True,
+                return_dict=True,
+                return_assistant_tokens_mask=True,
+                tools=_tools(tools),
             )
             mask = [int(m) for m in _flat(out["assistant_masks"])]
         except (ValueError, KeyError, TypeError, NotImplementedError):
             return None
-        if _input_ids(out) != self._encode(messages) or len(mask) != len(_input_ids(out)):
+        if _input_ids(out) != self._encode(messages, tools=tools) or len(mask) != len(_input_ids(out)):
             return None
         spans = _runs(mask)
         if len(spans) != sum(m["role"] == _ASSISTANT for m in messages):
             return None
         return spans
 
-    def _prefix_spans(self, messages: list[dict[str, str]]) -> list[Span]:
-        full = self._encode(messages)
+    def _prefix_spans(self, messages: list[dict[str, object]], tools: Tools) -> list[Span]:
+        full = self._encode(messages, tools=tools)
         stops = set(self._stop_ids)
         spans: list[Span] = []
         for k, message in enumerate(messages):
             if message["role"] != _ASSISTANT:
                 continue
-            before = self._encode(messages[:k]) if k else []
-            header = self._encode(messages[:k], add_generation_prompt=True)
-            after = self._encode(messages[: k + 1])
+            before = self._encode(messages[:k], tools=tools) if k else []
+            header = self._encode(messages[:k], add_generation_prompt=True, tools=tools)
+            after = self._encode(messages[: k + 1], tools=tools)
             if full[: len(after)] != after or after[: len(before)] != before:
                 raise ValueError(
                     f"the chat template does not render message {k} incrementally: the rendering of the first "
@@ -260,15 +288,21 @@ class Renderer:
         return spans
 
 
-def _messages(messages: Sequence[Mapping[str, str]]) -> list[dict[str, str]]:
+def _messages(messages: Sequence[Message]) -> list[dict[str, object]]:
     if isinstance(messages, Mapping):
         raise TypeError("messages must be a sequence of {'role': ..., 'content': ...} mappings, not one mapping")
-    out: list[dict[str, str]] = []
+    out: list[dict[str, object]] = []
     for i, message in enumerate(messages):
-        if not isinstance(message, Mapping) or "role" not in message or "content" not in message:
+        # An assistant message that calls tools may leave its content out (OpenAI sends null).
+        has_body = isinstance(message, Mapping) and ("content" in message or "tool_calls" in message)
+        if not has_body or "role" not in message:
             raise ValueError(f"message {i} must be a mapping with 'role' and 'content', got {message!r}")
         out.append(dict(message))
     return out
+
+
+def _tools(tools: Tools) -> list[dict[Any, Any] | Callable[..., Any]] | None:  # transformers' parameter type
+    return None if tools is None else [dict(tool) for tool in tools]
 
 
 def _flat(values: Any) -> list[Any]:

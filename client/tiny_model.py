@@ -57,14 +57,56 @@ QWEN2_PRETOKENIZE_REGEX: str = (
 # ChatML as used by Qwen. Written without literal newlines between Jinja tags so no whitespace control is
 # needed. The `{% generation %}` block marks assistant content *and* its closing <|im_end|> so that
 # `apply_chat_template(..., return_assistant_tokens_mask=True)` yields a loss mask that teaches the
-# model to stop.
+# model to stop. Tools as Qwen2.5 renders them (a conversation without tools, tool calls and tool messages
+# renders as plain ChatML): `tools` -> a system block with their JSON schemas inside <tools></tools> (after the
+# first system message's content, which it replaces); an assistant message's `tool_calls` -> <tool_call> JSON
+# blocks inside the generation markers (`arguments` as given when it is JSON text already, else as JSON);
+# consecutive `tool` messages -> one user turn of <tool_response> blocks. Unlike Qwen2.5 there is no default
+# system prompt and the assistant header is always the generation prompt, so a rendered tool call extends it.
+_TOOLS_INTRO: str = (
+    "# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>"
+)
+_TOOLS_OUTRO: str = (
+    "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\\n<tool_call>\\n"
+    '{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n'
+)
 CHAT_TEMPLATE: str = (
+    "{% if tools %}"
+    "{{ '<|im_start|>system\\n' }}"
+    "{% if messages and messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\\n\\n' }}{% endif %}"
+    "{{ '" + _TOOLS_INTRO + "' }}"
+    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}"
+    "{{ '" + _TOOLS_OUTRO + "' }}"
+    "{% endif %}"
     "{% for message in messages %}"
+    "{% if tools and loop.first and message['role'] == 'system' %}"
+    "{% elif message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{ '<|im_start|>user' }}{% endif %}"
+    "{{ '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{ '<|im_end|>\\n' }}{% endif %}"
+    "{% else %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' }}"
     "{% if message['role'] == 'assistant' %}"
-    "{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}"
+    "{% generation %}"
+    "{% if message['tool_calls'] %}"
+    "{% if message['content'] %}{{ message['content'] + '\\n' }}{% endif %}"
+    "{% for call in message['tool_calls'] %}"
+    "{% set call = call['function'] if call['function'] is defined else call %}"
+    "{% if not loop.first %}{{ '\\n' }}{% endif %}"
+    "{{ '<tool_call>\\n{\"name\": \"' + call['name'] + '\", \"arguments\": ' }}"
+    "{% if call['arguments'] is string %}{{ call['arguments'] }}{% else %}{{ call['arguments'] | tojson }}{% endif %}"
+    "{{ '}\\n</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|im_end|>' }}"
+    "{% else %}"
+    "{{ message['content'] + '<|im_end|>' }}"
+    "{% endif %}"
+    "{% endgeneration %}{{ '\\n' }}"
     "{% else %}"
     "{{ message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endif %}"
     "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"

@@ -49,6 +49,11 @@ def _encode(tokenizer: Tokenizer, text: str) -> list[int]:
     return ids
 
 
+def _template(tokenizer: Tokenizer) -> str | dict[str, str] | None:
+    template: str | dict[str, str] | None = getattr(tokenizer, "chat_template", None)
+    return template
+
+
 def _pieces(tokenizer: Tokenizer, ids: Sequence[int]) -> list[str]:
     return [tokenizer.decode([t]) for t in ids]
 
@@ -90,6 +95,10 @@ class TokenizerHandle:
 
     async def encode(self, source: str, text: str) -> list[int]:
         return await self._run(source, _encode, text)
+
+    async def chat_template(self, source: str) -> str | dict[str, str] | None:
+        """The chat template's text (tool_calls.py detects the model's tool call format from it)."""
+        return await self._run(source, _template)
 
     async def pieces(self, source: str, ids: Sequence[int]) -> list[str]:
         """Each token's own text (for logprobs)."""

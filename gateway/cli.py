@@ -106,6 +106,13 @@ def serve(
             "default: the model the trainer was started with."
         ),
     ] = None,
+    tool_call_parser: Annotated[
+        str,
+        typer.Option(
+            help="/v1 tool calls in the model's output: auto (the format its chat template teaches), hermes "
+            "(<tool_call>{json}</tool_call>), llama3 (JSON, <|python_tag|>) or none (always text)."
+        ),
+    ] = "auto",
     ready_file: Annotated[Path | None, typer.Option(help="Write {address, metrics_address} JSON once serving.")] = None,
     log_level: Annotated[str, typer.Option(help="Logging level.")] = "INFO",
     config_file: opt.Config = None,
@@ -115,6 +122,7 @@ def serve(
     from opentinker.gateway.auth import KeysFileError, KeyStore
     from opentinker.gateway.logsafe import configure
     from opentinker.gateway.state import GatewayConfig
+    from opentinker.gateway.tool_calls import PARSER_CHOICES
     from opentinker.rpc.server import is_loopback
     from opentinker.rpc.startup import check_port, startup_errors
 
@@ -141,7 +149,11 @@ def serve(
         max_sessions_per_tenant=max_sessions_per_tenant, max_inflight_per_tenant=max_inflight_per_tenant,
         max_tenant_result_bytes=max_tenant_result_bytes, checkpoint_gc_seconds=checkpoint_gc_seconds,
         stability_ttl_seconds=stability_ttl_seconds, max_tenant_stability_tokens=max_tenant_stability_tokens,
+        tool_call_parser=tool_call_parser,
     )  # fmt: skip
+    if tool_call_parser not in PARSER_CHOICES:
+        typer.echo(f"--tool-call-parser must be one of {', '.join(PARSER_CHOICES)}", err=True)
+        raise typer.Exit(2)
     positive = {name: value for name, value in config.limits().items() if not value > 0}
     if positive:
         typer.echo(f"these must be positive: {', '.join('--' + n.replace('_', '-') for n in positive)}", err=True)

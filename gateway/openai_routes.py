@@ -91,6 +91,7 @@ class _Choice:
     logprobs: list[float] = field(default_factory=list)
     stop_reason: int = sampler_pb2.STOP_REASON_UNSPECIFIED
     finished_at: float = 0.0
+    held: tool_calls.ToolCallStream | None = None  # streamed chat with tools: text that may be a tool call waits
 
 
 @dataclass(slots=True)
@@ -105,6 +106,7 @@ class _Job:
     tokenizer_source: str
     tools: tuple[dict[str, object], ...] = ()
     episode: str | None = None
+    tool_format: tool_calls.ToolCallFormat = "none"  # "none": the output is never parsed for tool calls
     created: int = field(default_factory=lambda: int(time.time()))
     started_at: float = field(default_factory=time.time)
     model: str = ""  # the exact version, from the sampler's first message
@@ -231,7 +233,8 @@ def _captured(gw: Gateway, tenant: str, job: _Job, records: list[CompletedChoice
 def _finish_reasons(job: _Job) -> tuple[list[str], list[tool_calls.Parsed | None]]:
     reasons, parsed = [], []
     for choice in job.choices:
-        calls = tool_calls.parse(choice.cut.answer, job.tools) if job.tools and job.endpoint == CHAT else None
+        parse = job.endpoint == CHAT and job.tool_format != "none"
+        calls = tool_calls.parse_tool_calls(choice.cut.answer, job.tool_format) if parse else None
         parsed.append(calls)
         reasons.append("tool_calls" if calls is not None and calls.calls else finish_reason(choice.stop_reason))
     return reasons, parsed
@@ -277,7 +280,7 @@ async def _answer(request: web.Request, backend: Backend, job: _Job) -> web.Resp
 def _chunk_choice(job: _Job, choice: _Choice, text: str, tokens: Sequence[int], logprobs: Json | None) -> Json:
     out: Json = {"index": choice.index}
     if job.endpoint == CHAT:
-        out["delta"] = {"content": text}
+        out["delta"] = {"content": text if choice.held is None else choice.held.feed(text)}
     else:
         out["text"] = text
     out["logprobs"] = logprobs
@@ -333,9 +336,9 @@ async def _stream(request: web.Request, backend: Backend, job: _Job) -> web.Stre
                     out["prompt_token_ids"] = list(choice.prompt)
                 await response.write(sse(envelope(kind, job.response_id, job.created, job.model, [out])))
                 if job.endpoint == CHAT and choice.stop_reason != sampler_pb2.STOP_REASON_UNSPECIFIED:
-                    # TODO(H5, tool calling): streamed tool calls (hold the text back while it may be a call).
-                    end: Json = {"index": choice.index, "delta": {}, "logprobs": None,
-                                 "finish_reason": finish_reason(choice.stop_reason)}  # fmt: skip
+                    delta, reason = _held_back(choice)
+                    end: Json = {"index": choice.index, "delta": delta, "logprobs": None,
+                                 "finish_reason": reason or finish_reason(choice.stop_reason)}  # fmt: skip
                     if opts.return_token_ids:
                         end["token_ids"] = []
                     await response.write(sse(envelope(kind, job.response_id, job.created, job.model, [end])))
@@ -347,7 +350,7 @@ async def _stream(request: web.Request, backend: Backend, job: _Job) -> web.Stre
                     sum(map(len, job.prompts)), sum(len(c.tokens) for c in job.choices)
                 )
                 await response.write(sse(tail))
-            _captured(gw, principal.tenant, job, job.records([finish_reason(c.stop_reason) for c in job.choices]))
+            _captured(gw, principal.tenant, job, job.records(_finish_reasons(job)[0]))
             await response.write(DONE)
         except ConnectionResetError:
             log.info("%s: the client went away; its samples are cancelled", job.response_id)
@@ -360,6 +363,18 @@ async def _stream(request: web.Request, backend: Backend, job: _Job) -> web.Stre
             error = openai_errors.error_json(500, "internal_error", f"internal gateway error (incident {incident})")
             await _stream_error(response, error)
     return response
+
+
+def _held_back(choice: _Choice) -> tuple[Json, str | None]:
+    """The last chunk's delta of a streamed chat choice: the text held back that was no tool call, and the tool
+    calls, all at once; "tool_calls" as the finish reason when there are some."""
+    if choice.held is None:
+        return {}, None
+    end = choice.held.finish()
+    delta: Json = {} if end.content is None else {"content": end.content}
+    if end.calls:
+        delta["tool_calls"] = [call.to_delta(i) for i, call in enumerate(end.calls)]
+    return delta, end.finish_reason
 
 
 def _exact_of(first: tuple[int, sampler_pb2.SampleResponse] | None, job: _Job) -> str:
@@ -385,6 +400,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     prompt = await gw.tokenizer.render(source, parsed.messages, parsed.tools, parsed.template_kwargs)
     job = _Job(CHAT, f"chatcmpl-{uuid.uuid4().hex}", parsed.model, ref, (tuple(prompt),), parsed.options, base,
                source, parsed.tools, episode)  # fmt: skip
+    if tool_calls.wanted(parsed.tools, parsed.tool_choice):
+        parser = gw.config.tool_call_parser
+        template = await gw.tokenizer.chat_template(source) if parser == "auto" else None
+        job.tool_format = tool_calls.resolve_format(parser, template)  # type: ignore[arg-type]  # checked by the CLI
+        if parsed.options.stream:
+            for choice in job.choices:
+                choice.held = tool_calls.ToolCallStream(job.tool_format)
     return await (_stream if parsed.options.stream else _answer)(request, backend, job)
 
 
