@@ -327,11 +327,10 @@ class RedisEpisodes(MemoryEpisodes):
     async def append(self, tenant: str, episode_id: str, turn: Turn) -> int:
         limits = self.limits
         record = json.dumps(turn.to_json(), separators=(",", ":"))
-        args = [record, turn.num_tokens, limits.max_turns, limits.max_tokens, limits.max_episodes, episode_id]
+        args: list[str | int] = [record, turn.num_tokens, limits.max_turns, limits.max_tokens, limits.max_episodes]
+        args += [episode_id, repr(time.time()), repr(limits.ttl_seconds)]
         async with _unavailable():
-            index, held = await self._append(
-                keys=self._keys(tenant, episode_id), args=[*args, repr(time.time()), repr(limits.ttl_seconds)]
-            )
+            index, held = await self._append(keys=self._keys(tenant, episode_id), args=args)
         if index == -1:
             raise _too_many_turns(limits)
         if index == -2:
@@ -343,7 +342,9 @@ class RedisEpisodes(MemoryEpisodes):
     async def get(self, tenant: str, episode_id: str) -> Episode:
         turns_key, meta_key, _ = self._keys(tenant, episode_id)
         async with _unavailable(), self._redis.pipeline(transaction=True) as pipe:
-            raw_turns, meta = await pipe.lrange(turns_key, 0, -1).hgetall(meta_key).execute()
+            pipe.lrange(turns_key, 0, -1)
+            pipe.hgetall(meta_key)
+            raw_turns, meta = await pipe.execute()
         if not raw_turns:
             raise _missing(episode_id)
         turns = [Turn.from_json(json.loads(raw)) for raw in raw_turns]
@@ -366,13 +367,18 @@ class RedisEpisodes(MemoryEpisodes):
         index = self._keys(tenant, "")[2]
         oldest = time.time() - self.limits.ttl_seconds
         async with _unavailable():
-            found = await self._redis.zrevrangebyscore(index, "+inf", oldest, start=0, num=limit, withscores=True)
+            found: list[tuple[str, float]] = await self._redis.zrevrangebyscore(  # type: ignore[assignment]
+                index, "+inf", oldest, start=0, num=limit, withscores=True
+            )
         return [(str(episode_id), float(score)) for episode_id, score in found]
 
     async def delete(self, tenant: str, episode_id: str) -> None:
         turns_key, meta_key, index = self._keys(tenant, episode_id)
         async with _unavailable(), self._redis.pipeline(transaction=True) as pipe:
-            deleted, _, _ = await pipe.delete(turns_key).delete(meta_key).zrem(index, episode_id).execute()
+            pipe.delete(turns_key)
+            pipe.delete(meta_key)
+            pipe.zrem(index, episode_id)
+            deleted, _, _ = await pipe.execute()
         if not deleted:
             raise _missing(episode_id)
 
