@@ -11,7 +11,16 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from opentinker.gateway import checkpoint_gc, expiry, rest, sampling, training
+from opentinker.gateway import (
+    checkpoint_gc,
+    episode_routes,
+    expiry,
+    openai_errors,
+    openai_routes,
+    rest,
+    sampling,
+    training,
+)
 from opentinker.gateway.auth import KEY_PREFIX
 from opentinker.gateway.errors import GatewayError, RequestFailed
 from opentinker.gateway.state import (
@@ -30,6 +39,7 @@ log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _PUBLIC = frozenset({"/api/v1/healthz"})
 _NO_RETRY = {"x-should-retry": "false"}
+_OPENAI = "/v1/"  # the OpenAI-compatible routes (openai_routes.py): errors in OpenAI's shape
 
 
 def _error(status: int, code: str, message: str, retry: bool = False) -> web.Response:
@@ -41,6 +51,9 @@ def _error(status: int, code: str, message: str, retry: bool = False) -> web.Res
 
 def _authenticate(request: web.Request) -> None:
     key = request.headers.get("X-API-Key", "")
+    if not key and request.path.startswith(_OPENAI):  # the openai SDK's Authorization: Bearer <key>
+        scheme, _, key = request.headers.get("Authorization", "").partition(" ")
+        key = key.strip() if scheme.lower() == "bearer" else ""
     if not key:
         raise GatewayError(401, "MISSING_API_KEY", "send the API key in the X-API-Key header")
     if not key.startswith(KEY_PREFIX):
@@ -53,23 +66,34 @@ def _authenticate(request: web.Request) -> None:
 
 @web.middleware
 async def errors_and_auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+    error = _openai_error if request.path.startswith(_OPENAI) else _error
     try:
         if request.path not in _PUBLIC:
             _authenticate(request)
         return await handler(request)
     except GatewayError as exc:
+        if error is _openai_error:
+            return _openai_error(exc.status, exc.code, exc.message, exc.retry, openai_errors.of_gateway_error(exc))
         return _error(exc.status, exc.code, exc.message, exc.retry)
     except RequestFailed as exc:
-        return _error(400, "INVALID_REQUEST", exc.message)
+        return error(400, "INVALID_REQUEST", exc.message)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
         code = "BODY_TOO_LARGE" if exc.status == 413 else exc.reason.upper().replace(" ", "_")
-        return _error(exc.status, code, f"{request.method} {request.path[:200]}: {exc.reason}")
+        return error(exc.status, code, f"{request.method} {request.path[:200]}: {exc.reason}")
     except Exception:
         incident = uuid.uuid4().hex[:12]
         log.exception("%s %s failed (incident %s)", request.method, request.path, incident)
-        return _error(500, "INTERNAL", f"internal gateway error (incident {incident})")
+        return error(500, "INTERNAL_ERROR", f"internal gateway error (incident {incident})")
+
+
+def _openai_error(
+    status: int, code: str, message: str, retry: bool = False, body: dict[str, object] | None = None
+) -> web.Response:
+    headers = _NO_RETRY if status < 500 and not retry else {}
+    payload = body or openai_errors.error_json(status, code, message)
+    return web.json_response(payload, status=status, headers=headers)
 
 
 # Service routes
@@ -189,6 +213,8 @@ def create_app(gateway: Gateway) -> web.Application:
     training.add_routes(app)
     sampling.add_routes(app)
     rest.add_routes(app)
+    openai_routes.add_routes(app)
+    episode_routes.add_routes(app)
 
     sweeps: list[asyncio.Task[None]] = []
 
@@ -204,6 +230,7 @@ def create_app(gateway: Gateway) -> web.Application:
         await gateway.futures.close()
         await gateway.backends.close()
         await gateway.durable.close()
+        gateway.tokenizer.close()
 
     app.on_startup.append(startup)
     app.on_cleanup.append(cleanup)

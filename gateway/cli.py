@@ -100,6 +100,13 @@ def serve(
             "used are dropped."
         ),
     ] = 1 << 22,
+    tokenizer: Annotated[
+        str | None,
+        typer.Option(
+            help="Tokenizer (directory or hub id in the local HF cache) for /v1 chat templates and text prompts; "
+            "default: the model the trainer was started with."
+        ),
+    ] = None,
     episode_ttl_seconds: Annotated[
         float, typer.Option(help="A captured episode (/v1/episodes) is kept this long after its last write.")
     ] = 7 * 86400.0,
@@ -157,7 +164,8 @@ def serve(
     if min(episodes.ttl_seconds, episodes.max_turns, episodes.max_tokens, episodes.max_episodes) <= 0:
         typer.echo("the --episode-* limits must be positive", err=True)
         raise typer.Exit(2)
-    asyncio.run(_run(keys, (trainer, sampler, registry), config, host, port, ready_file, redis_url, episodes))
+    addresses = (trainer, sampler, registry)
+    asyncio.run(_run(keys, addresses, config, host, port, ready_file, redis_url, tokenizer, episodes))
 
 
 async def _run(
@@ -168,13 +176,15 @@ async def _run(
     port: int,
     ready_file: Path | None,
     redis_url: str | None,
-    episode_limits: EpisodeLimits,
+    tokenizer: str | None = None,
+    episode_limits: EpisodeLimits | None = None,
 ) -> None:
     import redis
     from aiohttp import web
 
     from opentinker.gateway.app import create_app
     from opentinker.gateway.backend import Backends
+    from opentinker.gateway.chat_template import TokenizerHandle
     from opentinker.gateway.durable import MemoryState, RedisState
     from opentinker.gateway.episodes import MemoryEpisodes, RedisEpisodes
     from opentinker.gateway.state import Gateway
@@ -194,7 +204,10 @@ async def _run(
         if isinstance(durable, RedisState)
         else MemoryEpisodes(episode_limits)
     )
-    gateway = Gateway(keys=keys, backends=Backends(*addresses), config=config, durable=durable, episodes=episodes)
+    gateway = Gateway(
+        keys=keys, backends=Backends(*addresses), config=config, durable=durable, tokenizer=TokenizerHandle(tokenizer),
+        episodes=episodes,
+    )  # fmt: skip
     gateway.restore(saved)
     if durable.durable:
         log.info(

@@ -24,7 +24,6 @@ import json
 import math
 import re
 import time
-from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 
 import redis.asyncio as aioredis
@@ -32,8 +31,7 @@ import redis.asyncio as aioredis
 from opentinker.gateway.durable import PREFIX, _unavailable
 from opentinker.gateway.errors import GatewayError, bad_request, not_found
 
-EPISODE_HEADER = "X-OpenTinker-Episode"
-EPISODE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}")
+EPISODE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # as openai_records.episode_id checks a request's
 DEFAULT_TTL_SECONDS = 7 * 86400.0
 DEFAULT_MAX_TURNS = 256
 DEFAULT_MAX_TOKENS = 1 << 20  # prompt + completion tokens stored per episode (prompts repeat each turn)
@@ -136,22 +134,10 @@ class Episode:
 def check_episode_id(value: object, where: str = "episode id") -> str:
     if not isinstance(value, str) or EPISODE_ID.fullmatch(value) is None:
         raise bad_request(
-            f"{where} must be 1-128 characters of letters, digits, '.', '_', ':' or '-', starting with a letter "
-            "or digit",
+            f"{where} must be 1-128 characters of letters, digits, '.', '_', ':' or '-'",
             "INVALID_EPISODE_ID",
         )
     return value
-
-
-def episode_id_of(headers: Mapping[str, str], body: Mapping[str, object]) -> str | None:
-    """The episode a completion request records into: the header or ``metadata.episode_id`` (both: the same)."""
-    header = headers.get(EPISODE_HEADER)
-    metadata = body.get("metadata")
-    in_body = metadata.get("episode_id") if isinstance(metadata, dict) else None
-    if header is not None and in_body is not None and header != in_body:
-        raise bad_request(f"the {EPISODE_HEADER} header and metadata.episode_id name different episodes")
-    value = header if header is not None else in_body
-    return None if value is None else check_episode_id(value, f"the {EPISODE_HEADER} header / metadata.episode_id")
 
 
 def check_single_choice(n: int) -> None:

@@ -13,6 +13,7 @@ from aiohttp import web
 from opentinker.gateway.auth import KeyStore, Principal
 from opentinker.gateway.backend import Backend, Backends
 from opentinker.gateway.bodies import parse_json
+from opentinker.gateway.chat_template import TokenizerHandle
 from opentinker.gateway.checkpoints import CheckpointTable
 from opentinker.gateway.durable import MemoryState, Saved
 from opentinker.gateway.episodes import MemoryEpisodes
@@ -83,6 +84,7 @@ class Gateway:
     runs: RunTable = field(default_factory=RunTable)
     durable: MemoryState = field(default_factory=MemoryState)  # durable.py: Redis with --redis-url
     stability: StabilityRecords = field(default_factory=StabilityRecords)
+    tokenizer: TokenizerHandle = field(default_factory=TokenizerHandle)  # /v1 chat templates (--tokenizer)
     episodes: MemoryEpisodes = field(default_factory=MemoryEpisodes)  # episodes.py: Redis with --redis-url
     decode_slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(2))  # bodies decoded at once
     json_slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(2))  # big JSON bodies parsed

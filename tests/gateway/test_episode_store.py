@@ -17,7 +17,6 @@ from opentinker.gateway.episodes import (
     Turn,
     check_episode_id,
     check_single_choice,
-    episode_id_of,
     segments,
 )
 from opentinker.gateway.errors import GatewayError
@@ -93,17 +92,7 @@ def test_memory_store_rewards_bounds_and_tenants() -> None:
 
 
 def test_episode_ids_and_choices() -> None:
-    assert episode_id_of({"X-OpenTinker-Episode": "g-1"}, {}) == "g-1"
-    assert episode_id_of({}, {"metadata": {"episode_id": "g:2"}}) == "g:2"
-    assert episode_id_of({}, {"metadata": {"user": "x"}}) is None
-    for headers, body in (
-        ({"X-OpenTinker-Episode": "a"}, {"metadata": {"episode_id": "b"}}),
-        ({}, {"metadata": {"episode_id": 3}}),
-    ):
-        with pytest.raises(GatewayError) as refused:
-            episode_id_of(headers, body)
-        assert refused.value.status == 400
-    for bad in ("", "-x", "a/b", "x" * 129):
+    for bad in ("", "a/b", "x" * 129, "é"):
         with pytest.raises(GatewayError):
             check_episode_id(bad)
     check_single_choice(1)

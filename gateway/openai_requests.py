@@ -1,0 +1,339 @@
+"""Bodies of POST /v1/chat/completions and /v1/completions, checked into typed records.
+
+Fields OpenAI defines that change nothing here (user, service_tier, store, frequency/presence penalties,
+response_format, parallel_tool_calls...) are ignored, as OpenAI ignores unknown ones; a field of the wrong type,
+or out of range, is a 400 naming it (``param``)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from opentinker.gateway.openai_errors import invalid
+
+Body = Mapping[str, object]
+Message = dict[str, object]  # one chat message as the tokenizer's chat template takes it
+
+UINT64 = 1 << 64
+INT32_MAX = 2**31 - 1
+MAX_STOP = 16  # the sampler's bound on stop strings
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound (chat); completions allow 5
+MAX_MESSAGES = 4096
+MAX_PROMPTS = 64
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+TOOL_CHOICES = frozenset({"none", "auto", "required"})
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingOptions:
+    """What both endpoints sample with. ``max_tokens`` None: the rest of the context."""
+
+    max_tokens: int | None
+    temperature: float
+    top_p: float
+    stop: tuple[str, ...]
+    n: int
+    seed: int | None  # as the sampler takes it: a uint64 (a negative OpenAI seed wraps)
+    logprobs: bool
+    top_logprobs: int
+    stream: bool
+    include_usage: bool
+    return_token_ids: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ChatRequest:
+    model: str
+    messages: tuple[Message, ...]  # template-ready: text content, tool_calls arguments as objects
+    tools: tuple[dict[str, object], ...]  # OpenAI function tools, passed to the chat template as given
+    tool_choice: str | dict[str, object] | None
+    template_kwargs: dict[str, object]  # vLLM's chat_template_kwargs (e.g. enable_thinking)
+    options: SamplingOptions
+    metadata_episode: str | None  # metadata.episode_id, unchecked (openai_records.episode_id checks it)
+
+
+Prompt = str | tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionRequest:
+    model: str
+    prompts: tuple[Prompt, ...]  # at least one: a text or token ids each
+    options: SamplingOptions
+    metadata_episode: str | None
+
+
+# Scalars
+
+
+def _type_name(value: object) -> str:
+    if value is None:
+        return "null"
+    return "object" if isinstance(value, dict) else "array" if isinstance(value, list) else \
+        "string" if isinstance(value, str) else "boolean" if isinstance(value, bool) else "number"  # fmt: skip
+
+
+def integer(body: Body, name: str, low: int, high: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise invalid(f"'{name}' must be an integer, got {_type_name(value)}", name, "invalid_type")
+    if not low <= value <= high:
+        raise invalid(f"'{name}' must be in {low}..{high}, got {value if abs(value) < 10**20 else 'a huge number'}",
+                      name)  # fmt: skip
+    return value
+
+
+def number(body: Body, name: str, low: float, high: float, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise invalid(f"'{name}' must be a number, got {_type_name(value)}", name, "invalid_type")
+    if not low <= float(value) <= high:  # NaN fails this too
+        raise invalid(f"'{name}' must be in {low:g}..{high:g}, got {value}", name)
+    return float(value)
+
+
+def boolean(body: Body, name: str) -> bool:
+    value = body.get(name, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise invalid(f"'{name}' must be a boolean, got {_type_name(value)}", name, "invalid_type")
+    return value
+
+
+def string(body: Body, name: str, *, where: str = "", required: bool = False) -> str | None:
+    value = body.get(name)
+    if value is None:
+        if required:
+            raise invalid(f"'{where}{name}' is required", f"{where}{name}", "missing_required_parameter")
+        return None
+    if not isinstance(value, str):
+        raise invalid(f"'{where}{name}' must be a string, got {_type_name(value)}", f"{where}{name}", "invalid_type")
+    return value
+
+
+def obj(body: Body, name: str, *, where: str = "") -> dict[str, object]:
+    value = body.get(name)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise invalid(f"'{where}{name}' must be an object, got {_type_name(value)}", f"{where}{name}", "invalid_type")
+    return value
+
+
+def _stop(body: Body) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise invalid("'stop' must be a non-empty string or an array of non-empty strings", "stop", "invalid_type")
+    if len(stops) > MAX_STOP:
+        raise invalid(f"'stop' holds {len(stops)} strings; at most {MAX_STOP}", "stop")
+    return tuple(dict.fromkeys(stops))
+
+
+def _metadata_episode(body: Body) -> str | None:
+    metadata = obj(body, "metadata")
+    episode = metadata.get("episode_id")
+    if episode is not None and not isinstance(episode, str):
+        raise invalid("'metadata.episode_id' must be a string", "metadata.episode_id", "invalid_type")
+    return episode
+
+
+def options(body: Body, max_num_samples: int, *, logprobs: bool, top_logprobs: int) -> SamplingOptions:
+    """The sampling fields common to both endpoints (logprobs are read by each: their forms differ)."""
+    max_tokens = integer(body, "max_completion_tokens", 1, INT32_MAX)
+    if max_tokens is None:
+        max_tokens = integer(body, "max_tokens", 1, INT32_MAX)
+    seed = integer(body, "seed", -(UINT64 // 2), UINT64 - 1)
+    n = integer(body, "n", 1, max_num_samples)
+    stream = boolean(body, "stream")
+    stream_options = obj(body, "stream_options")
+    return SamplingOptions(
+        max_tokens=max_tokens,
+        temperature=number(body, "temperature", 0.0, 2.0, 1.0),
+        top_p=number(body, "top_p", 1e-9, 1.0, 1.0),
+        stop=_stop(body),
+        n=1 if n is None else n,
+        seed=None if seed is None else seed % UINT64,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        stream=stream,
+        include_usage=stream and boolean(stream_options, "include_usage"),
+        return_token_ids=boolean(body, "return_token_ids"),
+    )
+
+
+# Chat messages
+
+
+def _text(content: object, where: str) -> str:
+    """A message's content as the template's string: a string, or the concatenated text of its text parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for i, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") not in ("text", "input_text", "output_text"):
+                raise invalid(f"'{where}.content[{i}]': only text content parts are supported", f"{where}.content")
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise invalid(f"'{where}.content[{i}].text' must be a string", f"{where}.content", "invalid_type")
+            texts.append(text)
+        return "".join(texts)
+    raise invalid(f"'{where}.content' must be a string or an array of text parts", f"{where}.content", "invalid_type")
+
+
+def _tool_call(raw: object, where: str) -> dict[str, object]:
+    if not isinstance(raw, dict) or raw.get("type", "function") != "function":
+        raise invalid(f"'{where}' must be a function tool call object", where, "invalid_type")
+    function = obj(raw, "function", where=f"{where}.")
+    name = string(function, "name", where=f"{where}.function.", required=True)
+    arguments = function.get("arguments", "{}")
+    if isinstance(arguments, str):
+        try:  # templates render arguments with tojson: an object, not a JSON string inside a string
+            parsed = json.loads(arguments)
+        except json.JSONDecodeError:
+            parsed = None
+        arguments = parsed if isinstance(parsed, dict) else arguments
+    elif not isinstance(arguments, dict):
+        raise invalid(f"'{where}.function.arguments' must be a JSON string", f"{where}.function.arguments",
+                      "invalid_type")  # fmt: skip
+    call: dict[str, object] = {"type": "function", "function": {"name": name, "arguments": arguments}}
+    call_id = string(raw, "id", where=f"{where}.")
+    if call_id is not None:
+        call["id"] = call_id
+    return call
+
+
+def message(raw: object, i: int) -> Message:
+    where = f"messages[{i}]"
+    if not isinstance(raw, dict):
+        raise invalid(f"'{where}' must be an object, got {_type_name(raw)}", "messages", "invalid_type")
+    role = raw.get("role")
+    if role not in ROLES:
+        raise invalid(f"'{where}.role' must be one of {', '.join(sorted(ROLES))}, got {role!r}"[:300], "messages")
+    assert isinstance(role, str)
+    out: Message = {"role": "system" if role == "developer" else role}
+    content = raw.get("content")
+    calls = raw.get("tool_calls")
+    if role == "assistant" and calls is not None:
+        if not isinstance(calls, list):
+            raise invalid(f"'{where}.tool_calls' must be an array", f"{where}.tool_calls", "invalid_type")
+        out["tool_calls"] = [_tool_call(call, f"{where}.tool_calls[{j}]") for j, call in enumerate(calls)]
+    if content is None and role != "assistant":
+        raise invalid(f"'{where}.content' is required for role {role}", f"{where}.content",
+                      "missing_required_parameter")  # fmt: skip
+    out["content"] = "" if content is None else _text(content, where)
+    for name in ("name", "reasoning_content"):
+        value = string(raw, name, where=f"{where}.")
+        if value is not None:
+            out[name] = value
+    if role == "tool":
+        out["tool_call_id"] = string(raw, "tool_call_id", where=f"{where}.", required=True)
+    return out
+
+
+def _tools(body: Body) -> tuple[dict[str, object], ...]:
+    tools = body.get("tools")
+    if tools is None:
+        return ()
+    if not isinstance(tools, list):
+        raise invalid("'tools' must be an array", "tools", "invalid_type")
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+            raise invalid(f"'tools[{i}]' must be {{'type': 'function', 'function': {{...}}}}", "tools", "invalid_type")
+        function = obj(tool, "function")
+        string(function, "name", where=f"tools[{i}].function.", required=True)
+        string(function, "description", where=f"tools[{i}].function.")
+        obj(function, "parameters", where=f"tools[{i}].function.")
+    return tuple(tools)
+
+
+def _tool_choice(body: Body) -> str | dict[str, object] | None:
+    choice = body.get("tool_choice")
+    if choice is None or (isinstance(choice, str) and choice in TOOL_CHOICES):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        string(obj(choice, "function", where="tool_choice."), "name", where="tool_choice.function.", required=True)
+        return choice
+    raise invalid("'tool_choice' must be 'none', 'auto', 'required' or a function object", "tool_choice")
+
+
+def _model(body: Body) -> str:
+    model = string(body, "model", required=True)
+    assert model is not None
+    if not model:
+        raise invalid("'model' must not be empty", "model")
+    return model
+
+
+def chat_request(body: Body, max_num_samples: int) -> ChatRequest:
+    model = _model(body)
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise invalid("'messages' must be a non-empty array", "messages", "invalid_type")
+    if len(raw) > MAX_MESSAGES:
+        raise invalid(f"'messages' holds {len(raw)} messages; at most {MAX_MESSAGES}", "messages")
+    messages = tuple(message(m, i) for i, m in enumerate(raw))
+    want_logprobs = boolean(body, "logprobs")
+    top = integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS) or 0
+    if top and not want_logprobs:
+        raise invalid("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return ChatRequest(
+        model=model,
+        messages=messages,
+        tools=_tools(body),
+        tool_choice=_tool_choice(body),
+        template_kwargs=obj(body, "chat_template_kwargs"),
+        options=options(body, max_num_samples, logprobs=want_logprobs, top_logprobs=top),
+        metadata_episode=_metadata_episode(body),
+    )
+
+
+def _token_ids(values: list[object], where: str) -> tuple[int, ...]:
+    if not values or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT32_MAX for t in values):
+        raise invalid(f"'{where}' token ids must be a non-empty array of integers in 0..{INT32_MAX}", "prompt")
+    return tuple(t for t in values if isinstance(t, int))
+
+
+def _prompts(body: Body) -> tuple[Prompt, ...]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        prompts: list[Prompt] = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        prompts = [p for p in prompt if isinstance(p, str)]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
+        prompts = [_token_ids(prompt, "prompt")]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
+        prompts = [_token_ids(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+    else:
+        raise invalid("'prompt' must be a string, an array of strings, an array of token ids or an array of such "
+                      "arrays (non-empty)", "prompt", "invalid_type")  # fmt: skip
+    if len(prompts) > MAX_PROMPTS:
+        raise invalid(f"'prompt' holds {len(prompts)} prompts; at most {MAX_PROMPTS}", "prompt")
+    if any(p == "" for p in prompts):
+        raise invalid("'prompt' must not be empty", "prompt")
+    return tuple(prompts)
+
+
+def completion_request(body: Body, max_num_samples: int) -> CompletionRequest:
+    model = _model(body)
+    prompts = _prompts(body)
+    if boolean(body, "echo"):
+        raise invalid("'echo' is not supported", "echo", "unsupported_parameter")
+    if string(body, "suffix"):
+        raise invalid("'suffix' is not supported", "suffix", "unsupported_parameter")
+    top = integer(body, "logprobs", 0, 5)
+    sampling = options(body, max_num_samples, logprobs=top is not None, top_logprobs=top or 0)
+    if len(prompts) * sampling.n > max_num_samples:
+        raise invalid(f"{len(prompts)} prompts x n={sampling.n} exceeds {max_num_samples} samples per request", "n")
+    return CompletionRequest(model=model, prompts=prompts, options=sampling, metadata_episode=_metadata_episode(body))

@@ -1,0 +1,260 @@
+"""The unmodified openai SDK (sync and async) against /v1 of a real gateway over real trainer, sampler and registry
+processes: models per tenant, chat completions streamed and not on name@latest with the exact version, token ids
+equal to a direct gRPC Sample's, logprobs equal to ComputeLogprobs', n > 1, stop strings, seeds, token-id
+prompts, another tenant's model, a wrong key, malformed bodies."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from gatewayutil import KEY_A, KEY_B, base_url
+from openai.types.chat import ChatCompletionMessageParam
+from openaiutil import async_openai_client, openai_client, train_adapter
+from serverproc import ServerProcess
+from transformers import AutoTokenizer
+
+from opentinker.client import SamplingParams, ServiceClient
+
+AGENT = "gw-a/oai-agent"
+OTHER = "gw-b/oai-other"
+MESSAGES: list[ChatCompletionMessageParam] = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "What is 2 plus 3?"},
+]
+
+
+@pytest.fixture(scope="module")
+def service(
+    trainer_server: ServerProcess, sampler_server: ServerProcess, registry_server: ServerProcess
+) -> Iterator[ServiceClient]:
+    with ServiceClient(trainer_server.address, sampler_server.address, registry_server.address) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def versions(service: ServiceClient) -> dict[str, int]:
+    """gw-a's adapter with two versions (latest = 2), gw-b's with one."""
+    return {AGENT: train_adapter(service, AGENT, snapshots=2, seed=1), OTHER: train_adapter(service, OTHER, seed=2)}
+
+
+@pytest.fixture(scope="module")
+def client_a(gateway: ServerProcess) -> Iterator[openai.OpenAI]:
+    with openai_client(gateway, KEY_A) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def client_b(gateway: ServerProcess) -> Iterator[openai.OpenAI]:
+    with openai_client(gateway, KEY_B) as client:
+        yield client
+
+
+def extra(obj: object, name: str) -> Any:
+    """A vLLM-style extra field the SDK keeps on its pydantic models."""
+    extras = getattr(obj, "model_extra", None) or {}
+    return extras[name]
+
+
+def test_models_are_listed_per_tenant(
+    client_a: openai.OpenAI, client_b: openai.OpenAI, versions: dict[str, int], tiny_model: Path
+) -> None:
+    seen_a = {m.id: m for m in client_a.models.list()}
+    seen_b = {m.id: m for m in client_b.models.list()}
+    assert AGENT in seen_a and OTHER not in seen_a
+    assert OTHER in seen_b and AGENT not in seen_b
+    assert not [m for m in seen_a if m.startswith("gw-b/")] and not [m for m in seen_b if m.startswith("gw-a/")]
+    agent = seen_a[AGENT]
+    assert extra(agent, "latest_version") == versions[AGENT] == 2
+    assert extra(agent, "aliases") == {"latest": 2}
+    base = next(iter(seen_a))  # the base model comes first, under its public name
+    assert base in seen_b and client_a.models.retrieve(base).id == base
+    assert client_a.models.retrieve(AGENT).id == AGENT
+    assert extra(client_a.models.retrieve(f"{AGENT}@1"), "version") == 1
+    with pytest.raises(openai.NotFoundError):
+        client_b.models.retrieve(AGENT)  # another tenant's: as if it did not exist
+    with pytest.raises(openai.NotFoundError):
+        client_a.models.retrieve("gw-a/no-such-agent")
+
+
+def test_chat_completion_is_the_samplers_exact_tokens(
+    client_a: openai.OpenAI, service: ServiceClient, versions: dict[str, int], tiny_model: Path
+) -> None:
+    reply = client_a.chat.completions.create(
+        model=f"{AGENT}@latest", messages=MESSAGES, max_tokens=12, seed=7, logprobs=True, top_logprobs=2,
+        extra_body={"return_token_ids": True},
+    )  # fmt: skip
+    assert reply.model == f"{AGENT}@{versions[AGENT]}" and reply.object == "chat.completion"
+    prompt = extra(reply, "prompt_token_ids")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    rendered = tokenizer.apply_chat_template(list(map(dict, MESSAGES)), add_generation_prompt=True, tokenize=False)  # type: ignore[arg-type]
+    assert prompt == tokenizer.encode(rendered, add_special_tokens=False)
+    (choice,) = reply.choices
+    tokens = extra(choice, "token_ids")
+    assert isinstance(tokens, list) and isinstance(prompt, list) and 1 <= len(tokens) <= 12
+    assert reply.usage is not None and reply.usage.prompt_tokens == len(prompt)
+    assert reply.usage.completion_tokens == len(tokens)
+    assert choice.finish_reason == ("length" if len(tokens) == 12 else "stop")
+
+    # A direct gRPC Sample of the same version, prompt and seed samples the same tokens.
+    direct = service.create_sampling_client(f"{AGENT}@{versions[AGENT]}")
+    (sampled,) = direct.sample(prompt, SamplingParams(max_tokens=12, seed=7, logprobs=True)).sequences
+    assert list(sampled.tokens) == tokens
+    assert choice.message.content == tokenizer.decode(tokens, skip_special_tokens=True) == sampled.text
+
+    # Logprobs: the chosen tokens', equal to ComputeLogprobs of those tokens after the prompt.
+    assert choice.logprobs is not None and choice.logprobs.content is not None
+    logprobs = [entry.logprob for entry in choice.logprobs.content]
+    scored = direct.compute_logprobs(prompt + tokens)[len(prompt) - 1 :]
+    assert len(logprobs) == len(tokens) == len(scored)
+    assert all(math.isclose(a, b, abs_tol=1e-4) for a, b in zip(logprobs, scored, strict=True)), (logprobs, scored)
+    first = choice.logprobs.content[0]
+    assert [t.token for t in first.top_logprobs] == [first.token]  # no alternatives from the sampler (documented)
+
+
+def test_streamed_chat_equals_the_answer(
+    client_a: openai.OpenAI, gateway: ServerProcess, versions: dict[str, int]
+) -> None:
+    request: dict[str, Any] = {"model": AGENT, "messages": MESSAGES, "max_tokens": 10, "seed": 11, "temperature": 0.9}
+    whole = client_a.chat.completions.create(**request, extra_body={"return_token_ids": True})
+
+    async def streamed() -> tuple[list[Any], str, list[int], list[Any]]:
+        async with async_openai_client(gateway, KEY_A) as client:
+            stream = await client.chat.completions.create(
+                **request, stream=True, stream_options={"include_usage": True}, extra_body={"return_token_ids": True}
+            )
+            chunks = [chunk async for chunk in stream]
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        tokens = [t for c in chunks if c.choices for t in extra(c.choices[0], "token_ids")]
+        return chunks, text, tokens, [c.choices[0].finish_reason for c in chunks if c.choices]
+
+    chunks, text, tokens, reasons = asyncio.run(streamed())
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert extra(chunks[0], "prompt_token_ids") == extra(whole, "prompt_token_ids")
+    assert {c.model for c in chunks} == {whole.model} == {f"{AGENT}@{versions[AGENT]}"}
+    assert text == whole.choices[0].message.content and tokens == extra(whole.choices[0], "token_ids")
+    assert [r for r in reasons if r is not None] == [whole.choices[0].finish_reason]
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage.completion_tokens == len(tokens)
+
+
+def test_n_seeds_and_base_model(client_a: openai.OpenAI, versions: dict[str, int]) -> None:
+    three = client_a.chat.completions.create(
+        model=AGENT,
+        messages=MESSAGES,
+        max_tokens=8,
+        n=3,
+        seed=5,
+        extra_body={"return_token_ids": True},
+    )
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    assert three.usage is not None
+    assert three.usage.completion_tokens == sum(len(extra(c, "token_ids")) for c in three.choices)
+    again = client_a.chat.completions.create(
+        model=AGENT,
+        messages=MESSAGES,
+        max_tokens=8,
+        n=3,
+        seed=5,
+        extra_body={"return_token_ids": True},
+    )
+    assert [extra(c, "token_ids") for c in again.choices] == [extra(c, "token_ids") for c in three.choices]
+    base_id = next(iter(client_a.models.list())).id
+    base = client_a.chat.completions.create(model=base_id, messages=MESSAGES, max_tokens=4)
+    assert base.model == base_id
+
+
+def test_stop_strings_cut_the_text_not_the_tokens(client_a: openai.OpenAI, versions: dict[str, int]) -> None:
+    request: dict[str, Any] = {
+        "model": AGENT,
+        "messages": MESSAGES,
+        "max_tokens": 24,
+        "seed": 3,
+        "extra_body": {"return_token_ids": True},
+    }
+    free = client_a.chat.completions.create(**request)
+    text = free.choices[0].message.content
+    assert isinstance(text, str) and len(text) >= 8, text
+    stop = text[4:6]
+    cut = client_a.chat.completions.create(**request, stop=[stop, "never-seen-stop"])
+    assert cut.choices[0].message.content == text[: text.find(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    free_tokens, cut_tokens = extra(free.choices[0], "token_ids"), extra(cut.choices[0], "token_ids")
+    assert isinstance(cut_tokens, list) and isinstance(free_tokens, list)
+    assert cut_tokens == free_tokens[: len(cut_tokens)]  # every sampled token, the stop string's included
+    streamed = client_a.chat.completions.create(**request, stop=stop, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == text[: text.find(stop)]
+
+
+def test_completions_with_token_and_text_prompts(
+    client_a: openai.OpenAI, service: ServiceClient, versions: dict[str, int]
+) -> None:
+    prompt = [17, 42, 99, 7, 256]
+    reply = client_a.completions.create(
+        model=f"{AGENT}@1", prompt=prompt, max_tokens=6, seed=9, logprobs=1, extra_body={"return_token_ids": True}
+    )
+    assert reply.model == f"{AGENT}@1"
+    (sampled,) = (
+        service.create_sampling_client(f"{AGENT}@1").sample(prompt, SamplingParams(max_tokens=6, seed=9)).sequences
+    )
+    assert extra(reply.choices[0], "token_ids") == list(sampled.tokens)
+    assert extra(reply, "prompt_token_ids") == prompt and reply.choices[0].text == sampled.text
+    assert reply.choices[0].logprobs is not None and len(reply.choices[0].logprobs.tokens or []) == len(sampled.tokens)
+    two = client_a.completions.create(model=AGENT, prompt=["Hello", "What is"], max_tokens=3, n=2)
+    assert sorted(c.index for c in two.choices) == [0, 1, 2, 3]
+    chunks = list(client_a.completions.create(model=AGENT, prompt=prompt, max_tokens=6, seed=9, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == sampled.text
+
+
+def test_other_tenants_models_wrong_keys_and_bad_bodies(
+    client_a: openai.OpenAI, client_b: openai.OpenAI, gateway: ServerProcess, versions: dict[str, int]
+) -> None:
+    for model in (AGENT, f"{AGENT}@1", "oai-agent", "gw-b/no-such", "gw-b/bad name"):
+        with pytest.raises(openai.NotFoundError) as caught:
+            client_b.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2)
+        assert caught.value.code == "model_not_found"
+    with pytest.raises(openai.NotFoundError):
+        client_b.completions.create(model=AGENT, prompt="Hi", max_tokens=2)
+
+    async def async_other_tenant() -> None:
+        async with async_openai_client(gateway, KEY_B) as client:
+            with pytest.raises(openai.NotFoundError):
+                await client.chat.completions.create(model=AGENT, messages=MESSAGES, stream=True)
+
+    asyncio.run(async_other_tenant())
+    for key in ("tml-no-such-key", "sk-not-ours"):
+        with openai_client(gateway, key) as wrong, pytest.raises(openai.AuthenticationError) as denied:
+            wrong.models.list()
+        assert denied.value.code == "invalid_api_key"
+
+    bad: list[dict[str, object]] = [
+        {"messages": "hello"}, {"messages": []}, {"messages": [{"role": "robot", "content": "x"}]},
+        {"temperature": "hot"}, {"n": 0}, {"max_tokens": -1}, {"stop": [1, 2]}, {"top_logprobs": 3},
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        {"metadata": {"episode_id": "no spaces allowed"}},
+    ]  # fmt: skip
+    for fields in bad:
+        body = {"model": AGENT, "messages": MESSAGES, "max_tokens": 2, **fields}
+        with pytest.raises(openai.BadRequestError) as refused:
+            client_a.post("/chat/completions", body=body, cast_to=httpx.Response)
+        assert refused.value.type == "invalid_request_error", fields
+    raw = httpx.post(f"{base_url(gateway)}/v1/chat/completions", content=b"{not json",
+                     headers={"Authorization": f"Bearer {KEY_A}"})  # fmt: skip
+    assert raw.status_code == 400 and set(json.loads(raw.text)["error"]) == {"message", "type", "param", "code"}
+    with pytest.raises(openai.BadRequestError):
+        client_a.chat.completions.create(
+            model=AGENT,
+            messages=MESSAGES,
+            max_tokens=2,
+            extra_headers={"X-OpenTinker-Episode": "a b"},
+        )
+    # still serving
+    ok = client_a.chat.completions.create(model=AGENT, messages=MESSAGES, max_tokens=2)
+    assert ok.choices[0].message.role == "assistant"
