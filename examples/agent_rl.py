@@ -45,15 +45,15 @@ def score(reply: str) -> float:
     return sum(c.isdigit() for c in reply) / len(reply) if reply else 0.0
 
 
-def play(chat: OpenAI, episode_id: str, secret: int, opening: str, turns: int) -> tuple[float, bool, str]:
+def play(chat: OpenAI, episode_id: str, secret: int, opening: str, seed: int, turns: int) -> tuple[float, bool, str]:
     """One game; returns its reward, whether it won, and the exact version that played it."""
     messages: list[dict[str, str]] = [{"role": "user", "content": opening}]
     format_scores: list[float] = []
     won, model = False, ""
-    for _ in range(turns):
+    for turn in range(turns):
         answer = chat.chat.completions.create(
             model=f"{ADAPTER}@latest", messages=messages, max_tokens=12, temperature=0.1,  # type: ignore[arg-type]
-            extra_headers={"X-OpenTinker-Episode": episode_id},
+            seed=seed + turn, extra_headers={"X-OpenTinker-Episode": episode_id},
         )  # fmt: skip
         reply, model = answer.choices[0].message.content or "", answer.model
         format_scores.append(score(reply))
@@ -118,7 +118,10 @@ def main() -> None:
             training.save_snapshot()  # version 1: what the first games play
             for it in range(args.iterations):
                 ids = [f"it{it}-game{g}" for g in range(args.games)]
-                games = [(i, rng.randrange(10), OPENINGS[g % len(OPENINGS)]) for g, i in enumerate(ids)]
+                games = [
+                    (i, rng.randrange(10), OPENINGS[g % len(OPENINGS)], rng.randrange(1 << 30))
+                    for g, i in enumerate(ids)
+                ]
                 with ThreadPoolExecutor(len(games)) as pool:
                     played = list(pool.map(lambda game: play(chat, *game, args.turns), games))
                 for episode_id, (reward, _, _) in zip(ids, played, strict=True):

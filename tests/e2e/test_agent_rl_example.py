@@ -18,12 +18,12 @@ EXAMPLE = ROOT / "examples" / "agent_rl.py"
 def test_agent_rl_example_improves_its_mean_reward(tmp_path: Path) -> None:
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     result = subprocess.run(
-        [sys.executable, str(EXAMPLE), "--run-dir", str(tmp_path / "run"), "--iterations", "8", "--json"],
+        [sys.executable, str(EXAMPLE), "--run-dir", str(tmp_path / "run"), "--iterations", "10", "--json"],
         capture_output=True, text=True, timeout=600, cwd=tmp_path, env={**os.environ, "PATH": path},
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-    assert [line["iteration"] for line in lines] == list(range(8)), result.stdout
+    assert [line["iteration"] for line in lines] == list(range(10)), result.stdout
     rewards = [line["mean_reward"] for line in lines]
     print("agent_rl reward curve:", " ".join(f"{r:.2f}" for r in rewards))
     first, last = statistics.mean(rewards[:2]), statistics.mean(rewards[-2:])
