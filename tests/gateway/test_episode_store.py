@@ -66,7 +66,9 @@ def test_memory_store_rewards_bounds_and_tenants() -> None:
         episode = await store.reward("a", "ep-1", {"turn": 2, "reward": -1})
         body = episode.to_json()
         assert body["rewards"] == {"episode": 1.5, "turns": {"2": -1.0}} and body["mismatches"] == 0
-        for bad in ({"turn": 3, "reward": 1}, {"reward": float("nan")}, {"reward": "1"}, {"reward": 1, "x": 2}):
+        bodies: list[dict[str, object]] = [{"turn": 3, "reward": 1}, {"reward": float("nan")}, {"reward": "1"}]
+        bodies.append({"reward": 1, "x": 2})
+        for bad in bodies:
             with pytest.raises(GatewayError) as refused:
                 await store.reward("a", "ep-1", bad)
             assert refused.value.status == 400
