@@ -20,6 +20,16 @@ from opentinker.client.envs import (
     rollout_multi_agent_group,
     rollout_multi_agent_group_async,
 )
+from opentinker.client.episodes import (
+    Episode,
+    EpisodeClient,
+    EpisodeError,
+    EpisodeSegment,
+    EpisodeTrainResult,
+    EpisodeTurn,
+    episode_datums,
+    train_on_episodes,
+)
 from opentinker.client.errors import OpenTinkerError, from_rpc_error
 from opentinker.client.loops import (
     SFTStepMetrics,
@@ -89,6 +99,12 @@ __all__ = [
     "Env",
     "EnvFactory",
     "EnvGroup",
+    "Episode",
+    "EpisodeClient",
+    "EpisodeError",
+    "EpisodeSegment",
+    "EpisodeTrainResult",
+    "EpisodeTurn",
     "Event",
     "ForwardBackwardOutput",
     "GarbageCollection",
@@ -132,6 +148,7 @@ __all__ = [
     "Transition",
     "Version",
     "datums_for_group",
+    "episode_datums",
     "from_rpc_error",
     "group_advantages",
     "rollout",
@@ -144,6 +161,7 @@ __all__ = [
     "rollout_multi_agent_group_async",
     "train_multi_agent_rl",
     "train_multi_agent_rl_async",
+    "train_on_episodes",
     "train_rl",
     "train_rl_async",
     "train_sft",

@@ -11,7 +11,16 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from opentinker.gateway import checkpoint_gc, expiry, openai_errors, openai_routes, rest, sampling, training
+from opentinker.gateway import (
+    checkpoint_gc,
+    episode_routes,
+    expiry,
+    openai_errors,
+    openai_routes,
+    rest,
+    sampling,
+    training,
+)
 from opentinker.gateway.auth import KEY_PREFIX
 from opentinker.gateway.errors import GatewayError, RequestFailed
 from opentinker.gateway.state import (
@@ -205,6 +214,7 @@ def create_app(gateway: Gateway) -> web.Application:
     sampling.add_routes(app)
     rest.add_routes(app)
     openai_routes.add_routes(app)
+    episode_routes.add_routes(app)
 
     sweeps: list[asyncio.Task[None]] = []
 

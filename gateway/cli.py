@@ -16,6 +16,7 @@ from opentinker.rpc.config import GATEWAY_SECTION, serve_command
 
 if TYPE_CHECKING:
     from opentinker.gateway.auth import KeyStore
+    from opentinker.gateway.episodes import EpisodeLimits
     from opentinker.gateway.state import GatewayConfig
 
 DEFAULT_PORT = 7073
@@ -113,6 +114,16 @@ def serve(
             "(<tool_call>{json}</tool_call>), llama3 (JSON, <|python_tag|>) or none (always text)."
         ),
     ] = "auto",
+    episode_ttl_seconds: Annotated[
+        float, typer.Option(help="A captured episode (/v1/episodes) is kept this long after its last write.")
+    ] = 7 * 86400.0,
+    episode_max_turns: Annotated[int, typer.Option(help="Turns one captured episode may hold (429 beyond).")] = 256,
+    episode_max_tokens: Annotated[
+        int, typer.Option(help="Prompt + completion tokens one captured episode may hold (429 beyond).")
+    ] = 1 << 20,
+    episode_max_per_tenant: Annotated[
+        int, typer.Option(help="Live captured episodes one tenant may hold (429 beyond).")
+    ] = 10_000,
     ready_file: Annotated[Path | None, typer.Option(help="Write {address, metrics_address} JSON once serving.")] = None,
     log_level: Annotated[str, typer.Option(help="Logging level.")] = "INFO",
     config_file: opt.Config = None,
@@ -159,7 +170,14 @@ def serve(
         typer.echo(f"these must be positive: {', '.join('--' + n.replace('_', '-') for n in positive)}", err=True)
         raise typer.Exit(2)
 
-    asyncio.run(_run(keys, (trainer, sampler, registry), config, host, port, ready_file, redis_url, tokenizer))
+    from opentinker.gateway.episodes import EpisodeLimits
+
+    episodes = EpisodeLimits(episode_ttl_seconds, episode_max_turns, episode_max_tokens, episode_max_per_tenant)
+    if min(episodes.ttl_seconds, episodes.max_turns, episodes.max_tokens, episodes.max_episodes) <= 0:
+        typer.echo("the --episode-* limits must be positive", err=True)
+        raise typer.Exit(2)
+    addresses = (trainer, sampler, registry)
+    asyncio.run(_run(keys, addresses, config, host, port, ready_file, redis_url, tokenizer, episodes))
 
 
 async def _run(
@@ -171,6 +189,7 @@ async def _run(
     ready_file: Path | None,
     redis_url: str | None,
     tokenizer: str | None = None,
+    episode_limits: EpisodeLimits | None = None,
 ) -> None:
     import redis
     from aiohttp import web
@@ -179,6 +198,7 @@ async def _run(
     from opentinker.gateway.backend import Backends
     from opentinker.gateway.chat_template import TokenizerHandle
     from opentinker.gateway.durable import MemoryState, RedisState
+    from opentinker.gateway.episodes import MemoryEpisodes, RedisEpisodes
     from opentinker.gateway.state import Gateway
     from opentinker.rpc.server import write_ready_file
 
@@ -191,9 +211,15 @@ async def _run(
     except (redis.RedisError, ValueError, KeyError) as exc:  # unreachable, or not this gateway's records
         typer.echo(f"gateway state store {durable.where}: {exc}", err=True)
         raise typer.Exit(2) from None
-    gateway = Gateway(
-        keys=keys, backends=Backends(*addresses), config=config, durable=durable, tokenizer=TokenizerHandle(tokenizer)
+    episodes = (
+        RedisEpisodes(durable.client, episode_limits)
+        if isinstance(durable, RedisState)
+        else MemoryEpisodes(episode_limits)
     )
+    gateway = Gateway(
+        keys=keys, backends=Backends(*addresses), config=config, durable=durable, tokenizer=TokenizerHandle(tokenizer),
+        episodes=episodes,
+    )  # fmt: skip
     gateway.restore(saved)
     if durable.durable:
         log.info(
@@ -202,7 +228,8 @@ async def _run(
         )  # fmt: skip
     else:
         log.warning(
-            "gateway state is in memory only: a restart forgets every session, model id and tinker:// path "
+            "gateway state is in memory only: a restart forgets every session, model id, tinker:// path and "
+            "captured episode "
             "(pass --redis-url to keep them)"
         )
     # forward_backward bodies are decompressed by the gateway itself (zstd, size-capped).

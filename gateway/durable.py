@@ -110,6 +110,11 @@ class RedisState(MemoryState):
         self._redis = aioredis.Redis.from_url(url, decode_responses=True, socket_timeout=10, socket_connect_timeout=5)
         self._seq_max = self._redis.register_script(_SEQ_MAX)
 
+    @property
+    def client(self) -> aioredis.Redis:
+        """The connection, shared with the episode store (episodes.py)."""
+        return self._redis
+
     async def _hset(self, key: str, name: str, record: dict[str, object]) -> None:
         async with _unavailable():
             await self._redis.hset(key, name, json.dumps(record, separators=(",", ":")))

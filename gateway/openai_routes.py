@@ -20,14 +20,14 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from opentinker.client.errors import OpenTinkerError
-from opentinker.gateway import openai_errors, openai_responses, tool_calls
+from opentinker.gateway import episode_capture, openai_errors, openai_responses, tool_calls
 from opentinker.gateway.backend import Backend, BaseModelInfo
 from opentinker.gateway.bodies import parse_json
 from opentinker.gateway.openai_errors import OpenAIError, model_not_found
 from opentinker.gateway.openai_records import EPISODE_HEADER, CompletedChoice, episode_id
 from opentinker.gateway.openai_requests import SamplingOptions, chat_request, completion_request
 from opentinker.gateway.openai_responses import DONE, Json, envelope, finish_reason, sse
-from opentinker.gateway.state import JSON_INLINE_BYTES, Gateway, backend_of, gateway_of, principal_of
+from opentinker.gateway.state import JSON_INLINE_BYTES, backend_of, gateway_of, principal_of
 from opentinker.gateway.stop_strings import StopCut
 from opentinker.rpc.errors import InvalidArgument
 from opentinker.v1 import common_pb2, registry_pb2, sampler_pb2
@@ -219,14 +219,6 @@ async def _messages(backend: Backend, job: _Job) -> AsyncGenerator[Tagged, None]
             await stream.aclose()
 
 
-def _captured(gw: Gateway, tenant: str, job: _Job, records: list[CompletedChoice]) -> None:
-    """Called once per request, after its last choice finished, with every choice's record (streamed or not).
-
-    HOOK(H6, episode capture): when ``job.episode`` is set (X-OpenTinker-Episode or metadata.episode_id, already
-    checked), store ``records`` under (``tenant``, ``job.episode``) here."""
-    del gw, tenant, job, records
-
-
 # Answers
 
 
@@ -273,7 +265,7 @@ async def _answer(request: web.Request, backend: Backend, job: _Job) -> web.Resp
     answer["usage"] = openai_responses.usage(sum(map(len, job.prompts)), sum(len(c.tokens) for c in job.choices))
     if opts.return_token_ids and len(job.prompts) == 1:
         answer["prompt_token_ids"] = list(job.prompts[0])
-    _captured(gw, principal.tenant, job, job.records(reasons))
+    await episode_capture.capture(gw, principal.tenant, job.episode, job.records(reasons))
     return web.json_response(answer)
 
 
@@ -350,7 +342,8 @@ async def _stream(request: web.Request, backend: Backend, job: _Job) -> web.Stre
                     sum(map(len, job.prompts)), sum(len(c.tokens) for c in job.choices)
                 )
                 await response.write(sse(tail))
-            _captured(gw, principal.tenant, job, job.records(_finish_reasons(job)[0]))
+            records = job.records(_finish_reasons(job)[0])
+            await episode_capture.capture(gw, principal.tenant, job.episode, records)
             await response.write(DONE)
         except ConnectionResetError:
             log.info("%s: the client went away; its samples are cancelled", job.response_id)
@@ -394,6 +387,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await _body(request)
     parsed = chat_request(body, gw.config.max_num_samples)
     episode = episode_id(request.headers.get(EPISODE_HEADER), parsed.metadata_episode)
+    episode_capture.check_capturable(episode, parsed.options.n)
     base = await gw.backends.base_model(principal.token)
     ref = reference(parsed.model, principal.tenant, base)
     source = base.started_as
@@ -415,6 +409,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     body = await _body(request)
     parsed = completion_request(body, gw.config.max_num_samples)
     episode = episode_id(request.headers.get(EPISODE_HEADER), parsed.metadata_episode)
+    episode_capture.check_capturable(episode, parsed.options.n * len(parsed.prompts))
     base = await gw.backends.base_model(principal.token)
     ref = reference(parsed.model, principal.tenant, base)
     source = base.started_as

@@ -16,6 +16,7 @@ from opentinker.gateway.bodies import parse_json
 from opentinker.gateway.chat_template import TokenizerHandle
 from opentinker.gateway.checkpoints import CheckpointTable
 from opentinker.gateway.durable import MemoryState, Saved
+from opentinker.gateway.episodes import MemoryEpisodes
 from opentinker.gateway.errors import bad_request
 from opentinker.gateway.futures import FutureStore
 from opentinker.gateway.models import Lane, ModelTable, TrainingModel
@@ -85,6 +86,7 @@ class Gateway:
     durable: MemoryState = field(default_factory=MemoryState)  # durable.py: Redis with --redis-url
     stability: StabilityRecords = field(default_factory=StabilityRecords)
     tokenizer: TokenizerHandle = field(default_factory=TokenizerHandle)  # /v1 chat templates (--tokenizer)
+    episodes: MemoryEpisodes = field(default_factory=MemoryEpisodes)  # episodes.py: Redis with --redis-url
     decode_slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(2))  # bodies decoded at once
     json_slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(2))  # big JSON bodies parsed
 
