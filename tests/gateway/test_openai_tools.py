@@ -14,12 +14,13 @@ import agents
 import openai
 import pytest
 from agents.models.chatcmpl_converter import Converter
-from gatewayutil import KEY_A
+from gatewayutil import KEY_A, base_url
 from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 from openaiutil import async_openai_client, openai_client
 from serverproc import ServerProcess
 
-from opentinker.client import AdamParams, LoraConfig, Renderer, ServiceClient
+from opentinker.client import AdamParams, EpisodeClient, LoraConfig, Renderer, ServiceClient
+from opentinker.client.episodes import EPISODE_HEADER
 
 ADAPTER = "gw-a/tool-agent"
 QUESTION = "What is the weather in Paris?"
@@ -128,7 +129,8 @@ def test_agents_sdk_loop(gateway: ServerProcess, trained: int) -> None:
     agents.set_tracing_disabled(True)
 
     async def run() -> agents.RunResult:
-        async with async_openai_client(gateway, KEY_A) as client:
+        async with async_openai_client(gateway, KEY_A) as plain:
+            client = plain.with_options(default_headers={EPISODE_HEADER: "weather-run-1"})  # every turn captured
             model = agents.OpenAIChatCompletionsModel(model=ADAPTER, openai_client=client)
             agent = agents.Agent(
                 name="weather",
@@ -143,3 +145,13 @@ def test_agents_sdk_loop(gateway: ServerProcess, trained: int) -> None:
     assert calls_made == ["Paris"]
     assert result.final_output == ANSWER
     assert len(result.raw_responses) == 2  # the turn that called the tool, the turn that answered
+    # The whole agent run is one captured episode: both turns, on the exact version, and the second turn's prompt
+    # (the Agents SDK re-sent the history with the tool's result) extends the first turn's prompt + completion.
+    episode = EpisodeClient(base_url(gateway), KEY_A).get("weather-run-1")
+    assert [turn.model for turn in episode.turns] == [f"{ADAPTER}@{trained}"] * 2
+    assert [turn.finish_reason for turn in episode.turns] == ["tool_calls", "stop"]
+    first, second = episode.turns
+    assert second.prompt_token_ids[: len(first.prompt_token_ids) + len(first.token_ids)] == (
+        first.prompt_token_ids + first.token_ids
+    )
+    assert episode.mismatches == 0 and len(episode.segments) == 1

@@ -46,6 +46,20 @@ EXAMPLES = {route: 40 for route in (*POST_ROUTES, *GET_ROUTES, *REST_ROUTES)} | 
     "forward_backward": 80, "asample": 70, "create_model": 50, "healthz": 10, "client/dynamic_config": 15,
     "telemetry": 15, "get_server_capabilities": 10,
 }  # fmt: skip
+# The OpenAI-compatible surface (/v1): its routes and methods; errors in OpenAI's JSON instead of the tinker one.
+V1_ROUTES = {
+    "models": ("GET",), "models/{model}": ("GET",), "chat/completions": ("POST",), "completions": ("POST",),
+    "episodes": ("GET",), "episodes/{episode}": ("GET", "DELETE"), "episodes/{episode}/reward": ("POST",),
+}  # fmt: skip
+V1_EXAMPLES = {route: 30 for route in V1_ROUTES} | {"chat/completions": 60, "completions": 50}
+V1_TEMPLATES: dict[str, dict[str, object]] = {
+    "chat/completions": {
+        "model": "base", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 1.0,
+        "seed": 5, "stop": ["x"], "return_token_ids": True, "metadata": {"episode_id": "fuzz-1"}, "stream": False,
+    },
+    "completions": {"model": "base", "prompt": [1, 2, 3], "max_tokens": 3, "n": 2, "logprobs": 1, "stream": True},
+    "episodes/{episode}/reward": {"reward": 1.0, "turn": 0},
+}  # fmt: skip
 COUNTS: Counter[str] = Counter()
 STATUSES: Counter[int] = Counter()
 
@@ -312,7 +326,7 @@ def test_every_route_is_fuzzed(fuzz: Fuzz) -> None:
     app = create_app(Gateway(keys=KeyStore([]), backends=Backends("x:1", "x:2", "x:3")))
     served = {r.resource.canonical.removeprefix("/api/v1/") for r in app.router.routes() if r.resource is not None}
     names = {"{session}": "{session_id}", "{sampler}": "{sampler_id}", "{run}": "{run_id}"}
-    fuzzed = set()
+    fuzzed = {f"/v1/{route}".replace("{episode}", "{episode_id}") for route in V1_ROUTES}
     for route in EXAMPLES:
         canonical = route
         for short, full in names.items():
@@ -332,6 +346,54 @@ def test_fuzzed_requests_get_deliberate_answers(fuzz: Fuzz, route: str) -> None:
         response = fuzz.http.request(method, f"/api/v1/{path}", content=body or None, headers=headers)
         COUNTS[route] += 1
         _check(response, f"{method} {path} {body[:200]!r}")
+
+    check()
+
+
+@st.composite
+def v1_request_of(draw: st.DrawFn, fuzz: Fuzz, route: str) -> tuple[str, str, bytes, dict[str, str]]:
+    """(method, path, body, headers) for one fuzzed request of the /v1 ``route``."""
+    key = draw(st.sampled_from([KEY_A] * 16 + [KEY_B, "", "tml-nobody", "sk-x", "tml- x"]))
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    method = draw(st.sampled_from(V1_ROUTES[route]))
+    path = route.format(
+        model=draw(st.sampled_from(["base", "fuzz-a/nope", "fuzz-b/x@3", "x" * 300, "a@b@c", "%0A", "fuzz-a/x@-1"])),
+        episode=draw(st.sampled_from(["fuzz-1", "nope", "x" * 300, "%0A", "a b"])),
+    )
+    if method in ("GET", "DELETE"):
+        return method, path + (draw(st.sampled_from(QUERIES)) if method == "GET" else ""), b"", headers
+    template = V1_TEMPLATES[route]
+    kind = draw(st.sampled_from(["mutated", "mutated", "mutated", "random", "raw"]))
+    if kind == "raw":
+        body = draw(raw_json())
+    elif kind == "random":
+        fields = draw(st.dictionaries(st.sampled_from([*template, "x"]), _json(fuzz.known), max_size=4))
+        body = json.dumps(fields).encode()
+    else:
+        body = json.dumps(draw(mutated(template, fuzz.known))).encode()
+    headers["Content-Type"] = "application/json"
+    return method, path, body, headers
+
+
+def _check_v1(response: httpx.Response, what: str) -> None:
+    STATUSES[response.status_code] += 1
+    assert response.status_code < 500, f"{what}: {response.status_code} {response.text[:300]}"
+    if response.status_code >= 400:
+        error = response.json()["error"]
+        assert isinstance(error, dict) and error["message"] and error["type"], f"{what}: {response.text[:300]}"
+
+
+@pytest.mark.parametrize("route", sorted(V1_ROUTES))
+def test_fuzzed_v1_requests_get_deliberate_answers(fuzz: Fuzz, route: str) -> None:
+    @settings(max_examples=V1_EXAMPLES[route], deadline=None, database=None, derandomize=True,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                     HealthCheck.large_base_example])  # fmt: skip
+    @given(v1_request_of(fuzz, route))
+    def check(request: tuple[str, str, bytes, dict[str, str]]) -> None:
+        method, path, body, headers = request
+        response = fuzz.http.request(method, f"/v1/{path}", content=body or None, headers=headers)
+        COUNTS[f"v1/{route}"] += 1
+        _check_v1(response, f"{method} {path} {body[:200]!r}")
 
     check()
 

@@ -7,12 +7,10 @@ long prompt enters, where whole-prompt prefill makes it skip one."""
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 
 import pytest
-import torch
 from chunkedutil import chunked_engine
-from pagedkvutil import ADAPTERS, CPU, assert_same, make_pool, prompt, run
+from pagedkvutil import ADAPTERS, assert_same, prompt, run
 
 from opentinker.sampler_server.block_manager import BlockManager
 from opentinker.sampler_server.engine import SequenceUpdate
@@ -23,16 +21,6 @@ from opentinker.sampler_server.slot_pool import SlotPool
 
 MAX_LEN = 96
 SYSTEM = prompt(21, 77)  # a prefix several requests share: one full block and a bit
-
-
-@pytest.fixture(scope="module")
-def runner(tiny_model: Path) -> LlamaForCausalLM:
-    return LlamaForCausalLM.from_pretrained(tiny_model, device=CPU, dtype=torch.float32)
-
-
-@pytest.fixture(scope="module")
-def pool(runner: LlamaForCausalLM) -> SlotPool:
-    return make_pool(runner)
 
 
 def workload() -> list[list[Sequence]]:

@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import itertools
 import threading
-from pathlib import Path
 
 import pytest
-import torch
 from chunkedutil import RecordingScheduler, chunked_engine
-from pagedkvutil import CPU, assert_same, make_pool, prompt, run
+from pagedkvutil import assert_same, prompt, run
 
 from opentinker.sampler_server.block_manager import BlockManager
 from opentinker.sampler_server.engine import SequenceUpdate
@@ -103,16 +101,6 @@ def test_an_exhausted_pool_preempts_the_tenant_most_over_its_share_not_the_newes
     batch = sched.schedule()  # team-b needs a block: team-a (12 of 14, share 7) gives one, not team-b (newest)
     assert batch is not None and late in batch.sequences
     assert [tenant for tenant, *_ in sched.preempted] == ["team-a"]
-
-
-@pytest.fixture(scope="module")
-def runner(tiny_model: Path) -> LlamaForCausalLM:
-    return LlamaForCausalLM.from_pretrained(tiny_model, device=CPU, dtype=torch.float32)
-
-
-@pytest.fixture(scope="module")
-def pool(runner: LlamaForCausalLM) -> SlotPool:
-    return make_pool(runner)
 
 
 def team_b() -> list[list[Sequence]]:

@@ -6,26 +6,13 @@ block goes back to the pool when requests end or are cancelled mid-stream."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-import torch
-from pagedkvutil import ADAPTERS, CPU, MAX_LEN, assert_same, engine, make_pool, prompt, run
+from pagedkvutil import ADAPTERS, MAX_LEN, assert_same, engine, prompt, run
 from samplerutil import max_diff
 
 from opentinker.sampler_server.model.llama import LlamaForCausalLM
 from opentinker.sampler_server.sequence import SamplingParams, Sequence
 from opentinker.sampler_server.slot_pool import SlotPool
-
-
-@pytest.fixture(scope="module")
-def runner(tiny_model: Path) -> LlamaForCausalLM:
-    return LlamaForCausalLM.from_pretrained(tiny_model, device=CPU, dtype=torch.float32)
-
-
-@pytest.fixture(scope="module")
-def pool(runner: LlamaForCausalLM) -> SlotPool:
-    return make_pool(runner)
 
 
 def workload() -> list[list[Sequence]]:

@@ -6,12 +6,9 @@ idle cached blocks are evicted LRU under a small pool and every reference ends w
 from __future__ import annotations
 
 import types
-from pathlib import Path
 from typing import Any, cast
 
-import pytest
-import torch
-from pagedkvutil import CPU, assert_same, fill_random, make_pool, prompt, run
+from pagedkvutil import assert_same, fill_random, make_pool, prompt, run
 from pagedkvutil import engine as paged_engine
 
 from opentinker.sampler_server.engine import Engine
@@ -27,16 +24,6 @@ MAX_LEN = 128
 def engine(runner: LlamaForCausalLM, pool: SlotPool, *, num_blocks: int, prefix_cache: bool = True) -> Engine:
     return paged_engine(runner, pool, block_size=16, num_blocks=num_blocks, prefix_cache=prefix_cache,
                         max_len=MAX_LEN)  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def runner(tiny_model: Path) -> LlamaForCausalLM:
-    return LlamaForCausalLM.from_pretrained(tiny_model, device=CPU, dtype=torch.float32)
-
-
-@pytest.fixture(scope="module")
-def pool(runner: LlamaForCausalLM) -> SlotPool:
-    return make_pool(runner)
 
 
 def ask(request_id: str, tokens: list[int], *, slot: int = 0, key: str = "k", seed: int | None = None,

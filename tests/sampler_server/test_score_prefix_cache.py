@@ -5,11 +5,7 @@ Sample never finds its blocks, and no reference outlives it."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import pytest
-import torch
-from pagedkvutil import CPU, assert_same, make_pool, prompt, run
+from pagedkvutil import assert_same, prompt, run
 from pagedkvutil import engine as paged_engine
 from samplerutil import max_diff
 
@@ -26,16 +22,6 @@ TURN = prompt(50, 17) + prompt(21, 4)  # a prompt and a completion: four full bl
 def engine(runner: LlamaForCausalLM, pool: SlotPool, *, prefix_cache: bool = True, num_blocks: int = 32) -> Engine:
     return paged_engine(runner, pool, block_size=16, num_blocks=num_blocks, prefix_cache=prefix_cache,
                         max_len=MAX_LEN)  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def runner(tiny_model: Path) -> LlamaForCausalLM:
-    return LlamaForCausalLM.from_pretrained(tiny_model, device=CPU, dtype=torch.float32)
-
-
-@pytest.fixture(scope="module")
-def pool(runner: LlamaForCausalLM) -> SlotPool:
-    return make_pool(runner)
 
 
 def ask(request_id: str, tokens: list[int], *, slot: int, key: str) -> list[Sequence]:
