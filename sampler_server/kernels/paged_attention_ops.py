@@ -10,26 +10,20 @@ shared by every layer; the launch reads nothing back, so it never syncs a CUDA s
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 
-_kernel: ModuleType | None = None
+from opentinker.sampler_server.kernels.triton_launch import check_launchable, kernel_module
+
 NO_WINDOW = 1 << 30  # a "window" wider than any context
+PAGED_ATTENTION = "the triton paged attention kernel"
 
 
 def _load_kernel() -> ModuleType:
-    global _kernel  # noqa: PLW0603 - one lazy import per process
-    if _kernel is None:
-        try:
-            from opentinker.sampler_server.kernels import paged_attention
-        except ImportError as e:
-            raise RuntimeError(f"the triton paged attention kernel needs the triton package: {e}") from e
-        _kernel = paged_attention
-    return _kernel
+    return kernel_module("paged_attention", PAGED_ATTENTION)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,10 +79,6 @@ class PagedAttentionConfig:
         return PagedAttentionConfig(block_m=16 if max_q_len <= 16 else 64, block_n=64, use_dot=True)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "yes", "on")
-
-
 def paged_attention(
     q: torch.Tensor,  # [N, heads, hd]
     k_rows: torch.Tensor,  # [num_blocks * block_size, kv_heads, hd] one layer's flat cache
@@ -98,8 +88,7 @@ def paged_attention(
 ) -> torch.Tensor:  # [N, heads, hd], q's dtype
     """Causal attention of each sequence's new tokens over its cached keys (positions <= its own, inside the
     sliding window), reading K/V through the block tables; the same numbers as the torch path to fp32 rounding."""
-    if not q.is_cuda and not _interpreting():
-        raise RuntimeError("the triton paged attention kernel needs CUDA tensors, or TRITON_INTERPRET=1 on CPU")
+    check_launchable(q, PAGED_ATTENTION)
     n, heads, head_dim = q.shape
     kv_heads = k_rows.shape[1]
     if heads % kv_heads or k_rows.shape != v_rows.shape or k_rows.shape[2] != head_dim:

@@ -11,11 +11,12 @@ batch and shared by every module of every layer.
 from __future__ import annotations
 
 import importlib.util
-import os
 from dataclasses import dataclass
 from types import ModuleType
 
 import torch
+
+from opentinker.sampler_server.kernels.triton_launch import check_launchable, kernel_module
 
 
 def _triton_installed() -> bool:
@@ -27,18 +28,11 @@ def _triton_installed() -> bool:
 
 TRITON_AVAILABLE: bool = _triton_installed()
 
-_kernels: ModuleType | None = None
+LORA_KERNELS = "the triton LoRA kernels"
 
 
 def _load_kernels() -> ModuleType:
-    global _kernels  # noqa: PLW0603 - one lazy import per process
-    if _kernels is None:
-        try:
-            from opentinker.sampler_server.kernels import _triton_kernels
-        except ImportError as e:
-            raise RuntimeError(f"the triton LoRA kernels need the triton package: {e}") from e
-        _kernels = _triton_kernels
-    return _kernels
+    return kernel_module("_triton_kernels", LORA_KERNELS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,8 +143,7 @@ def add_lora_triton(
     n = x.shape[0]
     if n == 0:
         return
-    if not x.is_cuda and os.environ.get("TRITON_INTERPRET", "").lower() not in ("1", "true", "yes", "on"):
-        raise RuntimeError("the triton LoRA kernels need CUDA tensors, or TRITON_INTERPRET=1 to run them on CPU")
+    check_launchable(x, LORA_KERNELS)
     if meta is None:
         meta = segment_meta(slot_ids, a.shape[0])
     if config is None:
