@@ -19,38 +19,20 @@ import math
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import openai
 from openai.types.chat import ChatCompletionMessageParam
 from results import record
-from stack import aio_stub, model_input, stream
+from stack import aio_stub, alternate_sides, model_input
+from streaming import FULL, QUICK, Run, Setup, over_grpc
 from workload import FULL_SPEC, QUICK_SPEC, model_dir, spec_config
 
 from opentinker.cli.launch import ServerProcess, opentinker_command, start_registry, start_sampler, start_trainer
-from opentinker.v1 import sampler_pb2, sampler_pb2_grpc
+from opentinker.v1 import sampler_pb2
 
 KEY = "tml-bench-openai"
 MAX_LEN = 256
-
-
-@dataclass(frozen=True, slots=True)
-class Setup:
-    requests: int
-    max_tokens: int
-    reps: int
-
-
-FULL = Setup(requests=32, max_tokens=32, reps=5)
-QUICK = Setup(requests=8, max_tokens=16, reps=3)
-
-
-@dataclass(frozen=True, slots=True)
-class Run:
-    wall: float  # seconds from the first request sent to the last stream's end
-    ttft: float  # median seconds to each request's first token
-    tokens: int
 
 
 def question(i: int) -> list[ChatCompletionMessageParam]:
@@ -82,16 +64,6 @@ async def over_http(client: openai.AsyncOpenAI, setup: Setup) -> tuple[Run, list
     return run, [tokens for _, _, tokens in done]
 
 
-async def over_grpc(stub: sampler_pb2_grpc.SamplerServiceStub, requests: list[sampler_pb2.SampleRequest]) -> Run:
-    start = time.monotonic()
-    streams = await asyncio.gather(*(stream(stub, r) for r in requests))
-    failed = [s.error for s in streams if s.error]
-    if failed:
-        raise RuntimeError(f"{len(failed)} streams failed: {failed[0]}")
-    return Run(max(s.end for s in streams) - start, statistics.median(s.first - start for s in streams),
-               sum(s.tokens for s in streams))  # fmt: skip
-
-
 async def prompts(client: openai.AsyncOpenAI, setup: Setup) -> list[list[int]]:
     """Each request's prompt token ids as the gateway renders them (a 1-token completion answers them)."""
     out = []
@@ -112,17 +84,17 @@ async def alternate(gateway: ServerProcess, sampler: ServerProcess, setup: Setup
     ids = await prompts(client, setup)
     params = sampler_pb2.SamplingParams(temperature=0.0, max_tokens=setup.max_tokens, logprobs=True)
     requests = [sampler_pb2.SampleRequest(model="base", prompt=model_input(p), sampling_params=params) for p in ids]
-    runs: dict[str, list[Run]] = {"http": [], "grpc": []}
-    await over_http(client, setup)  # warm-up: connections, tokenizer, first-call allocations
-    await over_grpc(stub, requests)
-    same = True
-    for rep in range(setup.reps):
-        for side in ("http", "grpc") if rep % 2 == 0 else ("grpc", "http"):
-            if side == "http":
-                runs["http"].append((await over_http(client, setup))[0])
-            else:
-                runs["grpc"].append(await over_grpc(stub, requests))
-        same = same and runs["http"][-1].tokens == runs["grpc"][-1].tokens
+
+    async def http_side() -> Run:
+        return (await over_http(client, setup))[0]
+
+    async def grpc_side() -> Run:
+        return await over_grpc(stub, requests)
+
+    await http_side()  # warm-up: connections, tokenizer, first-call allocations
+    await grpc_side()
+    runs = await alternate_sides({"http": http_side, "grpc": grpc_side}, setup.reps)
+    same = all(h.tokens == g.tokens for h, g in zip(runs["http"], runs["grpc"], strict=True))
     await client.close()
     await channel.close()
     return runs, same

@@ -8,9 +8,10 @@ import asyncio
 import concurrent.futures
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 
@@ -18,6 +19,8 @@ from opentinker.cli.launch import ServerProcess, opentinker_command, registry_st
 from opentinker.client.registry_client import RegistryClient
 from opentinker.v1 import common_pb2, sampler_pb2, sampler_pb2_grpc
 from opentinker.weights.artifact_store import ArtifactStore
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -128,3 +131,14 @@ def tokens_between(streams: list[Stream], start: float, end: float) -> int:
 def aio_stub(address: str) -> tuple[grpc.aio.Channel, sampler_pb2_grpc.SamplerServiceStub]:
     channel = grpc.aio.insecure_channel(address)
     return channel, sampler_pb2_grpc.SamplerServiceStub(channel)
+
+
+async def alternate_sides(sides: Mapping[str, Callable[[], Awaitable[T]]], reps: int) -> dict[str, list[T]]:
+    """Runs every side once per repetition, in order on even repetitions and reversed on odd ones ((a, b), (b, a),
+    ...), so the machine's drift lands on every side alike; each side's results in repetition order."""
+    runs: dict[str, list[T]] = {side: [] for side in sides}
+    order = list(sides)
+    for rep in range(reps):
+        for side in order if rep % 2 == 0 else order[::-1]:
+            runs[side].append(await sides[side]())
+    return runs

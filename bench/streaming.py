@@ -30,7 +30,7 @@ import psutil
 import torch
 from inprocess import Client, Request, build_engine, fill_slots
 from results import record
-from stack import Stack, aio_stub, publish, sample_request, start_stack, stream
+from stack import Stack, aio_stub, alternate_sides, publish, sample_request, start_stack, stream
 from workload import (
     FULL_SPEC,
     QUICK_SPEC,
@@ -132,17 +132,18 @@ async def alternate(server: ServerProcess, helper: Connection, grpc_requests: li
                     reps: int) -> dict[str, list[Run]]:  # fmt: skip
     channel, stub = aio_stub(server.address)
     process = psutil.Process(server.process.pid)
-    runs: dict[str, list[Run]] = {"grpc": [], "inprocess": []}
+
+    async def grpc_side() -> Run:
+        cpu = cpu_seconds(process)
+        run = await over_grpc(stub, grpc_requests)
+        return dataclasses.replace(run, cpu=cpu_seconds(process) - cpu)
+
+    async def inprocess_side() -> Run:
+        return await asyncio.to_thread(run_in_helper, helper)
+
     await over_grpc(stub, grpc_requests)  # warm-up: aliases adopted, first-call allocations
-    await asyncio.to_thread(run_in_helper, helper)
-    for rep in range(reps):
-        for side in ("grpc", "inprocess") if rep % 2 == 0 else ("inprocess", "grpc"):
-            if side == "grpc":
-                cpu = cpu_seconds(process)
-                run = await over_grpc(stub, grpc_requests)
-                runs[side].append(dataclasses.replace(run, cpu=cpu_seconds(process) - cpu))
-            else:
-                runs[side].append(await asyncio.to_thread(run_in_helper, helper))
+    await inprocess_side()
+    runs = await alternate_sides({"grpc": grpc_side, "inprocess": inprocess_side}, reps)
     await channel.close()
     return runs
 
