@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Callable, Coroutine, Iterator, Sequence
-from pathlib import Path
 from typing import Any, cast
 
 import pytest
@@ -57,11 +56,6 @@ from opentinker.client.tasks import (
 )
 
 BASE = SampledVersion(adapter="", version=0, reference="base", sha256="")
-
-
-@pytest.fixture(scope="module")
-def renderer(tiny_model: Path) -> Renderer:
-    return Renderer.from_pretrained(tiny_model)
 
 
 @pytest.fixture(scope="module")

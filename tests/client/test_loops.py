@@ -48,11 +48,6 @@ ADAM = AdamParams(learning_rate=3e-2)
 
 
 @pytest.fixture(scope="module")
-def renderer(tiny_model: Path) -> Renderer:
-    return Renderer.from_pretrained(tiny_model)
-
-
-@pytest.fixture(scope="module")
 def addresses(
     trainer_server: ServerProcess, sampler_server: ServerProcess, registry_server: ServerProcess
 ) -> dict[str, str]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +9,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from opentinker.client.renderer import RenderedConversation, Renderer
-from opentinker.client.tiny_model import CHAT_TEMPLATE, TinyModelSpec, make_tiny_model
+from opentinker.client.tiny_model import CHAT_TEMPLATE
 
 SYSTEM = {"role": "system", "content": "You are terse."}
 CONVERSATION: list[dict[str, str]] = [
@@ -26,26 +25,8 @@ ANSWERS = [m["content"] for m in CONVERSATION if m["role"] == "assistant"]
 IM_END = "<|im_end|>"
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HF_HUB_OFFLINE", "1")
-        mp.setenv("TRANSFORMERS_OFFLINE", "1")
-        yield make_tiny_model(tmp_path_factory.mktemp("renderer") / "tiny", TinyModelSpec())
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir: Path) -> Any:
-    return AutoTokenizer.from_pretrained(model_dir)
-
-
-@pytest.fixture(scope="module")
-def renderer(model_dir: Path) -> Renderer:
-    return Renderer.from_pretrained(model_dir)
-
-
-def _tokenizer_with_template(model_dir: Path, template: str) -> Any:
-    tok = AutoTokenizer.from_pretrained(model_dir)
+def _tokenizer_with_template(tiny_model: Path, template: str) -> Any:
+    tok = AutoTokenizer.from_pretrained(tiny_model)
     tok.chat_template = template
     return tok
 
@@ -123,9 +104,9 @@ def test_generation_mask_is_hf_assistant_mask(renderer: Renderer, tokenizer: Any
     assert [int(w) for w in rendered.weights] == list(out["assistant_masks"])
 
 
-def test_template_without_markers_falls_back_to_prefixes(model_dir: Path, renderer: Renderer) -> None:
+def test_template_without_markers_falls_back_to_prefixes(tiny_model: Path, renderer: Renderer) -> None:
     plain = CHAT_TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")
-    fallback = Renderer(_tokenizer_with_template(model_dir, plain))
+    fallback = Renderer(_tokenizer_with_template(tiny_model, plain))
     assert not fallback.supports_generation_markers
     for train_on in ("last_assistant", "all_assistant"):
         assert fallback.render(CONVERSATION, train_on) == renderer.render(CONVERSATION, train_on)
@@ -133,14 +114,14 @@ def test_template_without_markers_falls_back_to_prefixes(model_dir: Path, render
         fallback.render(CONVERSATION, mask_method="generation")
 
 
-def test_template_that_rewrites_history_is_refused(model_dir: Path) -> None:
+def test_template_that_rewrites_history_is_refused(tiny_model: Path) -> None:
     # Earlier assistant turns are rendered differently once a later message exists: no token prefix.
     rewriting = CHAT_TEMPLATE.replace(
         "{{ message['content'] + '<|im_end|>' }}",
         "{{ (message['content'] if loop.last else '...') + '<|im_end|>' }}",
     )
     assert rewriting != CHAT_TEMPLATE
-    renderer = Renderer(_tokenizer_with_template(model_dir, rewriting))
+    renderer = Renderer(_tokenizer_with_template(tiny_model, rewriting))
     with pytest.raises(ValueError, match="incrementally"):
         renderer.render(CONVERSATION, mask_method="prefix")
 

@@ -4,15 +4,12 @@ the previous prompt and its completion."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-from transformers import AutoTokenizer
 
 from opentinker.client.renderer import RenderedConversation, Renderer
-from opentinker.client.tiny_model import CHAT_TEMPLATE, TinyModelSpec, make_tiny_model
+from opentinker.client.tiny_model import CHAT_TEMPLATE
 
 # The template as it was before tools: what every conversation without tools must still render to.
 CHATML_BEFORE_TOOLS = (
@@ -45,24 +42,6 @@ AGENT: list[dict[str, object]] = [
     {"role": "assistant", "content": "Sunny, 21 C."},
 ]
 RENDERED_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>'
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HF_HUB_OFFLINE", "1")
-        mp.setenv("TRANSFORMERS_OFFLINE", "1")
-        yield make_tiny_model(tmp_path_factory.mktemp("renderer-tools") / "tiny", TinyModelSpec())
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir: Path) -> Any:
-    return AutoTokenizer.from_pretrained(model_dir)
-
-
-@pytest.fixture(scope="module")
-def renderer(model_dir: Path) -> Renderer:
-    return Renderer.from_pretrained(model_dir)
 
 
 def _text(tokenizer: Any, tokens: list[int] | tuple[int, ...]) -> str:
