@@ -147,25 +147,16 @@ def test_streamed_chat_equals_the_answer(
 
 
 def test_n_seeds_and_base_model(client_a: openai.OpenAI, versions: dict[str, int]) -> None:
-    three = client_a.chat.completions.create(
-        model=AGENT,
-        messages=MESSAGES,
-        max_tokens=8,
-        n=3,
-        seed=5,
-        extra_body={"return_token_ids": True},
-    )
+    def three_seeded() -> Any:
+        return client_a.chat.completions.create(
+            model=AGENT, messages=MESSAGES, max_tokens=8, n=3, seed=5, extra_body={"return_token_ids": True}
+        )
+
+    three = three_seeded()
     assert [c.index for c in three.choices] == [0, 1, 2]
     assert three.usage is not None
     assert three.usage.completion_tokens == sum(len(extra(c, "token_ids")) for c in three.choices)
-    again = client_a.chat.completions.create(
-        model=AGENT,
-        messages=MESSAGES,
-        max_tokens=8,
-        n=3,
-        seed=5,
-        extra_body={"return_token_ids": True},
-    )
+    again = three_seeded()
     assert [extra(c, "token_ids") for c in again.choices] == [extra(c, "token_ids") for c in three.choices]
     base_id = next(iter(client_a.models.list())).id
     base = client_a.chat.completions.create(model=base_id, messages=MESSAGES, max_tokens=4)
@@ -264,9 +255,15 @@ def test_other_tenants_models_wrong_keys_and_bad_bodies(
 def test_a_client_that_goes_away_cancels_its_samples(
     gateway: ServerProcess, service: ServiceClient, versions: dict[str, int]
 ) -> None:
+    # A greedy request that runs to its max_tokens (checked first), so only the disconnect can end it early.
+    client = openai_client(gateway, KEY_A)
+    base_id = next(iter(client.models.list())).id
+    body = {"model": base_id, "messages": MESSAGES, "max_tokens": 1900, "temperature": 0.0}
+    whole = client.chat.completions.create(**body)  # type: ignore[call-overload]
+    assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 1900, whole.usage
     sampler = service.create_sampling_client("base")
     before = sampler.stats().tokens_generated
-    body = {"model": AGENT, "messages": MESSAGES, "max_tokens": 1900, "stream": True, "temperature": 1.0}
+    body["stream"] = True
     headers = {"Authorization": f"Bearer {KEY_A}"}
     with httpx.stream("POST", f"{base_url(gateway)}/v1/chat/completions", json=body, headers=headers) as reply:
         assert reply.status_code == 200
@@ -278,5 +275,6 @@ def test_a_client_that_goes_away_cancels_its_samples(
         assert time.monotonic() < deadline, stats
         time.sleep(0.1)
     assert stats.tokens_generated - before < 1900, stats
-    ok = openai_client(gateway, KEY_A).chat.completions.create(model=AGENT, messages=MESSAGES, max_tokens=2)
+    ok = client.chat.completions.create(model=AGENT, messages=MESSAGES, max_tokens=2)
     assert ok.choices[0].message.role == "assistant"
+    client.close()
