@@ -114,6 +114,13 @@ def serve(
             "(<tool_call>{json}</tool_call>), llama3 (JSON, <|python_tag|>) or none (always text)."
         ),
     ] = "auto",
+    max_tokenizer_jobs_per_tenant: Annotated[
+        int,
+        typer.Option(
+            help="/v1 chat renders, encodes and logprob decodes one tenant may have waiting for the gateway's "
+            "tokenizer thread, which tenants take in turns (429 beyond)."
+        ),
+    ] = 64,
     episode_ttl_seconds: Annotated[
         float, typer.Option(help="A captured episode (/v1/episodes) is kept this long after its last write.")
     ] = 7 * 86400.0,
@@ -160,7 +167,7 @@ def serve(
         max_sessions_per_tenant=max_sessions_per_tenant, max_inflight_per_tenant=max_inflight_per_tenant,
         max_tenant_result_bytes=max_tenant_result_bytes, checkpoint_gc_seconds=checkpoint_gc_seconds,
         stability_ttl_seconds=stability_ttl_seconds, max_tenant_stability_tokens=max_tenant_stability_tokens,
-        tool_call_parser=tool_call_parser,
+        tool_call_parser=tool_call_parser, max_tokenizer_jobs_per_tenant=max_tokenizer_jobs_per_tenant,
     )  # fmt: skip
     if tool_call_parser not in PARSER_CHOICES:
         typer.echo(f"--tool-call-parser must be one of {', '.join(PARSER_CHOICES)}", err=True)
@@ -217,8 +224,8 @@ async def _run(
         else MemoryEpisodes(episode_limits)
     )
     gateway = Gateway(
-        keys=keys, backends=Backends(*addresses), config=config, durable=durable, tokenizer=TokenizerHandle(tokenizer),
-        episodes=episodes,
+        keys=keys, backends=Backends(*addresses), config=config, durable=durable,
+        tokenizer=TokenizerHandle(tokenizer, config.max_tokenizer_jobs_per_tenant), episodes=episodes,
     )  # fmt: skip
     gateway.restore(saved)
     if durable.durable:

@@ -64,6 +64,18 @@ class CompletionRequest:
     metadata_episode: str | None
 
 
+def text_size(value: object) -> int:
+    """Characters of every string in a parsed body value (keys too): an upper bound on what a template renders
+    from it, known before rendering anything."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, Mapping):
+        return sum(len(str(k)) + text_size(v) for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return sum(text_size(v) for v in value)
+    return 0 if value is None else len(str(value))
+
+
 # Scalars
 
 

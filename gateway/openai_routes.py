@@ -25,7 +25,7 @@ from opentinker.gateway.backend import Backend, BaseModelInfo
 from opentinker.gateway.bodies import parse_json
 from opentinker.gateway.openai_errors import OpenAIError, model_not_found
 from opentinker.gateway.openai_records import EPISODE_HEADER, CompletedChoice, episode_id
-from opentinker.gateway.openai_requests import SamplingOptions, chat_request, completion_request
+from opentinker.gateway.openai_requests import SamplingOptions, chat_request, completion_request, text_size
 from opentinker.gateway.openai_responses import DONE, Json, envelope, finish_reason, sse
 from opentinker.gateway.state import JSON_INLINE_BYTES, backend_of, gateway_of, principal_of
 from opentinker.gateway.stop_strings import StopCut
@@ -36,6 +36,9 @@ from opentinker.weights.names import BASE, parse_reference, tenant_of
 log = logging.getLogger(__name__)
 
 DEFAULT_CONTEXT = 4096  # the sampler's context unless --max-len says otherwise: the default max_tokens' bound
+# The most text the gateway renders or encodes per token of the context (as the sampler bounds prompt_text): more
+# cannot fit in the context, and it would hold the tokenizer thread every tenant shares for seconds.
+TEXT_CHARS_PER_TOKEN = 16
 CHAT, COMPLETIONS = "chat.completions", "completions"
 
 
@@ -68,6 +71,15 @@ async def _body(request: web.Request) -> dict[str, object]:
         return parse()
     async with gw.json_slots:
         return await asyncio.to_thread(parse, yielding=True)
+
+
+def check_text_fits(chars: int, base: BaseModelInfo, param: str) -> None:
+    """400 context_length_exceeded, before any tokenizing, for text that cannot fit in the model's context."""
+    context = base.max_positions or DEFAULT_CONTEXT
+    if chars > TEXT_CHARS_PER_TOKEN * context:
+        raise OpenAIError(400, "context_length_exceeded", f"the request holds {chars:,} characters of text, more "
+                          f"than a {context:,}-token context can hold (the gateway tokenizes at most "
+                          f"{TEXT_CHARS_PER_TOKEN} characters per token of the context)", param)  # fmt: skip
 
 
 def _exact(version: common_pb2.ResolvedVersion, base: BaseModelInfo) -> str:
@@ -243,7 +255,8 @@ async def _answer(request: web.Request, backend: Backend, job: _Job) -> web.Resp
     opts, choices = job.options, []
     for choice, reason, calls in zip(job.choices, reasons, parsed, strict=True):
         out: Json = {"index": choice.index}
-        pieces = await gw.tokenizer.pieces(job.tokenizer_source, choice.tokens) if opts.logprobs else []
+        pieces = await gw.tokenizer.pieces(principal.tenant, job.tokenizer_source, choice.tokens) \
+            if opts.logprobs else []  # fmt: skip
         if job.endpoint == CHAT:
             content = choice.cut.answer if calls is None else calls.content
             out["message"] = openai_responses.chat_message(content, calls.calls if calls is not None else ())
@@ -317,7 +330,7 @@ async def _stream(request: web.Request, backend: Backend, job: _Job) -> web.Stre
                 choice, text = job.add(i, message)
                 logprobs = None
                 if opts.logprobs:
-                    pieces = await gw.tokenizer.pieces(job.tokenizer_source, message.tokens)
+                    pieces = await gw.tokenizer.pieces(principal.tenant, job.tokenizer_source, message.tokens)
                     logprobs = openai_responses.chat_logprobs(pieces, message.logprobs, opts.top_logprobs) \
                         if job.endpoint == CHAT else openai_responses.completion_logprobs(
                             pieces, message.logprobs, opts.top_logprobs, offsets[choice.index])  # fmt: skip
@@ -390,13 +403,15 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     episode_capture.check_capturable(episode, parsed.options.n)
     base = await gw.backends.base_model(principal.token)
     ref = reference(parsed.model, principal.tenant, base)
+    check_text_fits(text_size(parsed.messages) + text_size(parsed.tools) + text_size(parsed.template_kwargs), base,
+                    "messages")  # fmt: skip
     source = base.started_as
-    prompt = await gw.tokenizer.render(source, parsed.messages, parsed.tools, parsed.template_kwargs)
+    prompt = await gw.tokenizer.render(principal.tenant, source, parsed.messages, parsed.tools, parsed.template_kwargs)
     job = _Job(CHAT, f"chatcmpl-{uuid.uuid4().hex}", parsed.model, ref, (tuple(prompt),), parsed.options, base,
                source, parsed.tools, episode)  # fmt: skip
     if tool_calls.wanted(parsed.tools, parsed.tool_choice):
         parser = gw.config.tool_call_parser
-        template = await gw.tokenizer.chat_template(source) if parser == "auto" else None
+        template = await gw.tokenizer.chat_template(principal.tenant, source) if parser == "auto" else None
         job.tool_format = tool_calls.resolve_format(parser, template)  # type: ignore[arg-type]  # checked by the CLI
         if parsed.options.stream:
             for choice in job.choices:
@@ -412,8 +427,14 @@ async def completions(request: web.Request) -> web.StreamResponse:
     episode_capture.check_capturable(episode, parsed.options.n * len(parsed.prompts))
     base = await gw.backends.base_model(principal.token)
     ref = reference(parsed.model, principal.tenant, base)
+    for text in parsed.prompts:
+        if isinstance(text, str):
+            check_text_fits(len(text), base, "prompt")
     source = base.started_as
-    prompts = [p if isinstance(p, tuple) else tuple(await gw.tokenizer.encode(source, p)) for p in parsed.prompts]
+    prompts = [
+        p if isinstance(p, tuple) else tuple(await gw.tokenizer.encode(principal.tenant, source, p))
+        for p in parsed.prompts
+    ]
     job = _Job(COMPLETIONS, f"cmpl-{uuid.uuid4().hex}", parsed.model, ref, tuple(prompts), parsed.options, base,
                source, (), episode)  # fmt: skip
     return await (_stream if parsed.options.stream else _answer)(request, backend, job)

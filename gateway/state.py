@@ -58,6 +58,7 @@ class GatewayConfig:
     stability_ttl_seconds: float = DEFAULT_TTL_SECONDS  # a stability record is kept this long after its last use
     max_tenant_stability_tokens: int = DEFAULT_MAX_TENANT_TOKENS  # tokens one tenant's stability records hold
     tool_call_parser: str = "auto"  # /v1 tool calls: auto (from the chat template), hermes, llama3, none
+    max_tokenizer_jobs_per_tenant: int = 64  # /v1 renders one tenant may have waiting for the tokenizer (429 beyond)
 
     def limits(self) -> dict[str, float]:
         """The numeric flags that must be positive (those where 0 means "no limit" are left out)."""
