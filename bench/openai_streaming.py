@@ -6,6 +6,7 @@ gateway processes for both; the runs alternate (a, b), (b, a), ...; medians of:
 
   wall time until the last stream ends, HTTP / gRPC                            (target <= 1.10)
   time to first token, median over requests, HTTP - gRPC                      (reported)
+  CPU seconds per run of this client, the gateway and the sampler (server + engine processes)   (reported)
 
     .venv/bin/python bench/openai_streaming.py [--quick]
 """
@@ -19,9 +20,11 @@ import math
 import statistics
 import tempfile
 import time
+from collections.abc import Awaitable
 from pathlib import Path
 
 import openai
+import psutil
 from openai.types.chat import ChatCompletionMessageParam
 from results import record
 from stack import aio_stub, alternate_sides, model_input
@@ -56,12 +59,11 @@ async def http_stream(
     return first - start, time.monotonic(), tokens
 
 
-async def over_http(client: openai.AsyncOpenAI, setup: Setup) -> tuple[Run, list[list[int]]]:
+async def over_http(client: openai.AsyncOpenAI, setup: Setup) -> Run:
     start = time.monotonic()
     done = await asyncio.gather(*(http_stream(client, i, setup.max_tokens, start) for i in range(setup.requests)))
-    run = Run(max(end for _, end, _ in done) - start, statistics.median(t for t, _, _ in done),
-              sum(len(tokens) for _, _, tokens in done))  # fmt: skip
-    return run, [tokens for _, _, tokens in done]
+    return Run(max(end for _, end, _ in done) - start, statistics.median(t for t, _, _ in done),
+               sum(len(tokens) for _, _, tokens in done))  # fmt: skip
 
 
 async def prompts(client: openai.AsyncOpenAI, setup: Setup) -> list[list[int]]:
@@ -78,26 +80,50 @@ async def prompts(client: openai.AsyncOpenAI, setup: Setup) -> list[list[int]]:
     return out
 
 
-async def alternate(gateway: ServerProcess, sampler: ServerProcess, setup: Setup) -> tuple[dict[str, list[Run]], bool]:
+Cpu = dict[str, float]  # CPU seconds (user + system, all threads) per process group: client, gateway, sampler
+
+
+def cpu_now(gateway: ServerProcess, sampler: ServerProcess) -> Cpu:
+    def seconds(*processes: psutil.Process) -> float:
+        return float(sum(t.user + t.system for t in (p.cpu_times() for p in processes)))
+
+    server = psutil.Process(sampler.process.pid)
+    return {"client": seconds(psutil.Process()), "gateway": seconds(psutil.Process(gateway.process.pid)),
+            "sampler": seconds(server, *server.children(recursive=True))}  # fmt: skip
+
+
+async def alternate(
+    gateway: ServerProcess, sampler: ServerProcess, setup: Setup
+) -> tuple[dict[str, list[Run]], dict[str, list[Cpu]], bool]:
     client = openai.AsyncOpenAI(base_url=f"http://{gateway.address}/v1", api_key=KEY, max_retries=0, timeout=600)
     channel, stub = aio_stub(sampler.address)
     ids = await prompts(client, setup)
     params = sampler_pb2.SamplingParams(temperature=0.0, max_tokens=setup.max_tokens, logprobs=True)
     requests = [sampler_pb2.SampleRequest(model="base", prompt=model_input(p), sampling_params=params) for p in ids]
 
+    cpu: dict[str, list[Cpu]] = {"http": [], "grpc": []}
+
+    async def measured(side: str, run: Awaitable[Run]) -> Run:
+        before = cpu_now(gateway, sampler)
+        done = await run
+        after = cpu_now(gateway, sampler)
+        cpu[side].append({k: after[k] - before[k] for k in after})
+        return done
+
     async def http_side() -> Run:
-        return (await over_http(client, setup))[0]
+        return await measured("http", over_http(client, setup))
 
     async def grpc_side() -> Run:
-        return await over_grpc(stub, requests)
+        return await measured("grpc", over_grpc(stub, requests))
 
     await http_side()  # warm-up: connections, tokenizer, first-call allocations
     await grpc_side()
+    cpu = {"http": [], "grpc": []}
     runs = await alternate_sides({"http": http_side, "grpc": grpc_side}, setup.reps)
     same = all(h.tokens == g.tokens for h, g in zip(runs["http"], runs["grpc"], strict=True))
     await client.close()
     await channel.close()
-    return runs, same
+    return runs, cpu, same
 
 
 def main() -> None:
@@ -124,7 +150,7 @@ def main() -> None:
                 "--registry", registry.address, "--keys-file", str(work / "keys.json"), "--port", "0",
             )  # fmt: skip
             servers.append(gateway := ServerProcess(gateway_args, work / "gateway", timeout=120))
-            runs, same = asyncio.run(alternate(gateway, sampler, setup))
+            runs, cpu, same = asyncio.run(alternate(gateway, sampler, setup))
         finally:
             for server in reversed(servers):
                 server.terminate()
@@ -148,6 +174,9 @@ def main() -> None:
         print(f"    {label:<22} wall {wall[side]:.3f} s (runs {walls}); median first token "
               f"{ttft[side] * 1000:.1f} ms; tokens {sorted({r.tokens for r in runs[side]})}")  # fmt: skip
     print(f"  wall HTTP / gRPC {ratio:.3f} (target <= 1.10); first-token overhead {overhead_ms:+.1f} ms")
+    for side in ("http", "grpc"):
+        medians = {k: statistics.median(c[k] for c in cpu[side]) for k in cpu[side][0]}
+        print(f"    CPU s per run, {side}: " + ", ".join(f"{k} {v:.2f}" for k, v in medians.items()))
     print(f"  total {time.perf_counter() - began:.0f} s")
 
 
