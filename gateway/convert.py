@@ -304,17 +304,35 @@ def prompt_tokens(prompt: object) -> list[int]:
 _STOPPED = frozenset({sampler_pb2.STOP_REASON_STOP_TOKEN, sampler_pb2.STOP_REASON_STOP_STRING})
 
 
+TOPK_MASK_LOGPROB = -99999.0  # the SDK's TopkLogprobs filler (tinker.types.topk_logprobs.MASK_LOGPROB)
+
+
 def sample_response(
-    sequences: Sequence[tuple[list[int], list[float], int]], prompt_logprobs: Sequence[float] | None
+    sequences: Sequence[tuple[list[int], list[float], int, list[sampler_pb2.TopLogprobs]]],
+    prompt_logprobs: Sequence[float] | None,
+    top_k: int = 0,
 ) -> bytes:
-    """(tokens, logprobs, our stop reason) per sample -> tinker SampleResponse. Prompt logprobs get NaN
-    for the first token, which has no context."""
+    """(tokens, logprobs, our stop reason, top logprobs) per sample -> tinker SampleResponse. Prompt logprobs get
+    NaN for the first token, which has no context. With ``top_k`` (the request's topk_sample_logprobs) each
+    sequence's top logprobs go in the SDK's dense [tokens, k] matrices, most likely first, the SDK's filler where
+    a position has fewer (a vocabulary smaller than k)."""
     message = tpb.SampleResponse()
-    for tokens, logprobs, stop in sequences:
+    for tokens, logprobs, stop, top in sequences:
         seq = message.sequences.add()
         seq.stop_reason = tpb.STOP_REASON_STOP if stop in _STOPPED else tpb.STOP_REASON_LENGTH
         seq.tokens = np.asarray(tokens, dtype=np.int32).tobytes()
         seq.logprobs = np.asarray(logprobs, dtype=np.float32).tobytes()
+        if top_k:
+            if len(top) != len(tokens):
+                raise RequestFailed(f"the sampler answered {len(top)} top logprobs for {len(tokens)} tokens", "server")
+            ids = np.zeros((len(top), top_k), dtype=np.int32)  # [T, k]
+            values = np.full((len(top), top_k), TOPK_MASK_LOGPROB, dtype=np.float32)  # [T, k]
+            for row, position in enumerate(top):
+                ids[row, : len(position.token_ids)] = position.token_ids[:top_k]
+                values[row, : len(position.logprobs)] = position.logprobs[:top_k]
+            seq.topk_sampled_logprobs.CopyFrom(
+                tpb.TopkLogprobs(token_ids=ids.tobytes(), logprobs=values.tobytes(), k=top_k, length=len(top))
+            )
     if prompt_logprobs is not None:
         message.prompt_logprobs = np.asarray([np.nan, *prompt_logprobs], dtype=np.float32).tobytes()
     return bytes(message.SerializeToString())

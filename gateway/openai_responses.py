@@ -33,29 +33,39 @@ def usage(prompt_tokens: int, completion_tokens: int) -> Json:
     }
 
 
-def chat_logprobs(pieces: Sequence[str], logprobs: Sequence[float], top: int) -> Json:
-    """OpenAI's chat logprobs. The sampler gives the chosen token's logprob only, so ``top_logprobs`` holds
-    that token alone when alternatives are asked for (docs/interop.md)."""
+Alternatives = Sequence[tuple[str, float]]  # one position's most likely tokens (text, logprob), most likely first
+
+
+def chat_logprobs(pieces: Sequence[str], logprobs: Sequence[float], top: Sequence[Alternatives]) -> Json:
+    """OpenAI's chat logprobs: each token's, and its position's ``top_logprobs`` most likely tokens as the sampler
+    ranked them (``top``: one per token; empty when none were asked for)."""
     content = []
-    for piece, logprob in zip(pieces, logprobs, strict=True):
+    for piece, logprob, alternatives in zip(pieces, logprobs, top, strict=True):
         entry: Json = {"token": piece, "logprob": logprob, "bytes": list(piece.encode())}
-        entry["top_logprobs"] = [{"token": piece, "logprob": logprob, "bytes": list(piece.encode())}] if top else []
+        entry["top_logprobs"] = [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in alternatives]
         content.append(entry)
     return {"content": content, "refusal": None}
 
 
-def completion_logprobs(pieces: Sequence[str], logprobs: Sequence[float], top: int, offset: int) -> Json:
-    """The legacy completions' logprobs (``text_offset`` from ``offset``, the characters already answered)."""
+def completion_logprobs(
+    pieces: Sequence[str], logprobs: Sequence[float], top: Sequence[Alternatives] | None, offset: int
+) -> Json:
+    """The legacy completions' logprobs (``text_offset`` from ``offset``, the characters already answered). As
+    OpenAI's, each ``top_logprobs`` dict holds the k most likely tokens and the sampled one (k + 1 entries when it
+    is not among them); None when ``logprobs`` was 0."""
     offsets = []
     for piece in pieces:
         offsets.append(offset)
         offset += len(piece)
-    return {
-        "tokens": list(pieces),
-        "token_logprobs": list(logprobs),
-        "top_logprobs": [{piece: lp} for piece, lp in zip(pieces, logprobs, strict=True)] if top else None,
-        "text_offset": offsets,
-    }
+    tops: list[dict[str, float]] | None = None
+    if top is not None:
+        tops = []
+        for piece, logprob, alternatives in zip(pieces, logprobs, top, strict=True):
+            ranked: dict[str, float] = {}
+            for text, lp in [*alternatives, (piece, logprob)]:
+                ranked.setdefault(text, lp)  # two ids of one text (a partial character): the likelier one's
+            tops.append(ranked)
+    return {"tokens": list(pieces), "token_logprobs": list(logprobs), "top_logprobs": tops, "text_offset": offsets}
 
 
 def tool_calls_json(calls: Sequence[ToolCall]) -> list[Json]:

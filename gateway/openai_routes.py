@@ -101,6 +101,7 @@ class _Choice:
     cut: StopCut
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top: list[sampler_pb2.TopLogprobs] = field(default_factory=list)  # one per token when top_logprobs is asked
     stop_reason: int = sampler_pb2.STOP_REASON_UNSPECIFIED
     finished_at: float = 0.0
     held: tool_calls.ToolCallStream | None = None  # streamed chat with tools: text that may be a tool call waits
@@ -142,6 +143,7 @@ class _Job:
         params = sampler_pb2.SamplingParams(
             temperature=opts.temperature, top_p=opts.top_p if opts.top_p < 1.0 else 0.0, max_tokens=max_tokens,
             stop_strings=opts.stop, logprobs=True,  # always: the records keep the sampler's logprobs
+            top_logprobs=opts.top_logprobs,
         )  # fmt: skip
         if opts.seed is not None:
             params.seed = opts.seed
@@ -161,8 +163,12 @@ class _Job:
             raise RuntimeError(f"the sampler answered sample_index {message.sample_index} of {self.options.n}")
         choice = self.choices[i * self.options.n + message.sample_index]
         self.model = self.model or _exact(message.version, self.base)
+        if self.options.top_logprobs and len(message.top_logprobs) != len(message.tokens):
+            raise RuntimeError(f"the sampler answered {len(message.top_logprobs)} top logprobs for "
+                               f"{len(message.tokens)} tokens")  # fmt: skip
         choice.tokens.extend(message.tokens)
         choice.logprobs.extend(message.logprobs)
+        choice.top.extend(message.top_logprobs)
         text = choice.cut.feed(message.text)
         if message.stop_reason != sampler_pb2.STOP_REASON_UNSPECIFIED:
             choice.stop_reason = message.stop_reason
@@ -234,6 +240,29 @@ async def _messages(backend: Backend, job: _Job) -> AsyncGenerator[Tagged, None]
 # Answers
 
 
+async def _logprobs(
+    request: web.Request,
+    job: _Job,
+    tokens: Sequence[int],
+    logprobs: Sequence[float],
+    top: Sequence[sampler_pb2.TopLogprobs],
+    offset: int,
+) -> Json:
+    """The logprobs of `tokens` in the endpoint's form, their texts and their alternatives' in one tokenizer job
+    (``offset``: completions' characters already answered)."""
+    gw, principal = gateway_of(request), principal_of(request)
+    ids = [*tokens, *(t for alternatives in top for t in alternatives.token_ids)]
+    texts = await gw.tokenizer.pieces(principal.tenant, job.tokenizer_source, ids)
+    pieces, rest = texts[: len(tokens)], iter(texts[len(tokens) :])
+    ranked: list[openai_responses.Alternatives] = [
+        [(next(rest), logprob) for logprob in alternatives.logprobs] for alternatives in top
+    ]
+    if job.endpoint == CHAT:
+        return openai_responses.chat_logprobs(pieces, logprobs, ranked if top else [[] for _ in tokens])
+    return openai_responses.completion_logprobs(pieces, logprobs, ranked if job.options.top_logprobs else None,
+                                                offset)  # fmt: skip
+
+
 def _finish_reasons(job: _Job) -> tuple[list[str], list[tool_calls.Parsed | None]]:
     reasons, parsed = [], []
     for choice in job.choices:
@@ -255,17 +284,15 @@ async def _answer(request: web.Request, backend: Backend, job: _Job) -> web.Resp
     opts, choices = job.options, []
     for choice, reason, calls in zip(job.choices, reasons, parsed, strict=True):
         out: Json = {"index": choice.index}
-        pieces = await gw.tokenizer.pieces(principal.tenant, job.tokenizer_source, choice.tokens) \
-            if opts.logprobs else []  # fmt: skip
+        logprobs = await _logprobs(request, job, choice.tokens, choice.logprobs, choice.top, 0) \
+            if opts.logprobs else None  # fmt: skip
         if job.endpoint == CHAT:
             content = choice.cut.answer if calls is None else calls.content
             out["message"] = openai_responses.chat_message(content, calls.calls if calls is not None else ())
-            out["logprobs"] = openai_responses.chat_logprobs(pieces, choice.logprobs, opts.top_logprobs) \
-                if opts.logprobs else None  # fmt: skip
+            out["logprobs"] = logprobs
         else:
             out["text"] = choice.cut.answer
-            out["logprobs"] = openai_responses.completion_logprobs(pieces, choice.logprobs, opts.top_logprobs, 0) \
-                if opts.logprobs else None  # fmt: skip
+            out["logprobs"] = logprobs
             if opts.return_token_ids:
                 out["prompt_token_ids"] = list(choice.prompt)
         out["finish_reason"] = reason
@@ -330,10 +357,8 @@ async def _stream(request: web.Request, backend: Backend, job: _Job) -> web.Stre
                 choice, text = job.add(i, message)
                 logprobs = None
                 if opts.logprobs:
-                    pieces = await gw.tokenizer.pieces(principal.tenant, job.tokenizer_source, message.tokens)
-                    logprobs = openai_responses.chat_logprobs(pieces, message.logprobs, opts.top_logprobs) \
-                        if job.endpoint == CHAT else openai_responses.completion_logprobs(
-                            pieces, message.logprobs, opts.top_logprobs, offsets[choice.index])  # fmt: skip
+                    logprobs = await _logprobs(request, job, message.tokens, message.logprobs, message.top_logprobs,
+                                               offsets[choice.index])  # fmt: skip
                 offsets[choice.index] += len(text)
                 out = _chunk_choice(job, choice, text, message.tokens, logprobs)
                 if job.endpoint == COMPLETIONS and opts.return_token_ids and not sent_prompt[choice.index]:

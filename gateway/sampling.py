@@ -25,7 +25,8 @@ from opentinker.v1 import common_pb2, sampler_pb2
 
 # SampleRequest fields this gateway cannot honour; asking for them fails the request instead of silently
 # returning less than was asked.
-_UNSUPPORTED = ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k")
+_UNSUPPORTED = ("topk_prompt_logprobs", "prompt_alt_tokens_k")
+MAX_TOPK_SAMPLE_LOGPROBS = 20  # the sampler's bound on SamplingParams.top_logprobs
 
 
 async def _reference(
@@ -74,7 +75,8 @@ async def get_sampler(request: web.Request) -> web.Response:
     )
 
 
-Sampled = list[tuple[list[int], list[float], int]]  # per sample: tokens, their logprobs, our stop reason
+# per sample: tokens, their logprobs, our stop reason, each token's most likely tokens (when asked)
+Sampled = list[tuple[list[int], list[float], int, list[sampler_pb2.TopLogprobs]]]
 
 
 async def _sample(
@@ -82,6 +84,7 @@ async def _sample(
 ) -> tuple[Sampled, list[float] | None]:
     tokens: list[list[int]] = [[] for _ in range(num_samples)]
     logprobs: list[list[float]] = [[] for _ in range(num_samples)]
+    tops: list[list[sampler_pb2.TopLogprobs]] = [[] for _ in range(num_samples)]
     stops = [sampler_pb2.STOP_REASON_UNSPECIFIED] * num_samples
     prompt_logprobs: list[float] | None = None
     async with aclosing(backend.sampler.sample_async(request)) as messages:
@@ -91,13 +94,14 @@ async def _sample(
                 raise RequestFailed(f"sampler answered an unexpected sample_index {i}", "server")
             tokens[i].extend(message.tokens)
             logprobs[i].extend(message.logprobs)
+            tops[i].extend(message.top_logprobs)
             if message.stop_reason != sampler_pb2.STOP_REASON_UNSPECIFIED:
                 stops[i] = message.stop_reason
             if want_prompt_logprobs and prompt_logprobs is None and message.prompt_tokens:
                 prompt_logprobs = list(message.prompt_logprobs)
     if any(stop == sampler_pb2.STOP_REASON_UNSPECIFIED for stop in stops):
         raise RequestFailed("the sampler's stream ended before every sample finished", "server")
-    return list(zip(tokens, logprobs, stops, strict=True)), prompt_logprobs if want_prompt_logprobs else None
+    return list(zip(tokens, logprobs, stops, tops, strict=True)), prompt_logprobs if want_prompt_logprobs else None
 
 
 def _sample_request(gw: Gateway, body: Json, reference: str, request_id: str) -> tuple[sampler_pb2.SampleRequest, int]:
@@ -109,6 +113,7 @@ def _sample_request(gw: Gateway, body: Json, reference: str, request_id: str) ->
     for name in _UNSUPPORTED:
         fields.integer(body, name, 0, fields.INT32_MAX)
     fields.integer(body, "prompt_logprobs_last_n", 0, fields.INT32_MAX)
+    top_k = fields.integer(body, "topk_sample_logprobs", 0, MAX_TOPK_SAMPLE_LOGPROBS, default=0)
     params = fields.mapping(body, "sampling_params")
     sample = sampler_pb2.SampleRequest(
         model=reference,
@@ -124,6 +129,7 @@ def _sample_request(gw: Gateway, body: Json, reference: str, request_id: str) ->
         prompt_logprobs=want_prompt_logprobs,
         request_id=request_id,
     )
+    sample.sampling_params.top_logprobs = top_k or 0
     return sample, num_samples
 
 
@@ -160,9 +166,10 @@ async def asample(request: web.Request) -> web.Response:
                 principal.tenant,
                 session_id,
                 sample.prompt.chunks[0].encoded_text.tokens,
-                {f"{prefix}:{i}": (tokens, logprobs) for i, (tokens, logprobs, _) in enumerate(sequences)},
+                {f"{prefix}:{i}": (tokens, logprobs) for i, (tokens, logprobs, _, _) in enumerate(sequences)},
             )
-        return Outcome(proto=convert.sample_response(sequences, prompt_logprobs))
+        top_k = sample.sampling_params.top_logprobs
+        return Outcome(proto=convert.sample_response(sequences, prompt_logprobs, top_k))
 
     future = gw.futures.create(principal.tenant)
     gw.futures.start(future, job)

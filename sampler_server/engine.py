@@ -8,8 +8,8 @@
              computes the prompt, its other samples hold the same blocks)
           -> one model forward; every projection adds each token's own LoRA delta (slot pool + kernels),
              the LM head each logit row's (only rows to sample from, and prompt-logprob positions)
-          -> sample one token per sequence whose chunk ended what it lacked; a partly computed prompt only
-             advances (num_cached += chunk)
+          -> sample one token per sequence whose chunk ended what it lacked (with its position's most likely
+             tokens where asked); a partly computed prompt only advances (num_cached += chunk)
           -> stop checks, detokenize, emit -> free finished sequences
 
 Other threads talk to the engine only through its inbox (submit, abort, score); it answers through the
@@ -51,7 +51,7 @@ from opentinker.sampler_server.model.kv_cache import KVCache
 from opentinker.sampler_server.model.llama import LlamaForCausalLM
 from opentinker.sampler_server.sampling import sample
 from opentinker.sampler_server.scheduler import Scheduler
-from opentinker.sampler_server.sequence import Sequence
+from opentinker.sampler_server.sequence import Sequence, TopLogprobs
 from opentinker.sampler_server.slot_pool import SlotTensors
 from opentinker.sampler_server.tenant_stats import RATE_WINDOW, tokens_per_second
 from opentinker.v1 import sampler_pb2
@@ -78,6 +78,7 @@ class SequenceUpdate:
     error: str = ""  # set when the engine failed this sequence (the request ends with an error status)
     error_reason: str = ""  # NON_FINITE_OUTPUT: the request's adapter made its logits non-finite; "": the engine
     prompt_sources: tuple[int, int, int] = (0, 0, 0)  # the sample's tokens cached, computed, shared so far
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)  # one per token, when its params ask for them
 
 
 UpdateCallback = Callable[[SequenceUpdate], None]
@@ -313,12 +314,12 @@ class Engine:
                 seq.num_cached += chunk
                 self.blocks.register(seq)
         appended = 0
-        for seq, token, logprob in zip(sampling, draw.tokens, draw.logprobs, strict=True):
+        for row, (seq, token, logprob) in enumerate(zip(sampling, draw.tokens, draw.logprobs, strict=True)):
             if seq.request_id in failed:
                 continue
             seq.num_cached = seq.num_tokens
             self.blocks.register(seq)  # its newly filled blocks join the prefix cache
-            self._append(seq, token, logprob)
+            self._append(seq, token, logprob, draw.top.get(row))
             appended += 1
         self.stats.steps += 1
         self.stats.tokens_generated += appended
@@ -444,9 +445,11 @@ class Engine:
 
         return hook
 
-    def _append(self, seq: Sequence, token: int, logprob: float) -> None:
+    def _append(self, seq: Sequence, token: int, logprob: float, top: TopLogprobs | None) -> None:
         seq.output.append(token)
         seq.output_logprobs.append(logprob)
+        if top is not None:
+            seq.output_top.append(top)
         params = seq.params
         if token in params.stop_token_ids or token in self.eos_token_ids:
             seq.stop_reason = sampler_pb2.STOP_REASON_STOP_TOKEN
@@ -464,6 +467,7 @@ class Engine:
         first = seq.emitted_tokens == 0
         new_tokens = seq.output[seq.emitted_tokens :]
         new_logprobs = seq.output_logprobs[seq.emitted_tokens :]
+        new_top = seq.output_top[seq.emitted_tokens :] if seq.output_top else []
         seq.emitted_tokens = len(seq.output)
         callback = self._callbacks.get(seq.request_id)
         sources = (seq.tokens_cached, seq.tokens_computed, seq.tokens_shared)
@@ -474,7 +478,7 @@ class Engine:
         if callback is not None:
             callback(SequenceUpdate(seq.request_id, seq.sample_index, new_tokens, new_logprobs, text_delta, finished,
                                     seq.stop_reason, seq.prompt_logprobs if first else None,
-                                    prompt_sources=sources))  # fmt: skip
+                                    prompt_sources=sources, top_logprobs=new_top))  # fmt: skip
 
     def _detokenize(self, seq: Sequence, *, final: bool = False) -> str:
         """The text the newest tokens add, appended to seq.text. Only a window of the output is decoded: from the

@@ -1,7 +1,9 @@
 """Next-token sampling for a batch: temperature, top-k, top-p, per-sequence seeded generators.
 
 Reported logprobs are the model's own (log_softmax of the raw logits, temperature 1), so that they are
-comparable to the trainer's logprobs for importance sampling.
+comparable to the trainer's logprobs for importance sampling. A row whose params ask for `top_logprobs` also
+gets its position's most likely tokens in that same sense: one topk over the rows that ask, at the largest k
+asked, each row keeping its own k; a batch where no row asks computes nothing more.
 
 A row whose logits are not finite (an adapter whose delta overflowed the residual stream), or whose
 probabilities are not after the temperature (finite logits that overflow when divided by it), draws no token:
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from opentinker.sampler_server.sequence import Sequence
+from opentinker.sampler_server.sequence import Sequence, TopLogprobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +25,7 @@ class Draw:
     tokens: list[int]  # one per row; 0 for a failed row
     logprobs: list[float]  # one per row; NaN for a failed row
     failed: frozenset[int]  # rows that drew nothing: their logits or probabilities are not finite
+    top: dict[int, TopLogprobs]  # row -> its most likely tokens, for the rows that asked (and did not fail)
 
 
 def sample(logits: torch.Tensor, sequences: list[Sequence]) -> Draw:
@@ -32,7 +35,7 @@ def sample(logits: torch.Tensor, sequences: list[Sequence]) -> Draw:
     logprobs = logits.log_softmax(-1)  # [B, V]; a failed row's values are never read
     if all(s.params.greedy for s in sequences):
         tokens = logits.argmax(-1)  # [B]
-        return _drawn(tokens.tolist(), logprobs, failed)
+        return _drawn(tokens.tolist(), logprobs, failed, sequences)
     chosen: list[int] = []
     for row, seq in enumerate(sequences):
         params = seq.params
@@ -57,12 +60,29 @@ def sample(logits: torch.Tensor, sequences: list[Sequence]) -> Draw:
             chosen.append(0)
             continue
         chosen.append(int(torch.multinomial(probs, 1, generator=seq.generator)))
-    return _drawn(chosen, logprobs, failed)
+    return _drawn(chosen, logprobs, failed, sequences)
 
 
-def _drawn(tokens: list[int], logprobs: torch.Tensor, failed: set[int]) -> Draw:
+def _drawn(tokens: list[int], logprobs: torch.Tensor, failed: set[int], sequences: list[Sequence]) -> Draw:
     index = torch.tensor(tokens, dtype=torch.long, device=logprobs.device)
     picked: list[float] = logprobs.gather(1, index[:, None]).squeeze(1).tolist()
     for row in failed:
         tokens[row], picked[row] = 0, float("nan")
-    return Draw(tokens, picked, frozenset(failed))
+    return Draw(tokens, picked, frozenset(failed), _top(logprobs, failed, sequences))
+
+
+def _top(logprobs: torch.Tensor, failed: set[int], sequences: list[Sequence]) -> dict[int, TopLogprobs]:
+    """logprobs: [B, V] -> each asking row's k most likely tokens, most likely first (ties as torch.topk)."""
+    rows = [row for row, seq in enumerate(sequences) if seq.params.top_logprobs and row not in failed]
+    if not rows:
+        return {}
+    k = min(max(sequences[row].params.top_logprobs for row in rows), logprobs.shape[-1])
+    index = torch.tensor(rows, dtype=torch.long, device=logprobs.device)
+    values, ids = logprobs.index_select(0, index).topk(k, dim=-1)  # [R, k] each, sorted descending
+    top_ids: list[list[int]] = ids.tolist()
+    top_values: list[list[float]] = values.tolist()
+    top = {}
+    for row, row_ids, row_values in zip(rows, top_ids, top_values, strict=True):
+        own = sequences[row].params.top_logprobs
+        top[row] = TopLogprobs(row_ids[:own], row_values[:own])
+    return top

@@ -28,12 +28,22 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
     logprobs: bool = False
+    top_logprobs: int = 0  # the most likely tokens to report at each sampled position (0: none)
 
     @property
     def greedy(self) -> bool:
         # Below this, logits / temperature can overflow float32 (inf -> NaN probabilities, a failed step for the
         # whole batch); the distribution is the argmax to within float precision anyway.
         return self.temperature < GREEDY_BELOW_TEMPERATURE
+
+
+@dataclass(frozen=True, slots=True)
+class TopLogprobs:
+    """The most likely tokens at one sampled position, most likely first, with their logprobs (the same
+    log_softmax of the raw logits as the sampled token's)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
 
 
 @dataclass(slots=True)
@@ -55,6 +65,7 @@ class Sequence:
     num_cached: int = 0  # tokens whose K/V are in the cache
     output: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    output_top: list[TopLogprobs] = field(default_factory=list)  # one per output token when params.top_logprobs
     prompt_logprobs: list[float] | None = None
     prompt_logprobs_so_far: list[float] = field(default_factory=list)  # of the prompt chunks computed so far
     stop_reason: int = sampler_pb2.STOP_REASON_UNSPECIFIED

@@ -28,6 +28,7 @@ from opentinker.v1 import common_pb2, sampler_pb2, sampler_pb2_grpc
 Context = Any  # grpc.aio.ServicerContext; untyped in the generated stubs
 MAX_SAMPLES = 64
 MAX_STOP_STRINGS = 16
+MAX_TOP_LOGPROBS = 20  # most likely tokens reported per sampled position (OpenAI's bound)
 REQUEST_SLACK = 65536  # bytes of a text SampleRequest besides its prompt_text, before the text is read
 
 
@@ -48,17 +49,22 @@ def sampling_params(message: sampler_pb2.SamplingParams, *, vocab_size: int) -> 
     if len(message.stop_strings) > MAX_STOP_STRINGS or any(not s for s in message.stop_strings):
         raise InvalidArgument(f"at most {MAX_STOP_STRINGS} non-empty stop strings", reason="INVALID_SAMPLING_PARAMS",
                               field="sampling_params.stop_strings")  # fmt: skip
+    if message.top_logprobs > MAX_TOP_LOGPROBS:
+        raise InvalidArgument(f"sampling_params.top_logprobs is {message.top_logprobs}; at most {MAX_TOP_LOGPROBS} "
+                              "most likely tokens per position are reported (0: none)",
+                              reason="INVALID_SAMPLING_PARAMS", field="sampling_params.top_logprobs")  # fmt: skip
     return SamplingParams(
         temperature=temperature, top_k=message.top_k, top_p=top_p,
         seed=message.seed if message.HasField("seed") else None, max_tokens=max_tokens,
         stop_token_ids=stop_ids, stop_strings=tuple(message.stop_strings), logprobs=message.logprobs,
+        top_logprobs=message.top_logprobs,
     )  # fmt: skip
 
 
 def coalesce(updates: list[SequenceUpdate]) -> list[SequenceUpdate]:
     """Updates that queued up while the client was reading, merged into one per sample (in the order each sample
     first appears), so a lagging client gets one message with several tokens instead of a backlog of one-token
-    messages. A sample's tokens, logprobs and text stay in order; an error is kept."""
+    messages. A sample's tokens, logprobs, top logprobs and text stay in order; an error is kept."""
     merged: dict[int, SequenceUpdate] = {}
     for new in updates:
         index = new.sample_index
@@ -66,7 +72,7 @@ def coalesce(updates: list[SequenceUpdate]) -> list[SequenceUpdate]:
         merged[index] = new if old is None else SequenceUpdate(
             new.request_id, index, old.tokens + new.tokens, old.logprobs + new.logprobs, old.text + new.text,
             new.finished, new.stop_reason, old.prompt_logprobs, new.error or old.error,
-            new.error_reason or old.error_reason, new.prompt_sources,
+            new.error_reason or old.error_reason, new.prompt_sources, old.top_logprobs + new.top_logprobs,
         )  # fmt: skip
     return list(merged.values())
 
@@ -274,6 +280,8 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
         )  # fmt: skip
         if params.logprobs:
             message.logprobs.extend(update.logprobs)
+        for top in update.top_logprobs:  # empty unless params.top_logprobs
+            message.top_logprobs.add(token_ids=top.token_ids, logprobs=top.logprobs)
         if first[index]:
             message.prompt_tokens = len(prompt)
             if update.prompt_logprobs is not None:

@@ -27,11 +27,13 @@ def params(
     stop_token_ids: Sequence[int] = (),
     stop_strings: Sequence[str] = (),
     logprobs: bool = False,
+    top_logprobs: int = 0,
 ) -> sampler_pb2.SamplingParams:
     """Greedy, 12 tokens unless told otherwise."""
     return sampler_pb2.SamplingParams(
         temperature=temperature, max_tokens=max_tokens, seed=seed, top_p=top_p, top_k=top_k,
         stop_token_ids=list(stop_token_ids), stop_strings=list(stop_strings), logprobs=logprobs,
+        top_logprobs=top_logprobs,
     )  # fmt: skip
 
 
@@ -53,6 +55,7 @@ class Sample:
     stop_reason: int = sampler_pb2.STOP_REASON_UNSPECIFIED
     prompt_logprobs: list[float] = field(default_factory=list)
     messages: int = 0
+    top_logprobs: list[sampler_pb2.TopLogprobs] = field(default_factory=list)  # one per token when asked
 
 
 @dataclass
@@ -80,6 +83,8 @@ def collect(messages: Iterable[sampler_pb2.SampleResponse], first: sampler_pb2.S
         sample.messages += 1
         sample.tokens.extend(message.tokens)
         sample.logprobs.extend(message.logprobs)
+        assert len(message.top_logprobs) in (0, len(message.tokens)), "top logprobs not one per token"
+        sample.top_logprobs.extend(message.top_logprobs)
         sample.text += message.text
         sample.stop_reason = message.stop_reason
         result.versions.append((message.version.adapter, message.version.version))

@@ -161,3 +161,35 @@ def test_training_losses_resume_and_sampling(
     # The base model, sampled by name.
     base = service.create_sampling_client(base_model=tiny_model.name).result()
     assert len(base.sample(prompt, 1, types.SamplingParams(max_tokens=3)).result().sequences[0].tokens) <= 3
+
+
+def test_topk_sample_logprobs_are_the_models_alternatives(service: tinker.ServiceClient, tiny_model: Path) -> None:
+    """SampledSequence.topk_logprobs: at each sampled position the k most likely (token id, logprob), as a direct
+    transformers forward of the prompt and the sampled prefix ranks them (fp32); None when not asked for."""
+    import torch
+    from samplerutil import PeftReference
+
+    base = service.create_sampling_client(base_model=tiny_model.name).result()
+    prompt = TOKENS[:7]
+    params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=11)
+    asked = base.sample(types.ModelInput.from_ints(prompt), 2, params, topk_sample_logprobs=4).result()
+    model = PeftReference(tiny_model).model(None)
+    for seq in asked.sequences:
+        assert seq.topk_logprobs is not None and seq.logprobs is not None
+        assert len(seq.topk_logprobs) == len(seq.tokens) >= 1
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + seq.tokens])).logits[0].float()  # [L, V]
+        oracle = logits[len(prompt) - 1 : len(prompt) - 1 + len(seq.tokens)].log_softmax(-1)  # [T, V]
+        for position, (top, token, logprob) in enumerate(zip(seq.topk_logprobs, seq.tokens, seq.logprobs, strict=True)):
+            assert top is not None and len(top) == 4
+            ids, values = [t for t, _ in top], [v for _, v in top]
+            assert values == sorted(values, reverse=True)
+            assert values == pytest.approx(oracle[position].topk(4).values.tolist(), abs=1e-4)
+            assert values == pytest.approx(oracle[position][ids].tolist(), abs=1e-4)
+            if token in ids:  # the sampled token's entry is its own logprob
+                assert values[ids.index(token)] == pytest.approx(logprob, abs=1e-6)
+    plain = base.sample(types.ModelInput.from_ints(prompt), 2, params).result()
+    assert [s.tokens for s in plain.sequences] == [s.tokens for s in asked.sequences]
+    assert all(s.topk_logprobs is None for s in plain.sequences)
+    with pytest.raises(tinker.BadRequestError, match="topk_sample_logprobs"):
+        base.sample(types.ModelInput.from_ints(prompt), 1, params, topk_sample_logprobs=21).result()

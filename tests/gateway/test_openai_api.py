@@ -1,7 +1,8 @@
 """The unmodified openai SDK (sync and async) against /v1 of a real gateway over real trainer, sampler and registry
 processes: models per tenant, chat completions streamed and not on name@latest with the exact version, token ids
-equal to a direct gRPC Sample's, logprobs equal to ComputeLogprobs', n > 1, stop strings, seeds, token-id
-prompts, another tenant's model, a wrong key, malformed bodies."""
+equal to a direct gRPC Sample's, logprobs equal to ComputeLogprobs', top_logprobs equal to a transformers forward
+of the same weights, n > 1, stop strings, seeds, token-id prompts, another tenant's model, a wrong key, malformed
+bodies."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ import pytest
 from gatewayutil import KEY_A, KEY_B, base_url
 from openai.types.chat import ChatCompletionMessageParam
 from openaiutil import async_openai_client, openai_client, train_adapter
-from serverproc import ServerProcess
+from samplerutil import PeftReference
+from serverproc import ServerProcess, registry_store
 from transformers import AutoTokenizer
 
 from opentinker.client import SamplingParams, ServiceClient
@@ -58,6 +60,38 @@ def client_b(gateway: ServerProcess) -> Iterator[openai.OpenAI]:
         yield client
 
 
+@pytest.fixture(scope="module")
+def reference(tiny_model: Path) -> PeftReference:
+    return PeftReference(tiny_model)
+
+
+def top_k(model: Any, prompt: list[int], sampled: list[int], k: int) -> list[tuple[list[int], list[float]]]:
+    """The oracle: at each sampled token's position, the k most likely ids and their logprobs (log_softmax of the
+    logits at temperature 1) in a direct transformers forward of the prompt and the sampled prefix, fp32."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + sampled])).logits[0].float()  # [L, V]
+    positions = logits[len(prompt) - 1 : len(prompt) - 1 + len(sampled)].log_softmax(-1)  # [T, V]
+    values, ids = positions.topk(k, dim=-1)
+    return list(zip(ids.tolist(), values.tolist(), strict=True))
+
+
+def assert_alternatives(
+    entries: list[Any], expected: list[tuple[list[int], list[float]]], tokenizer: Any, k: int
+) -> None:
+    """Each chat logprobs entry's top_logprobs: the oracle's k most likely tokens, in its order, its logprobs."""
+    assert len(entries) == len(expected)
+    for entry, (ids, values) in zip(entries, expected, strict=True):
+        top = entry.top_logprobs
+        assert len(top) == k
+        assert [t.logprob for t in top] == pytest.approx(values, abs=1e-4)
+        assert [t.token for t in top] == [tokenizer.decode([i]) for i in ids]
+        assert all(t.bytes == list(t.token.encode()) for t in top)
+        if entry.token in [t.token for t in top]:  # the chosen token's entry is its own logprob
+            assert next(t.logprob for t in top if t.token == entry.token) == pytest.approx(entry.logprob, abs=1e-6)
+
+
 def extra(obj: object, name: str) -> Any:
     """A vLLM-style extra field the SDK keeps on its pydantic models."""
     extras = getattr(obj, "model_extra", None) or {}
@@ -86,7 +120,12 @@ def test_models_are_listed_per_tenant(
 
 
 def test_chat_completion_is_the_samplers_exact_tokens(
-    client_a: openai.OpenAI, service: ServiceClient, versions: dict[str, int], tiny_model: Path
+    client_a: openai.OpenAI,
+    service: ServiceClient,
+    versions: dict[str, int],
+    tiny_model: Path,
+    reference: PeftReference,
+    registry_server: ServerProcess,
 ) -> None:
     reply = client_a.chat.completions.create(
         model=f"{AGENT}@latest", messages=MESSAGES, max_tokens=12, seed=7, logprobs=True, top_logprobs=2,
@@ -116,8 +155,11 @@ def test_chat_completion_is_the_samplers_exact_tokens(
     scored = direct.compute_logprobs(prompt + tokens)[len(prompt) - 1 :]
     assert len(logprobs) == len(tokens) == len(scored)
     assert all(math.isclose(a, b, abs_tol=1e-4) for a, b in zip(logprobs, scored, strict=True)), (logprobs, scored)
-    first = choice.logprobs.content[0]
-    assert [t.token for t in first.top_logprobs] == [first.token]  # no alternatives from the sampler (documented)
+    # top_logprobs: the model's 2 most likely tokens at each position, as a peft forward of the same version ranks
+    # them (the sampled tokens were drawn at temperature 1: not always the first).
+    version = service.registry_client().get_version(AGENT, versions[AGENT])
+    model = reference.model(registry_store(registry_server) / "sha256" / version.sha256)
+    assert_alternatives(choice.logprobs.content, top_k(model, prompt, tokens, 2), tokenizer, 2)
 
 
 def test_streamed_chat_equals_the_answer(
@@ -203,6 +245,109 @@ def test_completions_with_token_and_text_prompts(
     assert sorted(c.index for c in two.choices) == [0, 1, 2, 3]
     chunks = list(client_a.completions.create(model=AGENT, prompt=prompt, max_tokens=6, seed=9, stream=True))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == sampled.text
+
+
+def _completion_tops(expected: list[tuple[list[int], list[float]]], tokenizer: Any) -> list[dict[str, float]]:
+    """OpenAI's completions form of the oracle under greedy decoding (the chosen token ranks first, so it is in):
+    per position {token: logprob} of the k most likely, the likelier of two ids with one text kept."""
+    tops = []
+    for ids, values in expected:
+        ranked: dict[str, float] = {}
+        for token_id, logprob in zip(ids, values, strict=True):
+            ranked.setdefault(tokenizer.decode([token_id]), logprob)
+        tops.append(ranked)
+    return tops
+
+
+def test_top_logprobs_are_the_models_alternatives(
+    client_a: openai.OpenAI, gateway: ServerProcess, reference: PeftReference, tiny_model: Path
+) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    model = reference.model(None)
+    base_id = next(iter(client_a.models.list())).id
+    chat: dict[str, Any] = {"model": base_id, "messages": MESSAGES, "max_tokens": 10, "temperature": 0.0,
+                            "logprobs": True, "extra_body": {"return_token_ids": True}}  # fmt: skip
+    reply = client_a.chat.completions.create(**chat, top_logprobs=5)
+    prompt, tokens = extra(reply, "prompt_token_ids"), extra(reply.choices[0], "token_ids")
+    content = reply.choices[0].logprobs.content
+    assert content is not None and len(tokens) >= 2
+    expected = top_k(model, prompt, tokens, 5)
+    assert_alternatives(content, expected, tokenizer, 5)
+    assert [ids[0] for ids, _ in expected] == tokens  # greedy: the chosen token ranks first...
+    assert all(e.top_logprobs[0].token == e.token and e.top_logprobs[0].logprob == e.logprob for e in content)
+
+    # Streamed: the same entries, chunk by chunk.
+    chunks = list(client_a.chat.completions.create(**chat, top_logprobs=5, stream=True))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content or []]
+    assert [[t.token for t in e.top_logprobs] for e in streamed] == [[t.token for t in e.top_logprobs] for e in content]
+    assert [t.logprob for e in streamed for t in e.top_logprobs] == pytest.approx(
+        [t.logprob for e in content for t in e.top_logprobs], abs=1e-5
+    )
+
+    # top_logprobs 0 (or absent): the chosen tokens' logprobs only, the same tokens.
+    plain = client_a.chat.completions.create(**chat)
+    assert extra(plain.choices[0], "token_ids") == tokens
+    plain_content = plain.choices[0].logprobs.content
+    assert plain_content is not None and all(e.top_logprobs == [] for e in plain_content)
+    assert [e.logprob for e in plain_content] == pytest.approx([e.logprob for e in content], abs=1e-5)
+
+    # Completions: logprobs=k, each position a {token: logprob} dict (the chosen one included), streamed and not.
+    text: dict[str, Any] = {"model": base_id, "prompt": prompt, "max_tokens": 10, "temperature": 0.0,
+                            "extra_body": {"return_token_ids": True}}  # fmt: skip
+    legacy = client_a.completions.create(**text, logprobs=3)
+    assert extra(legacy.choices[0], "token_ids") == tokens
+    tops = legacy.choices[0].logprobs.top_logprobs
+    oracle = _completion_tops(top_k(model, prompt, tokens, 3), tokenizer)
+    assert tops is not None and [list(t) for t in tops] == [list(t) for t in oracle]
+    assert [v for t in tops for v in t.values()] == pytest.approx([v for t in oracle for v in t.values()], abs=1e-4)
+    chunks_text = list(client_a.completions.create(**text, logprobs=3, stream=True))
+    streamed_tops = [t for c in chunks_text if c.choices and c.choices[0].logprobs
+                     for t in c.choices[0].logprobs.top_logprobs or []]  # fmt: skip
+    assert [list(t) for t in streamed_tops] == [list(t) for t in tops]
+    zero = client_a.completions.create(**text, logprobs=0)
+    assert zero.choices[0].logprobs is not None and zero.choices[0].logprobs.top_logprobs is None
+    assert zero.choices[0].logprobs.token_logprobs == pytest.approx([e.logprob for e in content], abs=1e-5)
+
+    # Beyond OpenAI's bounds: 400 naming the field.
+    with pytest.raises(openai.BadRequestError) as refused:
+        client_a.chat.completions.create(**chat, top_logprobs=21)
+    assert refused.value.param == "top_logprobs", refused.value
+    with pytest.raises(openai.BadRequestError) as refused:
+        client_a.completions.create(**text, logprobs=6)
+    assert refused.value.param == "logprobs", refused.value
+
+
+def test_a_batch_mixing_top_logprobs_gives_each_what_it_asked(
+    client_a: openai.OpenAI, gateway: ServerProcess, reference: PeftReference, tiny_model: Path
+) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    base_id = next(iter(client_a.models.list())).id
+    asks: dict[str, dict[str, Any]] = {
+        "top": {"messages": MESSAGES, "top_logprobs": 3},
+        "none": {"messages": [{"role": "user", "content": "Name a colour."}]},
+    }
+
+    def body(name: str) -> dict[str, Any]:
+        return {"model": base_id, "max_tokens": 8, "temperature": 0.0, "logprobs": True,
+                "extra_body": {"return_token_ids": True}, **asks[name]}  # fmt: skip
+
+    alone = {name: client_a.chat.completions.create(**body(name)) for name in asks}
+
+    async def together() -> dict[str, Any]:
+        async with async_openai_client(gateway, KEY_A) as client:
+            replies = await asyncio.gather(*(client.chat.completions.create(**body(name)) for name in asks))
+        return dict(zip(asks, replies, strict=True))
+
+    both = asyncio.run(together())
+    for name in asks:
+        choice = both[name].choices[0]
+        assert extra(choice, "token_ids") == extra(alone[name].choices[0], "token_ids")
+        assert choice.logprobs is not None and choice.logprobs.content is not None
+        if name == "none":
+            assert all(e.top_logprobs == [] for e in choice.logprobs.content)
+        else:
+            prompt, tokens = extra(both[name], "prompt_token_ids"), extra(choice, "token_ids")
+            assert_alternatives(choice.logprobs.content, top_k(reference.model(None), prompt, tokens, 3), tokenizer, 3)
 
 
 def test_other_tenants_models_wrong_keys_and_bad_bodies(

@@ -116,6 +116,11 @@ BAD_SAMPLES: dict[str, tuple[Callable[[str], sampler_pb2.SampleRequest], str, st
     ),
     "top_p > 1": (lambda m: request(m, [1], _sampling(top_p=1.5)), "INVALID_SAMPLING_PARAMS", "top_p"),
     "top_p < 0": (lambda m: request(m, [1], _sampling(top_p=-0.2)), "INVALID_SAMPLING_PARAMS", "top_p"),
+    "top_logprobs > 20": (
+        lambda m: request(m, [1], _sampling(top_logprobs=21)),
+        "INVALID_SAMPLING_PARAMS",
+        "top_logprobs is 21; at most 20",
+    ),
     "stop token outside vocab": (
         lambda m: request(m, [1], _sampling(stop_token_ids=[VOCAB + 5])),
         "INVALID_SAMPLING_PARAMS",

@@ -45,7 +45,7 @@ class GetSamplerInfoResponse(_message.Message):
     def __init__(self, base_model: _Optional[_Union[_common_pb2.BaseModelInfo, _Mapping]] = ..., max_slots: _Optional[int] = ..., max_rank: _Optional[int] = ..., max_seqs: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., lora_kernel: _Optional[str] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "seed", "max_tokens", "stop_token_ids", "stop_strings", "logprobs")
+    __slots__ = ("temperature", "top_k", "top_p", "seed", "max_tokens", "stop_token_ids", "stop_strings", "logprobs", "top_logprobs")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,7 @@ class SamplingParams(_message.Message):
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     STOP_STRINGS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
@@ -62,7 +63,8 @@ class SamplingParams(_message.Message):
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     stop_strings: _containers.RepeatedScalarFieldContainer[str]
     logprobs: bool
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop_strings: _Optional[_Iterable[str]] = ..., logprobs: _Optional[bool] = ...) -> None: ...
+    top_logprobs: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop_strings: _Optional[_Iterable[str]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class SampleRequest(_message.Message):
     __slots__ = ("model", "prompt", "sampling_params", "num_samples", "prompt_logprobs", "request_id", "prompt_text")
@@ -83,7 +85,7 @@ class SampleRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., prompt: _Optional[_Union[_common_pb2.ModelInput, _Mapping]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_samples: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., request_id: _Optional[str] = ..., prompt_text: _Optional[str] = ...) -> None: ...
 
 class SampleResponse(_message.Message):
-    __slots__ = ("sample_index", "tokens", "logprobs", "stop_reason", "version", "prompt_logprobs", "prompt_tokens", "text")
+    __slots__ = ("sample_index", "tokens", "logprobs", "stop_reason", "version", "prompt_logprobs", "prompt_tokens", "text", "top_logprobs")
     SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +94,7 @@ class SampleResponse(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     sample_index: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
@@ -100,7 +103,16 @@ class SampleResponse(_message.Message):
     prompt_logprobs: _containers.RepeatedScalarFieldContainer[float]
     prompt_tokens: int
     text: str
-    def __init__(self, sample_index: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., stop_reason: _Optional[_Union[StopReason, str]] = ..., version: _Optional[_Union[_common_pb2.ResolvedVersion, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_tokens: _Optional[int] = ..., text: _Optional[str] = ...) -> None: ...
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
+    def __init__(self, sample_index: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., stop_reason: _Optional[_Union[StopReason, str]] = ..., version: _Optional[_Union[_common_pb2.ResolvedVersion, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_tokens: _Optional[int] = ..., text: _Optional[str] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ...) -> None: ...
+
+class TopLogprobs(_message.Message):
+    __slots__ = ("token_ids", "logprobs")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ComputeLogprobsRequest(_message.Message):
     __slots__ = ("model", "inputs")
