@@ -221,6 +221,17 @@ def raw_json(draw: st.DrawFn) -> bytes:
 
 
 @st.composite
+def json_body(draw: st.DrawFn, template: dict[str, object], known: dict[str, str]) -> bytes:
+    """A JSON body: mostly the route's template mutated, else random fields of it, else raw bytes."""
+    kind = draw(st.sampled_from(["mutated", "mutated", "mutated", "random", "raw"]))
+    if kind == "raw":
+        return draw(raw_json())
+    if kind == "random":
+        return json.dumps(draw(st.dictionaries(st.sampled_from([*template, "x"]), _json(known), max_size=4))).encode()
+    return json.dumps(draw(mutated(template, known))).encode()
+
+
+@st.composite
 def protobuf_body(draw: st.DrawFn, known: dict[str, str]) -> tuple[bytes, str]:
     """A forward_backward body and its Content-Encoding."""
     message = tpb.ForwardBackwardRequest()
@@ -294,15 +305,8 @@ def request_of(draw: st.DrawFn, fuzz: Fuzz, route: str) -> tuple[str, str, bytes
         return "POST", path, body, headers
     template = fuzz.templates.get(route, {})
     assert isinstance(template, dict)
-    kind = draw(st.sampled_from(["mutated", "mutated", "mutated", "random", "raw"]))
-    if kind == "raw":
-        body = draw(raw_json())
-    elif kind == "random":
-        body = json.dumps(draw(st.dictionaries(st.sampled_from([*template, "x"]), _json(known), max_size=4))).encode()
-    else:
-        body = json.dumps(draw(mutated(template, known))).encode()
     headers["Content-Type"] = "application/json"
-    return method, path, body, headers
+    return method, path, draw(json_body(template, known)), headers
 
 
 # --- checks -----------------------------------------------------------------------------------------------
@@ -315,6 +319,13 @@ def _check(response: httpx.Response, what: str) -> None:
         assert response.headers.get("x-should-retry") == "false", f"{what}: {response.headers}"
         body = response.json()
         assert set(body) == {"error", "detail"} and body["error"].isupper() and body["detail"], f"{what}: {body}"
+
+
+def fuzz_settings(examples: int) -> settings:
+    """Reproducible runs of ``examples`` cases; the servers' answers, not hypothesis' timing, are under test."""
+    return settings(max_examples=examples, deadline=None, database=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                           HealthCheck.large_base_example])  # fmt: skip
 
 
 def test_every_route_is_fuzzed(fuzz: Fuzz) -> None:
@@ -337,9 +348,7 @@ def test_every_route_is_fuzzed(fuzz: Fuzz) -> None:
 
 @pytest.mark.parametrize("route", sorted(EXAMPLES))
 def test_fuzzed_requests_get_deliberate_answers(fuzz: Fuzz, route: str) -> None:
-    @settings(max_examples=EXAMPLES[route], deadline=None, database=None, derandomize=True,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                     HealthCheck.large_base_example])  # fmt: skip
+    @fuzz_settings(EXAMPLES[route])
     @given(request_of(fuzz, route))
     def check(request: tuple[str, str, bytes, dict[str, str]]) -> None:
         method, path, body, headers = request
@@ -362,17 +371,8 @@ def v1_request_of(draw: st.DrawFn, fuzz: Fuzz, route: str) -> tuple[str, str, by
     )
     if method in ("GET", "DELETE"):
         return method, path + (draw(st.sampled_from(QUERIES)) if method == "GET" else ""), b"", headers
-    template = V1_TEMPLATES[route]
-    kind = draw(st.sampled_from(["mutated", "mutated", "mutated", "random", "raw"]))
-    if kind == "raw":
-        body = draw(raw_json())
-    elif kind == "random":
-        fields = draw(st.dictionaries(st.sampled_from([*template, "x"]), _json(fuzz.known), max_size=4))
-        body = json.dumps(fields).encode()
-    else:
-        body = json.dumps(draw(mutated(template, fuzz.known))).encode()
     headers["Content-Type"] = "application/json"
-    return method, path, body, headers
+    return method, path, draw(json_body(V1_TEMPLATES[route], fuzz.known)), headers
 
 
 def _check_v1(response: httpx.Response, what: str) -> None:
@@ -385,9 +385,7 @@ def _check_v1(response: httpx.Response, what: str) -> None:
 
 @pytest.mark.parametrize("route", sorted(V1_ROUTES))
 def test_fuzzed_v1_requests_get_deliberate_answers(fuzz: Fuzz, route: str) -> None:
-    @settings(max_examples=V1_EXAMPLES[route], deadline=None, database=None, derandomize=True,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                     HealthCheck.large_base_example])  # fmt: skip
+    @fuzz_settings(V1_EXAMPLES[route])
     @given(v1_request_of(fuzz, route))
     def check(request: tuple[str, str, bytes, dict[str, str]]) -> None:
         method, path, body, headers = request
