@@ -174,6 +174,7 @@ class _Collector:
                     text="".join(c.text for c in chunks),
                     stop_reason=stop,
                     version=chunks[0].version,
+                    top_logprobs=tuple(top for c in chunks for top in c.top_logprobs),
                 )
             )
         return SampleResult(

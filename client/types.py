@@ -223,11 +223,14 @@ class SamplingParams:
     """How a sampler generates. temperature 0: greedy; top_k 0 and top_p 1: off.
 
     ``SamplingParams(max_tokens=16, temperature=1.0, top_k=0, top_p=1.0, seed=None, stop=(),
-    stop_token_ids=(), logprobs=True)``. ``seed``: same seed, prompt and version, same output (sample i of a
-    request uses seed + i); None draws a fresh one. ``stop``: stop strings (a single string is one stop
+    stop_token_ids=(), logprobs=True, top_logprobs=0)``. ``seed``: same seed, prompt and version, same output
+    (sample i of a request uses seed + i); None draws a fresh one. ``stop``: stop strings (a single string is one stop
     string); ``stop_token_ids``: tokens that end a sample (besides the model's end-of-sequence tokens),
-    included in its output. ``logprobs``: return the logprob of every sampled token. The sampler checks the
-    values (INVALID_ARGUMENT), except max_tokens, checked here: at least 1 (the wire reads 0 as "default").
+    included in its output. ``logprobs``: return the logprob of every sampled token. ``top_logprobs`` (0..20):
+    also return, per sampled token, the k most likely tokens at its position (SampledSequence.top_logprobs),
+    from the same distribution as ``logprobs`` (temperature 1, before top_k / top_p). The sampler checks the
+    values (INVALID_ARGUMENT), except those checked here: max_tokens at least 1 (the wire reads 0 as "default")
+    and top_logprobs not negative (the wire cannot carry it).
     """
 
     max_tokens: int
@@ -238,6 +241,7 @@ class SamplingParams:
     stop: tuple[str, ...]
     stop_token_ids: tuple[int, ...]
     logprobs: bool
+    top_logprobs: int
 
     def __init__(
         self,
@@ -249,6 +253,7 @@ class SamplingParams:
         stop: str | Iterable[str] = (),
         stop_token_ids: Iterable[int] = (),
         logprobs: bool = True,
+        top_logprobs: int = 0,
     ) -> None:
         max_tokens = int64(max_tokens)
         if max_tokens < 1:
@@ -261,6 +266,10 @@ class SamplingParams:
         object.__setattr__(self, "stop", (stop,) if isinstance(stop, str) else tuple(stop))
         object.__setattr__(self, "stop_token_ids", int64s(stop_token_ids))
         object.__setattr__(self, "logprobs", bool(logprobs))
+        top_logprobs = int64(top_logprobs)
+        if top_logprobs < 0:
+            raise ValueError(f"top_logprobs must not be negative, got {top_logprobs}")
+        object.__setattr__(self, "top_logprobs", top_logprobs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,16 +291,22 @@ class SampledVersion:
         return f"{self.adapter}@{self.version}" if self.adapter else "base"
 
 
+TopLogprobs = tuple[tuple[int, float], ...]
+"""The k most likely (token id, logprob) pairs at one sampled position, most likely first."""
+
+
 @dataclass(frozen=True, slots=True)
 class SampledSequence:
     """One completed sample: its tokens (a stop token included), their logprobs (empty unless
-    SamplingParams.logprobs), its text and why it ended."""
+    SamplingParams.logprobs), its text and why it ended. ``top_logprobs``: one entry per token when
+    SamplingParams.top_logprobs > 0, else empty."""
 
     tokens: tuple[int, ...]
     logprobs: tuple[float, ...]
     text: str
     stop_reason: StopReason
     version: SampledVersion
+    top_logprobs: tuple[TopLogprobs, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -308,6 +323,7 @@ class SampleChunk:
     text: str
     stop_reason: StopReason | None
     version: SampledVersion
+    top_logprobs: tuple[TopLogprobs, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -203,6 +203,7 @@ def sampling_params_to_proto(params: SamplingParams) -> sampler_pb2.SamplingPara
         stop_token_ids=params.stop_token_ids,
         stop_strings=params.stop,
         logprobs=params.logprobs,
+        top_logprobs=params.top_logprobs,
     )
 
 
@@ -227,6 +228,7 @@ def sample_chunk_from_proto(proto: sampler_pb2.SampleResponse) -> SampleChunk:
         text=proto.text,
         stop_reason=stop_reason_from_proto(proto.stop_reason),
         version=sampled_version_from_proto(proto.version),
+        top_logprobs=tuple(tuple(zip(top.token_ids, top.logprobs, strict=True)) for top in proto.top_logprobs),
     )
 
 

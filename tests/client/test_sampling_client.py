@@ -88,8 +88,10 @@ def test_sampling_params_defaults_and_wire() -> None:
     params = SamplingParams()
     assert (params.max_tokens, params.temperature, params.top_k, params.top_p) == (16, 1.0, 0, 1.0)
     assert (params.seed, params.stop, params.stop_token_ids, params.logprobs) == (None, (), (), True)
+    assert params.top_logprobs == 0
     wire = sampling_params_to_proto(params)
-    assert wire.HasField("temperature") and not wire.HasField("seed") and wire.logprobs
+    assert wire.HasField("temperature") and not wire.HasField("seed") and wire.logprobs and wire.top_logprobs == 0
+    assert sampling_params_to_proto(SamplingParams(top_logprobs=5)).top_logprobs == 5
     custom = SamplingParams(max_tokens=3, temperature=0.0, seed=7, stop=["\n", "END"], stop_token_ids=[5])
     wire = sampling_params_to_proto(custom)
     assert wire.HasField("temperature") and wire.temperature == 0.0  # greedy survives proto3's zero default
@@ -99,6 +101,8 @@ def test_sampling_params_defaults_and_wire() -> None:
     assert replace(custom, max_tokens=5) == SamplingParams(5, 0.0, seed=7, stop=("\n", "END"), stop_token_ids=(5,))
     with pytest.raises(ValueError):
         SamplingParams(max_tokens=0)  # the wire would read 0 as "default"
+    with pytest.raises(ValueError, match="top_logprobs"):
+        SamplingParams(top_logprobs=-1)  # uint32 on the wire
     with pytest.raises(TypeError):
         SamplingParams(stop_token_ids=[1.5])  # type: ignore[list-item]
     assert SampledVersion("a/b", 3, "a/b@stable", "ab").exact == "a/b@3"
@@ -225,6 +229,20 @@ def test_prompt_logprobs(tuned: SamplingClient) -> None:
     assert max_diff(result.prompt_logprobs, tuned.compute_logprobs(PROMPT)) <= TOL
 
 
+def test_top_logprobs(tuned: SamplingClient) -> None:
+    params = SamplingParams(max_tokens=6, temperature=0.0, top_logprobs=5)
+    (seq,) = tuned.sample(PROMPT, params).sequences
+    assert len(seq.top_logprobs) == len(seq.tokens) == 6
+    for token, logprob, top in zip(seq.tokens, seq.logprobs, seq.top_logprobs, strict=True):
+        ids, values = zip(*top, strict=True)
+        assert len(ids) == len(set(ids)) == 5 and list(values) == sorted(values, reverse=True)
+        assert ids[0] == token and abs(values[0] - logprob) <= TOL  # greedy: the chosen token ranks first
+    streamed = [top for c in tuned.stream(PROMPT, params) for top in c.top_logprobs]
+    assert [[t for t, _ in top] for top in streamed] == [[t for t, _ in top] for top in seq.top_logprobs]
+    assert max_diff([lp for top in streamed for _, lp in top], [lp for top in seq.top_logprobs for _, lp in top]) <= TOL
+    assert tuned.sample(PROMPT, GREEDY).sequences[0].top_logprobs == ()  # not asked: none
+
+
 def test_load_unload_and_stats(service: ServiceClient, snapshot: Snapshot) -> None:
     client = service.create_sampling_client(f"{snapshot.name}@{snapshot.version}")
     loaded = client.load(pin=True)
@@ -254,6 +272,7 @@ def test_errors(service: ServiceClient, base: SamplingClient) -> None:
     bad_top_p = SamplingParams(top_p=1.5)
     expect_error(invalid, "INVALID_SAMPLING_PARAMS", base.sample, PROMPT, bad_top_p)
     expect_error(invalid, "INVALID_SAMPLING_PARAMS", asyncio.run, base.sample_async(PROMPT, bad_top_p))
+    expect_error(invalid, "INVALID_SAMPLING_PARAMS", base.sample, PROMPT, SamplingParams(top_logprobs=21))
     expect_error(invalid, None, base.sample, [], GREEDY)  # empty prompt
     expect_error(invalid, "TOKEN_OUT_OF_RANGE", base.compute_logprobs, [1, 10**6])
     with pytest.raises(ValueError):
