@@ -63,7 +63,7 @@ class SamplerConfig:
     share_base_prefix_cache: bool = False  # base-model blocks shared across tenants (single-tenant deployments)
     max_seqs_per_tenant: int | None = None  # None: default_tenant_slots(max_seqs); 0: no limit
     max_kv_blocks_per_tenant: int | None = None  # None: default_tenant_blocks(the pool); 0: no bound
-    max_queued_per_tenant: int = 256  # 0: no limit
+    max_queued_per_tenant: int | None = None  # None: default_tenant_queue(max_waiting); 0: no limit
     max_prompt_bytes: int = 0  # 0: PROMPT_BYTES_PER_TOKEN per token of the context
     burst_wait_ms: float = 2.0
     kernel: Backend = "auto"
@@ -111,7 +111,12 @@ def build_sampler(config: SamplerConfig) -> BuiltSampler:
     from opentinker.sampler_server.model.kv_cache import KVCache
     from opentinker.sampler_server.model.llama import LlamaForCausalLM
     from opentinker.sampler_server.model.weights import linear_shapes
-    from opentinker.sampler_server.scheduler import Scheduler, default_tenant_blocks, default_tenant_slots
+    from opentinker.sampler_server.scheduler import (
+        Scheduler,
+        default_tenant_blocks,
+        default_tenant_queue,
+        default_tenant_slots,
+    )
     from opentinker.sampler_server.service import SamplerServicer
     from opentinker.sampler_server.slot_pool import SlotPool
     from opentinker.v1 import common_pb2, registry_pb2_grpc, sampler_pb2, sampler_pb2_grpc
@@ -124,6 +129,7 @@ def build_sampler(config: SamplerConfig) -> BuiltSampler:
     model, registry, registry_token, registry_ca = c.model, c.registry, c.registry_token, c.registry_ca
     max_seqs, max_batch_tokens = c.max_seqs, c.max_batch_tokens
     per_tenant = default_tenant_slots(max_seqs) if c.max_seqs_per_tenant is None else c.max_seqs_per_tenant
+    queued = default_tenant_queue(c.max_waiting) if c.max_queued_per_tenant is None else c.max_queued_per_tenant
     torch_device = torch.device(pick_device(c.device))
     dtype = pick_dtype(c.dtype, torch_device.type)
     torch_dtype = torch.float32 if dtype == "float32" else torch.bfloat16
@@ -199,7 +205,7 @@ def build_sampler(config: SamplerConfig) -> BuiltSampler:
         state["follower"] = follower
         follower.start()
         servicer = SamplerServicer(engine, loader, info=info, tokenizer=tokenizer, max_waiting=c.max_waiting,
-                                   follower=follower, max_queued_per_tenant=c.max_queued_per_tenant,
+                                   follower=follower, max_queued_per_tenant=queued,
                                    share_base_prefix_cache=c.share_base_prefix_cache,
                                    max_prompt_bytes=c.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * context)  # fmt: skip
         sampler_pb2_grpc.add_SamplerServiceServicer_to_server(servicer, server)

@@ -86,13 +86,14 @@ def serve(
         ),
     ] = None,
     max_queued_per_tenant: Annotated[
-        int,
+        int | None,
         typer.Option(
             min=0,
             help="Samples one user tenant may have waiting (not started) before RESOURCE_EXHAUSTED "
-            "TENANT_QUEUE_FULL; admins are bounded by --max-waiting only. 0: no limit.",
+            "TENANT_QUEUE_FULL, so that one tenant's flood cannot fill the whole waiting queue; admins are "
+            "bounded by --max-waiting only. Default: 3/4 of --max-waiting (at least 1); 0: no limit.",
         ),
-    ] = 256,
+    ] = None,
     max_prompt_bytes: Annotated[
         int,
         typer.Option(
@@ -175,6 +176,9 @@ def serve(
     if max_seqs_per_tenant is not None and max_seqs_per_tenant > max_seqs:
         raise typer.BadParameter(f"{max_seqs_per_tenant} is more than --max-seqs ({max_seqs}); 0 means no limit",
                                  param_hint="--max-seqs-per-tenant")  # fmt: skip
+    if max_queued_per_tenant is not None and max_queued_per_tenant > max_waiting:
+        raise typer.BadParameter(f"{max_queued_per_tenant} is more than --max-waiting ({max_waiting}); 0 means no "
+                                 "limit", param_hint="--max-queued-per-tenant")  # fmt: skip
     options = opt.server_options(host, port, metrics_port, tokens_file, insecure_public, tls_cert, tls_key, ready_file,
                                  max_message_mb)  # fmt: skip
     config = SamplerConfig(

@@ -69,6 +69,12 @@ def default_tenant_slots(max_seqs: int) -> int:
     return max(1, max_seqs * 3 // 4)
 
 
+def default_tenant_queue(max_waiting: int) -> int:
+    """--max-queued-per-tenant's default: 3/4 of --max-waiting (at least 1). Equal to it, one tenant's flood would
+    fill the sampler's whole waiting queue and every other tenant's Sample would be refused QUEUE_FULL."""
+    return max(1, max_waiting * 3 // 4)
+
+
 def default_tenant_blocks(num_blocks: int) -> int:
     """--max-kv-blocks-per-tenant's default: 3/4 of the pool (at least 1), as the seat cap's."""
     return max(1, num_blocks * 3 // 4)

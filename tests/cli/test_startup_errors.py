@@ -81,6 +81,14 @@ def test_a_bad_flag_value_is_one_line(tiny_model: Path, tmp_path: Path) -> None:
     assert one_line(result) == "opentinker trainer: invalid value for --dtype: dtype must be auto, float32 or bfloat16"
 
 
+def test_a_tenant_queue_beyond_the_sampler_queue_is_one_line(tiny_model: Path, tmp_path: Path) -> None:
+    extra = ("--port", "0", "--max-waiting", "8", "--max-queued-per-tenant", "9")
+    result = run(*server_args("sampler", str(tiny_model), tmp_path, *extra))
+    assert result.returncode == 2
+    assert one_line(result) == ("opentinker sampler: invalid value for --max-queued-per-tenant: 9 is more than "
+                                "--max-waiting (8); 0 means no limit")  # fmt: skip
+
+
 def test_the_gateway_names_its_busy_port(busy_port: int) -> None:
     result = run("gateway", "serve", "--trainer", "a:1", "--sampler", "b:1", "--registry", "c:1",
                  "--port", str(busy_port))  # fmt: skip

@@ -1,6 +1,7 @@
 """Noisy neighbours on the sampler's batch (case "sampler batch share"): team-a floods a small sampler (4 KV
-slots) with long requests, more than its queue cap; team-b's normal seeded requests, sent after the flood, still
-run at once in the slot team-a may not take. Two user tenants and an admin with tokens, real processes (registry
+slots, a waiting queue of 8) with long requests, more than its queue cap; team-b's normal seeded requests, sent
+after the flood, are neither refused (the default cap leaves a quarter of the queue to others) nor kept waiting
+(they run at once in the slot team-a may not take). Two user tenants and an admin with tokens, real processes (registry
 and sampler with its engine process, the CPU default)."""
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ MiB = 2**20
 MEMORY_BOUND = 64 * MiB  # the sampler's PSS after the flood, above its PSS before
 MAX_SEQS = 4
 TEAM_A_SLOTS = 3  # --max-seqs-per-tenant's default: 3/4 of --max-seqs
-QUEUE_CAP = 6  # --max-queued-per-tenant
+MAX_WAITING = 8
+QUEUE_CAP = 6  # --max-queued-per-tenant's default: 3/4 of --max-waiting (equal to it, team-b would be refused)
 REFUSED = 4  # team-a's requests beyond its queue cap
 LONG = 1000  # tokens of each of team-a's requests: far longer than all of team-b's workload
 
@@ -114,7 +116,7 @@ def flood(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     sampler_server = start_sampler(
         workdir / "sampler", tiny_model, registry_server, "--tokens-file", str(tokens_file),
         "--registry-token", tokens["svc"], "--max-slots", "4", "--max-seqs", str(MAX_SEQS),
-        "--max-queued-per-tenant", str(QUEUE_CAP),
+        "--max-waiting", str(MAX_WAITING),
     )  # fmt: skip
     with grpc.insecure_channel(registry_server.address) as reg, grpc.insecure_channel(sampler_server.address) as smp:
         flood = Flood(sampler_server, tokens, sampler_pb2_grpc.SamplerServiceStub(smp))
