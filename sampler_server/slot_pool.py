@@ -69,6 +69,10 @@ class Slot:
     load_time: float = 0.0
     last_used: float = field(default_factory=time.monotonic)
     artifact_sha256: str = ""
+    # Modules whose rows of this slot may be non-zero (an earlier occupant wrote them). The others are never
+    # touched: the shared mapping's pages stay uncommitted, so a slot costs the memory of what its versions use
+    # (lm_head's vocabulary-wide rows only for versions that train it).
+    written: set[str] = field(default_factory=set)
 
 
 class SlotPool:
@@ -164,10 +168,12 @@ class SlotPool:
         artifact_sha256: str,
     ) -> None:
         """Copies one version's tensors into a reserved slot, then makes it visible to lookups."""
+        slot = self.slots[index]
         with torch.no_grad():
-            for module in self.a:
+            for module in slot.written:
                 self.a[module][index].zero_()
                 self.b[module][index].zero_()
+            slot.written = set(weights)
             for module, (a, b) in weights.items():
                 self.a[module][index, :rank].copy_(a)  # a: [r, d_in]
                 self.b[module][index, :, :rank].copy_(b)  # b: [d_out, r]
@@ -175,7 +181,6 @@ class SlotPool:
             self.tensors.ranks[index] = rank
             self.tensors.unembed[index] = int(UNEMBED_MODULE in weights)
         with self._lock:
-            slot = self.slots[index]
             assert slot.key is not None
             slot.rank, slot.scaling, slot.loading = rank, scaling, False
             slot.load_time = time.time()

@@ -231,3 +231,36 @@ def test_a_shared_pool_shows_a_forked_process_the_versions_loaded_after_the_fork
     os.waitpid(pid, 0)
     expected = [float(t.sum()) for t in (*pool.a.values(), *pool.b.values(), pool.scaling, pool.tensors.ranks)]
     assert seen == expected and pool.tensors.ranks.tolist()[index] == 3 and pool.scaling[index] == 1.5
+
+
+def test_a_slot_reused_by_a_version_with_fewer_modules_keeps_none_of_the_previous_occupant_s() -> None:
+    pool = make_pool(max_slots=1)
+    load(pool, ("both", 1), rank=MAX_RANK)
+    only_q = {m: w for m, w in weights(2, seed=9).items() if m == "layers.0.q_proj"}
+    index = pool.reserve(("only-q", 1))  # evicts "both" from the one slot
+    pool.fill(index, only_q, rank=2, scaling=1.0, artifact_sha256="")
+    assert not pool.a["layers.0.down_proj"][index].any() and not pool.b["layers.0.down_proj"][index].any()
+    assert torch.equal(pool.a["layers.0.q_proj"][index, :2], only_q["layers.0.q_proj"][0])
+    assert not pool.a["layers.0.q_proj"][index, 2:].any() and not pool.b["layers.0.q_proj"][index, :, 2:].any()
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_a_module_no_loaded_version_uses_costs_no_memory() -> None:
+    """The shared slots are an anonymous mapping: the pages of a module (here a 64 MiB-per-slot lm_head) that no
+    version targets are never written, so never committed; before, every load zeroed every module's rows."""
+    vocab = 1 << 20
+    shapes = {**SHAPES, "lm_head": (16, vocab)}
+    pool = SlotPool(shapes, max_slots=2, max_rank=16, device=torch.device("cpu"), shared=True)
+    before = _rss()
+    for key in (("a", 1), ("b", 1)):
+        index = pool.reserve(key)
+        pool.fill(index, weights(2, seed=1), rank=2, scaling=1.0, artifact_sha256="")  # no lm_head
+    assert _rss() - before < 16 << 20, (_rss() - before) >> 20
+    with_head = {**weights(2, seed=2), "lm_head": (torch.ones(2, 16), torch.ones(vocab, 2))}
+    index = pool.reserve(("c", 1))  # evicts the least recently loaded
+    pool.fill(index, with_head, rank=2, scaling=1.0, artifact_sha256="")
+    assert float(pool.b["lm_head"][index].sum()) == 2 * vocab
