@@ -13,7 +13,7 @@ save_snapshot, the episode ids in the version's lineage); the sampler hot-reload
 version (the `model` of each answer says which).
 
 Run: python examples/agent_rl.py [--run-dir agent-rl-run] [--iterations 8] [--games 16]  (starts and stops the stack;
-about 90 s on 2 CPU cores)
+about 35 s on 2 idle CPU cores)
 """
 
 from __future__ import annotations
