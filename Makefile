@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.stamp-$(shell cat pyproject.toml | sha256sum | cut -c1-16)-$(shell echo '$(TORCH_SPEC)' | sha256sum | cut -c1-8)
 
-.PHONY: venv test lint typecheck imports linktree protos protos-check go-check demo bench soak clean
+.PHONY: venv test lint typecheck imports linktree protos protos-check go-check demo bench bench-check soak clean
 
 venv: $(STAMP)
 
@@ -66,6 +66,11 @@ go-check: $(STAMP)
 # figures; QUICK=1 for a short run (small model).
 bench: $(STAMP)
 	$(BIN)/python bench/run_all.py $(if $(QUICK),--quick)
+
+# Before landing a change to the engine, the kernels or the model code: the quick P1, P2a and P3 of this tree
+# against the build before it (BASE=<git ref> to choose), alternating in one run; fails when a ratio drops > 5%.
+bench-check: $(STAMP)
+	$(BIN)/python bench/bench_check.py $(if $(BASE),--base $(BASE))
 
 # The reliability suite with its load test at 60 s instead of 10 s.
 soak: $(STAMP)

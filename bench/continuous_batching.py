@@ -118,7 +118,7 @@ def main() -> None:
     torch.set_num_threads(1)  # as the other sampler benchmarks
     began = time.perf_counter()
     engine, pool = build_engine(model_dir(spec), max_slots=setup.adapters, max_seqs=setup.max_seqs,
-                                max_len=MAX_LEN, tokenizer=False, stop_on_eos=False)  # fmt: skip
+                                max_len=MAX_LEN, stop_on_eos=False)  # fmt: skip
     slots = fill_slots(pool, [lora_weights(linear_shapes(spec), seed=i) for i in range(setup.adapters)])
     engine.start()
     try:

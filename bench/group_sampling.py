@@ -106,7 +106,7 @@ def main() -> None:
     began = time.perf_counter()
     count = setup.groups * setup.samples
     engine, pool = build_engine(model_dir(spec), max_slots=1, max_seqs=count,
-                                max_len=setup.prompt_len + setup.max_tokens + 8, tokenizer=False)  # fmt: skip
+                                max_len=setup.prompt_len + setup.max_tokens + 8)  # fmt: skip
     (slot,) = fill_slots(pool, [lora_weights(linear_shapes(spec), seed=0)])
     group_prompts = prompts(setup.groups, spec.vocab_size, lens=(setup.prompt_len, setup.prompt_len))
     engine.start()

@@ -30,7 +30,6 @@ def build_engine(
     max_seqs: int,
     max_len: int,
     max_batch_tokens: int = 4096,
-    tokenizer: bool = True,
     stop_on_eos: bool = True,
     cpu_gemm: str = "onednn",
 ) -> tuple[Engine, SlotPool]:
@@ -43,14 +42,9 @@ def build_engine(
     blocks = -(-max_len // BLOCK_SIZE)  # per sequence; + one sequence's for ComputeLogprobs, as the server
     cache = KVCache(runner.config, (max_seqs + 1) * blocks, BLOCK_SIZE, device, torch.float32)
     pool = SlotPool(runner.linear_shapes(), max_slots=max_slots, max_rank=RANK, device=device)
-    tok = None
-    if tokenizer:
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(model)
     eos = runner.config.eos_token_ids if stop_on_eos else ()
     engine = Engine(runner, cache, pool.tensors, Scheduler(max_seqs=max_seqs, max_batch_tokens=max_batch_tokens),
-                    release=pool.release, max_len=max_len, eos_token_ids=eos, tokenizer=tok,
+                    release=pool.release, max_len=max_len, eos_token_ids=eos,
                     kernel="auto")  # fmt: skip
     return engine, pool
 

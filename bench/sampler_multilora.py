@@ -11,7 +11,7 @@ side in one run, medians; the decode configurations interleave step by step, the
       plus how many requests produce exactly the same greedy tokens as ours (near-ties may differ; not asserted)
 
 and the memory of the slot pool and the KV cache. Decode figures time only the decode steps: every run
-prefills all its sequences in one step first. Token-only serving (no tokenizer, so no detokenization);
+prefills all its sequences in one step first. Token ids only (the engine never detokenizes: the server does);
 EOS never stops a sequence (engine eos_token_ids=(), peft eos_token_id=None), so every request runs the full
 token count on both sides. `--profile` adds a cProfile of mixed-adapter decode steps.
 
@@ -168,7 +168,9 @@ class OurSampler:
         self.batch, self.max_len = batch, max_len
         self.runner = LlamaForCausalLM.from_pretrained(model_dir, device=self.device, dtype=torch.float32)
         self.packed = cpu_gemm == "onednn" and self.runner.pack_for_cpu()  # the server falls back to torch too
-        shapes = self.runner.linear_shapes()
+        # The projections peft's config below targets, and no others (linear_shapes also lists lm_head): both
+        # sides then compute the same function, and greedy tokens can be compared.
+        shapes = {m: s for m, s in self.runner.linear_shapes().items() if m.rsplit(".", 1)[-1] in TARGETS}
         self.adapters = random_adapters(shapes, count)
         self.pool = SlotPool(shapes, max_slots=count, max_rank=RANK, device=self.device)
         self.slots: list[int] = []
@@ -183,7 +185,7 @@ class OurSampler:
         cache = KVCache(self.runner.config, (self.batch + 1) * blocks, BLOCK_SIZE, self.device, torch.float32)
         scheduler = Scheduler(max_seqs=self.batch, max_batch_tokens=self.batch * self.max_len)  # one prefill
         return Engine(self.runner, cache, self.pool.tensors, scheduler, release=self.pool.release,
-                      max_len=self.max_len, eos_token_ids=(), tokenizer=None,
+                      max_len=self.max_len, eos_token_ids=(),
                       kernel="auto")  # fmt: skip
 
     @staticmethod

@@ -187,10 +187,10 @@ class BlockManager:
         """Caches seq's blocks that its last forward filled (their K/V are now in the cache)."""
         if not (self.prefix_cache and seq.cache_key):
             return
-        tokens, size = seq.tokens, self.block_size
+        size = self.block_size
         parent = seq.block_keys[-1] if seq.block_keys else seq.cache_key.encode()
-        for i in range(len(seq.block_keys), seq.num_cached // size):
-            key = block_key(parent, tokens[i * size : (i + 1) * size])
+        for i in range(len(seq.block_keys), seq.num_cached // size):  # most steps fill no block: no work
+            key = block_key(parent, seq.token_slice(i * size, (i + 1) * size))
             block = seq.block_table[i]
             if key not in self.cached and self.keys[block] is None:  # a twin computed at the same time keeps its own
                 self.cached[key] = block

@@ -168,7 +168,7 @@ def build_sampler(config: SamplerConfig) -> BuiltSampler:
             max_blocks_per_tenant=tenant_blocks,
         )
         return Engine(runner, cache, pool.tensors, scheduler, release=release, max_len=context,
-                      eos_token_ids=model_config.eos_token_ids, tokenizer=tokenizer, kernel=lora_kernel,
+                      eos_token_ids=model_config.eos_token_ids, kernel=lora_kernel,
                       burst_wait=c.burst_wait_ms / 1000, prefix_cache=prefix_cache,
                       on_iteration=on_iteration)  # fmt: skip
 

@@ -10,7 +10,9 @@
              the LM head each logit row's (only rows to sample from, and prompt-logprob positions)
           -> sample one token per sequence whose chunk ended what it lacked (with its position's most likely
              tokens where asked); a partly computed prompt only advances (num_cached += chunk)
-          -> stop checks, detokenize, emit -> free finished sequences
+          -> stop checks on token ids (stop tokens, max_tokens, the context), emit the ids -> free finished
+             sequences; the server process detokenizes each stream and checks its stop strings (detokenizer.py),
+             and finishes a sample that met one (`finish`)
 
 Other threads talk to the engine only through its inbox (submit, abort, score); it answers through the
 callbacks given at submission, on the engine thread. The engine reads the adapters' weights from `SlotTensors`
@@ -39,13 +41,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from opentinker.sampler_server.block_manager import BlockManager
 from opentinker.sampler_server.kernels import Backend, Kernel, add_lora, resolve_kernel
-from opentinker.sampler_server.kernels.segments import add_lora_runs, plan_runs, plan_segments
+from opentinker.sampler_server.kernels.segments import RunViews, add_lora_runs, plan_runs, plan_segments
 from opentinker.sampler_server.model.batch import ForwardBatch
 from opentinker.sampler_server.model.kv_cache import KVCache
 from opentinker.sampler_server.model.llama import LlamaForCausalLM
@@ -71,7 +72,6 @@ class SequenceUpdate:
     sample_index: int
     tokens: list[int]
     logprobs: list[float]
-    text: str
     finished: bool
     stop_reason: int = sampler_pb2.STOP_REASON_UNSPECIFIED  # set when finished
     prompt_logprobs: list[float] | None = None  # on a sample's first update, when they were asked for
@@ -93,6 +93,12 @@ class _Submit:
 @dataclass(slots=True)
 class _Abort:
     request_id: str
+
+
+@dataclass(slots=True)
+class _Finish:
+    request_id: str
+    sample_index: int
 
 
 @dataclass(slots=True)
@@ -134,7 +140,6 @@ class Engine:
         release: Callable[[int], None],
         max_len: int,
         eos_token_ids: tuple[int, ...],
-        tokenizer: Any | None = None,
         kernel: Backend = "auto",
         burst_wait: float = 0.002,
         prefix_cache: bool = True,
@@ -147,7 +152,6 @@ class Engine:
         self.scheduler = scheduler
         self.max_len = max_len
         self.eos_token_ids = set(eos_token_ids)
-        self.tokenizer = tokenizer
         self.kernel: Kernel = resolve_kernel(kernel, cache.device.type)  # the server passes it resolved already
         # The cache's last blocks are kept for ComputeLogprobs (one max_len sequence); the rest are the pool.
         score_blocks = -(-max_len // cache.block_size)
@@ -161,8 +165,9 @@ class Engine:
         self.on_iteration = on_iteration  # called on the engine thread after each round of inbox + step
         self.device = cache.device
         self.stats = EngineStats(blocks_total=self.blocks.num_blocks, block_size=cache.block_size)
-        self._inbox: queue.SimpleQueue[_Submit | _Abort | _Score | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Submit | _Abort | _Finish | _Score | None] = queue.SimpleQueue()
         self._callbacks: dict[str, UpdateCallback] = {}
+        self._run_views = RunViews()  # the slot pool's weight views per LoRA run, kept across steps
         self._thread: threading.Thread | None = None
         self._stopping = False
 
@@ -173,6 +178,10 @@ class Engine:
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
+
+    def finish(self, request_id: str, sample_index: int) -> None:
+        """Ends one sample that the server has ended (it met a stop string): no more updates for it."""
+        self._inbox.put(_Finish(request_id, sample_index))
 
     def score(self, tokens: list[int], lora_slot: int, cache_key: str = "") -> concurrent.futures.Future[list[float]]:
         future: concurrent.futures.Future[list[float]] = concurrent.futures.Future()
@@ -234,7 +243,7 @@ class Engine:
             self._retire(seq)
             callback = self._callbacks.pop(seq.request_id, None)
             if callback is not None:
-                callback(SequenceUpdate(seq.request_id, seq.sample_index, [], [], "", finished=True, error=error))
+                callback(SequenceUpdate(seq.request_id, seq.sample_index, [], [], finished=True, error=error))
 
     def _drain(self, *, block: bool) -> None:
         try:
@@ -261,15 +270,18 @@ class Engine:
                 return
             self._handle(message)
 
-    def _handle(self, message: _Submit | _Abort | _Score) -> None:
+    def _handle(self, message: _Submit | _Abort | _Finish | _Score) -> None:
         if isinstance(message, _Submit):
             for seq in message.sequences:
                 if seq.generator is None and seq.seed is not None:
-                    seq.generator = torch.Generator(device=self.device).manual_seed(seq.seed)
+                    # On the CPU whatever the device: a row's draw is one uniform, a host op (sampling.py).
+                    seq.generator = torch.Generator().manual_seed(seq.seed)
                 self._callbacks[seq.request_id] = message.on_update
                 self.scheduler.add(seq)
         elif isinstance(message, _Abort):
             self._abort(message.request_id)
+        elif isinstance(message, _Finish):
+            self._finish(message.request_id, message.sample_index)
         else:
             self._score(message)
 
@@ -278,6 +290,16 @@ class Engine:
             if seq.request_id == request_id:
                 self._retire(seq)
         self._callbacks.pop(request_id, None)
+
+    def _finish(self, request_id: str, sample_index: int) -> None:
+        for seq in [*self.scheduler.waiting, *self.scheduler.running]:
+            if seq.request_id == request_id and seq.sample_index == sample_index:
+                self._retire(seq)
+                self._forget_if_done(request_id)
+
+    def _forget_if_done(self, request_id: str) -> None:
+        if all(s.request_id != request_id for s in [*self.scheduler.waiting, *self.scheduler.running]):
+            self._callbacks.pop(request_id, None)
 
     def _retire(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
@@ -343,7 +365,7 @@ class Engine:
             if seq.request_id == request_id:
                 self._retire(seq)
                 if callback is not None:
-                    callback(SequenceUpdate(request_id, seq.sample_index, [], [], "", finished=True, error=error,
+                    callback(SequenceUpdate(request_id, seq.sample_index, [], [], finished=True, error=error,
                                             error_reason=reason))  # fmt: skip
 
     def _share_prompts(self, sequences: list[Sequence]) -> None:
@@ -366,7 +388,7 @@ class Engine:
         new_lens: list[int] = []
         logits_indices: list[int] = []
         for seq, chunk in computed:
-            new = seq.tokens[seq.num_cached : seq.num_cached + chunk]  # a prompt chunk, or the last sampled token
+            new = seq.token_slice(seq.num_cached, seq.num_cached + chunk)  # a prompt chunk, or the last sampled token
             start = len(tokens)
             tokens.extend(new)
             positions.extend(range(seq.num_cached, seq.num_cached + chunk))
@@ -410,6 +432,8 @@ class Engine:
                 offset += 1
             if ends:
                 rows.append(offset - 1)
+        if rows == list(range(logits.shape[0])):
+            return logits  # every row is a last position (a decode step): no [E, V] copy
         return logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
 
     def _lora_hook(
@@ -423,13 +447,14 @@ class Engine:
         unembed = lora.unembed.tolist()
         row_slots = [slot if unembed[slot] else 0 for slot in row_slots]  # only versions with a LoRA on lm_head
         if kernel == "segments":  # its planned form: rows are ordered by slot, the plan serves every projection
-            scales = lora.scaling.tolist()
+            scales, views = lora.scaling.tolist(), self._run_views
             runs = plan_runs(plan_segments(token_slots, ranks, scales), lora.scaling)
             row_runs = plan_runs(plan_segments(row_slots, ranks, scales), lora.scaling)
 
             def planned(module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
                 if module in lora.a:
-                    add_lora_runs(y, x, lora.a[module], lora.b[module], row_runs if module == UNEMBED_MODULE else runs)
+                    add_lora_runs(y, x, lora.a[module], lora.b[module], row_runs if module == UNEMBED_MODULE else runs,
+                                  views, module)  # fmt: skip
                 return y
 
             return planned
@@ -453,17 +478,11 @@ class Engine:
         params = seq.params
         if token in params.stop_token_ids or token in self.eos_token_ids:
             seq.stop_reason = sampler_pb2.STOP_REASON_STOP_TOKEN
-        text_delta = self._detokenize(seq)
-        if seq.stop_reason == sampler_pb2.STOP_REASON_UNSPECIFIED:
-            if text_delta and params.stop_strings and _ends_with_stop(seq.text, len(text_delta), params.stop_strings):
-                seq.stop_reason = sampler_pb2.STOP_REASON_STOP_STRING
-            elif len(seq.output) >= params.max_tokens:
-                seq.stop_reason = sampler_pb2.STOP_REASON_LENGTH
-            elif seq.num_tokens >= self.max_len:
-                seq.stop_reason = sampler_pb2.STOP_REASON_CONTEXT_LENGTH
+        elif len(seq.output) >= params.max_tokens:
+            seq.stop_reason = sampler_pb2.STOP_REASON_LENGTH
+        elif seq.num_tokens >= self.max_len:
+            seq.stop_reason = sampler_pb2.STOP_REASON_CONTEXT_LENGTH
         finished = seq.stop_reason != sampler_pb2.STOP_REASON_UNSPECIFIED
-        if finished:
-            text_delta += self._detokenize(seq, final=True)  # nothing more will complete a held-back character
         first = seq.emitted_tokens == 0
         new_tokens = seq.output[seq.emitted_tokens :]
         new_logprobs = seq.output_logprobs[seq.emitted_tokens :]
@@ -473,30 +492,11 @@ class Engine:
         sources = (seq.tokens_cached, seq.tokens_computed, seq.tokens_shared)
         if finished:
             self._retire(seq)
-            if all(s.request_id != seq.request_id for s in [*self.scheduler.waiting, *self.scheduler.running]):
-                self._callbacks.pop(seq.request_id, None)
+            self._forget_if_done(seq.request_id)
         if callback is not None:
-            callback(SequenceUpdate(seq.request_id, seq.sample_index, new_tokens, new_logprobs, text_delta, finished,
+            callback(SequenceUpdate(seq.request_id, seq.sample_index, new_tokens, new_logprobs, finished,
                                     seq.stop_reason, seq.prompt_logprobs if first else None,
                                     prompt_sources=sources, top_logprobs=new_top))  # fmt: skip
-
-    def _detokenize(self, seq: Sequence, *, final: bool = False) -> str:
-        """The text the newest tokens add, appended to seq.text. Only a window of the output is decoded: from the
-        token before the last emitted one (its context, for tokenizers that drop a leading space at the start of
-        a decode) to the end; decoding the whole output at every step made a long generation quadratic (285 us
-        per sequence per step at 2,048 tokens on the tiny tokenizer)."""
-        if self.tokenizer is None:
-            return ""
-        before = self.tokenizer.decode(seq.output[seq.detok_prefix : seq.detok_read], skip_special_tokens=True)
-        text: str = self.tokenizer.decode(seq.output[seq.detok_prefix :], skip_special_tokens=True)
-        # The bytes of an incomplete multi-byte character decode to U+FFFD until the rest arrives, and then to other
-        # text: hold the new text back until it is complete, so that emitted text is never taken back.
-        if not final and (len(text) <= len(before) or text.endswith("\ufffd")):
-            return ""
-        delta = text[len(before) :]
-        seq.detok_prefix, seq.detok_read = seq.detok_read, len(seq.output)
-        seq.text += delta
-        return delta
 
     def _score(self, job: _Score) -> None:
         """Logprobs of every position after the first. They need every position's hidden state, which the
@@ -539,9 +539,3 @@ def _wants_prompt_logprobs(seq: Sequence) -> bool:
     """Prompt logprobs are computed in a sequence's first prefill only (not when it recomputes after preemption,
     unless it was preempted before its last prompt chunk)."""
     return seq.want_prompt_logprobs and seq.prompt_logprobs is None
-
-
-def _ends_with_stop(text: str, new_chars: int, stops: tuple[str, ...]) -> bool:
-    """Whether a stop string occurs in `text` overlapping its last `new_chars` characters (earlier text was
-    checked when it came)."""
-    return any(stop in text[-(new_chars + len(stop) - 1) :] for stop in stops)

@@ -17,6 +17,10 @@ class EngineAPI(Protocol):
 
     def abort(self, request_id: str) -> None: ...
 
+    def finish(self, request_id: str, sample_index: int) -> None:
+        """Ends one sample the server has ended (a stop string): its sequence is freed, no more updates come."""
+        ...
+
     def score(self, tokens: list[int], lora_slot: int, cache_key: str = "") -> concurrent.futures.Future[list[float]]:
         """Logprobs of tokens[1:] under the adapter in `lora_slot`; the engine ends the caller's pin on it. Its
         full blocks join the prefix cache under `cache_key` (the weights identity; "": not cached)."""

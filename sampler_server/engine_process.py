@@ -123,6 +123,8 @@ def _engine_main(conn: Connection, build: EngineBuilder, server_pid: int) -> Non
             outbox.received += len(message[1])  # after the inbox has them: a waiting count may be high, never low
         elif kind == "abort":
             engine.abort(message[1])
+        elif kind == "finish":
+            engine.finish(message[1], message[2])
         elif kind == "score":
             job = message[1]
             future = engine.score(message[2], message[3], message[4])
@@ -176,7 +178,7 @@ class EngineProcess:
         theirs.close()
         self._conn = ours
         self._send_lock = threading.Lock()
-        self._callbacks: dict[str, tuple[UpdateCallback, int]] = {}  # request -> (callback, samples left)
+        self._callbacks: dict[str, tuple[UpdateCallback, set[int]]] = {}  # request -> (callback, open samples)
         self._scores: dict[int, concurrent.futures.Future[list[float]]] = {}
         self._jobs = itertools.count()
         self._lock = threading.Lock()
@@ -211,7 +213,7 @@ class EngineProcess:
 
     def submit(self, sequences: list[Sequence], on_update: UpdateCallback) -> None:
         with self._lock:
-            self._callbacks[sequences[0].request_id] = (on_update, len(sequences))
+            self._callbacks[sequences[0].request_id] = (on_update, {seq.sample_index for seq in sequences})
             self._sent += len(sequences)
         if not self._send(("submit", sequences)):
             self._fail(sequences)
@@ -220,6 +222,21 @@ class EngineProcess:
         with self._lock:
             self._callbacks.pop(request_id, None)
         self._send(("abort", request_id))
+
+    def finish(self, request_id: str, sample_index: int) -> None:
+        with self._lock:
+            self._close(request_id, sample_index)
+        self._send(("finish", request_id, sample_index))
+
+    def _close(self, request_id: str, sample_index: int) -> bool:
+        """Marks one sample of a request ended (under the lock); False if it was not open."""
+        entry = self._callbacks.get(request_id)
+        if entry is None or sample_index not in entry[1]:
+            return False
+        entry[1].discard(sample_index)
+        if not entry[1]:
+            del self._callbacks[request_id]
+        return True
 
     def score(self, tokens: list[int], lora_slot: int, cache_key: str = "") -> concurrent.futures.Future[list[float]]:
         future: concurrent.futures.Future[list[float]] = concurrent.futures.Future()
@@ -304,12 +321,10 @@ class EngineProcess:
         for update in report.updates:
             with self._lock:
                 entry = self._callbacks.get(update.request_id)
-                if entry is not None and update.finished:
-                    left = entry[1] - 1
-                    if left:
-                        self._callbacks[update.request_id] = (entry[0], left)
-                    else:
-                        del self._callbacks[update.request_id]
+                if entry is not None and update.sample_index not in entry[1]:
+                    entry = None  # the server ended this sample already (finish): what the engine made since goes
+                elif entry is not None and update.finished:
+                    self._close(update.request_id, update.sample_index)
             if entry is not None:
                 entry[0](update)
         for job, logprobs, error in report.scored:
@@ -326,9 +341,9 @@ class EngineProcess:
             callbacks, self._callbacks = self._callbacks, {}
             scores, self._scores = self._scores, {}
         error = "the sampler engine process exited; see the server log"
-        for request_id, (callback, left) in callbacks.items():
-            for _ in range(left):
-                callback(SequenceUpdate(request_id, -1, [], [], "", finished=True, error=error))
+        for request_id, (callback, open_samples) in callbacks.items():
+            for index in sorted(open_samples):
+                callback(SequenceUpdate(request_id, index, [], [], finished=True, error=error))
         for future in scores.values():
             _settle(future, None, error)
         if self.on_exit is not None:
@@ -341,7 +356,7 @@ class EngineProcess:
         for seq in sequences:
             self.pool.release(seq.lora_slot)
             if entry is not None:
-                entry[0](SequenceUpdate(seq.request_id, seq.sample_index, [], [], "", finished=True,
+                entry[0](SequenceUpdate(seq.request_id, seq.sample_index, [], [], finished=True,
                                         error="the sampler engine process has exited"))  # fmt: skip
 
 

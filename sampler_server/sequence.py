@@ -29,6 +29,12 @@ class SamplingParams:
     stop_strings: tuple[str, ...] = ()
     logprobs: bool = False
     top_logprobs: int = 0  # the most likely tokens to report at each sampled position (0: none)
+    frequency_penalty: float = 0.0  # subtracted from a token's score once per time the sample generated it
+    presence_penalty: float = 0.0  # subtracted from a token's score once the sample generated it at all
+
+    @property
+    def penalized(self) -> bool:
+        return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
     @property
     def greedy(self) -> bool:
@@ -71,10 +77,7 @@ class Sequence:
     stop_reason: int = sampler_pb2.STOP_REASON_UNSPECIFIED
     seed: int | None = None  # sampling seed of this sample (None: greedy); the engine makes its generator
     generator: torch.Generator | None = None
-    text: str = ""  # detokenized output so far (held back at an incomplete character), all of it emitted
     emitted_tokens: int = 0  # tokens already sent to the client
-    detok_prefix: int = 0  # output index where the next detokenization window starts (context for the new text)
-    detok_read: int = 0  # output tokens whose text is in `text`
     # Tokens by where their K/V came from, summed over its admissions (a preempted one's recompute included)
     tokens_cached: int = 0  # found in the prefix cache
     tokens_computed: int = 0  # run through a prefill forward
@@ -83,6 +86,16 @@ class Sequence:
     @property
     def tokens(self) -> list[int]:
         return self.prompt + self.output
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """tokens[start:end] without building the whole prompt + output list (a step asks each sequence for its
+        newest token or chunk; copying a long sequence whole for it was O(length) per step)."""
+        n = len(self.prompt)
+        if end <= n:
+            return self.prompt[start:end]
+        if start >= n:
+            return self.output[start - n : end - n]
+        return self.prompt[start:] + self.output[: end - n]
 
     @property
     def num_tokens(self) -> int:

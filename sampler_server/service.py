@@ -1,11 +1,13 @@
 """SamplerService. A Sample request: validate -> resolve the reference ONCE to an exact version -> pin its
-slot (loading it on demand) -> n sequences into the engine -> stream their tokens as they come. The version
+slot (loading it on demand) -> n sequences into the engine -> stream their tokens as they come, each sample's
+text decoded here and its stop strings checked here (detokenizer.py; the engine deals in token ids). The version
 each message names is the one that produced its tokens, whatever aliases do meanwhile."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import functools
 import math
 import os
@@ -18,6 +20,7 @@ from opentinker.rpc.auth import Principal, current_principal
 from opentinker.rpc.errors import FailedPrecondition, Internal, InvalidArgument, NotFound, ResourceExhausted
 from opentinker.rpc.model_input import tokens_of
 from opentinker.sampler_server.adapters import AdapterLoader, Resolved
+from opentinker.sampler_server.detokenizer import StreamText
 from opentinker.sampler_server.engine import NON_FINITE_OUTPUT, SequenceUpdate
 from opentinker.sampler_server.engine_api import EngineAPI
 from opentinker.sampler_server.follower import AliasFollower
@@ -64,17 +67,33 @@ def sampling_params(message: sampler_pb2.SamplingParams, *, vocab_size: int) -> 
 def coalesce(updates: list[SequenceUpdate]) -> list[SequenceUpdate]:
     """Updates that queued up while the client was reading, merged into one per sample (in the order each sample
     first appears), so a lagging client gets one message with several tokens instead of a backlog of one-token
-    messages. A sample's tokens, logprobs, top logprobs and text stay in order; an error is kept."""
+    messages. A sample's tokens, logprobs and top logprobs stay in order; an error is kept."""
     merged: dict[int, SequenceUpdate] = {}
     for new in updates:
         index = new.sample_index
         old = merged.get(index)
         merged[index] = new if old is None else SequenceUpdate(
-            new.request_id, index, old.tokens + new.tokens, old.logprobs + new.logprobs, old.text + new.text,
-            new.finished, new.stop_reason, old.prompt_logprobs, new.error or old.error,
+            new.request_id, index, old.tokens + new.tokens, old.logprobs + new.logprobs, new.finished,
+            new.stop_reason, old.prompt_logprobs, new.error or old.error,
             new.error_reason or old.error_reason, new.prompt_sources, old.top_logprobs + new.top_logprobs,
         )  # fmt: skip
     return list(merged.values())
+
+
+def with_text(update: SequenceUpdate, stream: StreamText) -> tuple[SequenceUpdate, str]:
+    """One sample's update and the text its tokens add; cut after the token that completes a stop string (then
+    finished with STOP_REASON_STOP_STRING, unless that token is the stop token that ended it anyway)."""
+    fed = stream.feed(update.tokens, final=update.finished)
+    if fed.stop_at is None:
+        return update, fed.text
+    keep = fed.stop_at + 1
+    last = update.finished and keep == len(update.tokens)
+    by_token = last and update.stop_reason == sampler_pb2.STOP_REASON_STOP_TOKEN
+    cut = dataclasses.replace(
+        update, tokens=update.tokens[:keep], logprobs=update.logprobs[:keep], top_logprobs=update.top_logprobs[:keep],
+        finished=True, stop_reason=update.stop_reason if by_token else sampler_pb2.STOP_REASON_STOP_STRING,
+    )  # fmt: skip
+    return cut, fed.text
 
 
 def _non_finite(resolved: Resolved) -> FailedPrecondition:
@@ -231,14 +250,20 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
             submitted = request_id
             first = [True] * count
             counted = [(0, 0, 0)] * count  # each sample's prompt_sources already in its tenant's books
+            texts = [StreamText(self.tokenizer, params.stop_strings) for _ in range(count)]
             while remaining:
                 pending = [await updates.get()]
                 while not updates.empty():  # the client read slower than we generate: one message per sample
                     pending.append(updates.get_nowait())
-                for update in coalesce(pending):
-                    if update.error:
+                for engine_update in coalesce(pending):
+                    if engine_update.error:
                         remaining = 0
-                        raise _engine_error(update, resolved)
+                        raise _engine_error(engine_update, resolved)
+                    if engine_update.sample_index in done:
+                        continue  # tokens the engine made past a stop string before it was told
+                    update, text = with_text(engine_update, texts[engine_update.sample_index])
+                    if update.finished and not engine_update.finished:  # a stop string: the engine still runs it
+                        self.engine.finish(request_id, update.sample_index)
                     if update.sample_index not in started:
                         started.add(update.sample_index)
                         activity.waiting, activity.running = activity.waiting - 1, activity.running + 1
@@ -249,7 +274,7 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
                         remaining -= 1
                         done.add(update.sample_index)
                         activity.running -= 1
-                    yield self._response(update, resolved, params, prompt, first)
+                    yield self._response(update, text, resolved, params, prompt, first)
         finally:
             activity.running -= len(started - done)
             activity.waiting -= count - len(started)
@@ -270,13 +295,18 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
 
     @staticmethod
     def _response(
-        update: SequenceUpdate, resolved: Resolved, params: SamplingParams, prompt: list[int], first: list[bool]
+        update: SequenceUpdate,
+        text: str,
+        resolved: Resolved,
+        params: SamplingParams,
+        prompt: list[int],
+        first: list[bool],
     ) -> sampler_pb2.SampleResponse:
         index = update.sample_index
         message = sampler_pb2.SampleResponse(
             sample_index=index, tokens=update.tokens, version=resolved.message,
             stop_reason=update.stop_reason if update.finished else sampler_pb2.STOP_REASON_UNSPECIFIED,  # type: ignore[arg-type]
-            text=update.text,
+            text=text,
         )  # fmt: skip
         if params.logprobs:
             message.logprobs.extend(update.logprobs)

@@ -103,6 +103,11 @@ def outputs(requests: list[list[Sequence]]) -> dict[tuple[str, int], Sequence]:
     return {(seq.request_id, seq.sample_index): seq for seqs in requests for seq in seqs}
 
 
+# fp32 logprobs of the same tokens computed in different batches and chunks (a cached prefix's K/V came from
+# another prefill): summation order alone moved one by 1.1e-5 at -6.9 (1.6e-6 relative), as in the family matrix.
+LOGPROB_TOLERANCE = 3e-5
+
+
 def assert_same(ours: list[list[Sequence]], reference: list[list[Sequence]], skip: str = "") -> None:
     theirs = outputs(reference)
     for key, seq in outputs(ours).items():
@@ -111,7 +116,7 @@ def assert_same(ours: list[list[Sequence]], reference: list[list[Sequence]], ski
         ref = theirs[key]
         assert seq.output == ref.output, key
         assert len(seq.output) == seq.params.max_tokens
-        assert max_diff(seq.output_logprobs, ref.output_logprobs) < 1e-5, key
+        assert max_diff(seq.output_logprobs, ref.output_logprobs) < LOGPROB_TOLERANCE, key
         assert (seq.prompt_logprobs is None) == (ref.prompt_logprobs is None), key
         if seq.prompt_logprobs is not None and ref.prompt_logprobs is not None:
-            assert max_diff(seq.prompt_logprobs, ref.prompt_logprobs) < 1e-5, key
+            assert max_diff(seq.prompt_logprobs, ref.prompt_logprobs) < LOGPROB_TOLERANCE, key

@@ -59,7 +59,8 @@ def padding_fill(prefills: list[tuple[int, int, torch.Tensor]]) -> float:
 
 class PrefillBatch:
     """S multi-token segments padded into one SDPA call. Padded query slots repeat the segment's first token
-    (their output is dropped), padded key slots read row 0 (masked: they lie past every real query)."""
+    (their output is dropped), padded key slots read the segment's first key (masked: they lie past every real
+    query)."""
 
     def __init__(
         self, prefills: list[tuple[int, int, torch.Tensor]], positions: torch.Tensor, sliding_window: int | None
@@ -76,6 +77,7 @@ class PrefillBatch:
             q_index[i, :length] = torch.arange(start, start + length)
             valid[i, :length] = True
             keys[i, : rows.numel()] = rows.cpu()
+            keys[i, rows.numel() :] = rows[0]  # its own first key: a stale row may hold NaN (see below)
         self.q_index = q_index.to(device)
         self.keys = keys.to(device)
         self.valid = valid.to(device)
@@ -124,7 +126,7 @@ class AttentionPlan:
         self.decode_rows: torch.Tensor | None = None  # [B] token index of each single-token sequence
         self.decode_only = False  # then decode row i is token i
         self.decode_mask: torch.Tensor | None = None  # [B, 1, 1, T] bool
-        self.decode_keys: torch.Tensor | None = None  # [B, T] flat cache rows; row 0 past a sequence's end (masked)
+        self.decode_keys: torch.Tensor | None = None  # [B, T] flat cache rows; its position 0's past its end (masked)
         self.prefills: list[tuple[int, int, torch.Tensor]] = []  # (first token, new tokens, key rows [context])
         self.prefill_batch: PrefillBatch | None = None
         if self.backend == "triton":
@@ -133,25 +135,31 @@ class AttentionPlan:
             )
             return
         decode_rows: list[int] = []
-        decode_keys: list[torch.Tensor] = []
-        decode_len = 0
+        decode_tables: list[list[int]] = []  # the blocks each decoding sequence's context fills
+        decode_contexts: list[int] = []
         for start, table, length, context in batch.segments():
-            keys = context_rows(table, context, block_size)
             if length == 1:
                 decode_rows.append(start)
-                decode_keys.append(keys)
-                decode_len = max(decode_len, context)
+                decode_tables.append(table[: -(-context // block_size)])
+                decode_contexts.append(context)
             else:
-                self.prefills.append((start, length, keys.to(device)))
+                self.prefills.append((start, length, context_rows(table, context, block_size).to(device)))
         if batch_prefills and len(self.prefills) > 1 and padding_fill(self.prefills) >= min_pad_fill:
             self.prefill_batch = PrefillBatch(self.prefills, positions, sliding_window)
         self.decode_only = not self.prefills
         if decode_rows:
+            # One [B, T] table of key rows for all decodes, built in a few tensor ops whatever B is (a loop of
+            # per-sequence tensors here cost more per step than the LoRA delta of one adapter). Positions past a
+            # sequence's context read its own position 0, which it wrote: the mask hides them, but a masked key
+            # still enters the score sum, and a stale row of a freed block may hold an earlier occupant's NaN.
             self.decode_rows = torch.tensor(decode_rows, dtype=torch.int64, device=device)
-            padded = torch.zeros(len(decode_keys), decode_len, dtype=torch.int64)
-            for i, keys in enumerate(decode_keys):
-                padded[i, : keys.numel()] = keys
-            self.decode_keys = padded.to(device)
+            decode_len = max(decode_contexts)
+            width = max(len(table) for table in decode_tables)
+            tables = torch.tensor([table + [table[0]] * (width - len(table)) for table in decode_tables])  # [B, W]
+            keys = tables[:, :, None] * block_size + torch.arange(block_size, dtype=torch.int64)  # [B, W, bs]
+            keys = keys.view(len(decode_rows), -1)[:, :decode_len]  # [B, T]
+            past = torch.arange(decode_len) >= torch.tensor(decode_contexts)[:, None]  # [B, T]
+            self.decode_keys = torch.where(past, keys[:, :1], keys).to(device)
             mask = attention_mask(positions[self.decode_rows], decode_len, sliding_window)
             self.decode_mask = mask[:, None, None, :]
 

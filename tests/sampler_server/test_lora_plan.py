@@ -8,6 +8,7 @@ import torch
 
 from opentinker.sampler_server.kernels.reference import lora_delta_reference
 from opentinker.sampler_server.kernels.segments import (
+    RunViews,
     Segment,
     add_lora_runs,
     plan_runs,
@@ -80,3 +81,24 @@ def test_runs_delta_equals_reference(dtype: torch.dtype) -> None:
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(y, expected, atol=tol, rtol=tol)
     assert torch.equal(y[:1], expected[:1])  # the slot-0 row is untouched
+
+
+def test_weight_views_kept_across_steps_follow_the_slots_new_contents_and_stay_bounded() -> None:
+    generator = torch.Generator().manual_seed(3)
+    slots, rank, d_in, d_out = 4, 4, 16, 24
+    a = torch.randn(slots, rank, d_in, generator=generator)
+    b = torch.randn(slots, rank, d_out, generator=generator).transpose(1, 2)  # the pool's layout: a view
+    scaling = torch.tensor([0.0, 2.0, 0.5, 1.0])
+    views = RunViews(limit=3)
+    x = torch.randn(6, d_in, generator=generator)
+    for token_slots in ([1] * 6, [1, 1, 2, 2, 3, 3], [2] * 6):
+        runs = plan_runs(plan_segments(token_slots, [0, rank, rank, rank], scaling.tolist()), scaling)
+        for step in range(2):
+            if step:  # a new version loaded into the same slots in place: the kept views see it
+                a.mul_(-1.5)
+                b.mul_(0.5)
+            y = torch.zeros(6, d_out)
+            add_lora_runs(y, x, a, b, runs, views, "q_proj")
+            expected = lora_delta_reference(x, a, b, scaling, torch.tensor(token_slots))
+            torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-5)
+    assert 0 < len(views._views) <= 3

@@ -6,6 +6,7 @@ shuffled block tables; the backend is chosen by the cache's device."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -119,3 +120,32 @@ def test_the_triton_kernel_on_cuda_equals_the_torch_path(dtype: torch.dtype) -> 
     triton_out = run_attention(moved, "triton", block_size=16).cpu().float()
     torch_out = run_attention(inputs, "torch", block_size=16).float()
     assert (triton_out - torch_out).abs().max().item() <= (FP32 if dtype == torch.float32 else 2e-2)
+
+
+def test_stale_nan_rows_of_freed_blocks_never_reach_another_sequence(tiny_model: Path) -> None:
+    # A freed block keeps what its last holder wrote, NaN included (an adapter that overflowed). The rows a batched
+    # call pads with are masked, but a masked key still enters the score sum: NaN there is NaN everywhere. Padding
+    # must read only rows the sequence itself wrote. Decodes of different lengths pad; two prefills of different
+    # lengths batch into one padded call.
+    model = LlamaForCausalLM.from_pretrained(tiny_model, device=torch.device("cpu"), dtype=torch.float32)
+    prompts = [list(range(3, 3 + n)) for n in (5, 20, 9)]
+    tables = [[4, 0], [1, 2], [3, 5]]
+
+    def run(fill: float) -> torch.Tensor:
+        cache = KVCache(model.config, 6, 16, torch.device("cpu"), torch.float32)
+        for layer in range(model.config.num_layers):
+            cache.k[layer].fill_(fill)
+            cache.v[layer].fill_(fill)
+        prefill = model.forward(ForwardBatch.build(prompts[:2], [0, 0], block_tables=tables[:2], all_logits=False),
+                                cache)  # fmt: skip
+        decode = model.forward(ForwardBatch.build([[7], [8]], [len(p) for p in prompts[:2]], block_tables=tables[:2],
+                                                  all_logits=False), cache)  # fmt: skip
+        step = ForwardBatch.build([[9], prompts[2]], [len(prompts[0]) + 1, 0], block_tables=[tables[0], tables[2]],
+                                  all_logits=False)  # fmt: skip
+        mixed = model.forward(step, cache)
+        return torch.cat([prefill, decode, mixed])
+
+    clean, stale = run(0.0), run(math.nan)
+    assert clean.isfinite().all()
+    assert stale.isfinite().all(), "a stale NaN row reached a sequence's attention"
+    assert (stale - clean).abs().max().item() <= 1e-5

@@ -124,7 +124,7 @@ def test_mailbox_delivers_a_batch_with_one_wakeup_in_order() -> None:
         def engine_step() -> None:  # while the loop is busy (blocked here), a step's updates pile up
             for token in range(50):
                 for q, seq in zip(queues, seqs, strict=True):
-                    mailbox.post(q, SequenceUpdate(seq.request_id, 0, [token], [0.0], "", finished=False))
+                    mailbox.post(q, SequenceUpdate(seq.request_id, 0, [token], [0.0], finished=False))
 
         thread = threading.Thread(target=engine_step)
         thread.start()
@@ -134,7 +134,7 @@ def test_mailbox_delivers_a_batch_with_one_wakeup_in_order() -> None:
         assert wakeups[0] == 1
         for q in queues:
             assert [q.get_nowait().tokens[0] for _ in range(q.qsize())] == list(range(50))
-        mailbox.post(queues[0], SequenceUpdate("r0", 0, [99], [0.0], "", finished=True))  # the next batch wakes again
+        mailbox.post(queues[0], SequenceUpdate("r0", 0, [99], [0.0], finished=True))  # the next batch wakes again
         await asyncio.sleep(0)
         assert wakeups[0] == 2 and (await queues[0].get()).tokens == [99]
 

@@ -9,31 +9,31 @@ from opentinker.sampler_server.service import coalesce
 def test_coalesce_merges_each_samples_backlog_in_order() -> None:
     s0, s1 = 0, 1
     backlog = [
-        SequenceUpdate("r", s0, [5], [-0.5], "a", finished=False),
-        SequenceUpdate("r", s1, [7], [-0.7], "x", finished=False),
-        SequenceUpdate("r", s0, [6], [-0.6], "b", finished=False),
-        SequenceUpdate("r", s1, [8, 9], [-0.8, -0.9], "yz", finished=True),
-        SequenceUpdate("r", s0, [4], [-0.4], "", finished=True),
+        SequenceUpdate("r", s0, [5], [-0.5], finished=False),
+        SequenceUpdate("r", s1, [7], [-0.7], finished=False),
+        SequenceUpdate("r", s0, [6], [-0.6], finished=False),
+        SequenceUpdate("r", s1, [8, 9], [-0.8, -0.9], finished=True),
+        SequenceUpdate("r", s0, [4], [-0.4], finished=True),
     ]
     merged = coalesce(backlog)
-    assert [(u.sample_index, u.tokens, u.logprobs, u.text, u.finished) for u in merged] == [
-        (0, [5, 6, 4], [-0.5, -0.6, -0.4], "ab", True),
-        (1, [7, 8, 9], [-0.7, -0.8, -0.9], "xyz", True),
+    assert [(u.sample_index, u.tokens, u.logprobs, u.finished) for u in merged] == [
+        (0, [5, 6, 4], [-0.5, -0.6, -0.4], True),
+        (1, [7, 8, 9], [-0.7, -0.8, -0.9], True),
     ]
-    one = SequenceUpdate("r", s0, [3], [-0.3], "c", finished=False)
+    one = SequenceUpdate("r", s0, [3], [-0.3], finished=False)
     assert coalesce([one]) == [one]  # nothing queued behind it: sent as it came
 
 
 def test_coalesce_keeps_an_engine_error() -> None:
     s0 = 0
     merged = coalesce(
-        [SequenceUpdate("r", s0, [5], [-0.5], "a", False), SequenceUpdate("r", s0, [], [], "", True, error="boom")]
+        [SequenceUpdate("r", s0, [5], [-0.5], False), SequenceUpdate("r", s0, [], [], True, error="boom")]
     )
     assert len(merged) == 1 and merged[0].error == "boom" and merged[0].finished and merged[0].tokens == [5]
 
 
 def test_coalesce_keeps_the_first_prompt_logprobs_and_the_last_stop_reason() -> None:
-    first = SequenceUpdate("r", 0, [5], [-0.5], "a", False, prompt_logprobs=[-1.0, -2.0])
-    last = SequenceUpdate("r", 0, [6], [-0.6], "b", True, stop_reason=3)
+    first = SequenceUpdate("r", 0, [5], [-0.5], False, prompt_logprobs=[-1.0, -2.0])
+    last = SequenceUpdate("r", 0, [6], [-0.6], True, stop_reason=3)
     (merged,) = coalesce([first, last])
     assert merged.prompt_logprobs == [-1.0, -2.0] and merged.stop_reason == 3 and merged.tokens == [5, 6]

@@ -166,11 +166,11 @@ def test_versions_without_lm_head_skip_the_vocabulary_wide_delta(
     from opentinker.sampler_server.kernels import add_lora as real_add
     from opentinker.sampler_server.kernels.segments import add_lora_runs as real_runs
 
-    def runs_spy(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, runs: Any) -> None:
+    def runs_spy(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, runs: Any, *rest: Any) -> None:
         calls.append(
             ("lm_head" if b.shape[1] == model.config.vocab_size else "other", sum(r.end - r.start for r in runs))
         )
-        real_runs(y, x, a, b, runs)
+        real_runs(y, x, a, b, runs, *rest)
 
     def add_spy(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         calls.append(("lm_head" if b.shape[1] == model.config.vocab_size else "other", x.shape[0]))
