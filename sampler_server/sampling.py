@@ -1,15 +1,17 @@
 """Next-token sampling for the whole batch in tensor ops, one device-to-host copy per step.
 
-    logits [B, V] --penalties--> scores --/ temperature, top-k, top-p--> probs --inverse CDF at u--> tokens
+    logits [B, V] --penalties--> scores --/ temperature, top-k, top-p--> probs --argmax(probs / E)--> tokens
     logits --log_softmax--> reported logprobs (and the top-k of the rows that ask)
     tokens, their logprobs, the rows that failed and the top logprobs: one packed tensor, one copy to the host
 
 Every row has its own parameters, and the batch mixes them freely (greedy and sampled rows, different
-temperatures, top-k, top-p and penalties): each is a [B] tensor, and a filter no row uses costs nothing. The
-random draw of a row is one uniform from its own generator (a CPU generator: drawing it is a host op, no device
-work and no sync), so a seeded sample draws the same tokens whatever else shares its batch and whatever the
-device; the B uniforms go to the device in one copy. The draw is the inverse CDF of the row's probabilities
-(float64 cumulative sum), i.e. exactly a draw from them, as torch.multinomial's own CPU path does.
+temperatures, top-k, top-p and penalties): each is a [B] tensor, and a filter no row uses costs nothing. The draw
+is the exponential race, argmax(p / E) with E ~ Exp(1) per token, exactly a draw from p and what torch.multinomial
+does for one sample: a seeded row's noise comes from its own CPU generator (drawn on the host, no device work and
+no sync), so a seeded sample draws the same tokens whatever else shares its batch and whatever the device, the
+same tokens the row-by-row multinomial drew before; the [B, V] noise goes to the device in one copy. (An inverse
+CDF from one uniform per row was tried: right in distribution, but with a seed reused across RL iterations every
+iteration's draws are coupled monotonically, and tests/client/test_loops.py's policy stopped learning.)
 
 Frequency and presence penalties follow OpenAI's definition over the tokens the sample generated so far:
 score[t] = logit[t] - count[t] * frequency_penalty - (count[t] > 0) * presence_penalty, before the temperature;
@@ -60,7 +62,7 @@ def sample(logits: torch.Tensor, sequences: list[Sequence]) -> Draw:
         filtered = _top_p(_top_k(scores / temperature[:, None], params), params)  # [B, V]
         probs = filtered.softmax(-1)  # [B, V]
         ok &= greedy | probs.amax(-1).isfinite()  # finite logits that overflowed once divided by the temperature
-        drawn = _inverse_cdf(probs, _uniforms(sequences).to(device))  # [B]
+        drawn = (probs / _exponentials(sequences, probs.shape[-1]).to(device)).argmax(-1)  # [B]: exponential race
         tokens = torch.where(greedy, scores.argmax(-1), drawn)
     # The model's own logprob of each chosen token: logit - logsumexp, without writing the [B, V] log_softmax.
     lse = logits.logsumexp(-1)  # [B]
@@ -138,19 +140,13 @@ def _top_p(scores: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     return out
 
 
-def _uniforms(sequences: list[Sequence]) -> torch.Tensor:
-    """[B] float64 in [0, 1): each seeded row's from its own generator, the others' from torch's default one."""
-    u = torch.rand(len(sequences), dtype=torch.float64)
+def _exponentials(sequences: list[Sequence], vocab: int) -> torch.Tensor:
+    """[B, V] Exp(1) noise: each seeded row's from its own generator, the others' from torch's default one.
+    argmax(p / E) is a draw from p (the exponential race, which torch.multinomial itself uses for one sample), and
+    it draws from a row's generator exactly what torch.multinomial(p, 1, generator=g) did, so seeded samples keep
+    the tokens they drew before sampling was batched."""
+    noise = torch.empty(len(sequences), vocab).exponential_()
     for row, seq in enumerate(sequences):
         if seq.generator is not None and not seq.params.greedy:
-            u[row] = torch.rand((), dtype=torch.float64, generator=seq.generator)
-    return u
-
-
-def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """probs: [B, V], u: [B] in [0, 1) -> [B] the first token whose cumulative probability exceeds u (times the
-    row's total, which is 1 up to rounding): a draw from each row's distribution. Tokens of probability 0 are
-    never drawn (their cumulative sum equals the one before them)."""
-    cdf = probs.double().cumsum(-1)  # [B, V]
-    target = (u * cdf[:, -1])[:, None]  # [B, 1]
-    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
+            noise[row].exponential_(generator=seq.generator)
+    return noise
