@@ -118,7 +118,7 @@ def build_sampler(config: SamplerConfig) -> BuiltSampler:
         default_tenant_slots,
     )
     from opentinker.sampler_server.service import SamplerServicer
-    from opentinker.sampler_server.slot_pool import SlotPool
+    from opentinker.sampler_server.slot_pool import SlotPool, SlotTensors
     from opentinker.v1 import common_pb2, registry_pb2_grpc, sampler_pb2, sampler_pb2_grpc
     from opentinker.weights.artifact_store import ArtifactStore
     from opentinker.weights.base_model import model_digest, pick_device, pick_dtype, resolve_model_dir
@@ -145,15 +145,17 @@ def build_sampler(config: SamplerConfig) -> BuiltSampler:
     # Dynamic NTK rotates a prompt's keys by frequencies of that sequence's length past the context: a block
     # cached in one sequence would not equal the same block computed in a longer one, so no reuse there.
     prefix_cache = c.prefix_cache and model_config.rope.rope_type != "dynamic"
-    if c.engine_process and torch_device.type != "cpu":
-        raise BadOption("the engine process shares its adapter slots in CPU memory; on CUDA the engine "
-                        "runs in the server process", "--engine-process")  # fmt: skip
+    # On CUDA the engine process is opt-in until it has been measured on a GPU (docs/performance.md).
     in_process = not (c.engine_process if c.engine_process is not None else torch_device.type == "cpu")
     tokenizer = load_tokenizer(model_dir)  # loading starts no thread; a forked engine process inherits it
-    # Nothing in this process runs a torch op before the engine process is forked (see SlotPool's `shared`).
-    pool = SlotPool(shapes, max_slots=c.max_slots, max_rank=c.max_rank, device=torch_device, shared=not in_process)
+    # Nothing in this process runs a torch op before the engine process is forked (see SlotPool's `shared`), nor
+    # touches CUDA: its pool is in CPU shared memory and the engine process keeps a device copy (SlotMirror).
+    pool_device = torch_device if in_process else torch.device("cpu")
+    pool = SlotPool(shapes, max_slots=c.max_slots, max_rank=c.max_rank, device=pool_device, shared=not in_process)
 
-    def build_engine(release: Callable[[int], None], on_iteration: Callable[[], None] | None) -> Engine:
+    def build_engine(
+        release: Callable[[int], None], on_iteration: Callable[[], None] | None, slots: SlotTensors
+    ) -> Engine:
         runner = LlamaForCausalLM.from_pretrained(model_dir, device=torch_device, dtype=torch_dtype)
         packed = c.cpu_gemm == "onednn" and runner.pack_for_cpu()
         if torch_device.type == "cpu" and torch_dtype == torch.float32:
@@ -167,7 +169,7 @@ def build_sampler(config: SamplerConfig) -> BuiltSampler:
             prefill_chunk_tokens=c.prefill_chunk_tokens,
             max_blocks_per_tenant=tenant_blocks,
         )
-        return Engine(runner, cache, pool.tensors, scheduler, release=release, max_len=context,
+        return Engine(runner, cache, slots, scheduler, release=release, max_len=context,
                       eos_token_ids=model_config.eos_token_ids, kernel=lora_kernel,
                       burst_wait=c.burst_wait_ms / 1000, prefix_cache=prefix_cache,
                       on_iteration=on_iteration)  # fmt: skip
@@ -181,7 +183,7 @@ def build_sampler(config: SamplerConfig) -> BuiltSampler:
             engine.wait_ready()
     else:
         with spinner(f"loading {model} on {torch_device}"):
-            engine = build_engine(pool.release, None)
+            engine = build_engine(pool.release, None, pool.tensors)
     artifacts = ArtifactStore(c.store)
     artifacts.cleanup_temp()
     digest = model_digest(model_dir)

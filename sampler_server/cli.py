@@ -123,7 +123,8 @@ def serve(
         typer.Option(
             "--engine-process/--no-engine-process",
             help="Run the engine (model, KV cache, step loop) in a process of its own, apart from gRPC's Python. "
-            "Default: on for the CPU, off for CUDA.",
+            "Default: on for the CPU, off for CUDA (where the engine process keeps its own device copy of the adapter "
+            "slots; opt in until it is measured on a GPU).",
         ),
     ] = None,
     follow: Annotated[

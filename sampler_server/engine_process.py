@@ -41,12 +41,14 @@ from opentinker.rpc.process import die_with_parent
 from opentinker.sampler_server.engine import Engine, EngineStats, SequenceUpdate, UpdateCallback
 from opentinker.sampler_server.kernels import Kernel
 from opentinker.sampler_server.sequence import Sequence
-from opentinker.sampler_server.slot_pool import SlotPool
+from opentinker.sampler_server.slot_mirror import SlotMirror
+from opentinker.sampler_server.slot_pool import SlotPool, SlotTensors
 
 log = logging.getLogger("opentinker.sampler")
 
-# Builds the engine inside the engine process, given its slot-release and end-of-iteration callbacks.
-EngineBuilder = Callable[[Callable[[int], None], Callable[[], None]], Engine]
+# Builds the engine inside the engine process, given its slot-release and end-of-iteration callbacks and the
+# adapter slots it reads (the shared pool's tensors on the CPU, the engine process's device copy on CUDA).
+EngineBuilder = Callable[[Callable[[int], None], Callable[[], None] | None, SlotTensors], Engine]
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,8 +97,10 @@ class _Outbox:
         self.conn.send(report)
 
 
-def _engine_main(conn: Connection, build: EngineBuilder, server_pid: int) -> None:
-    """The engine process: build the engine, then feed it what the server sends until "stop" or the pipe closes."""
+def _engine_main(conn: Connection, build: EngineBuilder, server_pid: int, pool: SlotPool,
+                 mirror_on: torch.device | None) -> None:  # fmt: skip
+    """The engine process: build the engine, then feed it what the server sends until "stop" or the pipe closes.
+    mirror_on: the device its copy of the adapter slots lives on; None: it reads the shared pool itself."""
     die_with_parent(signal.SIGKILL)
     if os.getppid() != server_pid:
         return  # the server died before the line above took effect
@@ -104,7 +108,8 @@ def _engine_main(conn: Connection, build: EngineBuilder, server_pid: int) -> Non
         signal.signal(sig, signal.SIG_IGN)  # the server process decides when its engine stops
     outbox = _Outbox(conn)
     try:
-        engine = build(outbox.release, outbox.flush)
+        mirror = None if mirror_on is None else SlotMirror(pool, mirror_on)
+        engine = build(outbox.release, outbox.flush, pool.tensors if mirror is None else mirror.tensors)
     except Exception as exc:
         log.exception("the sampler engine could not be built")
         conn.send(("failed", f"{type(exc).__name__}: {exc}"))
@@ -119,6 +124,9 @@ def _engine_main(conn: Connection, build: EngineBuilder, server_pid: int) -> Non
             break  # the server process is gone
         kind = message[0]
         if kind == "submit":
+            if mirror is not None:
+                for slot in {seq.lora_slot for seq in message[1]}:
+                    mirror.sync(slot)
             engine.submit(message[1], outbox.post)
             outbox.received += len(message[1])  # after the inbox has them: a waiting count may be high, never low
         elif kind == "abort":
@@ -127,6 +135,8 @@ def _engine_main(conn: Connection, build: EngineBuilder, server_pid: int) -> Non
             engine.finish(message[1], message[2])
         elif kind == "score":
             job = message[1]
+            if mirror is not None:
+                mirror.sync(message[3])
             future = engine.score(message[2], message[3], message[4])
             future.add_done_callback(functools.partial(outbox.score_done, job))
         else:
@@ -146,10 +156,13 @@ class EngineProcess:
         max_seqs: int,
         max_batch_tokens: int,
         device: torch.device,
+        mirror_slots: bool | None = None,
     ) -> None:
         """Forks the engine process, which builds its engine (call before this process starts any thread: a fork
         copies only the calling thread, and a lock another thread held would stay locked in the child); then
-        call wait_ready()."""
+        call wait_ready(). On CUDA this process must not have touched CUDA (a forked child of a process that did
+        cannot use it): the pool is on the CPU, and the engine process copies the slots to its device
+        (mirror_slots, default: when device is not the CPU; on the CPU only to test that path)."""
         self.pool = pool
         self.max_len = max_len
         self.max_seqs = max_seqs
@@ -168,7 +181,8 @@ class EngineProcess:
             ours.close()
             code = 0
             try:
-                _engine_main(theirs, build, server_pid)
+                mirror = mirror_slots if mirror_slots is not None else device.type != "cpu"
+                _engine_main(theirs, build, server_pid, pool, device if mirror else None)
             except BaseException:
                 log.exception("the sampler engine process failed")
                 code = 1

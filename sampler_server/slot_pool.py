@@ -107,6 +107,11 @@ class SlotPool:
             _zeros((count,), torch.int32, cpu, shared),
             _zeros((count,), torch.int8, cpu, shared),
         )
+        # For an engine process that keeps its own copy of the slots on its device (`SlotMirror`): per slot, how
+        # many times a version was written into it, and which modules it wrote (bit i: self.modules[i]). Bumped by
+        # fill() once the slot's tensors are complete, before any request can name the slot.
+        self.generation = _zeros((count,), torch.int64, cpu, shared)
+        self.written_bits = _zeros((count,), torch.int64, cpu, shared)
         self.slots = [Slot(i) for i in range(count)]
         self.by_key: dict[VersionKey, int] = {}
         self._lock = threading.Lock()
@@ -180,6 +185,8 @@ class SlotPool:
             self.scaling[index] = scaling
             self.tensors.ranks[index] = rank
             self.tensors.unembed[index] = int(UNEMBED_MODULE in weights)
+            self.written_bits[index] = sum(1 << i for i, module in enumerate(self.a) if module in weights)
+            self.generation[index] += 1
         with self._lock:
             assert slot.key is not None
             slot.rank, slot.scaling, slot.loading = rank, scaling, False

@@ -73,9 +73,13 @@ def pick_device(requested: str) -> str:
     """`auto` is CUDA when present; an explicit `cuda` without CUDA is refused, not silently run on the CPU."""
     import torch
 
+    # device_count() asks NVML when it can, which leaves CUDA uninitialized in this process: a sampler forks its
+    # engine process after this, and a child forked from a process that initialized CUDA cannot use it.
+    # is_available() would initialize it (cudaGetDeviceCount).
+    available = torch.cuda.device_count() > 0
     if requested == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if requested == "cuda" and not torch.cuda.is_available():
+        return "cuda" if available else "cpu"
+    if requested == "cuda" and not available:
         raise InvalidArgument("--device cuda requested but CUDA is not available", reason="NO_CUDA")
     return requested
 

@@ -165,8 +165,10 @@ def test_case2_watch_flood_is_capped_and_shares_one_redis_reader(registry: Regis
         100 - MAX_WATCHES
     )
     assert [(e.adapter, e.version) for e in first] == [(own, 1)] * 4
-    # One shared stream reader, not a connection per watch: 16 + 1 watches add at most a few connections.
-    assert clients_during <= clients_before + 3, (clients_before, clients_during)
+    # One shared stream reader, not a connection per watch. team-b's calls and the flood's snapshot reads run
+    # concurrently on the server's handler threads, so the command pool may grow by a few connections (seen: 4);
+    # a connection per watch would add at least MAX_WATCHES.
+    assert clients_during < clients_before + MAX_WATCHES // 2, (clients_before, clients_during)
 
     # The slots come back once the streams are gone: team-a can watch again.
     def can_watch() -> bool:

@@ -1,10 +1,14 @@
 """The engine in its own process (the CPU default): it serves exactly what an engine in the server process serves
 (greedy and seeded tokens, logprobs, n samples on adapters), it dies with its server, and when it dies the open
-streams end with INTERNAL and the server exits non-zero instead of hanging."""
+streams end with INTERNAL and the server exits non-zero instead of hanging; and the engine process that keeps its
+own copy of the adapter slots (as on CUDA) serves what one reading the shared pool serves."""
 
 from __future__ import annotations
 
+import json
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -109,3 +113,19 @@ def test_a_dead_engine_process_fails_open_streams_and_stops_the_server(
     info = sampler_pb2.GetSamplerInfoRequest()
     with grpc.insecure_channel(server.address) as channel, pytest.raises(grpc.RpcError):
         sampler_pb2_grpc.SamplerServiceStub(channel).GetSamplerInfo(info, timeout=2)
+
+
+def test_an_engine_process_with_its_own_slot_copy_serves_what_the_shared_pool_serves(tiny_model: Path) -> None:
+    """The CUDA engine process's path (`SlotMirror`: the slots copied to its device when a new version was written),
+    on the CPU: a version loaded after it started and another written into the same slot later sample and score
+    exactly as an engine reading the shared pool; a copy that missed the second write would sample the first."""
+    script = Path(__file__).with_name("slot_mirror_check.py")
+    proc = subprocess.run([sys.executable, str(script), str(tiny_model)], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    x, y = results["x"], results["y"]
+    assert x["slot"] == y["slot"] == 1  # y reused x's slot
+    for case in (x, y):
+        assert case["same_tokens"] and case["logprob_diff"] == 0.0 and case["score_diff"] == 0.0, case
+    assert x["tokens"] != y["tokens"]  # two different versions: the check can tell a stale copy
+    assert results["base_same"] and results["refs"] == 0
