@@ -1,24 +1,29 @@
 """One sample's text, decoded from its token ids as they stream in, and its stop strings: the server's side.
 
 The engine emits token ids only; the Sample handler keeps one `StreamText` per sample and feeds it each update's
-tokens. Decoding and stop-string checks so cost the server process, not the engine's step (on the engine thread
-they cost every sequence of the batch a tokenizer call per step).
+tokens. Decoding and stop-string checks so cost the server process, not the engine's step (on the engine thread they
+cost every sequence of the batch a tokenizer call per step).
 
-A stop string ends the sample at the token that completes it: that token and its text are the last ones sent
-(as when the engine checked them), the tokens the engine generated after it before it heard of the stop are
-dropped, and the handler tells the engine to finish the sample (`EngineAPI.finish`).
+A stop string ends the sample at the token that completes it: that token and its text are the last ones sent (as when
+the engine checked them), the tokens the engine generated after it before it heard of the stop are dropped, and the
+handler tells the engine to finish the sample (`EngineAPI.finish`).
 
 Only a window of the output is decoded per token: from the token before the last emitted one (its context, for
-tokenizers that drop a leading space at the start of a decode) to the end; decoding the whole output every time
-made a long generation quadratic (285 us per sequence per token at 2,048 tokens on the tiny tokenizer). The bytes
-of an incomplete multi-byte character decode to U+FFFD until the rest arrives, and then to other text: new text is
-held back until it is complete, so that emitted text is never taken back.
+tokenizers that drop a leading space at the start of a decode) to the end; decoding the whole output every time made a
+long generation quadratic (285 us per sequence per token at 2,048 tokens on the tiny tokenizer). The bytes of an
+incomplete multi-byte character decode to U+FFFD until the rest arrives, and then to other text: new text is held back
+until it is complete, so that emitted text is never taken back. A character is at most 4 bytes, so a real one completes
+within a few tokens; output that stays incomplete for MAX_HELD_TOKENS (an adapter that emits stray byte tokens) goes
+out as its U+FFFD replacement characters: held without end, the window grew with the output and every token re-decoded
+all of it (0.50 s of the server's event loop for one 2,048-token sample, shared by every tenant's streams).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+MAX_HELD_TOKENS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +66,8 @@ class StreamText:
         output = self.output
         before = self.tokenizer.decode(output[self._prefix : self._read], skip_special_tokens=True)
         text: str = self.tokenizer.decode(output[self._prefix :], skip_special_tokens=True)
-        if not final and (len(text) <= len(before) or text.endswith("\ufffd")):
+        held = len(output) - self._read
+        if not final and held < MAX_HELD_TOKENS and (len(text) <= len(before) or text.endswith("\ufffd")):
             return ""
         delta = text[len(before) :]
         self._prefix, self._read = self._read, len(output)

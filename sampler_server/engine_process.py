@@ -242,15 +242,14 @@ class EngineProcess:
             self._close(request_id, sample_index)
         self._send(("finish", request_id, sample_index))
 
-    def _close(self, request_id: str, sample_index: int) -> bool:
-        """Marks one sample of a request ended (under the lock); False if it was not open."""
+    def _close(self, request_id: str, sample_index: int) -> None:
+        """Marks one sample of a request ended (under the lock); nothing if it was not open."""
         entry = self._callbacks.get(request_id)
         if entry is None or sample_index not in entry[1]:
-            return False
+            return
         entry[1].discard(sample_index)
         if not entry[1]:
             del self._callbacks[request_id]
-        return True
 
     def score(self, tokens: list[int], lora_slot: int, cache_key: str = "") -> concurrent.futures.Future[list[float]]:
         future: concurrent.futures.Future[list[float]] = concurrent.futures.Future()

@@ -1,7 +1,7 @@
 """Next-token sampling for the whole batch in tensor ops, one device-to-host copy per step.
 
     logits [B, V] --penalties--> scores --/ temperature, top-k, top-p--> probs --argmax(probs / E)--> tokens
-    logits --log_softmax--> reported logprobs (and the top-k of the rows that ask)
+    logits --logit - logsumexp--> reported logprobs (and the top-k of the rows that ask, by the same formula)
     tokens, their logprobs, the rows that failed and the top logprobs: one packed tensor, one copy to the host
 
 Every row has its own parameters, and the batch mixes them freely (greedy and sampled rows, different
@@ -17,7 +17,7 @@ Frequency and presence penalties follow OpenAI's definition over the tokens the 
 score[t] = logit[t] - count[t] * frequency_penalty - (count[t] > 0) * presence_penalty, before the temperature;
 greedy rows take the argmax of the penalized scores.
 
-Reported logprobs are the model's own (log_softmax of the raw logits, temperature 1, before penalties, top-k and
+Reported logprobs are the model's own (the log-softmax of the raw logits, temperature 1, before penalties, top-k and
 top-p), so that they are comparable to the trainer's logprobs for importance sampling. A row whose params ask for
 `top_logprobs` also gets its position's most likely tokens in that same sense: one topk over the rows that ask,
 at the largest k asked, each row keeping its own k.

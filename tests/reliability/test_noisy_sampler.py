@@ -1,8 +1,8 @@
-"""Noisy neighbours on the sampler (issue 22, cases 1, 6 and 14): two user tenants and an admin with tokens, one
-registry and one sampler (engine process, the CPU default), real processes. In each test team-a does the abuse
-while team-b runs its normal workload at the same time (seeded samples of its own adapter and of the base
-model): team-b gets 0 errors and the outputs of a run without the abuse, team-a gets the precise status, and the
-sampler's memory (PSS of its processes) after the abuse is within a stated bound of before."""
+"""Noisy neighbours on the sampler (issue 22, cases 1, 6 and 14; issue 32, detokenization): two user tenants and an
+admin with tokens, one registry and one sampler (engine process, the CPU default), real processes. In each test
+team-a does the abuse while team-b runs its normal workload at the same time (seeded samples of its own adapter and
+of the base model): team-b gets 0 errors and the outputs of a run without the abuse, team-a gets the precise status,
+and the sampler's memory (PSS of its processes) after the abuse is within a stated bound of before."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pytest
 from faultutil import lora_files, metric, scrape, wait_for
 from overflowutil import out_of_range_lora_files, overflowing_lora_files
 from registryutil import upload
-from samplerutil import Outputs, params, prompt, request, seeded_samples
+from samplerutil import Outputs, collect, params, prompt, request, seeded_samples
 from serverproc import ServerProcess, start_registry, start_sampler
 from tlsutil import write_tokens
 from trainerutil import assert_status, model_input, rpc_error
@@ -238,6 +238,42 @@ def test_huge_prompt_text_is_refused_before_tokenizing_and_blocks_no_one(
            f"{len(refused)} + {len(tokenized)} PROMPT_TOO_LONG, {len(team_b_errors)}, "
            f"{memory_before / MiB:.0f} -> {memory_after / MiB:.0f}")  # fmt: skip
     assert memory_after - memory_before < HUGE_REQUEST_MEMORY_BOUND, (memory_before / MiB, memory_after / MiB)
+
+
+# --- the server's detokenization: every tenant's streams decode on one event loop ---------------------------
+
+
+def test_streams_full_of_stop_strings_leave_team_b_its_outputs(
+    noisy: Noisy, figure: Callable[[str, object], None]
+) -> None:
+    """team-a's streams keep the server's decoding busy (n=4 samples each, 16 long stop strings that never match,
+    tokens at temperature 1, which on the tiny model are often stray bytes held back as incomplete characters);
+    team-b's seeded samples come out as they do alone, and team-a's text is its tokens' text."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(noisy.model)
+    stops = [f"{i}" + "never-generated " * 32 for i in range(16)]
+
+    def stream(i: int) -> list[tuple[list[int], str]]:
+        sampling = params(temperature=1.0, seed=500 + i, max_tokens=96, stop_strings=stops)
+        result = collect(noisy.sampler.Sample(request("base", prompt(60 + i), sampling, num_samples=4),
+                                              metadata=noisy.md("team-a"), timeout=120))  # fmt: skip
+        return [(s.tokens, s.text) for s in result.samples.values()]
+
+    def abuse() -> list[tuple[list[int], str]]:
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            return [sample for samples in pool.map(stream, range(8)) for sample in samples]
+
+    samples, outputs, team_b_errors = during(noisy, abuse)
+    assert isinstance(samples, list) and len(samples) == 32
+    assert sum(len(tokens) for tokens, _ in samples) > 32 * 48  # most run to max_tokens (some meet EOS)
+    for tokens, text in samples:
+        assert text == tokenizer.decode(tokens, skip_special_tokens=True)
+    stray = sum(text.count("\ufffd") for _, text in samples)
+    assert_team_b_unharmed(noisy, outputs, team_b_errors)
+    total = sum(len(tokens) for tokens, _ in samples)
+    figure("noisy detokenization: team-a samples / tokens, U+FFFD in their text, team-b errors",
+           f"{len(samples)} / {total}, {stray}, {len(team_b_errors)}")  # fmt: skip
 
 
 # --- case 14: GetStats --------------------------------------------------------------------------------------

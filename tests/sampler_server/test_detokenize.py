@@ -1,7 +1,8 @@
-"""Streaming detokenization in the server process (detokenizer.py): the text deltas of a generation add up to
-decoding all its tokens at once, never emit half a character, and each token decodes a window of a few tokens,
-not the whole output; a stop string ends the sample at the token that completes it, whatever the updates' sizes;
-the engine itself never decodes (it has no tokenizer) and frees a sample the server finished."""
+"""Streaming detokenization in the server process (detokenizer.py): the text deltas of a generation add up to decoding
+all its tokens at once, never emit half a character, and each token decodes a window of a few tokens, not the whole
+output (also when stray bytes never make a character); a stop string ends the sample at the token that completes it,
+whatever the updates' sizes; the engine itself never decodes (it has no tokenizer) and frees a sample the server
+finished."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from opentinker.sampler_server.detokenizer import StreamText
+from opentinker.sampler_server.detokenizer import MAX_HELD_TOKENS, StreamText
 from opentinker.sampler_server.engine import Engine, SequenceUpdate
 from opentinker.sampler_server.model.kv_cache import KVCache
 from opentinker.sampler_server.model.llama import LlamaForCausalLM
@@ -80,6 +81,18 @@ def test_held_back_bytes_go_out_at_the_end_as_they_are(tokenizer: Any) -> None:
     stream = StreamText(tokenizer)
     assert "".join(stream.feed([t], final=False).text for t in ids[:cut]) == "ab"
     assert stream.feed([], final=True).text == str(tokenizer.decode(ids[:cut]))[2:]
+
+
+def test_bytes_that_never_complete_a_character_go_out_as_replacements_from_small_windows(tokenizer: Any) -> None:
+    # An adapter emitting stray byte tokens (each decodes to U+FFFD alone, and together to no character): held
+    # back without end, every token re-decoded the whole output on the server's event loop.
+    stray = next(i for i in range(tokenizer.vocab_size) if str(tokenizer.decode([i])) == "\ufffd")
+    spy = WindowSpy(tokenizer)
+    stream = StreamText(spy)
+    deltas = [stream.feed([stray], final=False).text for _ in range(600)]
+    assert max(spy.windows) <= 2 * MAX_HELD_TOKENS, max(spy.windows)  # not the 600 of the whole output
+    assert set("".join(deltas)) == {"\ufffd"} and sum(bool(delta) for delta in deltas) >= 600 // MAX_HELD_TOKENS
+    assert stream.feed([], final=True).text + "".join(deltas) == stream.text
 
 
 @pytest.mark.parametrize("chunk", [1, 4, 64])

@@ -5,6 +5,7 @@ own copy of the adapter slots (as on CUDA) serves what one reading the shared po
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import signal
 import subprocess
@@ -129,3 +130,33 @@ def test_an_engine_process_with_its_own_slot_copy_serves_what_the_shared_pool_se
         assert case["same_tokens"] and case["logprob_diff"] == 0.0 and case["score_diff"] == 0.0, case
     assert x["tokens"] != y["tokens"]  # two different versions: the check can tell a stale copy
     assert results["base_same"] and results["refs"] == 0
+
+
+def test_a_stop_string_met_in_the_server_ends_the_sample_in_the_engine_process(
+    sampler_server: ServerProcess, sampler: Sampler, tiny_model: Path
+) -> None:
+    """The server meets the stop string (it detokenizes); the engine process, which goes on generating until it
+    hears, must end the sample there (EngineProcess.finish): the tokens it made since never reach the stream, and
+    it does not run on to max_tokens. Four such requests at once, each with two samples."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    p = prompt(8)
+    tokens = greedy(sampler, "base", p, 12)
+
+    def text(n: int) -> str:
+        return str(tokenizer.decode(tokens[:n], skip_special_tokens=True))
+
+    k = next(k for k in range(2, 11) if (added := text(k + 1)[len(text(k)) :]).strip() and added not in text(k)
+             and "\ufffd" not in text(k + 1))  # fmt: skip
+    stop = text(k + 1)[len(text(k)) :]
+    before = stats(sampler).tokens_generated
+    long = request("base", p, params(max_tokens=1500, stop_strings=[stop]), num_samples=2)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda _: collect(sampler.Sample(long, timeout=120)), range(4)))
+    for result in results:
+        for sample in result.samples.values():
+            assert sample.stop_reason == sampler_pb2.STOP_REASON_STOP_STRING and sample.tokens == tokens[: k + 1]
+    assert wait_until(lambda: stats(sampler).running_requests == 0 and stats(sampler).waiting_requests == 0)
+    generated = stats(sampler).tokens_generated - before
+    assert generated < 8 * 1500 // 4, generated  # a few tokens past each stop, not 8 runs to max_tokens
