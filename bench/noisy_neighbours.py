@@ -1,11 +1,12 @@
-"""Noisy neighbours, with real processes and tokens: team-b's latency while team-a abuses a shared resource,
-against team-b alone, side by side in one run (windows alternate alone / during the abuse, order rotated each
-pair). Target for every case: team-b's p99 during the abuse <= 3x its p99 alone.
+"""Noisy neighbours, with real processes and tokens: team-b's latency while team-a abuses a shared resource, against
+team-b alone, side by side in one run (windows alternate alone / during the abuse, order rotated each pair). Target
+for every case: team-b's p99 during the abuse <= 3x its p99 alone.
 
 case               shared resource                 team-a (in a loop, several threads)      team-b measures
 sampler flood      the sampler's batch (KV slots)  24 x 4 greedy samples of 128 tokens each  a seeded 8-token Sample
 exploding adapter  the sampler's batch             samples an adapter whose logits are NaN   a seeded 8-token Sample
 huge prompt text   the sampler's event loop        sends 10 MiB prompt_text                  a seeded 8-token Sample
+logprobs flood     the sampler's batch             20 concurrent max-length ComputeLogprobs  a seeded 8-token Sample
 watch flood        the registry's Redis pool       holds 100 WatchEvents streams open        GetAdapter + Resolve
 many-file upload   the registry's event loop       uploads manifests of 50,000 files         GetAdapter + Resolve
 padded batch       the trainer's compute thread    ForwardBackward of 65 x 2,047 positions   ForwardBackward, 4 x 32
@@ -15,12 +16,13 @@ gateway parked     the gateway's memory            forward_backward bodies behin
                                                    gap (12 MiB each inflated; 429/400/expired)
 gateway 8 MiB JSON the gateway's event loop        8 MB JSON asample bodies (parsed, 400)     asample, 8 tokens (HTTP)
 
-Every abuse but "sampler flood" and "limit batch" is refused by its bound (tests/reliability/test_noisy_*.py assert
-the statuses); "sampler flood" runs within team-a's share of the batch (--max-seqs-per-tenant: a free slot goes to
-the tenant holding the fewest), and "limit batch" is allowed and runs in micro-batches (--micro-batch-positions),
-so team-b's jobs wait for at most one of them. The gateway cases go through a gateway process in front of the
-servers (a keys file with both tenants); team-b's call there is the tinker protocol over HTTP: an asample and its
-retrieve_future. team-b must see no error in any window.
+Every abuse but "sampler flood", "logprobs flood" and "limit batch" is refused by its bound
+(tests/reliability/test_noisy_*.py assert the statuses); "sampler flood" and "logprobs flood" (each input a sequence of
+the batch, chunked like a prompt) run within team-a's share of the batch (--max-seqs-per-tenant: a free slot goes to
+the tenant holding the fewest), and "limit batch" is allowed and runs in micro-batches (--micro-batch-positions), so
+team-b's jobs wait for at most one of them. The gateway cases go through a gateway process in front of the servers (a
+keys file with both tenants); team-b's call there is the tinker protocol over HTTP: an asample and its retrieve_future.
+team-b must see no error in any window.
 
   .venv/bin/python bench/noisy_neighbours.py [--quick] [--only CASE-PREFIX]
 """
@@ -302,6 +304,27 @@ def sampler_flood(stack: Clients) -> Callable[[], None]:
     return attempt
 
 
+def logprobs_flood(stack: Clients) -> Callable[[], None]:
+    """20 ComputeLogprobs at once, each one input as long as the context allows: scheduled in team-a's share of
+    the batch (before, each ran whole and inline on the engine thread, between two of everyone's steps)."""
+    _, _, sampler = stack.stubs()
+    info = sampler.GetSamplerInfo(sampler_pb2.GetSamplerInfoRequest(), metadata=stack.md("team-a"), timeout=60)
+    length, vocab = info.base_model.max_position_embeddings - 1, info.base_model.vocab_size
+    pool = concurrent.futures.ThreadPoolExecutor(20)
+
+    def one(seed: int) -> None:
+        tokens = [(seed * 7919 + i * 104729) % vocab for i in range(length)]
+        chunk = common_pb2.ModelInputChunk(encoded_text=common_pb2.EncodedTextChunk(tokens=tokens))
+        request = sampler_pb2.ComputeLogprobsRequest(model="base", inputs=[common_pb2.ModelInput(chunks=[chunk])])
+        refused(lambda: sampler.ComputeLogprobs(request, metadata=stack.md("team-a"), timeout=600))
+
+    def attempt() -> None:
+        for _ in pool.map(one, range(20)):
+            pass
+
+    return attempt
+
+
 def watch_flood(stack: Clients) -> Callable[[], None]:
     registry, _, _ = stack.stubs()
 
@@ -391,6 +414,7 @@ ABUSES: dict[str, Callable[[Clients], Callable[[], None]]] = {
     "sampler flood": sampler_flood,
     "exploding adapter": exploding,
     "huge prompt text": huge_prompt,
+    "logprobs flood": logprobs_flood,
     "watch flood": watch_flood,
     "many-file upload": many_files,
     "padded batch": lambda clients: padded_batch(clients, 65),
@@ -505,6 +529,7 @@ def main() -> None:
             for case, (workload, abusers) in {
                 "sampler flood": ("sample", setup.abusers),
                 "exploding adapter": ("sample", setup.abusers), "huge prompt text": ("sample", setup.abusers),
+                "logprobs flood": ("sample", setup.abusers),
                 "watch flood": ("registry", 1), "many-file upload": ("registry", setup.abusers),
                 "padded batch": ("train", setup.abusers), "limit batch": ("train", 1),
                 "gateway absurd": ("gateway", setup.abusers), "gateway parked": ("gateway", setup.abusers),

@@ -220,17 +220,21 @@ class TrainerInfo:
 
 @dataclass(frozen=True, slots=True, init=False)
 class SamplingParams:
-    """How a sampler generates. temperature 0: greedy; top_k 0 and top_p 1: off.
+    """How a sampler generates. temperature 0: greedy; top_k 0 and top_p 1: off; top_p 0: greedy too.
 
-    ``SamplingParams(max_tokens=16, temperature=1.0, top_k=0, top_p=1.0, seed=None, stop=(),
-    stop_token_ids=(), logprobs=True, top_logprobs=0)``. ``seed``: same seed, prompt and version, same output
-    (sample i of a request uses seed + i); None draws a fresh one. ``stop``: stop strings (a single string is one stop
-    string); ``stop_token_ids``: tokens that end a sample (besides the model's end-of-sequence tokens),
-    included in its output. ``logprobs``: return the logprob of every sampled token. ``top_logprobs`` (0..20):
-    also return, per sampled token, the k most likely tokens at its position (SampledSequence.top_logprobs),
-    from the same distribution as ``logprobs`` (temperature 1, before top_k / top_p). The sampler checks the
-    values (INVALID_ARGUMENT), except those checked here: max_tokens at least 1 (the wire reads 0 as "default")
-    and top_logprobs not negative (the wire cannot carry it).
+    ``SamplingParams(max_tokens=16, temperature=1.0, top_k=0, top_p=1.0, seed=None, stop=(), stop_token_ids=(),
+    logprobs=True, top_logprobs=0, frequency_penalty=0.0, presence_penalty=0.0)``. ``seed``: same seed, prompt and
+    version, same output (sample i of a request uses seed + i); None draws a fresh one. ``stop``: stop strings (a
+    single string is one stop string); ``stop_token_ids``: tokens that end a sample (besides the model's
+    end-of-sequence tokens), included in its output. ``logprobs``: return the logprob of every sampled token.
+    ``top_logprobs`` (0..20): also return, per sampled token, the k most likely tokens at its position
+    (SampledSequence.top_logprobs), from the same distribution as ``logprobs`` (temperature 1, before top_k /
+    top_p). ``top_p`` 0 is the limit of a shrinking nucleus, the most likely token alone: it is sent as temperature
+    0 (the wire reads top_p 0 as "off"). ``frequency_penalty`` / ``presence_penalty`` (-2..2, 0: off): OpenAI's,
+    over the tokens the sample generated so far; a token's logit loses count * frequency_penalty + (count > 0) *
+    presence_penalty before the temperature (reported logprobs stay the model's own). The sampler checks the values
+    (INVALID_ARGUMENT), except those checked here: max_tokens at least 1 (the wire reads 0 as "default") and
+    top_logprobs not negative (the wire cannot carry it).
     """
 
     max_tokens: int
@@ -242,6 +246,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...]
     logprobs: bool
     top_logprobs: int
+    frequency_penalty: float
+    presence_penalty: float
 
     def __init__(
         self,
@@ -254,6 +260,8 @@ class SamplingParams:
         stop_token_ids: Iterable[int] = (),
         logprobs: bool = True,
         top_logprobs: int = 0,
+        frequency_penalty: float = 0.0,
+        presence_penalty: float = 0.0,
     ) -> None:
         max_tokens = int64(max_tokens)
         if max_tokens < 1:
@@ -270,6 +278,8 @@ class SamplingParams:
         if top_logprobs < 0:
             raise ValueError(f"top_logprobs must not be negative, got {top_logprobs}")
         object.__setattr__(self, "top_logprobs", top_logprobs)
+        object.__setattr__(self, "frequency_penalty", float(frequency_penalty))
+        object.__setattr__(self, "presence_penalty", float(presence_penalty))
 
 
 @dataclass(frozen=True, slots=True)

@@ -194,7 +194,7 @@ _STOP_REASONS: dict[int, StopReason] = {
 
 
 def sampling_params_to_proto(params: SamplingParams) -> sampler_pb2.SamplingParams:
-    return sampler_pb2.SamplingParams(
+    proto = sampler_pb2.SamplingParams(
         temperature=params.temperature,
         top_k=params.top_k,
         top_p=params.top_p,
@@ -204,7 +204,14 @@ def sampling_params_to_proto(params: SamplingParams) -> sampler_pb2.SamplingPara
         stop_strings=params.stop,
         logprobs=params.logprobs,
         top_logprobs=params.top_logprobs,
+        frequency_penalty=params.frequency_penalty,
+        presence_penalty=params.presence_penalty,
     )
+    # top_p 0 is greedy (SamplingParams' docstring), which the wire would read as "off"; read back as float32, so a
+    # positive top_p too small for it counts as 0 too.
+    if proto.top_p == 0.0:
+        proto.temperature = 0.0
+    return proto
 
 
 def stop_reason_from_proto(value: int) -> StopReason | None:

@@ -243,7 +243,9 @@ _P = "sampling_params."
 
 def sampling_params(params: Mapping[str, object], default_max_tokens: int) -> sampler_pb2.SamplingParams:
     """tinker SamplingParams JSON -> ours, every field in range (400 INVALID_FIELD otherwise). ``stop``: a string
-    or strings are stop strings, integers stop tokens; None (and []) keep the model's end-of-sequence tokens."""
+    or strings are stop strings, integers stop tokens; None (and []) keep the model's end-of-sequence tokens.
+    ``top_p`` 0 is greedy: the limit of a shrinking nucleus, the most likely token alone (sent as temperature 0,
+    since the sampler reads top_p 0 as "off")."""
     max_tokens = fields.integer(params, "max_tokens", 1, MAX_SAMPLE_TOKENS, default=default_max_tokens, where=_P)
     top_k = fields.integer(params, "top_k", -1, fields.INT32_MAX, default=-1, where=_P)
     assert max_tokens is not None and top_k is not None
@@ -254,6 +256,8 @@ def sampling_params(params: Mapping[str, object], default_max_tokens: int) -> sa
         max_tokens=max_tokens,
         logprobs=True,
     )
+    if result.top_p == 0.0:  # read back as float32: a positive top_p too small for it is 0 as well
+        result.temperature = 0.0
     seed = fields.integer(params, "seed", 0, fields.UINT64_MAX, where=_P)
     if seed is not None:
         result.seed = seed

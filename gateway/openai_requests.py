@@ -1,8 +1,10 @@
 """Bodies of POST /v1/chat/completions and /v1/completions, checked into typed records.
 
-Fields OpenAI defines that change nothing here (user, service_tier, store, frequency/presence penalties,
-response_format, parallel_tool_calls...) are ignored, as OpenAI ignores unknown ones; a field of the wrong type,
-or out of range, is a 400 naming it (``param``)."""
+Fields OpenAI defines that do not change what is sampled (user, service_tier, store, parallel_tool_calls...) are
+ignored, as OpenAI ignores unknown ones. One that would change it but is not implemented is refused rather than
+dropped, so that no client believes it got what it asked for: ``response_format`` other than text, ``tool_choice``
+"required" or a named function (nothing here constrains the output to JSON or forces a call), a non-empty
+``logit_bias``. A field of the wrong type, out of range or refused is a 400 naming it (``param``)."""
 
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's bound (chat); completions allow 5
 MAX_MESSAGES = 4096
 MAX_PROMPTS = 64
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
-TOOL_CHOICES = frozenset({"none", "auto", "required"})
+TOOL_CHOICES = frozenset({"none", "auto"})  # "required" and named functions: refused until outputs can be forced
+MAX_PENALTY = 2.0  # OpenAI's bound on frequency_penalty and presence_penalty (either sign)
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +35,8 @@ class SamplingOptions:
     max_tokens: int | None
     temperature: float
     top_p: float
+    frequency_penalty: float  # OpenAI's, over each choice's own output so far; 0: off
+    presence_penalty: float
     stop: tuple[str, ...]
     n: int
     seed: int | None  # as the sampler takes it: a uint64 (a negative OpenAI seed wraps)
@@ -47,7 +52,7 @@ class ChatRequest:
     model: str
     messages: tuple[Message, ...]  # template-ready: text content, tool_calls arguments as objects
     tools: tuple[dict[str, object], ...]  # OpenAI function tools, passed to the chat template as given
-    tool_choice: str | dict[str, object] | None
+    tool_choice: str | None  # None, "none" or "auto"
     template_kwargs: dict[str, object]  # vLLM's chat_template_kwargs (e.g. enable_thinking)
     options: SamplingOptions
     metadata_episode: str | None  # metadata.episode_id, unchecked (openai_records.episode_id checks it)
@@ -160,6 +165,37 @@ def _metadata_episode(body: Body) -> str | None:
     return episode
 
 
+def _top_p(body: Body) -> float:
+    # vLLM's rule: top_p 0 would be an empty nucleus. Greedy decoding is temperature 0; a 400 says so instead of
+    # quietly sampling something else.
+    if body.get("top_p") == 0 and not isinstance(body.get("top_p"), bool):
+        raise invalid("'top_p' must be in (0, 1], got 0; for greedy decoding set 'temperature' to 0", "top_p")
+    return number(body, "top_p", 1e-9, 1.0, 1.0)
+
+
+def _response_format(body: Body) -> None:
+    """Only text: nothing here constrains sampling to JSON (a json_object / json_schema answer would be whatever the
+    model wrote, with no guarantee), so those are refused instead of ignored."""
+    value = body.get("response_format")
+    if value is None:
+        return
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise invalid("'response_format' must be an object with a 'type'", "response_format", "invalid_type")
+    if value["type"] != "text":
+        raise invalid(f"'response_format' type {value['type'][:64]!r} is not supported: structured outputs are not "
+                      "implemented, only 'text'", "response_format", "unsupported_value")  # fmt: skip
+
+
+def _logit_bias(body: Body) -> None:
+    value = body.get("logit_bias")
+    if value is None or value == {}:
+        return
+    if not isinstance(value, dict):
+        raise invalid("'logit_bias' must be an object", "logit_bias", "invalid_type")
+    raise invalid("'logit_bias' is not supported (only an empty object is accepted)", "logit_bias",
+                  "unsupported_value")  # fmt: skip
+
+
 def options(body: Body, max_num_samples: int, *, logprobs: bool, top_logprobs: int) -> SamplingOptions:
     """The sampling fields common to both endpoints (logprobs are read by each: their forms differ)."""
     max_tokens = integer(body, "max_completion_tokens", 1, INT32_MAX)
@@ -169,10 +205,14 @@ def options(body: Body, max_num_samples: int, *, logprobs: bool, top_logprobs: i
     n = integer(body, "n", 1, max_num_samples)
     stream = boolean(body, "stream")
     stream_options = obj(body, "stream_options")
+    _response_format(body)
+    _logit_bias(body)
     return SamplingOptions(
         max_tokens=max_tokens,
         temperature=number(body, "temperature", 0.0, 2.0, 1.0),
-        top_p=number(body, "top_p", 1e-9, 1.0, 1.0),
+        top_p=_top_p(body),
+        frequency_penalty=number(body, "frequency_penalty", -MAX_PENALTY, MAX_PENALTY, 0.0),
+        presence_penalty=number(body, "presence_penalty", -MAX_PENALTY, MAX_PENALTY, 0.0),
         stop=_stop(body),
         n=1 if n is None else n,
         seed=None if seed is None else seed % UINT64,
@@ -270,14 +310,18 @@ def _tools(body: Body) -> tuple[dict[str, object], ...]:
     return tuple(tools)
 
 
-def _tool_choice(body: Body) -> str | dict[str, object] | None:
+def _tool_choice(body: Body) -> str | None:
+    """Only "none" and "auto". "required" and a named function would need the output forced into a call
+    (constrained decoding, not implemented): parsed like "auto" they would answer plain text while the client
+    believes a call was guaranteed, so they are refused."""
     choice = body.get("tool_choice")
     if choice is None or (isinstance(choice, str) and choice in TOOL_CHOICES):
         return choice
-    if isinstance(choice, dict) and choice.get("type") == "function":
-        string(obj(choice, "function", where="tool_choice."), "name", where="tool_choice.function.", required=True)
-        return choice
-    raise invalid("'tool_choice' must be 'none', 'auto', 'required' or a function object", "tool_choice")
+    if choice == "required" or (isinstance(choice, dict) and choice.get("type") in ("function", "allowed_tools")):
+        raise invalid("'tool_choice' 'required' or a named function is not supported: nothing forces the model to "
+                      "call a tool; use 'auto' (calls the model writes are parsed) or 'none'", "tool_choice",
+                      "unsupported_value")  # fmt: skip
+    raise invalid("'tool_choice' must be 'none' or 'auto'", "tool_choice")
 
 
 def _model(body: Body) -> str:

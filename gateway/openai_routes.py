@@ -143,7 +143,8 @@ class _Job:
         params = sampler_pb2.SamplingParams(
             temperature=opts.temperature, top_p=opts.top_p if opts.top_p < 1.0 else 0.0, max_tokens=max_tokens,
             stop_strings=opts.stop, logprobs=True,  # always: the records keep the sampler's logprobs
-            top_logprobs=opts.top_logprobs,
+            top_logprobs=opts.top_logprobs, frequency_penalty=opts.frequency_penalty,
+            presence_penalty=opts.presence_penalty,
         )  # fmt: skip
         if opts.seed is not None:
             params.seed = opts.seed

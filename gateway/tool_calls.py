@@ -262,5 +262,5 @@ def _safe_length(text: str, fmt: ToolCallFormat) -> int:
 
 def wanted(tools: Sequence[object], tool_choice: object) -> bool:
     """Whether a chat request's output is parsed for tool calls: it gave tools and did not say ``"none"``.
-    ``"required"`` and a named function are parsed like ``"auto"``: nothing forces the model to call one."""
+    (``"required"`` and a named function never get here: openai_requests refuses them, nothing forces a call.)"""
     return bool(tools) and tool_choice != "none"

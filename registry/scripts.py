@@ -11,11 +11,25 @@ Redis layout (prefix `ot:`):
     ot:adapter:{name}:requests        hash request_id -> "version event_id" (idempotent publish)
     ot:version:{name}:{n}             hash: proto (Version bytes), publish_ms, artifact_sha256, deleted 0|1
     ot:artifact:{sha256}:refs         set of "name@n" using the artifact (GC deletes files at zero)
+    ot:artifact:{sha256}:uploaders    set of tenants that uploaded the artifact ("" with auth off)
+    ot:artifact:{sha256}:leases       zset lease id -> expiry ms: a publish or upload that needs the bytes kept
+    ot:artifacts:deleting             zset sha256 -> claim ms: artifacts whose deletion is decided (tombstones)
+    ot:uploads                        zset sha256 -> upload ms: uploads no version has taken over yet
+    ot:tenant:{tenant}:uploads        hash sha256 -> bytes: what counts to the tenant's storage quota
+    ot:tenant:{tenant}:reserved       hash upload id -> "bytes expiry_ms": uploads in progress (quota reserved)
     ot:events                         stream; fields: type adapter version alias previous aliases
                                       time actor cause artifact serving (absolute state; replay-safe)
 
 Lua scripts do not roll back, so a rejected call must fail before it writes anything, including INCR.
 Errors are returned as `redis.error_reply("REASON message")`; the store maps REASON to a status.
+
+Artifact bytes live outside Redis, so deleting them cannot be part of a script. Instead the decision is: one
+script (claim_artifact) checks that nothing references the artifact, no lease is live and no recent upload
+awaits publishing, and in the same step takes the artifact out of every tenant's quota and writes its tombstone.
+Only then are the bytes deleted, and then the tombstone is removed. A publish or upload first takes a lease
+(refused while a tombstone exists), then verifies or writes the bytes, and its script requires the lease to be
+still there: a claim removes every lease of the artifact, so a publish can never reference bytes that a claim
+has decided to delete.
 """
 
 from __future__ import annotations
@@ -42,6 +56,30 @@ local function live_adapter(adapter_key, name)
     return redis.error_reply('ADAPTER_NOT_FOUND adapter ' .. name .. ' not found')
   end
   return nil
+end
+"""
+
+# Shared prologue: the deletion decision. refs, uploaders, leases, deleting, uploads: the artifact's keys;
+# tenant_prefix .. tenant .. ':uploads' is a tenant's quota hash. cutoff: uploads after it are kept (grace).
+# Returns 1 when claimed (the caller deletes the bytes, then removes the tombstone), 0 when kept.
+_CLAIM = """
+local function claim_artifact(refs, uploaders, leases, deleting, uploads, tenant_prefix, sha, now, cutoff)
+  if redis.call('SCARD', refs) > 0 then return 0 end
+  if redis.call('ZSCORE', deleting, sha) then return 0 end
+  if redis.call('ZCOUNT', leases, '(' .. now, '+inf') > 0 then
+    -- A publish or upload holds it; if that one fails, the sweep must still find the unreferenced bytes.
+    redis.call('ZADD', uploads, 'NX', now, sha)
+    return 0
+  end
+  local uploaded = redis.call('ZSCORE', uploads, sha)
+  if uploaded and tonumber(uploaded) > tonumber(cutoff) then return 0 end
+  for _, tenant in ipairs(redis.call('SMEMBERS', uploaders)) do
+    redis.call('HDEL', tenant_prefix .. tenant .. ':uploads', sha)
+  end
+  redis.call('DEL', uploaders, leases)
+  redis.call('ZREM', uploads, sha)
+  redis.call('ZADD', deleting, now, sha)
+  return 1
 end
 """
 
@@ -74,9 +112,11 @@ return emit(KEYS[4], ARGV[4], {type='ADAPTER_DELETED', adapter=ARGV[1], time=ARG
 """
 )
 
-# KEYS: adapter, seq, versions, aliases, requests, events, artifact_refs, version_prefix, history_prefix
+# KEYS: adapter, seq, versions, aliases, requests, events, artifact_refs, version_prefix, history_prefix,
+#       artifact_leases, uploads
 # ARGV: name, proto, artifact_sha256, now_ms, actor, maxlen, request_id, skip_latest(0|1),
-#       expected_latest('' = none), alias1, alias2, ...
+#       expected_latest('' = none), lease_id, alias1, alias2, ...
+# The lease was taken before the bytes were verified; if it is gone, a claim decided to delete them since.
 PUBLISH_VERSION = (
     _EMIT
     + """
@@ -90,14 +130,20 @@ if ARGV[9] ~= '' and tonumber(ARGV[9]) ~= newest then
   return redis.error_reply('VERSION_CONFLICT newest version of ' .. ARGV[1] .. ' is ' .. newest ..
     ', expected ' .. ARGV[9])
 end
+if not redis.call('ZSCORE', KEYS[10], ARGV[10]) then
+  return redis.error_reply('ARTIFACT_NOT_FOUND artifact sha256:' .. ARGV[3] ..
+    ' was garbage-collected while this publish verified it: upload it again')
+end
 local v = redis.call('INCR', KEYS[2])
 local vkey = KEYS[8] .. v
 redis.call('HSET', vkey, 'proto', ARGV[2], 'publish_ms', ARGV[4], 'artifact_sha256', ARGV[3], 'deleted', '0')
 redis.call('ZADD', KEYS[3], v, v)
 redis.call('SADD', KEYS[7], ARGV[1] .. '@' .. v)
+redis.call('ZREM', KEYS[10], ARGV[10])
+redis.call('ZREM', KEYS[11], ARGV[3])  -- published: the version GC owns the bytes from now on, not the sweep
 local moved = {}
 if ARGV[8] ~= '1' then table.insert(moved, 'latest') end
-for i = 10, #ARGV do table.insert(moved, ARGV[i]) end
+for i = 11, #ARGV do table.insert(moved, ARGV[i]) end
 for _, alias in ipairs(moved) do
   local prev = redis.call('HGET', KEYS[4], alias)
   if prev and tonumber(prev) ~= v then
@@ -194,21 +240,29 @@ return {tonumber(cur), id}
 """
 )
 
-# Marks a version's artifact collected unless an alias points at it now (checked atomically here).
-# KEYS: version, aliases, events, artifact_refs, adapter   ARGV: name, version, now_ms, actor, maxlen
-# Returns the number of versions still referencing the artifact, or -1 if skipped.
+# Marks a version's artifact collected unless an alias points at it now (checked atomically here), and when
+# it was the artifact's last reference, claims the bytes for deletion in the same step.
+# KEYS: version, aliases, events, artifact_refs, adapter, uploaders, leases, deleting, uploads
+# ARGV: name, version, now_ms, actor, maxlen, cutoff_ms, tenant_prefix
+# Returns {versions still referencing the artifact (-1: skipped), 1 if the bytes are claimed else 0}.
 COLLECT_VERSION = (
     _EMIT
+    + _CLAIM
     + """
-if redis.call('HGET', KEYS[1], 'deleted') ~= '0' then return -1 end
+if redis.call('HGET', KEYS[1], 'deleted') ~= '0' then return {-1, 0} end
 local flat = redis.call('HGETALL', KEYS[2])
-for i = 2, #flat, 2 do if tonumber(flat[i]) == tonumber(ARGV[2]) then return -1 end end
+for i = 2, #flat, 2 do if tonumber(flat[i]) == tonumber(ARGV[2]) then return {-1, 0} end end
+local sha = redis.call('HGET', KEYS[1], 'artifact_sha256')
 redis.call('HSET', KEYS[1], 'deleted', '1')
 redis.call('SREM', KEYS[4], ARGV[1] .. '@' .. ARGV[2])
 emit(KEYS[3], ARGV[5], {type='ARTIFACT_DELETED', adapter=ARGV[1], version=ARGV[2], time=ARGV[3],
-  actor=ARGV[4], cause='gc', artifact=redis.call('HGET', KEYS[1], 'artifact_sha256'), aliases=alias_map(KEYS[2]),
-  serving=serving_of(KEYS[5])})
-return redis.call('SCARD', KEYS[4])
+  actor=ARGV[4], cause='gc', artifact=sha, aliases=alias_map(KEYS[2]), serving=serving_of(KEYS[5])})
+local remaining = redis.call('SCARD', KEYS[4])
+local claimed = 0
+if remaining == 0 then
+  claimed = claim_artifact(KEYS[4], KEYS[6], KEYS[7], KEYS[8], KEYS[9], ARGV[7], sha, ARGV[3], ARGV[6])
+end
+return {remaining, claimed}
 """
 )
 
@@ -237,3 +291,75 @@ local id = emit(KEYS[3], ARGV[5], {type='SERVING_ALIAS_SET', adapter=ARGV[1], ve
 return {previous, tonumber(version or '0'), id}
 """
 )
+
+# The sweep of unpublished uploads: an artifact some version uses is settled (the version GC owns it), one
+# uploaded again since cutoff is kept, else it is claimed like the last reference's collection claims it. One
+# the sweep listed that is no longer waiting (published or claimed since) is not the sweep's to decide on.
+# KEYS: refs, uploaders, leases, deleting, uploads   ARGV: sha256, now_ms, cutoff_ms, tenant_prefix
+# Returns 1 when claimed, 0 when kept, -1 when settled.
+CLAIM_UPLOAD = (
+    _CLAIM
+    + """
+if not redis.call('ZSCORE', KEYS[5], ARGV[1]) then return 0 end
+if redis.call('SCARD', KEYS[1]) > 0 then
+  redis.call('ZREM', KEYS[5], ARGV[1])
+  return -1
+end
+return claim_artifact(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[4], ARGV[1], ARGV[2], ARGV[3])
+"""
+)
+
+# A lease keeps an artifact's bytes from being claimed until the publish or upload that took it is done.
+# KEYS: leases, deleting   ARGV: sha256, lease_id, expiry_ms
+# Returns 0 while the artifact's deletion is under way (its bytes are going), 1 when leased.
+LEASE_ARTIFACT = """
+if redis.call('ZSCORE', KEYS[2], ARGV[1]) then return 0 end
+redis.call('ZADD', KEYS[1], ARGV[3], ARGV[2])
+return 1
+"""
+
+# Check and reservation in one step, so two uploads can never both pass a nearly full quota. Expired
+# reservations (a registry that died mid-upload) stop counting. Renewing a live reservation does not check again.
+# KEYS: tenant_uploads, tenant_reserved   ARGV: upload_id, bytes, quota, now_ms, expiry_ms
+# Returns {1, bytes counted with this upload} when reserved, {0, bytes counted without it} when refused.
+RESERVE_QUOTA = """
+local now = tonumber(ARGV[4])
+local held = redis.call('HGET', KEYS[2], ARGV[1])
+if held then
+  local size, expiry = string.match(held, '^(%d+) (%d+)$')
+  if tonumber(expiry) > now then
+    redis.call('HSET', KEYS[2], ARGV[1], size .. ' ' .. ARGV[5])
+    return {1, -1}
+  end
+end
+local used = 0
+for _, size in ipairs(redis.call('HVALS', KEYS[1])) do used = used + tonumber(size) end
+local expired = {}
+local flat = redis.call('HGETALL', KEYS[2])
+for i = 1, #flat, 2 do
+  local size, expiry = string.match(flat[i + 1], '^(%d+) (%d+)$')
+  if tonumber(expiry) <= now then table.insert(expired, flat[i])
+  elseif flat[i] ~= ARGV[1] then used = used + tonumber(size) end
+end
+if used + tonumber(ARGV[2]) > tonumber(ARGV[3]) then return {0, used} end
+for _, id in ipairs(expired) do redis.call('HDEL', KEYS[2], id) end
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2] .. ' ' .. ARGV[5])
+return {1, used + tonumber(ARGV[2])}
+"""
+
+# A committed upload: counted to its tenant, its reservation and lease released, in one step. The lease must
+# still be there: if a claim took it (it expired first), the bytes this upload relied on may be gone.
+# KEYS: uploaders, tenant_uploads, uploads, leases, tenant_reserved
+# ARGV: sha256, tenant, bytes, now_ms, lease_id, upload_id ('' = no reservation)
+RECORD_UPLOAD = """
+if not redis.call('ZSCORE', KEYS[4], ARGV[5]) then
+  return redis.error_reply('ARTIFACT_LEASE_EXPIRED the upload of sha256:' .. ARGV[1] ..
+    ' took longer than its lease and the artifact was garbage-collected meanwhile: upload it again')
+end
+redis.call('SADD', KEYS[1], ARGV[2])
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[3])
+redis.call('ZADD', KEYS[3], ARGV[4], ARGV[1])
+redis.call('ZREM', KEYS[4], ARGV[5])
+if ARGV[6] ~= '' then redis.call('HDEL', KEYS[5], ARGV[6]) end
+return 1
+"""

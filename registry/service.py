@@ -7,17 +7,30 @@ is only published after the store has verified every file of its artifact.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fnmatch
 import re
+import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from opentinker.registry.event_hub import EventHub
 from opentinker.registry.limits import RegistryLimits, WatchSlots, check_metadata
 from opentinker.registry.store import RegistryStore, lora_or_default
-from opentinker.registry.uploads import UploadSweeper, check_file_count, check_upload, stored_bytes, sweep_unpublished
+from opentinker.registry.uploads import (
+    LEASE_TTL_MS,
+    UploadHold,
+    UploadSweeper,
+    check_file_count,
+    check_upload,
+    delete_claimed,
+    expected_artifact,
+    keep_uploads_after_ms,
+    quota_of,
+    sweep_unpublished,
+)
 from opentinker.rpc.auth import Principal, current_principal, require_access, require_admin
-from opentinker.rpc.errors import FailedPrecondition, InvalidArgument, PermissionDenied
+from opentinker.rpc.errors import FailedPrecondition, InvalidArgument, PermissionDenied, ServiceError
 from opentinker.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 from opentinker.weights.artifact_manifest import BLOCK_SIZE, ArtifactFile, format_uri, not_found, parse_uri
 from opentinker.weights.artifact_store import ArtifactStore
@@ -145,6 +158,26 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
             await self.store.get_version(name, request.lineage.parent_version)
         if not await self._may_publish(principal, digest):
             raise not_found(digest)  # the answer for a digest that does not exist: no existence oracle
+        # The lease keeps GC from deleting the bytes between the verification and the publish script (which
+        # refuses if a claim took the lease); refused outright while their deletion is under way.
+        lease_id = uuid.uuid4().hex
+        if not await self.store.lease_artifact(digest, lease_id, LEASE_TTL_MS):
+            raise not_found(digest)
+        try:
+            return await self._publish_leased(request, principal, name, adapter, aliases, digest, lease_id)
+        finally:
+            await self.store.release_lease(digest, lease_id)
+
+    async def _publish_leased(
+        self,
+        request: registry_pb2.PublishVersionRequest,
+        principal: Principal,
+        name: str,
+        adapter: registry_pb2.Adapter,
+        aliases: list[str],
+        digest: str,
+        lease_id: str,
+    ) -> Any:
         # Verifies every file: the registry never references a partial or corrupt artifact.
         ref = await asyncio.to_thread(self.artifacts.ref, format_uri(digest))
         version = registry_pb2.Version(
@@ -162,6 +195,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
             skip_latest=request.skip_latest,
             request_id=request.request_id,
             expected_latest=request.expected_latest_version if request.HasField("expected_latest_version") else None,
+            lease_id=lease_id,
         )
         return registry_pb2.PublishVersionResponse(version=published, event_id=event_id)
 
@@ -305,16 +339,14 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
                 version = await self.store.get_version(name, number)
                 if version.artifact_deleted or version.aliases:
                     continue
-                if request.dry_run:
-                    remaining: int | None = 0
-                else:
-                    remaining = await self.store.collect_version(version, principal.actor)
-                    if remaining is None:
-                        continue  # an alias moved onto it meanwhile
                 freed = 0
-                if remaining == 0 and not request.dry_run:
-                    freed = await asyncio.to_thread(self.artifacts.delete, version.artifact_uri)
-                    await self.store.forget_upload(version.artifact_sha256)
+                if not request.dry_run:
+                    cutoff = keep_uploads_after_ms(self.limits.upload_grace_s)
+                    collected = await self.store.collect_version(version, principal.actor, cutoff)
+                    if collected is None:
+                        continue  # an alias moved onto it meanwhile
+                    if collected[1]:
+                        freed = await delete_claimed(self.store, self.artifacts, version.artifact_sha256)
                 response.collected.append(
                     registry_pb2.CollectedVersion(
                         adapter=name,
@@ -341,26 +373,26 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         freed = 0
         if not version.artifact_deleted:
             held_by = ", ".join(version.aliases)
-            remaining = None if held_by else await self.store.collect_version(version, principal.actor)
-            if remaining is None:  # checked again atomically by the store: an alias may have moved onto it
+            cutoff = keep_uploads_after_ms(self.limits.upload_grace_s)
+            collected = None if held_by else await self.store.collect_version(version, principal.actor, cutoff)
+            if collected is None:  # checked again atomically by the store: an alias may have moved onto it
                 raise FailedPrecondition(
                     f"{name}@{request.version} is kept while an alias points to it ({held_by or 'just moved'})",
                     reason="VERSION_ALIASED",
                 )
-            if remaining == 0:
-                freed = await asyncio.to_thread(self.artifacts.delete, version.artifact_uri)
-                await self.store.forget_upload(version.artifact_sha256)
+            if collected[1]:
+                freed = await delete_claimed(self.store, self.artifacts, version.artifact_sha256)
             version = await self.store.get_version(name, request.version)
         return registry_pb2.DeleteVersionResponse(version=version, bytes_freed=freed)
 
     async def UploadArtifact(self, request_iterator: AsyncIterator[Any], context: Context) -> Any:
         principal = current_principal()
-        used = await stored_bytes(self.store, principal)
+        hold = UploadHold(self.store, principal.tenant or "", quota_of(self.limits, principal))
         self.sweeper.ensure_running()
         writers: list[ArtifactWriter] = []
+        digest = ""
 
         def open_sink(files: Sequence[ArtifactFile]) -> WriterSink:
-            check_upload(self.limits, files, used)  # before the first file is created
             writers.append(self.artifacts.begin())
             return WriterSink(writers[0])
 
@@ -374,18 +406,28 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
                     if kind == "manifest":
                         check_file_count(self.limits, len(message.manifest.files))  # before building a list
                         files = [ArtifactFile(h.path, h.sha256, h.size_bytes) for h in message.manifest.files]
+                        check_upload(self.limits, files)
+                        digest, size = expected_artifact(files)
+                        # Checked and counted in one step, before the first file is created: two uploads in
+                        # flight can never both fit into what only one of them fits into.
+                        await hold.reserve(size)
                         await asyncio.to_thread(receiver.header, files)
                     elif kind == "chunk":
+                        await hold.keep()
                         await asyncio.to_thread(receiver.chunk, message.chunk)
                 await asyncio.to_thread(receiver.close)
             except StreamViolation as violation:
                 raise InvalidArgument(_UPLOAD_PROBLEMS[violation.kind], reason="INVALID_UPLOAD") from None
+            # Before the commit: committing onto stored bytes keeps them, so they must not be claimed meanwhile.
+            await hold.lease(digest)
             ref = await asyncio.to_thread(writers[0].commit)
+            await hold.record(ref)
         except BaseException:
             for writer in writers:
                 writer.abort()
+            with contextlib.suppress(ServiceError):  # the store is unreachable: both expire on their own
+                await asyncio.shield(hold.release())
             raise
-        await self.store.record_upload(ref.sha256, principal.tenant or "", ref.size_bytes)
         return registry_pb2.UploadArtifactResponse(
             artifact_uri=ref.uri, artifact_sha256=ref.sha256, artifact_size_bytes=ref.size_bytes
         )

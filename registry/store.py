@@ -46,6 +46,8 @@ _ERRORS: dict[str, type[ServiceError]] = {
     "NOT_OLDER": FailedPrecondition,
     "ARTIFACT_DELETED": FailedPrecondition,
     "ALIAS_SERVING": FailedPrecondition,
+    "ARTIFACT_NOT_FOUND": NotFound,
+    "ARTIFACT_LEASE_EXPIRED": Unavailable,
 }
 
 _EVENT_TYPES = {
@@ -71,11 +73,23 @@ def _uploaders_key(sha256: str) -> str:
     return f"ot:artifact:{sha256}:uploaders"
 
 
+def _leases_key(sha256: str) -> str:
+    return f"ot:artifact:{sha256}:leases"
+
+
+TENANT_PREFIX = "ot:tenant:"
+
+
 def _tenant_uploads_key(tenant: str) -> str:
-    return f"ot:tenant:{tenant}:uploads"
+    return f"{TENANT_PREFIX}{tenant}:uploads"
+
+
+def _tenant_reserved_key(tenant: str) -> str:
+    return f"{TENANT_PREFIX}{tenant}:reserved"
 
 
 UPLOADS_KEY = "ot:uploads"
+DELETING_KEY = "ot:artifacts:deleting"
 
 
 def _timestamp(ms: int) -> Timestamp:
@@ -135,6 +149,7 @@ class RegistryStore:
             for name in (
                 "CREATE_ADAPTER", "DELETE_ADAPTER", "PUBLISH_VERSION",
                 "SET_ALIAS", "DELETE_ALIAS", "COLLECT_VERSION", "SET_SERVING_ALIAS",
+                "CLAIM_UPLOAD", "LEASE_ARTIFACT", "RESERVE_QUOTA", "RECORD_UPLOAD",
             )
         }  # fmt: skip
 
@@ -223,8 +238,10 @@ class RegistryStore:
         skip_latest: bool,
         request_id: str,
         expected_latest: int | None,
+        lease_id: str,
     ) -> tuple[registry_pb2.Version, str, bool]:
-        """Returns (version, event id, replayed): replayed when request_id was already published."""
+        """Returns (version, event id, replayed): replayed when request_id was already published.
+        lease_id: a lease on the artifact (lease_artifact), taken before its bytes were verified."""
         name = version.adapter
         record = registry_pb2.Version()
         record.CopyFrom(version)
@@ -233,11 +250,12 @@ class RegistryStore:
         keys = [
             key, f"{key}:seq", f"{key}:versions", f"{key}:aliases", f"{key}:requests", EVENTS_KEY,
             _refs_key(version.artifact_sha256), _version_prefix(name), f"{key}:history:",
+            _leases_key(version.artifact_sha256), UPLOADS_KEY,
         ]  # fmt: skip
         args: list[str | bytes | int] = [
             name, record.SerializeToString(), version.artifact_sha256, _now_ms(), actor, self.events_maxlen,
             request_id, "1" if skip_latest else "0",
-            "" if expected_latest is None else expected_latest, *aliases,
+            "" if expected_latest is None else expected_latest, lease_id, *aliases,
         ]  # fmt: skip
         result = await self._run("PUBLISH_VERSION", keys, args)
         assert isinstance(result, list)
@@ -357,19 +375,50 @@ class RegistryStore:
         assert isinstance(result, list)
         return _text(result[0]), int(result[1]), _text(result[2])
 
-    # Garbage collection
+    # Garbage collection: deciding that bytes go and releasing their accounting is one script (a claim);
+    # the caller then deletes the bytes and removes the tombstone (finish_deletion).
 
-    async def collect_version(self, version: registry_pb2.Version, actor: str) -> int | None:
-        """Marks the version's artifact collected; returns how many versions still use the artifact,
-        or None if an alias points at it now (skipped)."""
+    async def collect_version(
+        self, version: registry_pb2.Version, actor: str, cutoff_ms: int
+    ) -> tuple[int, bool] | None:
+        """Marks the version's artifact collected; returns (versions still using the artifact, whether its bytes
+        are now claimed for deletion), or None if an alias points at it now (skipped). cutoff_ms: an upload of
+        the same bytes after it keeps them (it may be about to be published)."""
         name = version.adapter
+        sha = version.artifact_sha256
         keys = [
             f"{_version_prefix(name)}{version.version}", f"{_adapter_key(name)}:aliases", EVENTS_KEY,
-            _refs_key(version.artifact_sha256), _adapter_key(name),
+            _refs_key(sha), _adapter_key(name), _uploaders_key(sha), _leases_key(sha), DELETING_KEY, UPLOADS_KEY,
         ]  # fmt: skip
-        args = [name, version.version, _now_ms(), actor, self.events_maxlen]
-        remaining = int(await self._run("COLLECT_VERSION", keys, args))
-        return None if remaining < 0 else remaining
+        args = [name, version.version, _now_ms(), actor, self.events_maxlen, cutoff_ms, TENANT_PREFIX]
+        remaining, claimed = await self._run("COLLECT_VERSION", keys, args)
+        return None if int(remaining) < 0 else (int(remaining), bool(int(claimed)))
+
+    async def claim_upload(self, sha256: str, cutoff_ms: int) -> bool:
+        """The sweep's decision on an unpublished upload: True when its bytes are claimed for deletion."""
+        keys = [_refs_key(sha256), _uploaders_key(sha256), _leases_key(sha256), DELETING_KEY, UPLOADS_KEY]
+        return int(await self._run("CLAIM_UPLOAD", keys, [sha256, _now_ms(), cutoff_ms, TENANT_PREFIX])) == 1
+
+    async def finish_deletion(self, sha256: str) -> None:
+        """The claimed bytes are gone: the digest may be uploaded and published again."""
+        with _redis_errors():
+            await self.redis.zrem(DELETING_KEY, sha256)
+
+    async def deletions_before(self, before_ms: int) -> list[str]:
+        """Claims older than before_ms that nobody finished (the deleting process died)."""
+        with _redis_errors():
+            digests: Any = await self.redis.zrangebyscore(DELETING_KEY, "-inf", before_ms, start=0, num=1000)
+        return [_text(d) for d in digests]
+
+    async def lease_artifact(self, sha256: str, lease_id: str, ttl_ms: int) -> bool:
+        """Keeps the artifact from being claimed until release_lease (or ttl_ms); False while its deletion is
+        under way."""
+        keys = [_leases_key(sha256), DELETING_KEY]
+        return int(await self._run("LEASE_ARTIFACT", keys, [sha256, lease_id, _now_ms() + ttl_ms])) == 1
+
+    async def release_lease(self, sha256: str, lease_id: str) -> None:
+        with _redis_errors():
+            await self.redis.zrem(_leases_key(sha256), lease_id)
 
     async def artifact_users(self, sha256: str) -> list[str]:
         """Adapters with a live version that uses this artifact."""
@@ -379,14 +428,30 @@ class RegistryStore:
 
     # Uploads: who sent which bytes (publishing needs it), how much each tenant stores, what is unpublished
 
-    async def record_upload(self, sha256: str, tenant: str, size_bytes: int) -> None:
-        """tenant: the uploader's tenant ("" with auth off)."""
+    async def reserve_quota(
+        self, tenant: str, upload_id: str, size_bytes: int, quota: int, ttl_ms: int
+    ) -> tuple[bool, int]:
+        """Counts an upload in progress to the tenant's quota, checked in the same step. Returns (reserved,
+        bytes the tenant's stored artifacts and other uploads in progress hold). A live reservation of
+        upload_id is renewed without a check (the bytes are then -1: not read)."""
+        keys = [_tenant_uploads_key(tenant), _tenant_reserved_key(tenant)]
+        now = _now_ms()
+        result = await self._run("RESERVE_QUOTA", keys, [upload_id, size_bytes, quota, now, now + ttl_ms])
+        ok, counted = int(result[0]), int(result[1])
+        return bool(ok), (counted - size_bytes if ok and counted >= 0 else counted)
+
+    async def release_reservation(self, tenant: str, upload_id: str) -> None:
         with _redis_errors():
-            async with self.redis.pipeline(transaction=True) as pipe:
-                pipe.sadd(_uploaders_key(sha256), tenant)
-                pipe.hset(_tenant_uploads_key(tenant), sha256, size_bytes)
-                pipe.zadd(UPLOADS_KEY, {sha256: _now_ms()})
-                await pipe.execute()
+            await self.redis.hdel(_tenant_reserved_key(tenant), upload_id)
+
+    async def record_upload(self, sha256: str, tenant: str, size_bytes: int, lease_id: str, upload_id: str) -> None:
+        """tenant: the uploader's tenant ("" with auth off). Releases the lease and the reservation (upload_id,
+        "" if none) in the same step."""
+        keys = [
+            _uploaders_key(sha256), _tenant_uploads_key(tenant), UPLOADS_KEY, _leases_key(sha256),
+            _tenant_reserved_key(tenant),
+        ]  # fmt: skip
+        await self._run("RECORD_UPLOAD", keys, [sha256, tenant, size_bytes, _now_ms(), lease_id, upload_id])
 
     async def uploaded_by(self, sha256: str, tenant: str) -> bool:
         with _redis_errors():
@@ -403,26 +468,6 @@ class RegistryStore:
         with _redis_errors():
             digests: Any = await self.redis.zrangebyscore(UPLOADS_KEY, "-inf", before_ms, start=0, num=count)
         return [_text(d) for d in digests]
-
-    async def artifact_in_use(self, sha256: str) -> bool:
-        with _redis_errors():
-            return bool(await self.redis.scard(_refs_key(sha256)))
-
-    async def settle_upload(self, sha256: str) -> None:
-        """A published upload: the version GC owns its bytes from now on; it still counts to its uploaders."""
-        with _redis_errors():
-            await self.redis.zrem(UPLOADS_KEY, sha256)
-
-    async def forget_upload(self, sha256: str) -> None:
-        """The artifact's bytes are gone: it no longer counts to any tenant's storage."""
-        with _redis_errors():
-            tenants: Any = await self.redis.smembers(_uploaders_key(sha256))
-            async with self.redis.pipeline(transaction=True) as pipe:
-                for tenant in tenants:
-                    pipe.hdel(_tenant_uploads_key(_text(tenant)), sha256)
-                pipe.delete(_uploaders_key(sha256))
-                pipe.zrem(UPLOADS_KEY, sha256)
-                await pipe.execute()
 
     async def all_version_numbers(self, name: str) -> list[int]:
         with _redis_errors():

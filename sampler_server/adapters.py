@@ -1,11 +1,16 @@
 """From a reference to a resident slot: resolve in the registry, fetch and verify the artifact, check it
-fits this base model, load it into the slot pool. A version that fails any step never enters a slot."""
+fits this base model, load it into the slot pool. A version that fails any step never enters a slot.
+
+What the loader keeps per version is bounded, however many versions pass through it: a load lock lives while
+acquires of its version run, registry records while the version is served, resident or loading (and a few
+hundred others), so a sampler that hot-reloads a new version every few seconds for months holds no more than
+one that just started."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -13,7 +18,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from opentinker.rpc.auth import require_access
-from opentinker.rpc.errors import FailedPrecondition
+from opentinker.rpc.errors import FailedPrecondition, ResourceExhausted
 from opentinker.rpc.memory import release_freed_memory
 from opentinker.rpc.registry_link import Metadata, fetch_artifact, registry_call
 from opentinker.sampler_server.slot_pool import SlotPool, VersionKey
@@ -38,6 +43,7 @@ class AliasFollowerLike(Protocol):
     def served_version(self, adapter: str, alias: str) -> int | None: ...
     def serving_alias(self, adapter: str) -> str | None: ...
     def adopt(self, adapter: str, alias: str, version: int) -> None: ...
+    def serving_aliases(self, adapter: str, version: int) -> list[str]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +54,18 @@ class Resolved:
 
 
 BASE_RESOLVED = Resolved(("", 0), common_pb2.ResolvedVersion(reference=BASE), None)
+# Registry records kept before the loader forgets those no one needs (then: twice what it still needs, at least
+# this): a few hundred small messages, so that a forgetting pass runs once per that many new versions.
+VERSIONS_KEPT = 256
+
+
+@dataclass(slots=True)
+class _Load:
+    """One version's load lock and the acquires of that version running now (waiting for the lock or holding it):
+    concurrent acquires share one load through it; the last of them to end drops it."""
+
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    users: int = 0
 
 
 class AdapterLoader:
@@ -59,14 +77,22 @@ class AdapterLoader:
         *,
         metadata: Metadata,
         model_digest: str,
+        max_pinned_per_tenant: int = 0,
     ) -> None:
+        """max_pinned_per_tenant: the versions one user tenant may pin at once (0: no limit)."""
         self.pool = pool
         self.store = store
         self.registry = registry
         self.metadata = metadata
         self.model_digest = model_digest
-        self._loading: dict[VersionKey, asyncio.Lock] = {}
-        self._versions: dict[VersionKey, registry_pb2.Version] = {}  # registry records of versions seen
+        self.max_pinned_per_tenant = max_pinned_per_tenant
+        self._loading: dict[VersionKey, _Load] = {}  # versions with acquires running now
+        # Registry records of versions seen, for the follower's fast path (resolve); bounded by `_remember`.
+        self._versions: dict[VersionKey, registry_pb2.Version] = {}
+        self._versions_limit = VERSIONS_KEPT
+        # user tenant -> versions its LoadAdapter(pin) calls are loading to pin -> how many calls: counted with
+        # the tenant's pins while they load, so that concurrent calls cannot pin past the limit together.
+        self._pin_claims: dict[str, dict[VersionKey, int]] = {}
         self.follower: AliasFollowerLike | None = None  # set when the sampler follows registry events
         self.loads = 0
         self.load_failures = 0
@@ -96,7 +122,7 @@ class AdapterLoader:
             self.registry.Resolve(registry_pb2.ResolveRequest(reference=reference), metadata=self.metadata)
         )
         version: registry_pb2.Version = response.version
-        self._versions[(version.adapter, version.version)] = version
+        self._remember(version)
         if follower is not None and alias is not None:
             follower.adopt(ref.adapter, alias, version.version)
         return Resolved((version.adapter, version.version), response.resolved, version)
@@ -105,15 +131,86 @@ class AdapterLoader:
         """The slot of a resolved version, loaded on demand, with `count` references taken on it."""
         if resolved.version is None:
             return 0
-        lock = self._loading.setdefault(resolved.key, asyncio.Lock())
-        async with lock:
-            index = self.pool.lookup(resolved.key)
-            if index is None:
-                index = await self._load(resolved.version)
-                await asyncio.to_thread(release_freed_memory)  # the load's temporary buffers, freed by now
-            for _ in range(count):
-                self.pool.acquire(index)
+        key = resolved.key
+        load = self._loading.get(key)
+        if load is None:
+            load = self._loading[key] = _Load()
+        load.users += 1  # before the first await: an acquire of the key that starts meanwhile waits on this lock
+        try:
+            async with load.lock:
+                index = self.pool.lookup(key)
+                if index is None:
+                    index = await self._load(resolved.version)
+                    await asyncio.to_thread(release_freed_memory)  # the load's temporary buffers, freed by now
+                for _ in range(count):
+                    self.pool.acquire(index)
+        finally:
+            load.users -= 1
+            if not load.users:
+                # No acquire of the key waits on the lock: the version is resident (a later acquire finds it with
+                # lookup) or its load failed (a later acquire tries afresh, as it would have with the lock).
+                del self._loading[key]
         return index
+
+    async def load_pinned(self, resolved: Resolved, tenant: str | None) -> int:
+        """LoadAdapter with pin: the version's slot, loaded on demand, pinned against eviction, the pin counted
+        against the user tenant `tenant` (None: an admin's pin, counted against no one). A tenant at its
+        --max-pinned-per-tenant is refused before anything loads, so a refused pin loads and evicts nothing."""
+        key = resolved.key
+        if tenant is not None:
+            self._claim_pin(tenant, key)
+        try:
+            index = await self.acquire(resolved)
+            self.pool.pin(index, tenant)
+            self.pool.release(index)
+        finally:
+            if tenant is not None:
+                self._drop_pin_claim(tenant, key)
+        return index
+
+    def _claim_pin(self, tenant: str, key: VersionKey) -> None:
+        claims = self._pin_claims.get(tenant, {})
+        held = self.pool.pinned_by(tenant) | claims.keys()
+        limit = self.max_pinned_per_tenant
+        if limit and key not in held and len(held) >= limit:  # pinning a version it already pins costs nothing
+            names = ", ".join(f"{a}@{v}" for a, v in sorted(held)[:8]) + (", ..." if len(held) > 8 else "")
+            raise ResourceExhausted(
+                f"tenant {tenant!r} already pins {len(held)} adapter versions on this sampler ({names}), the most "
+                f"--max-pinned-per-tenant ({limit}) allows: unload one (UnloadAdapter) before pinning "
+                f"{key[0]}@{key[1]}, or load it without pin",
+                reason="TOO_MANY_PINS", tenant=tenant, pinned=len(held), limit=limit,
+            )  # fmt: skip
+        claims[key] = claims.get(key, 0) + 1
+        self._pin_claims[tenant] = claims
+
+    def _drop_pin_claim(self, tenant: str, key: VersionKey) -> None:
+        claims = self._pin_claims[tenant]
+        claims[key] -= 1
+        if not claims[key]:
+            del claims[key]
+        if not claims:
+            del self._pin_claims[tenant]
+
+    def _remember(self, version: registry_pb2.Version) -> None:
+        key = (version.adapter, version.version)
+        if key not in self._versions and len(self._versions) >= self._versions_limit:
+            self._forget_unneeded()
+        self._versions[key] = version
+
+    def _forget_unneeded(self) -> None:
+        """Drops the registry records no one can still read. resolve's fast path reads a record only for a
+        version the follower serves an alias as; the follower flips an alias to a version right after loading it
+        (no await between), so the versions resident or loading are kept too. The next pass runs when the map has
+        doubled what this one kept: amortized O(1) a resolve."""
+        follower = self.follower
+
+        def needed(key: VersionKey) -> bool:
+            if key in self._loading or key in self.pool.by_key:
+                return True
+            return follower is not None and bool(follower.serving_aliases(*key))
+
+        self._versions = {key: version for key, version in self._versions.items() if needed(key)}
+        self._versions_limit = max(VERSIONS_KEPT, 2 * len(self._versions))
 
     async def _load(self, version: registry_pb2.Version) -> int:
         if version.artifact_deleted:

@@ -27,14 +27,14 @@ block counts once, however many of its samples hold it.
 ComputeLogprobs populates the cache but reuses nothing from it. Its answer is a logprob for EVERY position, and
 a position's logits need its hidden state through every layer, which the cache does not hold (it holds K/V
 only): a cached prefix would save its K/V projections and nothing else, as every layer's hidden state must be
-recomputed anyway. So a score computes its whole input, into fresh pool blocks (`score_sequence`), and its
-full blocks are registered under the same chain as a Sample's (the served version's weights identity, the
-caller's tenant for the base model): the next Sample that extends the scored text (an RL loop sampling turn
-t+1 after scoring prompt + completion of turn t) finds them. A block whose key is already cached keeps the
-cached copy (register skips it) and the score's copy goes back to the free list; the score's blocks are
-released when it ends, so they are idle cached blocks (evictable) and no reference outlives the call. When the
-pool has no blocks to spare, the engine's reserved score area serves and nothing is cached. A Sample asking
-prompt logprobs is the same case: its first prefill reuses nothing (scheduler.py) and registers its blocks.
+recomputed anyway. A score is a sequence asking its prompt logprobs and sampling nothing (Engine.score), and
+a Sample asking prompt logprobs is the same case: its first prefill reuses nothing (scheduler.py), computes its
+whole input into fresh pool blocks and registers its full blocks under the same chain as any Sample's (the
+served version's weights identity, the caller's tenant for the base model): the next Sample that extends the
+scored text (an RL loop sampling turn t+1 after scoring prompt + completion of turn t) finds them. A block whose
+key is already cached keeps the cached copy (register skips it) and the score's copy goes back to the free list;
+the score's blocks are released when it ends, so they are idle cached blocks (evictable) and no reference
+outlives the call.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import array
 import collections
 import hashlib
 
-from opentinker.sampler_server.sequence import SamplingParams, Sequence
+from opentinker.sampler_server.sequence import Sequence
 
 BLOCK_SIZE = 16  # tokens per block (vLLM's and nano-vllm's default order of size: small waste, short tables)
 NO_BLOCKS = -1  # `admit`: the pool has not the blocks free
@@ -137,18 +137,6 @@ class BlockManager:
         seq.tokens_cached += cached  # the sequence's own books, for its tenant's GetStats
         seq.tokens_computed += seq.num_tokens - cached
         return cached
-
-    def score_sequence(self, tokens: list[int], lora_slot: int, cache_key: str) -> Sequence | None:
-        """A ComputeLogprobs input as a sequence holding fresh blocks for all its positions (none reused: its
-        logprobs need every position's hidden state), for its full blocks to join the cache under cache_key
-        once computed. None (the engine's reserved score area serves) when nothing would be cached or the
-        blocks are not free."""
-        seq = Sequence(seq_id=-1, request_id="", sample_index=0, prompt=list(tokens), params=SamplingParams(),
-                       lora_slot=lora_slot, cache_key=cache_key)  # fmt: skip
-        if not (self.prefix_cache and cache_key and len(tokens) >= self.block_size and self.can_grow(seq)):
-            return None
-        self.grow(seq)
-        return seq
 
     def fork(self, leader: Sequence, seq: Sequence) -> None:
         """seq (another sample of leader's request, same prompt and weights) holds leader's blocks too."""

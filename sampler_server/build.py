@@ -64,6 +64,7 @@ class SamplerConfig:
     max_seqs_per_tenant: int | None = None  # None: default_tenant_slots(max_seqs); 0: no limit
     max_kv_blocks_per_tenant: int | None = None  # None: default_tenant_blocks(the pool); 0: no bound
     max_queued_per_tenant: int | None = None  # None: default_tenant_queue(max_waiting); 0: no limit
+    max_pinned_per_tenant: int | None = None  # None: default_tenant_pins(max_slots); 0: no limit
     max_prompt_bytes: int = 0  # 0: PROMPT_BYTES_PER_TOKEN per token of the context
     burst_wait_ms: float = 2.0
     kernel: Backend = "auto"
@@ -118,7 +119,7 @@ def build_sampler(config: SamplerConfig) -> BuiltSampler:
         default_tenant_slots,
     )
     from opentinker.sampler_server.service import SamplerServicer
-    from opentinker.sampler_server.slot_pool import SlotPool, SlotTensors
+    from opentinker.sampler_server.slot_pool import SlotPool, SlotTensors, default_tenant_pins
     from opentinker.v1 import common_pb2, registry_pb2_grpc, sampler_pb2, sampler_pb2_grpc
     from opentinker.weights.artifact_store import ArtifactStore
     from opentinker.weights.base_model import model_digest, pick_device, pick_dtype, resolve_model_dir
@@ -130,6 +131,7 @@ def build_sampler(config: SamplerConfig) -> BuiltSampler:
     max_seqs, max_batch_tokens = c.max_seqs, c.max_batch_tokens
     per_tenant = default_tenant_slots(max_seqs) if c.max_seqs_per_tenant is None else c.max_seqs_per_tenant
     queued = default_tenant_queue(c.max_waiting) if c.max_queued_per_tenant is None else c.max_queued_per_tenant
+    pins = default_tenant_pins(c.max_slots) if c.max_pinned_per_tenant is None else c.max_pinned_per_tenant
     torch_device = torch.device(pick_device(c.device))
     dtype = pick_dtype(c.dtype, torch_device.type)
     torch_dtype = torch.float32 if dtype == "float32" else torch.bfloat16
@@ -160,8 +162,7 @@ def build_sampler(config: SamplerConfig) -> BuiltSampler:
         packed = c.cpu_gemm == "onednn" and runner.pack_for_cpu()
         if torch_device.type == "cpu" and torch_dtype == torch.float32:
             log.info("base matmuls: %s", "oneDNN packed weights" if packed else "torch dense weights")
-        score_blocks = -(-context // BLOCK_SIZE)  # the ComputeLogprobs area, besides the pool
-        cache = KVCache(model_config, num_blocks + score_blocks, BLOCK_SIZE, torch_device, torch_dtype)
+        cache = KVCache(model_config, num_blocks, BLOCK_SIZE, torch_device, torch_dtype)
         scheduler = Scheduler(
             max_seqs=max_seqs,
             max_batch_tokens=max_batch_tokens,
@@ -200,7 +201,7 @@ def build_sampler(config: SamplerConfig) -> BuiltSampler:
         channel = registry_channel(registry, registry_ca)  # inside the server's event loop
         state["channel"] = channel
         loader = AdapterLoader(pool, artifacts, registry_pb2_grpc.RegistryServiceStub(channel), metadata=metadata,
-                               model_digest=digest)  # fmt: skip
+                               model_digest=digest, max_pinned_per_tenant=pins)  # fmt: skip
         follower = AliasFollower(registry_pb2_grpc.RegistryServiceStub(channel), loader, follow=c.follow,
                                  follow_window=c.follow_window, metadata=metadata)  # fmt: skip
         loader.follower = follower
@@ -241,8 +242,8 @@ def kv_blocks(c: SamplerConfig, model_config: Any, context: int, dtype: Any) -> 
     elif c.kv_cache_mb:
         blocks, option = KVCache.blocks_for(model_config, c.kv_cache_mb, BLOCK_SIZE, dtype), "--kv-cache-mb"
     else:  # at most the bytes of the max_seqs + 1 slots (ComputeLogprobs' included) of max_len the slot cache took
-        # (and always room for one max_len sequence: the rounding could leave less with one or two slots)
-        blocks, option = max(per_sequence, (c.max_seqs + 1) * context // BLOCK_SIZE - per_sequence), "--max-seqs"
+        # (ComputeLogprobs inputs are sequences of the pool now, so the pool has all of them)
+        blocks, option = max(per_sequence, (c.max_seqs + 1) * context // BLOCK_SIZE), "--max-seqs"
     if blocks < per_sequence:
         raise BadOption(f"{blocks} KV-cache blocks of {BLOCK_SIZE} tokens cannot hold one {context}-token sequence "
                         f"(--max-len); it needs {per_sequence}", option)  # fmt: skip

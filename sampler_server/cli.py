@@ -94,6 +94,15 @@ def serve(
             "bounded by --max-waiting only. Default: 3/4 of --max-waiting (at least 1); 0: no limit.",
         ),
     ] = None,
+    max_pinned_per_tenant: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            help="Adapter versions one user tenant may pin at once (LoadAdapter pin), so that one tenant's pins "
+            "cannot take every slot; a pin beyond it is refused RESOURCE_EXHAUSTED TOO_MANY_PINS and loads nothing. "
+            "Admins' pins are not counted. Default: 1/8 of --max-slots (at least 1); 0: no limit.",
+        ),
+    ] = None,
     max_prompt_bytes: Annotated[
         int,
         typer.Option(
@@ -180,6 +189,9 @@ def serve(
     if max_queued_per_tenant is not None and max_queued_per_tenant > max_waiting:
         raise typer.BadParameter(f"{max_queued_per_tenant} is more than --max-waiting ({max_waiting}); 0 means no "
                                  "limit", param_hint="--max-queued-per-tenant")  # fmt: skip
+    if max_pinned_per_tenant is not None and max_pinned_per_tenant > max_slots:
+        raise typer.BadParameter(f"{max_pinned_per_tenant} is more than --max-slots ({max_slots}); 0 means no limit",
+                                 param_hint="--max-pinned-per-tenant")  # fmt: skip
     options = opt.server_options(host, port, metrics_port, tokens_file, insecure_public, tls_cert, tls_key, ready_file,
                                  max_message_mb)  # fmt: skip
     config = SamplerConfig(
@@ -192,6 +204,7 @@ def serve(
         share_base_prefix_cache=share_base_prefix_cache,
         max_seqs_per_tenant=max_seqs_per_tenant,
         max_queued_per_tenant=max_queued_per_tenant, max_prompt_bytes=max_prompt_bytes, burst_wait_ms=burst_wait_ms,
+        max_pinned_per_tenant=max_pinned_per_tenant,
         kernel=cast("Backend", kernel), cpu_gemm=cast("CpuGemm", cpu_gemm), engine_process=engine_process,
         follow=tuple(follow or ()), follow_window=follow_window,
     )  # fmt: skip

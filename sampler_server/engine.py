@@ -14,7 +14,12 @@
              sequences; the server process detokenizes each stream and checks its stop strings (detokenizer.py),
              and finishes a sample that met one (`finish`)
 
-Other threads talk to the engine only through its inbox (submit, abort, score); it answers through the
+A ComputeLogprobs input is a sequence too (`score`): it computes its whole input and samples nothing
+(max_tokens 0), so it takes its tenant's fair share of the batch, goes through chunked prefill with everyone
+else's prompts and leaves its blocks in the prefix cache for the next turn, instead of one unbounded forward
+inline on the engine thread between two steps.
+
+Other threads talk to the engine only through its inbox (submit, abort, finish); it answers through the
 callbacks given at submission, on the engine thread. The engine reads the adapters' weights from `SlotTensors`
 and tells whoever keeps the slot books when a sequence lets go of its slot (`release`): the same process, or
 the server process when the engine runs in its own (engine_process.py).
@@ -35,7 +40,9 @@ K/V its earlier chunks wrote, and prompt logprobs are gathered chunk by chunk (`
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import logging
+import math
 import queue
 import threading
 import time
@@ -52,7 +59,7 @@ from opentinker.sampler_server.model.kv_cache import KVCache
 from opentinker.sampler_server.model.llama import LlamaForCausalLM
 from opentinker.sampler_server.sampling import sample
 from opentinker.sampler_server.scheduler import Scheduler
-from opentinker.sampler_server.sequence import Sequence, TopLogprobs
+from opentinker.sampler_server.sequence import SCORE_PARAMS, Sequence, TopLogprobs
 from opentinker.sampler_server.slot_pool import SlotTensors
 from opentinker.sampler_server.tenant_stats import RATE_WINDOW, tokens_per_second
 from opentinker.v1 import sampler_pb2
@@ -102,14 +109,6 @@ class _Finish:
 
 
 @dataclass(slots=True)
-class _Score:
-    tokens: list[int]
-    lora_slot: int
-    future: concurrent.futures.Future[list[float]]
-    cache_key: str = ""  # the weights identity its full blocks are cached under ("": none)
-
-
-@dataclass(slots=True)
 class EngineStats:
     tokens_generated: int = 0
     steps: int = 0
@@ -118,7 +117,7 @@ class EngineStats:
     prompt_tokens_cached: int = 0  # prompt tokens whose K/V were found in the prefix cache
     recent: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens) of recent decode steps
     non_finite_failures: int = 0  # requests ended because their adapter made their logits non-finite
-    blocks_total: int = 0  # KV-cache blocks sequences may hold (the ComputeLogprobs area apart)
+    blocks_total: int = 0  # KV-cache blocks sequences may hold
     block_size: int = 0  # tokens per block
     blocks_used: int = 0  # held by at least one sequence
     preemptions: int = 0  # running sequences sent back to the queue for want of blocks
@@ -148,24 +147,23 @@ class Engine:
         self.model = model
         self.cache = cache
         self.lora = lora
-        self.release = release  # a sequence's (or score job's) pin on its adapter slot ends
+        self.release = release  # a sequence's pin on its adapter slot ends
         self.scheduler = scheduler
         self.max_len = max_len
         self.eos_token_ids = set(eos_token_ids)
         self.kernel: Kernel = resolve_kernel(kernel, cache.device.type)  # the server passes it resolved already
-        # The cache's last blocks are kept for ComputeLogprobs (one max_len sequence); the rest are the pool.
-        score_blocks = -(-max_len // cache.block_size)
-        if cache.num_blocks < 2 * score_blocks:
+        sequence_blocks = -(-max_len // cache.block_size)
+        if cache.num_blocks < sequence_blocks:
             raise ValueError(f"a KV cache of {cache.num_blocks} blocks of {cache.block_size} tokens cannot hold one "
-                             f"{max_len}-token sequence besides the ComputeLogprobs area")  # fmt: skip
-        self.blocks = BlockManager(cache.num_blocks - score_blocks, cache.block_size, prefix_cache=prefix_cache)
-        self.score_table = list(range(cache.num_blocks - score_blocks, cache.num_blocks))
-        scheduler.use_blocks(self.blocks, sequence_blocks=score_blocks)
+                             f"{max_len}-token sequence")  # fmt: skip
+        self.blocks = BlockManager(cache.num_blocks, cache.block_size, prefix_cache=prefix_cache)
+        scheduler.use_blocks(self.blocks, sequence_blocks=sequence_blocks)
         self.burst_wait = burst_wait  # seconds without a new request that end a burst; the whole wait is at most 10x
         self.on_iteration = on_iteration  # called on the engine thread after each round of inbox + step
         self.device = cache.device
         self.stats = EngineStats(blocks_total=self.blocks.num_blocks, block_size=cache.block_size)
-        self._inbox: queue.SimpleQueue[_Submit | _Abort | _Finish | _Score | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Submit | _Abort | _Finish | None] = queue.SimpleQueue()
+        self._score_ids = itertools.count()
         self._callbacks: dict[str, UpdateCallback] = {}
         self._run_views = RunViews()  # the slot pool's weight views per LoRA run, kept across steps
         self._thread: threading.Thread | None = None
@@ -183,9 +181,24 @@ class Engine:
         """Ends one sample that the server has ended (it met a stop string): no more updates for it."""
         self._inbox.put(_Finish(request_id, sample_index))
 
-    def score(self, tokens: list[int], lora_slot: int, cache_key: str = "") -> concurrent.futures.Future[list[float]]:
+    def score(
+        self, tokens: list[int], lora_slot: int, cache_key: str = "", tenant: str = ""
+    ) -> concurrent.futures.Future[list[float]]:
+        """The logprob of every input token after the first (len(tokens) - 1 of them) under the slot's version.
+        The caller holds a pin on the slot, which ends with the score; cancelling the future aborts it."""
         future: concurrent.futures.Future[list[float]] = concurrent.futures.Future()
-        self._inbox.put(_Score(tokens, lora_slot, future, cache_key))
+        request_id = f"score-{next(self._score_ids)}"
+        seq = Sequence(seq_id=-1, request_id=request_id, sample_index=0, prompt=list(tokens), params=SCORE_PARAMS,
+                       lora_slot=lora_slot, tenant=tenant, want_prompt_logprobs=True, cache_key=cache_key)  # fmt: skip
+
+        def on_update(update: SequenceUpdate) -> None:  # engine thread
+            if update.error:
+                _settle(future, RuntimeError(update.error))
+            elif update.finished:
+                _settle(future, update.prompt_logprobs or [])
+
+        future.add_done_callback(lambda done: self.abort(request_id) if done.cancelled() else None)
+        self.submit([seq], on_update)
         return future
 
     @property
@@ -270,7 +283,7 @@ class Engine:
                 return
             self._handle(message)
 
-    def _handle(self, message: _Submit | _Abort | _Finish | _Score) -> None:
+    def _handle(self, message: _Submit | _Abort | _Finish) -> None:
         if isinstance(message, _Submit):
             for seq in message.sequences:
                 if seq.generator is None and seq.seed is not None:
@@ -280,10 +293,8 @@ class Engine:
                 self.scheduler.add(seq)
         elif isinstance(message, _Abort):
             self._abort(message.request_id)
-        elif isinstance(message, _Finish):
-            self._finish(message.request_id, message.sample_index)
         else:
-            self._score(message)
+            self._finish(message.request_id, message.sample_index)
 
     def _abort(self, request_id: str) -> None:
         for seq in [*self.scheduler.waiting, *self.scheduler.running]:
@@ -313,9 +324,12 @@ class Engine:
         # Rows of one adapter side by side: one contiguous segment per adapter for the LoRA kernels.
         work = sorted(zip(batch.sequences, batch.chunks, strict=True), key=lambda w: w[0].lora_slot)
         computed = [(seq, chunk) for seq, chunk in work if chunk]  # the others take their leader's row
-        ending = [seq for seq, chunk in computed if seq.num_cached + chunk == seq.num_tokens]  # they sample
+        ended = [seq for seq, chunk in computed if seq.num_cached + chunk == seq.num_tokens]
+        ending = [seq for seq in ended if not seq.scores_only]  # they sample
+        scored = [seq for seq in ended if seq.scores_only]  # a score's input is in: its logprobs are done
         partial = [(seq, chunk) for seq, chunk in computed if seq.num_cached + chunk < seq.num_tokens]
-        sampling = [seq for seq, chunk in work if not chunk or seq.num_cached + chunk == seq.num_tokens]
+        sampling = [seq for seq, chunk in work
+                    if (not chunk or seq.num_cached + chunk == seq.num_tokens) and not seq.scores_only]  # fmt: skip
         for src, dst, rows in self.blocks.take_copies():  # copy-on-write of shared partial blocks
             self.cache.copy_block(src, dst, rows)
         forward, token_slots, row_slots = self._prepare(computed)
@@ -327,21 +341,27 @@ class Engine:
             last = last[picked.to(last.device)]  # [S, V]: a sample holding its leader's prompt takes its row
             self._share_prompts(sampling)
         self.stats.prompt_tokens_computed += batch.prefill_tokens
-        draw = sample(last, sampling)
-        failed = {sampling[row].request_id for row in draw.failed}
+        draw = sample(last, sampling) if sampling else None
+        failed = set() if draw is None else {sampling[row].request_id for row in draw.failed}
         for request_id in failed:  # only those requests end; the step goes on for every other row
             self._fail_request(request_id, NON_FINITE_MESSAGE, NON_FINITE_OUTPUT)
         for seq, chunk in partial:  # a prompt computed in part: no token yet
             if seq.request_id not in failed:
                 seq.num_cached += chunk
                 self.blocks.register(seq)
+        for seq in scored:  # non-finite logprobs go back as they are (the server refuses them, naming the adapter)
+            if all(map(math.isfinite, seq.prompt_logprobs or [])):  # and such K/V are not cached
+                seq.num_cached = seq.num_tokens
+                self.blocks.register(seq)  # the next turn, which extends the scored text, finds its blocks
+            self._end_score(seq)
         appended = 0
-        for row, (seq, token, logprob) in enumerate(zip(sampling, draw.tokens, draw.logprobs, strict=True)):
+        for row, (seq, token, logprob) in enumerate(zip(sampling, draw.tokens if draw else [],
+                                                        draw.logprobs if draw else [], strict=True)):  # fmt: skip
             if seq.request_id in failed:
                 continue
             seq.num_cached = seq.num_tokens
             self.blocks.register(seq)  # its newly filled blocks join the prefix cache
-            self._append(seq, token, logprob, draw.top.get(row))
+            self._append(seq, token, logprob, None if draw is None else draw.top.get(row))
             appended += 1
         self.stats.steps += 1
         self.stats.tokens_generated += appended
@@ -367,6 +387,17 @@ class Engine:
                 if callback is not None:
                     callback(SequenceUpdate(request_id, seq.sample_index, [], [], finished=True, error=error,
                                             error_reason=reason))  # fmt: skip
+
+    def _end_score(self, seq: Sequence) -> None:
+        """A score's input is computed: its prompt logprobs are the answer, and it ends."""
+        seq.stop_reason = sampler_pb2.STOP_REASON_LENGTH
+        callback = self._callbacks.get(seq.request_id)
+        sources = (seq.tokens_cached, seq.tokens_computed, seq.tokens_shared)
+        self._retire(seq)
+        self._forget_if_done(seq.request_id)
+        if callback is not None:
+            callback(SequenceUpdate(seq.request_id, seq.sample_index, [], [], True, seq.stop_reason,
+                                    seq.prompt_logprobs, prompt_sources=sources))  # fmt: skip
 
     def _share_prompts(self, sequences: list[Sequence]) -> None:
         """Each sample that held its leader's prompt blocks takes its prompt logprobs too."""
@@ -430,7 +461,7 @@ class Engine:
                 offset += chunk
             elif ends:
                 offset += 1
-            if ends:
+            if ends and not seq.scores_only:  # a score samples nothing: no last-position row
                 rows.append(offset - 1)
         if rows == list(range(logits.shape[0])):
             return logits  # every row is a last position (a decode step): no [E, V] copy
@@ -498,41 +529,16 @@ class Engine:
                                     seq.stop_reason, seq.prompt_logprobs if first else None,
                                     prompt_sources=sources, top_logprobs=new_top))  # fmt: skip
 
-    def _score(self, job: _Score) -> None:
-        """Logprobs of every position after the first. They need every position's hidden state, which the
-        cache does not hold, so the whole input is computed (a cached prefix saves nothing here); its K/V go to
-        pool blocks that join the prefix cache under the job's key (block_manager.py), so the next Sample that
-        extends the input (an RL loop's next turn) finds them. When the pool has no blocks to spare, the
-        reserved score area serves and nothing is cached."""
-        if job.future.set_running_or_notify_cancel() is False:
-            self.release(job.lora_slot)  # cancelled before it ran: its pin still ends here
-            return
-        seq = self.blocks.score_sequence(job.tokens, job.lora_slot, job.cache_key)
-        try:
-            tokens = job.tokens
-            forward = ForwardBatch(
-                tokens=torch.tensor(tokens, dtype=torch.long, device=self.device),
-                positions=torch.arange(len(tokens), device=self.device),
-                block_tables=[seq.block_table if seq is not None else self.score_table],
-                new_lens=[len(tokens)],
-                context_lens=[len(tokens)],
-                logits_indices=torch.arange(len(tokens) - 1, device=self.device),
-            )
-            hook = self._lora_hook([job.lora_slot] * len(tokens), [job.lora_slot] * (len(tokens) - 1))
-            logits = self.model.forward(forward, self.cache, hook)  # [L-1, V]
-            targets = torch.tensor(tokens[1:], dtype=torch.long, device=self.device)
-            logprobs = logits.log_softmax(-1).gather(1, targets[:, None]).squeeze(1)  # [L-1]
-            if seq is not None and bool(logprobs.isfinite().all()):  # non-finite K/V are never cached
-                seq.num_cached = len(tokens)
-                self.blocks.register(seq)
-            job.future.set_result(logprobs.tolist())
-        except Exception as exc:
-            job.future.set_exception(exc)
-        finally:
-            if seq is not None:
-                self.blocks.release(seq)  # registered blocks stay cached, idle; the others are free again
-            self._block_stats()
-            self.release(job.lora_slot)
+
+def _settle(future: concurrent.futures.Future[list[float]], outcome: list[float] | Exception) -> None:
+    """Completes a score's future unless its caller cancelled it meanwhile."""
+    try:
+        if isinstance(outcome, Exception):
+            future.set_exception(outcome)
+        else:
+            future.set_result(outcome)
+    except concurrent.futures.InvalidStateError:
+        pass  # cancelled: nobody waits for it (the cancel aborted the score)
 
 
 def _wants_prompt_logprobs(seq: Sequence) -> bool:

@@ -21,9 +21,12 @@ class EngineAPI(Protocol):
         """Ends one sample the server has ended (a stop string): its sequence is freed, no more updates come."""
         ...
 
-    def score(self, tokens: list[int], lora_slot: int, cache_key: str = "") -> concurrent.futures.Future[list[float]]:
+    def score(
+        self, tokens: list[int], lora_slot: int, cache_key: str = "", tenant: str = ""
+    ) -> concurrent.futures.Future[list[float]]:
         """Logprobs of tokens[1:] under the adapter in `lora_slot`; the engine ends the caller's pin on it. Its
-        full blocks join the prefix cache under `cache_key` (the weights identity; "": not cached)."""
+        full blocks join the prefix cache under `cache_key` (the weights identity; "": not cached). Scheduled
+        like a prompt in `tenant`'s share of the batch; cancelling the future drops it."""
         ...
 
     def start(self) -> None: ...

@@ -75,6 +75,7 @@ class _Outbox:
         self.scored: list[tuple[int, list[float] | None, str]] = []
         self.received = 0
         self._sent_counts = (0, 0, 0)
+        self.scores: dict[int, concurrent.futures.Future[list[float]]] = {}
 
     def post(self, update: SequenceUpdate) -> None:  # engine thread
         self.updates.append(update)
@@ -83,6 +84,9 @@ class _Outbox:
         self.released.append(slot)
 
     def score_done(self, job: int, future: concurrent.futures.Future[list[float]]) -> None:  # engine thread
+        self.scores.pop(job, None)
+        if future.cancelled():
+            return  # the server cancelled it: nobody waits for an answer
         error = future.exception()
         self.scored.append((job, None, f"{type(error).__name__}: {error}") if error else (job, future.result(), ""))
 
@@ -116,6 +120,8 @@ def _engine_main(conn: Connection, build: EngineBuilder, server_pid: int, pool: 
         return
     outbox.engine = engine
     conn.send(("ready", engine.kernel))  # the LoRA kernel it runs, which the server reports
+    scores: dict[int, concurrent.futures.Future[list[float]]] = {}  # job -> the engine's score, until it ends
+    outbox.scores = scores
     engine.start()
     while True:
         try:
@@ -137,8 +143,13 @@ def _engine_main(conn: Connection, build: EngineBuilder, server_pid: int, pool: 
             job = message[1]
             if mirror is not None:
                 mirror.sync(message[3])
-            future = engine.score(message[2], message[3], message[4])
+            future = engine.score(message[2], message[3], message[4], message[5])
+            scores[job] = future
             future.add_done_callback(functools.partial(outbox.score_done, job))
+        elif kind == "cancel_score":
+            cancelled = scores.get(message[1])
+            if cancelled is not None:
+                cancelled.cancel()  # aborts the score in the engine; its pin ends there
         else:
             break
     engine.stop()
@@ -251,17 +262,27 @@ class EngineProcess:
         if not entry[1]:
             del self._callbacks[request_id]
 
-    def score(self, tokens: list[int], lora_slot: int, cache_key: str = "") -> concurrent.futures.Future[list[float]]:
+    def score(
+        self, tokens: list[int], lora_slot: int, cache_key: str = "", tenant: str = ""
+    ) -> concurrent.futures.Future[list[float]]:
         future: concurrent.futures.Future[list[float]] = concurrent.futures.Future()
         job = next(self._jobs)
         with self._lock:
             self._scores[job] = future
-        if not self._send(("score", job, tokens, lora_slot, cache_key)):
+        if not self._send(("score", job, tokens, lora_slot, cache_key, tenant)):
             with self._lock:
                 self._scores.pop(job, None)
             self.pool.release(lora_slot)
             future.set_exception(RuntimeError("the sampler engine process has exited"))
+            return future
+        future.add_done_callback(functools.partial(self._cancel_score, job))
         return future
+
+    def _cancel_score(self, job: int, future: concurrent.futures.Future[list[float]]) -> None:
+        if future.cancelled():  # the client went away: the engine process drops the score, and its pin ends there
+            with self._lock:
+                self._scores.pop(job, None)
+            self._send(("cancel_score", job))
 
     @property
     def num_waiting(self) -> int:

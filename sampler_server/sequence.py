@@ -43,6 +43,11 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW_TEMPERATURE
 
 
+# A ComputeLogprobs input's: it computes its whole input, samples no token (max_tokens 0) and reports the
+# logprobs of its input tokens, the model's own (temperature 1).
+SCORE_PARAMS = SamplingParams(temperature=0.0, max_tokens=0)
+
+
 @dataclass(frozen=True, slots=True)
 class TopLogprobs:
     """The most likely tokens at one sampled position, most likely first, with their logprobs (the same
@@ -100,6 +105,11 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt) + len(self.output)
+
+    @property
+    def scores_only(self) -> bool:
+        """A ComputeLogprobs input (Engine.score): its prompt logprobs are the answer; it samples nothing."""
+        return self.params.max_tokens == 0
 
     @property
     def finished(self) -> bool:

@@ -27,11 +27,13 @@ from opentinker.sampler_server.follower import AliasFollower
 from opentinker.sampler_server.sequence import SamplingParams, Sequence
 from opentinker.sampler_server.tenant_stats import TenantActivity, TenantStats, batch_tenant
 from opentinker.v1 import common_pb2, sampler_pb2, sampler_pb2_grpc
+from opentinker.weights.names import tenant_of
 
 Context = Any  # grpc.aio.ServicerContext; untyped in the generated stubs
 MAX_SAMPLES = 64
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20  # most likely tokens reported per sampled position (OpenAI's bound)
+MAX_PENALTY = 2.0  # OpenAI's bound on frequency and presence penalties (either sign)
 REQUEST_SLACK = 65536  # bytes of a text SampleRequest besides its prompt_text, before the text is read
 
 
@@ -56,11 +58,17 @@ def sampling_params(message: sampler_pb2.SamplingParams, *, vocab_size: int) -> 
         raise InvalidArgument(f"sampling_params.top_logprobs is {message.top_logprobs}; at most {MAX_TOP_LOGPROBS} "
                               "most likely tokens per position are reported (0: none)",
                               reason="INVALID_SAMPLING_PARAMS", field="sampling_params.top_logprobs")  # fmt: skip
+    for name in ("frequency_penalty", "presence_penalty"):
+        value = getattr(message, name)
+        if not -MAX_PENALTY <= value <= MAX_PENALTY:  # NaN fails this too
+            raise InvalidArgument(f"sampling_params.{name} is {value}; it must be in {-MAX_PENALTY:g}..{MAX_PENALTY:g}",
+                                  reason="INVALID_SAMPLING_PARAMS", field=f"sampling_params.{name}")  # fmt: skip
     return SamplingParams(
         temperature=temperature, top_k=message.top_k, top_p=top_p,
         seed=message.seed if message.HasField("seed") else None, max_tokens=max_tokens,
         stop_token_ids=stop_ids, stop_strings=tuple(message.stop_strings), logprobs=message.logprobs,
-        top_logprobs=message.top_logprobs,
+        top_logprobs=message.top_logprobs, frequency_penalty=message.frequency_penalty,
+        presence_penalty=message.presence_penalty,
     )  # fmt: skip
 
 
@@ -340,12 +348,15 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
 
     def _cache_key(self, slot: int, tenant: str) -> str:
         """The prefix cache's weights identity for a request (block_manager.py): the content digest of the
-        adapter version in its slot, or the base model's digest salted with the caller's tenant (unless
-        --share-base-prefix-cache), so no tenant can time another's prompts. Never a name or an alias."""
+        adapter version in its slot salted with the tenant that owns the adapter, or the base model's digest
+        salted with the caller's tenant (unless --share-base-prefix-cache), so no tenant can time another's
+        prompts: two tenants serving byte-identical adapters (both imported one public peft folder) share no
+        block. An admin's request on team-a's adapter shares team-a's blocks. Never a name or an alias."""
         base = self.info.model_digest
         if slot:
-            sha = self.pool.slots[slot].artifact_sha256
-            return f"lora:{base}:{sha}" if sha and base else ""  # no digest, no caching
+            held = self.pool.slots[slot]
+            owner = tenant_of(held.key[0]) if held.key else ""
+            return f"lora:{base}:{held.artifact_sha256}:tenant:{owner}" if held.artifact_sha256 and base else ""
         if not base:
             return ""
         return f"base:{base}" if self.share_base_prefix_cache else f"base:{base}:tenant:{tenant}"
@@ -354,13 +365,24 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
         if not request.inputs:
             raise InvalidArgument("inputs is empty", reason="INVALID_PROMPT", field="inputs")
         sequences = [self._check_tokens(tokens_of(m), f"inputs[{i}]") for i, m in enumerate(request.inputs)]
+        principal = current_principal()
+        activity = self.tenants.of(principal.tenant or "")
+        # An input waits in the engine's queues like a prompt: the same bounds, the tenant's share of the batch.
+        self._check_tenant_queue(principal, activity, 1)
+        if self.engine.num_waiting + 1 > self.max_waiting:
+            raise ResourceExhausted(f"the waiting queue is full ({self.max_waiting} sequences)", reason="QUEUE_FULL")
         resolved = await self.loader.resolve(request.model or "base")
         response = sampler_pb2.ComputeLogprobsResponse(version=resolved.message)
-        tenant = current_principal().tenant or ""
-        for tokens in sequences:
-            slot = await self.loader.acquire(resolved)  # released by the engine after scoring
-            # Its blocks join the prefix cache under the same weights identity a Sample of this slot uses.
-            logprobs = await asyncio.wrap_future(self.engine.score(tokens, slot, self._cache_key(slot, tenant)))
+        tenant = batch_tenant(principal, request.model)
+        for tokens in sequences:  # one at a time: a request holds at most one seat of the batch
+            activity.waiting += 1
+            try:
+                slot = await self.loader.acquire(resolved)  # released by the engine after scoring
+                # Its blocks join the prefix cache under the same weights identity a Sample of this slot uses.
+                key = self._cache_key(slot, principal.tenant or "")
+                logprobs = await asyncio.wrap_future(self.engine.score(tokens, slot, key, tenant))
+            finally:
+                activity.waiting -= 1
             if not all(math.isfinite(x) for x in logprobs):
                 raise _non_finite(resolved)
             response.results.append(sampler_pb2.TokenLogprobs(logprobs=logprobs))
@@ -383,10 +405,15 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
         resolved = await self.loader.resolve(request.reference)
         if resolved.version is None:
             raise InvalidArgument("the base model is always loaded", reason="INVALID_REFERENCE")
-        index = await self.loader.acquire(resolved)
         if request.pin:
-            self.pool.set_pinned(index, True)
-        self.pool.release(index)
+            # A user tenant's pins count against its --max-pinned-per-tenant, so that it cannot pin every slot and
+            # leave none for other tenants' adapters; an admin's pins (and any without tokens) count against no one.
+            principal = current_principal()
+            tenant = None if principal.tenant is None or principal.is_admin else principal.tenant
+            index = await self.loader.load_pinned(resolved, tenant)
+        else:
+            index = await self.loader.acquire(resolved)
+            self.pool.release(index)
         return sampler_pb2.LoadAdapterResponse(adapter=self._loaded(index))
 
     async def UnloadAdapter(self, request: sampler_pb2.UnloadAdapterRequest, context: Context) -> Any:

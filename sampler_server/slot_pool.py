@@ -8,6 +8,10 @@ reuses stale weights. Requests hold a reference on their slot from admission to 
 evicted LRU when a new version needs room; pinned slots are never evicted; an unloaded slot with running
 requests is freed when its last request ends.
 
+A pin is charged to the user tenant that asked for it (`Slot.pin_tenant`, bounded per tenant by the service's
+--max-pinned-per-tenant); a tenant's pins are counted from the slots themselves (`pinned_by`), so the count drops
+exactly once whichever way a pin ends: UnloadAdapter, a hot reload unloading the version, or the slot being freed.
+
 The tensors a forward reads (`SlotTensors`: A, B, scaling, rank per slot) are apart from the bookkeeping, so
 that they can live in shared memory (`shared=True`) and be read by an engine process while this process loads
 versions: a slot is only written while no sequence holds it.
@@ -27,6 +31,12 @@ from opentinker.rpc.errors import ResourceExhausted
 from opentinker.weights.base_model import UNEMBED_MODULE
 
 VersionKey = tuple[str, int]  # (adapter, version)
+
+
+def default_tenant_pins(max_slots: int) -> int:
+    """--max-pinned-per-tenant's default: an eighth of the slots (at least 1), so that pins of one tenant never
+    take the slots every other tenant's adapters load into."""
+    return max(1, max_slots // 8)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +74,9 @@ class Slot:
     scaling: float = 0.0
     refs: int = 0
     pinned: bool = False
+    # The user tenant the pin counts against (--max-pinned-per-tenant); None: unpinned, or pinned by an admin (or
+    # by a caller of a sampler without tokens), which no limit counts.
+    pin_tenant: str | None = None
     retiring: bool = False  # unloaded while in use: freed when refs reach 0
     loading: bool = False  # reserved, tensors being written: invisible to lookups
     load_time: float = 0.0
@@ -156,6 +169,7 @@ class SlotPool:
                     del self.by_key[slot.key]
                 self.evictions += 1
             slot.key, slot.rank, slot.refs, slot.pinned, slot.retiring, slot.loading = key, 0, 0, False, False, True
+            slot.pin_tenant = None  # a pin belongs to a version: the slot's next occupant starts unpinned
             slot.scaling = 0.0
             slot.last_used = time.monotonic()  # LRU age starts at load, not at the previous occupant's last use
             self.scaling[slot.index] = 0.0
@@ -219,8 +233,23 @@ class SlotPool:
                 self._free(slot)
 
     def set_pinned(self, index: int, pinned: bool) -> None:
+        """An uncounted pin (an admin's), or no pin at all."""
         with self._lock:
-            self.slots[index].pinned = pinned
+            slot = self.slots[index]
+            slot.pinned, slot.pin_tenant = pinned, None
+
+    def pin(self, index: int, tenant: str | None) -> None:
+        """Pins a slot against eviction, counted against `tenant` (None: counted against no one). A slot already
+        pinned keeps its pin and the tenant it counts against: pinning a version again counts it once."""
+        with self._lock:
+            slot = self.slots[index]
+            if not slot.pinned:
+                slot.pinned, slot.pin_tenant = True, tenant
+
+    def pinned_by(self, tenant: str) -> set[VersionKey]:
+        """The versions whose pins count against `tenant`."""
+        with self._lock:
+            return {s.key for s in self.slots[1:] if s.pinned and s.pin_tenant == tenant and s.key is not None}
 
     def unload(self, key: VersionKey) -> bool | None:
         """None if not resident; True if freed now; False if freed when its running requests end."""
@@ -229,7 +258,7 @@ class SlotPool:
             if index is None:
                 return None
             slot = self.slots[index]
-            slot.pinned = False
+            slot.pinned, slot.pin_tenant = False, None  # released now, even while its last requests still run
             if slot.refs == 0:
                 self._free(slot)
                 return True
@@ -240,6 +269,7 @@ class SlotPool:
         if slot.key is not None and self.by_key.get(slot.key) == slot.index:
             del self.by_key[slot.key]
         slot.key, slot.rank, slot.refs, slot.pinned, slot.scaling = None, 0, 0, False, 0.0
+        slot.pin_tenant = None
         slot.retiring = slot.loading = False
         self.scaling[slot.index] = 0.0  # rows that still point here add nothing
         self.tensors.ranks[slot.index] = 0

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from opentinker.trainer_server.base_model import LoraWeights, ModuleShape
+from opentinker.trainer_server.spill import Offloaded
 from opentinker.v1 import common_pb2, registry_pb2
 from opentinker.weights.peft import lora_a_key, lora_b_key
 
@@ -80,7 +81,9 @@ class AdapterState:
     create_time: float = field(default_factory=time.time)
     resident: bool = True
     # Offloaded weights, gradients and AdamW moments while not resident on a GPU (None: on disk or resident).
-    offloaded: dict[str, object] | None = None
+    offloaded: Offloaded | None = None
+    # sha256 of the spill file written when it went to disk (spill.py): a restore accepts that file only.
+    spill_digest: str = ""
     last_used: float = field(default_factory=time.monotonic)
     # Counted once at creation: offloading empties the tensors, not the adapter.
     num_parameters: int = field(init=False, default=0)

@@ -97,7 +97,13 @@ class BaseModel:
         self.model_path = model_path
         self.device = torch.device(device)
         self.dtype = dtype
-        self.model: Any = cast(Any, AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype))
+        # safetensors only, as the sampler (sampler_server/model/weights.py): a pytorch_model.bin is a pickle.
+        if not any(model_dir.glob("*.safetensors")):
+            raise InvalidArgument(f"{model_dir} has no *.safetensors weights (pickled weights are never loaded)",
+                                  reason="INVALID_MODEL_WEIGHTS")  # fmt: skip
+        self.model: Any = cast(
+            Any, AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype, use_safetensors=True)
+        )
         self.model.to(self.device)
         self.model.eval()
         for parameter in self.model.parameters():

@@ -12,7 +12,7 @@ import torch
 
 from opentinker.rpc.errors import InvalidArgument, ResourceExhausted
 from opentinker.rpc.model_input import tokens_of
-from opentinker.trainer_server.losses import required_inputs
+from opentinker.trainer_server.losses import default_input, input_error, optional_inputs, required_inputs
 from opentinker.v1 import common_pb2
 
 MAX_DATUMS = 4096
@@ -79,9 +79,12 @@ def build_batch(
     if len(datums) > MAX_DATUMS:
         raise ResourceExhausted(f"at most {MAX_DATUMS} datums per request", reason="BATCH_TOO_LARGE", field="datums")
     needed = required_inputs(loss_fn)
+    optional = optional_inputs(loss_fn)
     sequences: list[list[int]] = []
     targets: list[int] = []
     inputs: dict[str, list[float]] = {key: [] for key in needed if key != "target_tokens"}
+    # per optional input: its values ([N], 0 where not given) and whether the datum gave them ([N])
+    given: dict[str, tuple[list[float], list[bool]]] = {key: ([], []) for key in optional}
     digest = hashlib.sha256(loss_fn.encode())
     longest = 0
     for index, datum in enumerate(datums):
@@ -130,18 +133,36 @@ def build_batch(
             values = [float(v) for v in _values(index, key, datum.loss_fn_inputs[key], len(tokens))]
             column.extend(values)
             digest.update(f"{key}:{values!r}".encode())
+        for key, (column, mask) in given.items():
+            if key not in datum.loss_fn_inputs:
+                column.extend([0.0] * len(tokens))
+                mask.extend([False] * len(tokens))
+                continue
+            values = [float(v) for v in _values(index, key, datum.loss_fn_inputs[key], len(tokens))]
+            problem = input_error(loss_fn, key, values)
+            if problem is not None:
+                field = f"datums[{index}].loss_fn_inputs[{key!r}]"
+                raise InvalidArgument(f"{field}: {problem}", reason="INVALID_DATUM", field=field, datum=index)
+            column.extend(values)
+            mask.extend([True] * len(tokens))
+            # only what the datum sent: a datum without it keeps the digest it had before the input existed
+            digest.update(f"{key}:{values!r}".encode())
     width = max(len(s) for s in sequences)
     input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
     for row, tokens in enumerate(sequences):
         input_ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
         attention_mask[row, : len(tokens)] = 1
+    tensors = {key: torch.tensor(values, dtype=torch.float32) for key, values in inputs.items()}
+    for key, (column, mask) in given.items():
+        defaults = default_input(loss_fn, key, tensors)  # [N]
+        tensors[key] = torch.where(torch.tensor(mask), torch.tensor(column, dtype=torch.float32), defaults)  # [N]
     return Batch(
         input_ids=input_ids,
         attention_mask=attention_mask,
         lengths=[len(s) for s in sequences],
         targets=torch.tensor(targets, dtype=torch.long),
-        inputs={key: torch.tensor(values, dtype=torch.float32) for key, values in inputs.items()},
+        inputs=tensors,
         digest=digest.hexdigest(),
     )
 

@@ -12,32 +12,37 @@ w = weights, r = exp(p - q), clip(x) = clamp(x, lo, hi) and sg = stop-gradient:
     ppo                  loss = -sum(min(r * A, clip(r) * A))     lo = 0.8, hi = 1.2
     cispo                loss = -sum(sg(clip(r)) * A * p)         lo = 0.0, hi = 4.0
     dro                  loss = -sum(p * A - beta / 2 * (p - q)^2)  beta = 0.05
-    stable_reinforce     loss = -sum(sg(min(r, 1)) * A * p) + kl_coeff * sum(r - 1 - (p - q))   kl_coeff = 0
+    stable_reinforce     loss = -sum(sg(min(r, 1)) * A * p) + kl_coeff * sum(w * (r - 1 - (p - q)))   kl_coeff = 0
 
 stable_reinforce is REINFORCE whose per-token weight is the truncated ratio min(r, 1): a token the trainer now
 finds likelier than the sampler did is weighted as on-policy, one it finds less likely is weighted down, so no
 weight ever exceeds 1 however stale or numerically different the sampler was. The optional penalty is the k3
 estimate of KL(sampler || trainer) per sampled token (>= 0, gradient r - 1), which pulls the policy back
-towards the one that sampled. q must be the sampler's recorded logprobs; the gateway fills them from what it
-recorded when sampling ran with record_stability_info (gateway/stability.py), never from the client's copy.
+towards the one that sampled. It covers the tokens the datum's optional `weights` select (w != 0, each
+weighted by w >= 0), whatever their advantage, so a sampled token with A = 0 is regularized too; a datum
+without weights gets w = [A != 0] (the trainer cannot tell a sampled token with A = 0 from a prompt position,
+whose q is no logprob). q must be the sampler's recorded logprobs, the log-softmax of its raw logits at
+temperature 1 (sampler_server/sampling.py); the gateway fills them from what it recorded when sampling ran
+with record_stability_info (gateway/stability.py), never from the client's copy. docs/components.md lists
+what this estimator is biased by (temperature and filters, truncation, per-token ratios, the mask).
 
 Gradients w.r.t. p: cross_entropy -w; importance_sampling -A * r; ppo -A * r where the unclipped term is
 the minimum, else 0; cispo -sg(clip(r)) * A; dro -(A - beta * (p - q)); stable_reinforce
--sg(min(r, 1)) * A + kl_coeff * (r - 1).
+-[A != 0] * sg(min(r, 1)) * A + kl_coeff * [w != 0] * w * (r - 1).
 
-Masking: a token with w = 0 (cross_entropy) or A = 0 (importance_sampling, ppo, cispo, stable_reinforce, its
-penalty included) contributes exactly
-0 to the loss and to the gradient whatever its p and q (prompt positions often carry q = 0): its ratio is
-formed from p - q replaced by 0, so an overflowing exp cannot turn 0 * inf into NaN. dro has no mask: its
-(p - q)^2 penalty applies at every position, A = 0 or not.
+Masking: a token with w = 0 (cross_entropy) or A = 0 (importance_sampling, ppo, cispo, stable_reinforce's
+policy term) contributes exactly 0 to that term and to its gradient whatever its p and q (prompt positions
+often carry q = 0); stable_reinforce's penalty is masked by w = 0 alone. A masked ratio is formed from p - q
+replaced by 0, so an overflowing exp cannot turn 0 * inf into NaN. dro has no mask: its (p - q)^2 penalty
+applies at every position, A = 0 or not.
 
 Metrics are named "name:reduction" and always include "loss:sum". cross_entropy adds "weights:sum";
 importance_sampling adds "ratio:mean"; ppo and cispo add "clip_fraction:mean"; stable_reinforce adds
 "ratio:mean", "clip_fraction:mean" (tokens with r > 1, whose weight was truncated) and "kl:sum" (the penalty's
-sum before kl_coeff). Means run over the active
-tokens (A != 0) only, so prompt positions do not dilute them; with no active token ratio:mean is 1.0 and
-clip_fraction:mean is 0.0. ppo's clip fraction counts tokens where the clipped term is strictly smaller
-(A > 0 and r > hi, or A < 0 and r < lo); cispo's counts tokens where clip(r) != r.
+sum(w * k3) before kl_coeff). Means run over the active tokens (A != 0) only, so prompt positions do not dilute
+them; with no active token ratio:mean is 1.0 and clip_fraction:mean is 0.0. ppo's clip fraction counts tokens
+where the clipped term is strictly smaller (A > 0 and r > hi, or A < 0 and r < lo); cispo's counts tokens where
+clip(r) != r.
 
 Everything is computed in float32 (lower-precision inputs are upcast), or in float64 when `logprobs` is
 float64 (gradient checks); the loss has that dtype.
@@ -67,6 +72,8 @@ class LossSpec:
     inputs: tuple[str, ...]
     # loss_fn_config keys and their defaults.
     defaults: Mapping[str, float]
+    # loss_fn_inputs keys a datum may carry; where it does not, default_input gives their values.
+    optional: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,8 +87,10 @@ class LossResult:
 _PG_INPUTS = ("logprobs", "advantages")
 
 
-def _spec(name: str, inputs: tuple[str, ...], defaults: Mapping[str, float] | None = None) -> LossSpec:
-    return LossSpec(name=name, inputs=inputs, defaults=MappingProxyType(dict(defaults or {})))
+def _spec(
+    name: str, inputs: tuple[str, ...], defaults: Mapping[str, float] | None = None, optional: tuple[str, ...] = ()
+) -> LossSpec:
+    return LossSpec(name=name, inputs=inputs, defaults=MappingProxyType(dict(defaults or {})), optional=optional)
 
 
 LOSS_FNS: Mapping[str, LossSpec] = MappingProxyType(
@@ -93,7 +102,7 @@ LOSS_FNS: Mapping[str, LossSpec] = MappingProxyType(
             _spec("ppo", _PG_INPUTS, {CLIP_LOW: 0.8, CLIP_HIGH: 1.2}),
             _spec("cispo", _PG_INPUTS, {CLIP_LOW: 0.0, CLIP_HIGH: 4.0}),
             _spec("dro", _PG_INPUTS, {BETA: 0.05}),
-            _spec("stable_reinforce", _PG_INPUTS, {KL_COEFF: 0.0}),
+            _spec("stable_reinforce", _PG_INPUTS, {KL_COEFF: 0.0}, optional=("weights",)),
         )
     }
 )
@@ -113,6 +122,30 @@ def _lookup(loss_fn: str) -> LossSpec:
 def required_inputs(loss_fn: str) -> tuple[str, ...]:
     """The loss_fn_inputs keys every datum must carry for `loss_fn`, "target_tokens" first."""
     return ("target_tokens", *_lookup(loss_fn).inputs)
+
+
+def optional_inputs(loss_fn: str) -> tuple[str, ...]:
+    """The loss_fn_inputs keys a datum may carry for `loss_fn` (default_input fills in the others' values)."""
+    return _lookup(loss_fn).optional
+
+
+def default_input(loss_fn: str, key: str, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """Optional input `key` ([N]) for tokens whose datum does not carry it, from the required `inputs` ([N] each).
+
+    stable_reinforce's weights select the tokens its KL penalty covers: a datum without them gets [A != 0], the
+    only sampled tokens the trainer can tell from prompt positions (whose q is no sampler logprob, often 0)."""
+    if (loss_fn, key) != ("stable_reinforce", "weights"):
+        raise KeyError(f"{loss_fn} has no optional input {key!r}")
+    advantages = inputs["advantages"]
+    return (advantages != 0).to(advantages.dtype)
+
+
+def input_error(loss_fn: str, key: str, values: list[float]) -> str | None:
+    """Why a datum's values of optional input `key` are refused, or None."""
+    if (loss_fn, key) == ("stable_reinforce", "weights") and any(v < 0 for v in values):
+        # k3 >= 0 has no upper bound: a negative weight would make the loss unbounded below
+        return "stable_reinforce weights (the KL penalty's per-token weights) must be >= 0"
+    return None
 
 
 def _config_error(loss_fn: str, key: str, message: str) -> InvalidArgument:
@@ -221,14 +254,17 @@ def _dro(
 def _stable_reinforce(
     p: torch.Tensor, inputs: Mapping[str, torch.Tensor], config: Mapping[str, float]
 ) -> tuple[torch.Tensor, _Metrics]:
-    q, a = inputs["logprobs"], inputs["advantages"]  # [N], [N]
+    q, a, w = inputs["logprobs"], inputs["advantages"], inputs["weights"]  # [N], [N], [N]
     active = a != 0  # [N]
     r = _masked_ratio(p, q, active)  # [N], exactly 1 where inactive
     weight = r.detach().clamp(max=1.0)  # [N], sg(min(r, 1))
     policy = torch.where(active, weight * a * p, torch.zeros_like(p))  # [N]
-    # k3 = r - 1 - log r: with log r formed as in _masked_ratio it is exactly 0 where inactive
-    log_ratio = torch.where(active, p - q, torch.zeros_like(p))  # [N]
-    kl = (r - 1.0 - log_ratio).sum()
+    # The penalty has its own mask, w != 0, not A != 0: a sampled token whose advantage is 0 (a group whose
+    # rewards are all equal) still drifts from the sampler and is pulled back.
+    selected = w != 0  # [N]
+    log_ratio = torch.where(selected, p - q, torch.zeros_like(p))  # [N], 0 where unselected: exp cannot overflow
+    k3 = log_ratio.exp() - 1.0 - log_ratio  # [N], >= 0
+    kl = torch.where(selected, w * k3, torch.zeros_like(p)).sum()
     truncated = (r.detach() > 1.0).to(p.dtype)  # [N]
     metrics = {
         "ratio:mean": _active_mean(r.detach(), active, 1.0),
@@ -259,8 +295,9 @@ def compute_loss(
 ) -> LossResult:
     """The summed loss of `loss_fn` over N tokens and its metrics.
 
-    logprobs: [N] target-token logprobs under the current policy. inputs: the loss's required inputs, each
-    [N] (other keys, e.g. target_tokens, are ignored). config: loss_fn_config, resolved against the defaults.
+    logprobs: [N] target-token logprobs under the current policy. inputs: the loss's required inputs and any of
+    its optional ones, each [N] (other keys, e.g. target_tokens, are ignored; a missing optional one takes
+    default_input). config: loss_fn_config, resolved against the defaults.
     INVALID_DATUM when an input is missing or not shaped [N]; see `resolve_config` for config errors.
     """
     spec = _lookup(loss_fn)
@@ -277,6 +314,14 @@ def compute_loss(
         if tensor.shape != p.shape:
             raise _datum_error(loss_fn, key, f"{key} has shape {list(tensor.shape)}, logprobs has {list(p.shape)}")
         cast[key] = tensor.detach().to(device=p.device, dtype=dtype)  # [N]
+    for key in spec.optional:
+        tensor = inputs.get(key)
+        if tensor is None:
+            cast[key] = default_input(loss_fn, key, cast)
+        elif tensor.shape != p.shape:
+            raise _datum_error(loss_fn, key, f"{key} has shape {list(tensor.shape)}, logprobs has {list(p.shape)}")
+        else:
+            cast[key] = tensor.detach().to(device=p.device, dtype=dtype)  # [N]
     loss, extra = _IMPLS[loss_fn](p, cast, resolved)
     named = {"loss:sum": loss.detach(), **extra}
     values = torch.stack([value.to(dtype) for value in named.values()]).tolist()  # one device sync

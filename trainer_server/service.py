@@ -4,7 +4,8 @@ the registry. Handlers read top to bottom: check input -> queue on the adapter's
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable
+import contextlib
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 from opentinker.rpc.auth import Principal, current_principal, require_access
@@ -62,6 +63,12 @@ def _follow(state: AdapterState, version: registry_pb2.Version) -> None:
     state.parent_adapter = "" if version.adapter == state.name else version.adapter
 
 
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    """Takes a detached task's outcome, so an error after its client left is not reported as never retrieved."""
+    if not task.cancelled():
+        task.exception()
+
+
 def _outputs(result: StepOutput) -> list[trainer_pb2.LossFnOutput]:
     return [
         trainer_pb2.LossFnOutput(
@@ -71,6 +78,33 @@ def _outputs(result: StepOutput) -> list[trainer_pb2.LossFnOutput]:
         )
         for row in result.logprobs
     ]
+
+
+class LineageLocks:
+    """One lock per adapter for what moves its lineage (last_snapshot_version, parent_adapter, ledger.batches):
+    SaveSnapshot holds it from the snapshot's write across the publish to its bookkeeping, so a second save of
+    the adapter writes only after the first one's version is its parent (two at once would both name the same
+    parent and both claim the same batches). A lock lives while someone holds or awaits it."""
+
+    def __init__(self) -> None:
+        self._locks: dict[str, tuple[asyncio.Lock, int]] = {}  # adapter -> (lock, holders and waiters)
+
+    @contextlib.asynccontextmanager
+    async def hold(self, adapter: str) -> AsyncIterator[None]:
+        lock, users = self._locks.get(adapter, (asyncio.Lock(), 0))
+        self._locks[adapter] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._locks[adapter]
+            if users == 1:
+                del self._locks[adapter]
+            else:
+                self._locks[adapter] = (lock, users - 1)
+
+    def __len__(self) -> int:
+        return len(self._locks)
 
 
 class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
@@ -101,6 +135,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         self.micro_batch_positions = micro_batch_positions
         self.max_serving_rank = max_serving_rank
         self.persist_state = persist_state  # a full state with every snapshot (lineage.state_id)
+        self.lineage = LineageLocks()
 
     def _known(self, name: str) -> str:
         check_adapter_name(name)
@@ -355,28 +390,46 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             )  # fmt: skip
             return ref, lineage
 
-        ref, lineage = await self.scheduler.run(name, write)
-        fault_point("save_snapshot/before_publish")
-        publish = registry_pb2.PublishVersionRequest(
-            adapter=name, artifact_uri=ref.uri, artifact_sha256=ref.sha256, artifact_size_bytes=ref.size_bytes,
-            lora_config=self.trainer.get(name).lora, lineage=lineage, aliases=aliases,
-            skip_latest=request.skip_latest, request_id=request.request_id,
-        )  # fmt: skip
+        written = asyncio.Event()
+
+        async def save() -> registry_pb2.PublishVersionResponse:
+            async with self.lineage.hold(name):
+                ref, lineage = await self.scheduler.run(name, write)
+                written.set()
+                fault_point("save_snapshot/before_publish")
+                publish = registry_pb2.PublishVersionRequest(
+                    adapter=name, artifact_uri=ref.uri, artifact_sha256=ref.sha256,
+                    artifact_size_bytes=ref.size_bytes, lora_config=self.trainer.get(name).lora, lineage=lineage,
+                    aliases=aliases, skip_latest=request.skip_latest, request_id=request.request_id,
+                )  # fmt: skip
+                try:
+                    response = await registry_call(self.registry.PublishVersion(publish, metadata=self.metadata))
+                except NotFound as exc:
+                    if exc.reason != "ARTIFACT_NOT_FOUND":
+                        raise
+                    await push_artifact(self.registry, self.trainer.artifacts, ref.uri, self.metadata)  # another store
+                    response = await registry_call(self.registry.PublishVersion(publish, metadata=self.metadata))
+                fault_point("save_snapshot/after_publish")
+
+                def record() -> None:
+                    state = self.trainer.get(name)
+                    del state.ledger.batches[: len(lineage.batches)]  # those now belong to the version's lineage
+                    _follow(state, response.version)
+
+                await self.scheduler.run(name, record)
+                published: registry_pb2.PublishVersionResponse = response
+                return published
+
+        # Once its snapshot is written, a save runs to its end even if its client goes: a version published
+        # without its bookkeeping would leave the next save naming the same parent.
+        task = asyncio.ensure_future(save())
+        task.add_done_callback(_retrieve)
         try:
-            response = await registry_call(self.registry.PublishVersion(publish, metadata=self.metadata))
-        except NotFound as exc:
-            if exc.reason != "ARTIFACT_NOT_FOUND":
-                raise
-            await push_artifact(self.registry, self.trainer.artifacts, ref.uri, self.metadata)  # another store
-            response = await registry_call(self.registry.PublishVersion(publish, metadata=self.metadata))
-        fault_point("save_snapshot/after_publish")
-
-        def record() -> None:
-            state = self.trainer.get(name)
-            del state.ledger.batches[: len(lineage.batches)]  # those now belong to the version's lineage
-            _follow(state, response.version)
-
-        await self.scheduler.run(name, record)
+            response = await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if not written.is_set():
+                task.cancel()
+            raise
         return trainer_pb2.SaveSnapshotResponse(version=response.version, event_id=response.event_id)
 
     @queued
@@ -395,12 +448,13 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         if not request.state_id:
             raise InvalidArgument("state_id is required", reason="INVALID_STATE_ID", field="state_id")
         principal = current_principal()
-        state = await self.scheduler.run(
-            name,
-            lambda: self.trainer.load_state(
-                name, request.state_id, weights_only=request.weights_only, principal=principal
-            ),
-        )
+        async with self.lineage.hold(name):  # it sets last_snapshot_version: not between a save's write and its record
+            state = await self.scheduler.run(
+                name,
+                lambda: self.trainer.load_state(
+                    name, request.state_id, weights_only=request.weights_only, principal=principal
+                ),
+            )
         return trainer_pb2.LoadStateResponse(adapter=adapter_message(state))
 
     async def DeleteState(self, request: trainer_pb2.DeleteStateRequest, context: Context) -> Any:
@@ -421,7 +475,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             _follow(state, version)
             return state
 
-        state = await self.scheduler.run(name, reset)
+        async with self.lineage.hold(name):  # as LoadState: the lineage moves only between two saves
+            state = await self.scheduler.run(name, reset)
         return trainer_pb2.ResetAdapterResponse(
             adapter=adapter_message(state), version=version, optimizer_kept=request.keep_optimizer
         )

@@ -33,6 +33,7 @@ from opentinker.trainer_server.base_model import BaseModel
 from opentinker.trainer_server.batch import Batch
 from opentinker.trainer_server.losses import compute_loss
 from opentinker.trainer_server.ownership import may_load
+from opentinker.trainer_server.spill import Moments, Offloaded, read_spill, spill_path, write_spill
 from opentinker.trainer_server.step_guard import check_weights, mark_step, undo_step
 from opentinker.v1 import common_pb2, registry_pb2
 from opentinker.weights.artifact_manifest import ArtifactRef
@@ -147,7 +148,7 @@ class Trainer:
         self.get(name)
         del self.adapters[name]
         if self.spill_dir is not None:
-            (self.spill_dir / f"{_safe(name)}.pt").unlink(missing_ok=True)
+            spill_path(self.spill_dir, name).unlink(missing_ok=True)
         # Give the memory back: tensors freed from the compute thread's heap stay resident until trimmed.
         gc.collect()
         if self.base.device.type == "cuda":
@@ -428,10 +429,10 @@ class Trainer:
 
     def _use(self, name: str) -> AdapterState:
         state = self.get(name)
+        if not state.resident:
+            self._restore(state)  # first: a refused spill file leaves the adapter, LRU order included, as it was
         self.adapters.move_to_end(name)
         state.last_used = time.monotonic()
-        if not state.resident:
-            self._restore(state)
         self._make_room(keep=name)
         return state
 
@@ -444,19 +445,19 @@ class Trainer:
             self._offload(self.adapters[name])
 
     def _offload(self, state: AdapterState) -> None:
-        payload = {
-            "params": [p.detach().cpu() for p in state.params],
-            "grads": [None if p.grad is None else p.grad.detach().cpu() for p in state.params],
+        cpu = torch.device("cpu")
+        offloaded = Offloaded(
+            params=[p.detach().cpu() for p in state.params],
+            grads=[None if p.grad is None else p.grad.detach().cpu() for p in state.params],
             # AdamW moments in parameter order (the state dict is keyed by the parameter objects).
-            "optimizer": [_to(state.optimizer.state.get(p), torch.device("cpu")) for p in state.params],
-        }
+            moments=[_to(state.optimizer.state.get(p), cpu) for p in state.params],
+        )
         if self.base.device.type == "cpu":
             assert self.spill_dir is not None, "offloading on CPU needs a spill directory"
-            self.spill_dir.mkdir(parents=True, exist_ok=True)
-            torch.save(payload, self.spill_dir / f"{_safe(state.name)}.pt")
+            state.spill_digest = write_spill(self.spill_dir, state.name, offloaded)
             state.offloaded = None
         else:
-            state.offloaded = payload
+            state.offloaded = offloaded
         for param in state.params:
             param.data = torch.empty(0, device=param.device)
             param.grad = None
@@ -465,23 +466,24 @@ class Trainer:
 
     def _restore(self, state: AdapterState) -> None:
         device = self.base.device
-        payload: Any = state.offloaded
-        if payload is None:
+        offloaded = state.offloaded
+        if offloaded is None:
             assert self.spill_dir is not None
-            path = self.spill_dir / f"{_safe(state.name)}.pt"
-            payload = torch.load(path, weights_only=False)
-            path.unlink()
-        for param, data, grad in zip(state.params, payload["params"], payload["grads"], strict=True):
+            offloaded = read_spill(self.spill_dir, state.name, state.spill_digest)  # DATA_LOSS: nothing changed
+        for param, data, grad in zip(state.params, offloaded.params, offloaded.grads, strict=True):
             param.data = data.to(device)
             param.grad = None if grad is None else grad.to(device)
-        for param, saved in zip(state.params, payload["optimizer"], strict=True):
+        for param, saved in zip(state.params, offloaded.moments, strict=True):
             if saved is not None:
                 state.optimizer.state[param] = _to(saved, device)
+        if state.offloaded is None and self.spill_dir is not None:
+            spill_path(self.spill_dir, state.name).unlink(missing_ok=True)
         state.offloaded = None
+        state.spill_digest = ""
         state.resident = True
 
 
-def _to(moments: dict[str, object] | None, device: torch.device) -> dict[str, object] | None:
+def _to(moments: Moments | None, device: torch.device) -> Moments | None:
     if moments is None:
         return None
     return {key: value.to(device) if isinstance(value, torch.Tensor) else value for key, value in moments.items()}
@@ -491,7 +493,3 @@ def _torch_bytes(value: object) -> bytes:
     buffer = io.BytesIO()
     torch.save(value, buffer)
     return buffer.getvalue()
-
-
-def _safe(name: str) -> str:
-    return name.replace("/", "__")

@@ -109,6 +109,19 @@ def test_sampling_params_defaults_and_wire() -> None:
     assert SampledVersion("", 0, "base", "").exact == "base"
 
 
+def test_penalties_and_top_p_zero_on_the_wire() -> None:
+    params = SamplingParams()
+    assert (params.frequency_penalty, params.presence_penalty) == (0.0, 0.0)
+    wire = sampling_params_to_proto(SamplingParams(frequency_penalty=0.5, presence_penalty=-1.25))
+    assert (wire.frequency_penalty, wire.presence_penalty) == (0.5, -1.25)
+    # top_p 0 is greedy: the wire would read it as "off", so it goes out as temperature 0 (and so does a top_p
+    # that float32 rounds to 0); any other top_p keeps the temperature.
+    for tiny in (0.0, 1e-50):
+        zero = sampling_params_to_proto(SamplingParams(temperature=0.9, top_p=tiny))
+        assert zero.HasField("temperature") and zero.temperature == 0.0, tiny
+    assert sampling_params_to_proto(SamplingParams(temperature=0.5, top_p=0.5)).temperature == 0.5
+
+
 def test_create_sampling_client_needs_a_sampler_address() -> None:
     with ServiceClient(trainer="127.0.0.1:1") as service, pytest.raises(ValueError, match="sampler"):
         service.create_sampling_client("base")
@@ -256,6 +269,27 @@ def test_load_unload_and_stats(service: ServiceClient, snapshot: Snapshot) -> No
     assert client.stats().adapter_loads_total == before + 1
     assert client.unload() is True
     expect_error(grpc.StatusCode.INVALID_ARGUMENT, "INVALID_REFERENCE", service.create_sampling_client("base").load)
+
+
+def test_penalties_and_top_p_zero_reach_the_sampler(base: SamplingClient) -> None:
+    """A strong presence penalty stops the greedy repeat of a token; top_p 0 samples what temperature 0 does,
+    whatever the temperature and seed."""
+    for seed in range(40):
+        prompt = [(17 * seed + 3 * i) % 500 + 2 for i in range(6)]
+        plain = list(base.sample(prompt, SamplingParams(max_tokens=16, temperature=0.0)).sequences[0].tokens)
+        repeated = [t for t in set(plain) if plain.count(t) >= 2]
+        if repeated:
+            break
+    else:
+        raise AssertionError("no prompt whose greedy continuation repeats a token")
+    strong = SamplingParams(max_tokens=16, temperature=0.0, presence_penalty=2.0)
+    penalized = list(base.sample(prompt, strong).sequences[0].tokens)
+    assert penalized != plain and all(penalized.count(t) < plain.count(t) for t in repeated), (plain, penalized)
+    nucleus = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.0, seed=5)
+    assert [list(s.tokens) for s in base.sample(prompt, nucleus, num_samples=2).sequences] == [plain, plain]
+    invalid = grpc.StatusCode.INVALID_ARGUMENT
+    for bad in (SamplingParams(presence_penalty=2.5), SamplingParams(frequency_penalty=float("nan"))):
+        expect_error(invalid, "INVALID_SAMPLING_PARAMS", base.sample, PROMPT, bad)
 
 
 # Errors

@@ -193,3 +193,16 @@ def test_topk_sample_logprobs_are_the_models_alternatives(service: tinker.Servic
     assert all(s.topk_logprobs is None for s in plain.sequences)
     with pytest.raises(tinker.BadRequestError, match="topk_sample_logprobs"):
         base.sample(types.ModelInput.from_ints(prompt), 1, params, topk_sample_logprobs=21).result()
+
+
+def test_top_p_zero_is_greedy(service: tinker.ServiceClient, tiny_model: Path) -> None:
+    """tinker's top_p 0 (documented as the nucleus mass) keeps the most likely token alone: greedy, whatever the
+    temperature and seed, rather than the sampler's "0: off" (full-distribution sampling at that temperature)."""
+    base = service.create_sampling_client(base_model=tiny_model.name).result()
+    prompt = types.ModelInput.from_ints(TOKENS[:7])
+    greedy = base.sample(prompt, 1, types.SamplingParams(max_tokens=8, temperature=0.0)).result().sequences[0]
+    for seed in (7, 8):
+        nucleus = types.SamplingParams(max_tokens=8, temperature=1.0, top_p=0.0, seed=seed)
+        assert [s.tokens for s in base.sample(prompt, 2, nucleus).result().sequences] == [greedy.tokens] * 2
+    free = base.sample(prompt, 2, types.SamplingParams(max_tokens=8, temperature=1.0, seed=7)).result()
+    assert [s.tokens for s in free.sequences] != [greedy.tokens] * 2  # the same draw without top_p is not greedy

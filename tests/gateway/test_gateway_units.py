@@ -286,3 +286,15 @@ def test_a_sweep_fails_stalled_lanes_expires_silent_sessions_and_prunes_old_futu
             gw.futures.get(old.request_id, "a")
 
     asyncio.run(scenario())
+
+
+def test_tinker_top_p_zero_is_greedy() -> None:
+    """The sampler reads top_p 0 as "off" (proto3 has no unset float): the tinker surface sends greedy instead,
+    the limit of a shrinking nucleus, for 0 and for a top_p too small for float32 alike."""
+    for tiny in (0, 0.0, 1e-50):
+        params = convert.sampling_params({"temperature": 0.8, "top_p": tiny, "seed": 3}, 16)
+        assert params.HasField("temperature") and params.temperature == 0.0, tiny
+    kept = convert.sampling_params({"temperature": 0.5, "top_p": 0.25}, 16)
+    assert kept.temperature == 0.5 and kept.top_p == 0.25
+    default = convert.sampling_params({"temperature": 0.5}, 16)
+    assert default.temperature == 0.5 and default.top_p == 1.0

@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 from gatewayutil import KEY_A, KEY_B, base_url
-from openai.types.chat import ChatCompletionMessageParam
+from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 from openaiutil import async_openai_client, openai_client, train_adapter
 from samplerutil import PeftReference
 from serverproc import ServerProcess, registry_store
@@ -395,6 +395,79 @@ def test_other_tenants_models_wrong_keys_and_bad_bodies(
     # still serving
     ok = client_a.chat.completions.create(model=AGENT, messages=MESSAGES, max_tokens=2)
     assert ok.choices[0].message.role == "assistant"
+
+
+def test_penalties_change_greedy_output_as_the_samplers_do(
+    client_a: openai.OpenAI, service: ServiceClient, versions: dict[str, int]
+) -> None:
+    base_id = next(iter(client_a.models.list())).id
+    for i in range(40):
+        messages = [{"role": "user", "content": f"Say {i} again."}]
+        chat: dict[str, Any] = {"model": base_id, "messages": messages, "max_tokens": 16, "temperature": 0.0,
+                                "extra_body": {"return_token_ids": True}}  # fmt: skip
+        plain = client_a.chat.completions.create(**chat)
+        tokens = extra(plain.choices[0], "token_ids")
+        repeated = [t for t in set(tokens) if tokens.count(t) >= 2]
+        if repeated:
+            break
+    else:
+        raise AssertionError("no chat whose greedy reply repeats a token")
+    prompt = extra(plain, "prompt_token_ids")
+    sampler = service.create_sampling_client("base")
+
+    def direct(**penalties: float) -> list[int]:
+        params = SamplingParams(max_tokens=16, temperature=0.0, **penalties)  # type: ignore[arg-type]
+        return list(sampler.sample(prompt, params).sequences[0].tokens)
+
+    # A strong presence penalty: the greedy reply stops repeating, with the sampler's own penalized tokens.
+    strong = client_a.chat.completions.create(**chat, presence_penalty=2.0)
+    penalized = extra(strong.choices[0], "token_ids")
+    assert all(penalized.count(t) < tokens.count(t) for t in repeated), (tokens, penalized)
+    assert penalized == direct(presence_penalty=2.0)
+    streamed = client_a.chat.completions.create(**chat, presence_penalty=2.0, stream=True)
+    assert [t for c in streamed if c.choices for t in extra(c.choices[0], "token_ids")] == penalized
+    # Completions, with a frequency penalty (n > 1: each choice counts its own output, so greedy ones agree).
+    text = client_a.completions.create(model=base_id, prompt=prompt, max_tokens=16, temperature=0.0, n=2,
+                                       frequency_penalty=1.5, extra_body={"return_token_ids": True})  # fmt: skip
+    assert [extra(c, "token_ids") for c in text.choices] == [direct(frequency_penalty=1.5)] * 2
+    assert direct(frequency_penalty=1.5) != tokens
+
+
+def test_what_cannot_be_honoured_is_refused_naming_the_parameter(
+    client_a: openai.OpenAI, service: ServiceClient, versions: dict[str, int]
+) -> None:
+    """No parameter is silently ignored: values the gateway cannot honour are 400s naming the parameter, and
+    nothing is sampled for them."""
+    base_id = next(iter(client_a.models.list())).id
+    tools: list[ChatCompletionToolParam] = [
+        {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+    ]
+    refused: list[tuple[dict[str, Any], str]] = [
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": {}}}}, "response_format"),
+        ({"tools": tools, "tool_choice": "required"}, "tool_choice"),
+        ({"tools": tools, "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "tool_choice"),
+        ({"top_p": 0}, "top_p"),
+    ]
+    sampler = service.create_sampling_client("base")
+    before = sampler.stats().tokens_generated
+    for fields, param in refused:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client_a.chat.completions.create(model=base_id, messages=MESSAGES, max_tokens=2, **fields)
+        assert caught.value.param == param and caught.value.type == "invalid_request_error", (fields, caught.value)
+        assert param in caught.value.message
+    for fields, param in refused[:4]:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client_a.completions.create(model=base_id, prompt="Hi", max_tokens=2, extra_body=fields)
+        assert caught.value.param == param, (fields, caught.value)
+    assert sampler.stats().tokens_generated == before
+    # What is honoured is served: text, auto, none.
+    for fields in ({"response_format": {"type": "text"}}, {"tools": tools, "tool_choice": "auto"},
+                   {"tools": tools, "tool_choice": "none"}):  # fmt: skip
+        ok = client_a.chat.completions.create(model=base_id, messages=MESSAGES, max_tokens=2, **fields)
+        assert ok.choices[0].message.role == "assistant"
 
 
 def test_a_client_that_goes_away_cancels_its_samples(

@@ -94,3 +94,52 @@ def test_episode_ids() -> None:
     for header, metadata in (("a b", None), (None, "x" * 129), ("a", "b"), ("", None)):
         with pytest.raises(OpenAIError):
             episode_id(header, metadata)
+
+
+def test_penalties_are_read_and_bounded_like_openais() -> None:
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    plain = chat_request(chat, 8).options
+    assert (plain.frequency_penalty, plain.presence_penalty) == (0.0, 0.0)
+    both = chat_request({**chat, "frequency_penalty": 1.5, "presence_penalty": -2}, 8).options
+    assert (both.frequency_penalty, both.presence_penalty) == (1.5, -2.0)
+    text = completion_request({"model": "m", "prompt": "hi", "presence_penalty": 2.0}, 8).options
+    assert text.presence_penalty == 2.0
+    for name in ("frequency_penalty", "presence_penalty"):
+        for bad in (2.01, -2.5, "1", True, float("nan"), float("inf")):
+            for parse, body in ((chat_request, chat), (completion_request, {"model": "m", "prompt": "hi"})):
+                with pytest.raises(OpenAIError) as caught:
+                    parse({**body, name: bad}, 8)
+                assert caught.value.status == 400 and caught.value.param == name, (name, bad)
+
+
+def test_what_cannot_be_honoured_is_refused_naming_the_parameter() -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": tools}
+    text = {"model": "m", "prompt": "hi"}
+    # accepted: what is honoured, or what asks for nothing
+    accepted: list[dict[str, object]] = [
+        {"response_format": {"type": "text"}}, {"response_format": None}, {"tool_choice": "auto"},
+        {"tool_choice": "none"}, {"logit_bias": {}},
+    ]  # fmt: skip
+    for fine in accepted:
+        chat_request({**chat, **fine}, 8)
+    assert chat_request({**chat, "tool_choice": "auto"}, 8).tool_choice == "auto"
+    completion_request({**text, "response_format": {"type": "text"}}, 8)
+    refused: list[tuple[dict[str, object], str]] = [
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
+        ({"response_format": "json"}, "response_format"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+        ({"logit_bias": {"50256": -100}}, "logit_bias"),
+    ]
+    for fields, param in refused:
+        for parse, body in ((chat_request, chat), (completion_request, text)):
+            if param == "tool_choice" and parse is completion_request:
+                continue  # completions have no tools
+            with pytest.raises(OpenAIError) as caught:
+                parse({**body, **fields}, 8)
+            assert caught.value.status == 400 and caught.value.param == param, fields
+    with pytest.raises(OpenAIError) as caught:
+        chat_request({**chat, "top_p": 0}, 8)
+    assert caught.value.param == "top_p" and "temperature" in caught.value.message

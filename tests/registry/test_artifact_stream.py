@@ -146,16 +146,23 @@ def test_fetch_round_trip_and_extra_bytes_are_data_loss(tmp_path: Path) -> None:
 
 
 class UploadLedger:
-    """The part of the RegistryStore an upload touches: the record of who uploaded what."""
+    """The part of the RegistryStore an upload touches: the lease on its digest and the record of who uploaded
+    what (the local principal reserves no quota)."""
 
     def __init__(self) -> None:
         self.uploads: dict[str, int] = {}
+        self.leases: set[tuple[str, str]] = set()
 
-    async def record_upload(self, sha256: str, tenant: str, size_bytes: int) -> None:
+    async def lease_artifact(self, sha256: str, lease_id: str, ttl_ms: int) -> bool:
+        self.leases.add((sha256, lease_id))
+        return True
+
+    async def release_lease(self, sha256: str, lease_id: str) -> None:
+        self.leases.discard((sha256, lease_id))
+
+    async def record_upload(self, sha256: str, tenant: str, size_bytes: int, lease_id: str, upload_id: str) -> None:
+        self.leases.remove((sha256, lease_id))
         self.uploads[sha256] = size_bytes
-
-    async def tenant_usage(self, tenant: str) -> int:
-        return sum(self.uploads.values())
 
 
 def upload(servicer: RegistryServicer, messages: list[registry_pb2.UploadArtifactRequest]) -> Any:
@@ -187,11 +194,13 @@ def upload_messages(files: dict[str, bytes], extra: bytes = b"") -> list[registr
 )
 def test_registry_upload_refuses_a_broken_stream(tmp_path: Path, messages: Any, message: str) -> None:
     store = ArtifactStore(tmp_path)
-    servicer = RegistryServicer(UploadLedger(), store)  # type: ignore[arg-type]  # uploads only record who sent what
+    ledger = UploadLedger()
+    servicer = RegistryServicer(ledger, store)  # type: ignore[arg-type]  # uploads only lease and record
     with pytest.raises(InvalidArgument) as caught:
         upload(servicer, messages(upload_messages(FILES)))
     assert (caught.value.reason, caught.value.message) == ("INVALID_UPLOAD", message)
     assert list((tmp_path / "tmp").iterdir()) == []  # the writer was aborted
+    assert ledger.leases == set()
     response = upload(servicer, upload_messages(FILES))
     assert store.ref(response.artifact_uri).size_bytes == response.artifact_size_bytes
 

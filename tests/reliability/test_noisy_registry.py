@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 import pytest
 import redis
-from registryutil import artifact_files, create_adapter, publish, unique_name, upload
+from registryutil import artifact_files, create_adapter, publish, unique_name, upload, upload_requests
 from serverproc import ServerProcess, opentinker_command, registry_store, start_registry
 
 from opentinker.cli.launch import tree_memory
@@ -308,19 +308,47 @@ def test_case9_many_files_quota_and_unpublished_uploads(registry: Registry, figu
         except grpc.RpcError as error:
             return status_of(error)
 
+    # The quota refusal is checked while the 1.5 MiB upload is still in flight: it counts from its manifest on,
+    # so the outcome cannot depend on whether the grace period has already collected anything. (It used to be
+    # checked after that upload, which passed only if the sweep had not yet collected it.)
+    gate = threading.Event()
+    big: list[tuple[str, str]] = []
+
+    def stalled_upload() -> None:
+        requests = upload_requests({"w": b"a" * (3 * MiB // 2)}, chunk=64 << 10)
+
+        def held() -> Iterator[registry_pb2.UploadArtifactRequest]:
+            yield next(requests)  # the manifest
+            gate.wait(120)
+            yield from requests
+
+        try:
+            big.append(("OK", stub.UploadArtifact(held(), metadata=md_a).artifact_uri))
+        except grpc.RpcError as error:
+            big.append(status_of(error))
+
+    reserved = redis.Redis.from_url(registry.redis_url)
+    uploader = threading.Thread(target=stalled_upload)
     thread.start()
-    # While team-b works: one artifact of 50,000 empty files (the issue's), then four of 5,000.
-    flood = [try_upload({f"f{i:05d}": b"" for i in range(n)}) for n in (50_000, 5_000, 5_000, 5_000, 5_000)]
-    at_limit = try_upload({f"f{i:02d}": bytes([i]) for i in range(MAX_FILES)})
-    big = try_upload({"w": b"a" * (3 * MiB // 2)})
-    over_quota = try_upload({"w": b"b" * MiB})
+    try:
+        # While team-b works: one artifact of 50,000 empty files (the issue's), then four of 5,000.
+        flood = [try_upload({f"f{i:05d}": b"" for i in range(n)}) for n in (50_000, 5_000, 5_000, 5_000, 5_000)]
+        at_limit = try_upload({f"f{i:02d}": bytes([i]) for i in range(MAX_FILES)})
+        uploader.start()
+        assert wait_until(lambda: reserved.hlen("ot:tenant:team-a:reserved") == 1, timeout=60)
+        over_quota = try_upload({"w": b"b" * MiB})
+    finally:
+        gate.set()
+        uploader.join(120)
+        reserved.close()
     thread.join(120)
     assert workload.errors == [] and workload.versions == list(range(1, 13))
     assert flood == [("INVALID_ARGUMENT", "TOO_MANY_FILES")] * 5
-    assert at_limit[0] == "OK" and big[0] == "OK"
+    assert at_limit[0] == "OK" and big[0][0] == "OK"
     assert over_quota == ("RESOURCE_EXHAUSTED", "STORAGE_QUOTA_EXCEEDED")
-    # Nobody publishes team-a's uploads: after the grace period they are collected and the quota is free again.
-    assert wait_until(lambda: not store.exists(big[1]) and not store.exists(at_limit[1]), timeout=60)
+    # Nobody publishes team-a's uploads: after the grace period they are collected. The quota is released in
+    # the same step that decides to delete the bytes, before they go, so once they are gone it is free again.
+    assert wait_until(lambda: not store.exists(big[0][1]) and not store.exists(at_limit[1]), timeout=60)
     again = try_upload({"w": b"b" * MiB})
     assert again[0] == "OK"
     memory_after = registry.memory()
@@ -328,7 +356,7 @@ def test_case9_many_files_quota_and_unpublished_uploads(registry: Registry, figu
     figure(
         "case 9 uploads: 50,000 + 4 x 5,000-file artifacts refused, 64 files / 1.5 MiB ok, quota refusal, "
         "collected after the grace period, registry MiB before/after",
-        f"{len(flood)} x {flood[0]}, {at_limit[0]} / {big[0]}, {over_quota}, yes, "
+        f"{len(flood)} x {flood[0]}, {at_limit[0]} / {big[0][0]}, {over_quota}, yes, "
         f"{memory_before / MiB:.0f}/{memory_after / MiB:.0f}",
     )
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import types
 from typing import Any, cast
 
-from pagedkvutil import assert_same, fill_random, make_pool, prompt, run
+from pagedkvutil import CPU, assert_same, fill_random, make_pool, prompt, run
 from pagedkvutil import engine as paged_engine
 
 from opentinker.sampler_server.engine import Engine
@@ -107,7 +107,7 @@ def test_two_tenants_on_the_base_model_share_nothing_by_default(runner: LlamaFor
     assert key("team-a", share=True) == key("team-b", share=True)
     fake = types.SimpleNamespace(info=types.SimpleNamespace(model_digest="base-digest"), pool=pool,
                                  share_base_prefix_cache=False)  # fmt: skip
-    assert SamplerServicer._cache_key(cast(Any, fake), 1, "team-a") == "lora:base-digest:sha-0"
+    assert SamplerServicer._cache_key(cast(Any, fake), 1, "team-a") == "lora:base-digest:sha-0:tenant:paged"
 
     on = engine(runner, pool, num_blocks=32)
     try:
@@ -136,3 +136,29 @@ def test_a_small_pool_evicts_idle_blocks_lru_and_keeps_outputs(runner: LlamaForC
     reference = requests()
     run(engine(runner, pool, num_blocks=64, prefix_cache=False), reference)
     assert_same(ours, reference)
+
+
+def test_byte_identical_adapters_of_two_tenants_share_no_blocks(runner: LlamaForCausalLM) -> None:
+    """Both imported one public peft folder: one content digest, but the keys are salted with the owner, so
+    team-b's prompt cannot find (and time) team-a's blocks; a tenant's own copies, or an admin's request on
+    team-a's adapter (the caller's tenant does not enter a LoRA key), still share."""
+    shared = SlotPool(runner.linear_shapes(), max_slots=3, max_rank=4, device=CPU)
+    for name in ("team-a/imported", "team-b/imported", "team-a/copy"):
+        fill_random(shared, runner, shared.reserve((name, 1)), seed=3, sha="sha-public")
+    fake = types.SimpleNamespace(info=types.SimpleNamespace(model_digest="base-digest"), pool=shared,
+                                 share_base_prefix_cache=True)  # fmt: skip
+
+    def key(slot: int, caller: str) -> str:
+        return SamplerServicer._cache_key(cast(Any, fake), slot, caller)
+
+    assert key(1, "team-a") != key(2, "team-b")
+    assert key(1, "team-a") == key(3, "team-a") == key(1, "ops")
+    on = engine(runner, shared, num_blocks=32)
+    try:
+        run(on, [ask("a", SYSTEM, slot=1, key=key(1, "team-a"))], stop=False)
+        run(on, [ask("b", SYSTEM, slot=2, key=key(2, "team-b"))], stop=False)
+        assert on.stats.prompt_tokens_cached == 0  # team-b reused none of team-a's blocks
+        run(on, [ask("a-copy", SYSTEM, slot=3, key=key(3, "team-a"))], stop=False)
+        assert on.stats.prompt_tokens_cached == 32  # the contrast: within team-a the identical copy hits
+    finally:
+        on.stop()

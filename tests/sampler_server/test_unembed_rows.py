@@ -138,7 +138,7 @@ def test_a_tied_model_serves_lm_head_lora_and_keeps_its_embedding(tmp_path: Path
     pool = SlotPool(model.linear_shapes(), max_slots=1, max_rank=8, device=CPU)
     weights = adapter_weights(model.linear_shapes(), 3)
     pool.fill(pool.reserve(("tied", 1)), weights, rank=8, scaling=2.0, artifact_sha256="")
-    cache = KVCache(model.config, 2, 16, CPU, torch.float32)  # block 1: the engine's ComputeLogprobs area
+    cache = KVCache(model.config, 2, 16, CPU, torch.float32)
     engine = Engine(model, cache, pool.tensors, Scheduler(max_seqs=1, max_batch_tokens=16), release=pool.release,
                     max_len=16, eos_token_ids=(), kernel="segments")  # fmt: skip
     batch = ForwardBatch.build([[4, 5, 6]], [0], kv_slots=[0], all_logits=True)

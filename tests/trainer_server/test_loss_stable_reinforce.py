@@ -1,5 +1,6 @@
 """stable_reinforce: value, gradient and metrics against a direct numpy implementation of the formula
-(float64, gradient derived by hand), truncation, the KL penalty, masking, sums over batches, bad config."""
+(float64, gradient derived by hand), truncation, the KL penalty and the weights that select its tokens, masking,
+sums over batches, bad config, and the weights through build_batch."""
 
 from __future__ import annotations
 
@@ -9,24 +10,34 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 import torch
+from trainerutil import VOCAB, float_tensor, random_tokens, rl_datum
 
 from opentinker.rpc.errors import InvalidArgument
+from opentinker.trainer_server.batch import Batch, build_batch
 from opentinker.trainer_server.losses import compute_loss, resolve_config
+from opentinker.v1 import common_pb2
 
 Array = npt.NDArray[np.float64]
 
 
-def direct(p: Array, q: Array, a: Array, kl_coeff: float) -> tuple[float, Array, dict[str, float]]:
-    """The documented formula, token by token over the active tokens (A != 0):
-    loss = sum(-min(r, 1) * A * p + kl_coeff * (r - 1 - log r)), r = exp(p - q);
-    d loss / d p = -min(r, 1) * A + kl_coeff * (r - 1) (min(r, 1) is a constant: stop-gradient)."""
+def direct(
+    p: Array, q: Array, a: Array, kl_coeff: float, w: Array | None = None
+) -> tuple[float, Array, dict[str, float]]:
+    """The documented formula, token by token: the policy term over the active tokens (A != 0), the penalty over
+    the selected ones (w != 0, w = [A != 0] without weights):
+    loss = sum([A != 0] * -min(r, 1) * A * p) + kl_coeff * sum([w != 0] * w * (r - 1 - log r)), r = exp(p - q);
+    d loss / d p = -[A != 0] * min(r, 1) * A + kl_coeff * [w != 0] * w * (r - 1) (min(r, 1): stop-gradient)."""
     active = a != 0
+    w = active.astype(np.float64) if w is None else w
+    selected = w != 0
     log_r = np.where(active, p - q, 0.0)
     r = np.exp(log_r)
     weight = np.minimum(r, 1.0)
-    kl_terms = np.where(active, r - 1.0 - log_r, 0.0)
+    kl_log_r = np.where(selected, p - q, 0.0)
+    kl_r = np.exp(kl_log_r)
+    kl_terms = np.where(selected, w * (kl_r - 1.0 - kl_log_r), 0.0)
     loss = float(np.sum(np.where(active, -weight * a * p, 0.0)) + kl_coeff * np.sum(kl_terms))
-    grad = np.where(active, -weight * a + kl_coeff * (r - 1.0), 0.0)
+    grad = np.where(active, -weight * a, 0.0) + np.where(selected, kl_coeff * w * (kl_r - 1.0), 0.0)
     n = int(active.sum())
     metrics = {
         "loss:sum": loss,
@@ -38,10 +49,17 @@ def direct(p: Array, q: Array, a: Array, kl_coeff: float) -> tuple[float, Array,
 
 
 def run(
-    p: Array, q: Array, a: Array, config: dict[str, float] | None = None, dtype: torch.dtype = torch.float64
+    p: Array,
+    q: Array,
+    a: Array,
+    config: dict[str, float] | None = None,
+    dtype: torch.dtype = torch.float64,
+    w: Array | None = None,
 ) -> tuple[float, Array, dict[str, float]]:
     logprobs = torch.tensor(p, dtype=dtype, requires_grad=True)
     inputs = {"logprobs": torch.tensor(q, dtype=dtype), "advantages": torch.tensor(a, dtype=dtype)}
+    if w is not None:
+        inputs["weights"] = torch.tensor(w, dtype=dtype)
     result = compute_loss("stable_reinforce", logprobs, inputs, config or {})
     (grad,) = torch.autograd.grad(result.loss, logprobs)
     return result.loss.item(), grad.double().numpy(), result.metrics
@@ -67,6 +85,53 @@ def test_value_gradient_and_metrics_match_the_formula(seed: int, kl_coeff: float
     for key, value in ref_metrics.items():
         assert metrics[key] == pytest.approx(value, rel=1e-12, abs=1e-12), key
     assert 0.0 < metrics["clip_fraction:mean"] < 1.0  # the cases do truncate some tokens and not others
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_weights_select_the_penalty_tokens_whatever_their_advantage(seed: int) -> None:
+    p, q, a = random_case(seed, 40)
+    rng = np.random.default_rng(100 + seed)
+    w = rng.uniform(0.5, 2.0, 40) * (rng.random(40) > 0.2)  # some tokens unselected, A = 0 or not
+    assert np.any((a == 0) & (w != 0)) and np.any((a != 0) & (w == 0))
+    loss, grad, metrics = run(p, q, a, {"kl_coeff": 0.4}, w=w)
+    ref_loss, ref_grad, ref_metrics = direct(p, q, a, 0.4, w)
+    assert loss == pytest.approx(ref_loss, rel=1e-12, abs=1e-12)
+    np.testing.assert_allclose(grad, ref_grad, rtol=1e-12, atol=1e-12)
+    for key, value in ref_metrics.items():
+        assert metrics[key] == pytest.approx(value, rel=1e-12, abs=1e-12), key
+
+
+def test_zero_advantage_batch_with_kl_gets_the_penalty_gradient() -> None:
+    """Every advantage 0 (a group whose rewards were all equal), off-policy, kl_coeff > 0: the policy term is 0,
+    the penalty is not, and its gradient kl_coeff * w * (r - 1) pulls each selected token back to the sampler."""
+    q = np.array([-1.0, -2.0, -0.5, -3.0])
+    p = q + np.array([0.3, -0.4, 0.1, 0.0])
+    a = np.zeros(4)
+    w = np.ones(4)
+    loss, grad, metrics = run(p, q, a, {"kl_coeff": 0.5}, w=w)
+    r = np.exp(p - q)
+    np.testing.assert_allclose(grad, 0.5 * (r - 1.0), rtol=1e-12)
+    assert np.count_nonzero(grad) == 3  # the on-policy token (r = 1) is already where the penalty wants it
+    assert metrics["kl:sum"] == pytest.approx(float(np.sum(r - 1.0 - (p - q))), rel=1e-12)
+    assert loss == pytest.approx(0.5 * metrics["kl:sum"], rel=1e-12) and loss > 0
+    assert metrics["ratio:mean"] == 1.0 and metrics["clip_fraction:mean"] == 0.0  # no active token
+    # without weights a datum's penalty covers its A != 0 tokens only: here none
+    _, unweighted, _ = run(p, q, a, {"kl_coeff": 0.5})
+    assert not unweighted.any()
+
+
+def test_unselected_prompt_positions_stay_finite_and_silent() -> None:
+    # a prompt position: q = 0 (no sampler logprob), p far below, A = 0, w = 0: nothing, not inf/NaN
+    p = np.array([-90.0, -0.5, -0.9])
+    q = np.array([0.0, -0.7, -0.4])
+    a = np.array([0.0, 0.0, 1.0])
+    w = np.array([0.0, 1.0, 2.0])
+    loss, grad, metrics = run(p, q, a, {"kl_coeff": 1.0}, dtype=torch.float32, w=w)
+    ref_loss, ref_grad, ref_metrics = direct(p, q, a, 1.0, w)
+    assert math.isfinite(loss) and loss == pytest.approx(ref_loss, rel=1e-5)
+    np.testing.assert_allclose(grad, ref_grad, rtol=1e-5)
+    assert grad[0] == 0.0 and grad[1] != 0.0
+    assert metrics["kl:sum"] == pytest.approx(ref_metrics["kl:sum"], rel=1e-5)
 
 
 def test_float32_matches_the_float64_formula() -> None:
@@ -178,3 +243,47 @@ def test_missing_or_misshaped_inputs_are_refused() -> None:
     with pytest.raises(InvalidArgument) as info:
         compute_loss("stable_reinforce", p, {"logprobs": torch.zeros(2), "advantages": torch.zeros(3)}, {})
     assert info.value.reason == "INVALID_DATUM" and "logprobs has shape [2]" in info.value.message
+
+
+def test_misshaped_weights_are_refused() -> None:
+    p = torch.zeros(3, dtype=torch.float64, requires_grad=True)
+    inputs = {"logprobs": torch.zeros(3), "advantages": torch.zeros(3), "weights": torch.ones(2)}
+    with pytest.raises(InvalidArgument) as info:
+        compute_loss("stable_reinforce", p, inputs, {"kl_coeff": 1.0})
+    assert info.value.reason == "INVALID_DATUM" and "weights has shape [2]" in info.value.message
+
+
+def sr_datum(tokens: list[int], q: list[float], a: list[float], w: list[float] | None) -> common_pb2.Datum:
+    datum = rl_datum(tokens, q, a)
+    if w is not None:
+        datum.loss_fn_inputs["weights"].CopyFrom(float_tensor(w))
+    return datum
+
+
+def build(datums: list[common_pb2.Datum]) -> Batch:
+    return build_batch(datums, "stable_reinforce", vocab_size=VOCAB, max_positions=64, pad_id=0)
+
+
+def test_build_batch_carries_the_weights_and_defaults_them_per_datum() -> None:
+    weighted = sr_datum(random_tokens(1, 5), [0.0, -1.0, -1.5, -2.0], [0.0, 0.0, 0.0, 0.0], [0.0, 1.0, 1.0, 2.0])
+    unweighted = sr_datum(random_tokens(2, 4), [0.0, -1.0, -0.5], [0.0, 1.0, -1.0], None)
+    assert build([weighted, unweighted]).inputs["weights"].tolist() == [0.0, 1.0, 1.0, 2.0, 0.0, 1.0, 1.0]
+    assert "weights" in build([unweighted]).inputs  # [A != 0] when no datum sends them
+    # all advantages 0, as built for the trainer: the penalty alone gives the gradient, on the selected tokens
+    batch = build([weighted])
+    p = (batch.inputs["logprobs"] + torch.tensor([0.0, 0.2, -0.3, 0.1])).double().requires_grad_()
+    result = compute_loss("stable_reinforce", p, batch.inputs, {"kl_coeff": 0.5})
+    (grad,) = torch.autograd.grad(result.loss, p)
+    assert grad[0] == 0.0 and bool((grad[1:] != 0).all())
+
+
+def test_build_batch_refuses_negative_weights_and_digests_given_ones() -> None:
+    tokens, q, a = random_tokens(3, 5), [0.0, -1.0, -1.5, -2.0], [0.0, 1.0, 1.0, 1.0]
+    with pytest.raises(InvalidArgument) as info:
+        build([sr_datum(tokens, q, a, None), sr_datum(tokens, q, a, [0.0, 1.0, -0.5, 1.0])])
+    assert info.value.reason == "INVALID_DATUM" and "must be >= 0" in info.value.message
+    assert info.value.metadata == {"field": "datums[1].loss_fn_inputs['weights']", "datum": "1"}
+    # the weights are part of the batch's id (the ledger's record of what was trained on)
+    plain, weighted = build([sr_datum(tokens, q, a, None)]), build([sr_datum(tokens, q, a, [0.0, 1.0, 1.0, 1.0])])
+    assert plain.inputs["weights"].tolist() == weighted.inputs["weights"].tolist()
+    assert plain.digest != weighted.digest

@@ -116,6 +116,7 @@ INF_WEIGHT = with_input(good(), "weights", float_tensor([1.0, 1, 1, 1, 1, 1, flo
 NO_WEIGHTS = common_pb2.Datum(model_input=good().model_input, loss_fn_inputs={"target_tokens": int_tensor([5] * 7)})
 EMPTY_INPUT = common_pb2.Datum(model_input=common_pb2.ModelInput(), loss_fn_inputs=good().loss_fn_inputs)
 UNKNOWN_KEY = with_input(good(), "rewards", float_tensor([1.0] * 7))
+NEGATIVE_KL_WEIGHT = with_input(rl(), "weights", float_tensor([0.0, 1.0, -1.0, 1.0, 1.0]))
 
 
 @dataclass(frozen=True)
@@ -157,6 +158,8 @@ CASES = [
          "INVALID_DATUM", "datums[1].loss_fn_inputs['advantages']"),
     Case("nan-logprob", fb([rl(), rl(logprob=float("nan"))], "dro"), Code.INVALID_ARGUMENT, "INVALID_DATUM",
          "datums[1].loss_fn_inputs['logprobs']"),
+    Case("negative-kl-weight", fb([rl(), NEGATIVE_KL_WEIGHT], "stable_reinforce", {"kl_coeff": 0.5}),
+         Code.INVALID_ARGUMENT, "INVALID_DATUM", "datums[1].loss_fn_inputs['weights']"),
     Case("missing-weights", fb([good(), NO_WEIGHTS]), Code.INVALID_ARGUMENT, "INVALID_DATUM",
          "datums[1].loss_fn_inputs['weights']"),
     Case("missing-advantages", fb([rl(), good()], "cispo"), Code.INVALID_ARGUMENT, "INVALID_DATUM",

@@ -16,6 +16,7 @@ from trainerutil import (
     Trainer,
     assert_status,
     create,
+    float_tensor,
     forward,
     forward_backward,
     get_adapter,
@@ -134,6 +135,24 @@ def test_rl_losses_end_to_end(trainer: Trainer, loss_fn: str, config: dict[str, 
     second = forward_backward(trainer, name, datums, loss_fn, config)
     assert logprobs(second) != logprobs(first)
     assert optim_step(trainer, name).step == 2
+
+
+def test_stable_reinforce_penalty_trains_a_zero_advantage_batch(trainer: Trainer) -> None:
+    """Every advantage 0 (equal rewards in the group) and kl_coeff > 0: the KL penalty on the sampled tokens the
+    weights select still gives a gradient, so the step pulls the policy back towards the sampler."""
+    name = create(trainer, seed=12).name
+    sequences = [random_tokens(120 + i, 10) for i in range(2)]
+    sampled = logprobs(forward(trainer, name, [sft_datum(s) for s in sequences]))
+    datums = []
+    for i, (tokens, lp) in enumerate(zip(sequences, sampled, strict=True)):
+        datum = rl_datum(tokens, [0.0] * 3 + [q - 0.2 * (i + 1) for q in lp[3:]], [0.0] * 9)  # off-policy
+        datum.loss_fn_inputs["weights"].CopyFrom(float_tensor([0.0] * 3 + [1.0] * 6))  # prompt positions: 0
+        datums.append(datum)
+    first = forward_backward(trainer, name, datums, "stable_reinforce", {"kl_coeff": 1.0})
+    assert first.metrics["kl:sum"] > 0 and first.metrics["loss:sum"] == pytest.approx(first.metrics["kl:sum"])
+    assert optim_step(trainer, name).metrics["grad_norm:value"] > 0
+    after = forward(trainer, name, datums, "stable_reinforce")
+    assert logprobs(after) != logprobs(first)
 
 
 def test_snapshot_loads_in_peft_with_the_trainers_logprobs(

@@ -45,7 +45,7 @@ class GetSamplerInfoResponse(_message.Message):
     def __init__(self, base_model: _Optional[_Union[_common_pb2.BaseModelInfo, _Mapping]] = ..., max_slots: _Optional[int] = ..., max_rank: _Optional[int] = ..., max_seqs: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., lora_kernel: _Optional[str] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "seed", "max_tokens", "stop_token_ids", "stop_strings", "logprobs", "top_logprobs")
+    __slots__ = ("temperature", "top_k", "top_p", "seed", "max_tokens", "stop_token_ids", "stop_strings", "logprobs", "top_logprobs", "frequency_penalty", "presence_penalty")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,8 @@ class SamplingParams(_message.Message):
     STOP_STRINGS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
@@ -64,7 +66,9 @@ class SamplingParams(_message.Message):
     stop_strings: _containers.RepeatedScalarFieldContainer[str]
     logprobs: bool
     top_logprobs: int
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop_strings: _Optional[_Iterable[str]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+    frequency_penalty: float
+    presence_penalty: float
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop_strings: _Optional[_Iterable[str]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ...) -> None: ...
 
 class SampleRequest(_message.Message):
     __slots__ = ("model", "prompt", "sampling_params", "num_samples", "prompt_logprobs", "request_id", "prompt_text")
