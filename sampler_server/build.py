@@ -162,7 +162,8 @@ def build_sampler(config: SamplerConfig) -> BuiltSampler:
         packed = c.cpu_gemm == "onednn" and runner.pack_for_cpu()
         if torch_device.type == "cpu" and torch_dtype == torch.float32:
             log.info("base matmuls: %s", "oneDNN packed weights" if packed else "torch dense weights")
-        cache = KVCache(model_config, num_blocks, BLOCK_SIZE, torch_device, torch_dtype)
+        kept_out = -(-context // BLOCK_SIZE)  # blocks besides the pool (see Engine.__init__)
+        cache = KVCache(model_config, num_blocks + kept_out, BLOCK_SIZE, torch_device, torch_dtype)
         scheduler = Scheduler(
             max_seqs=max_seqs,
             max_batch_tokens=max_batch_tokens,
@@ -241,9 +242,9 @@ def kv_blocks(c: SamplerConfig, model_config: Any, context: int, dtype: Any) -> 
         blocks, option = c.num_blocks, "--num-blocks"
     elif c.kv_cache_mb:
         blocks, option = KVCache.blocks_for(model_config, c.kv_cache_mb, BLOCK_SIZE, dtype), "--kv-cache-mb"
-    else:  # at most the bytes of the max_seqs + 1 slots (ComputeLogprobs' included) of max_len the slot cache took
-        # (ComputeLogprobs inputs are sequences of the pool now, so the pool has all of them)
-        blocks, option = max(per_sequence, (c.max_seqs + 1) * context // BLOCK_SIZE), "--max-seqs"
+    else:  # at most the bytes of the max_seqs + 1 slots of max_len the slot cache took, less the blocks the
+        # engine keeps out of the pool (and always room for one max_len sequence: the rounding could leave less)
+        blocks, option = max(per_sequence, (c.max_seqs + 1) * context // BLOCK_SIZE - per_sequence), "--max-seqs"
     if blocks < per_sequence:
         raise BadOption(f"{blocks} KV-cache blocks of {BLOCK_SIZE} tokens cannot hold one {context}-token sequence "
                         f"(--max-len); it needs {per_sequence}", option)  # fmt: skip

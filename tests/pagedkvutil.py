@@ -50,8 +50,9 @@ def engine(
     prefix_cache: bool = True,
     max_len: int = MAX_LEN,
 ) -> Engine:
-    """An engine over a pool of num_blocks blocks."""
-    cache = KVCache(runner.config, num_blocks, block_size, CPU, torch.float32)
+    """An engine over a pool of num_blocks blocks (+ the max_len sequence's blocks the engine keeps out of it)."""
+    score = -(-max_len // block_size)
+    cache = KVCache(runner.config, num_blocks + score, block_size, CPU, torch.float32)
     return Engine(runner, cache, pool.tensors, Scheduler(max_seqs=max_seqs, max_batch_tokens=4096),
                   release=lambda slot: None, max_len=max_len, eos_token_ids=(), burst_wait=0.05,
                   prefix_cache=prefix_cache)  # fmt: skip

@@ -37,9 +37,9 @@ def test_kv_cache_size_flags(tiny_model: Path, tmp_path: Path) -> None:
 
     model_config = load_config(tiny_model)
     # Default: at most the memory of the 3 + 1 fixed slots of 100 positions the slot cache took (25 blocks of 16),
-    # all of it the pool (ComputeLogprobs inputs are sequences of the pool).
-    assert kv_blocks(config(tiny_model, tmp_path, max_seqs=3), model_config, 100, torch.float32) == 25
-    assert kv_blocks(config(tiny_model, tmp_path, max_seqs=64), model_config, 4096, torch.float32) == 65 * 256
+    # less the blocks the engine keeps out of the pool (one 100-token sequence: 7 blocks).
+    assert kv_blocks(config(tiny_model, tmp_path, max_seqs=3), model_config, 100, torch.float32) == 25 - 7
+    assert kv_blocks(config(tiny_model, tmp_path, max_seqs=64), model_config, 4096, torch.float32) == 64 * 256
     assert kv_blocks(config(tiny_model, tmp_path, num_blocks=50), model_config, 100, torch.float32) == 50
     one_block = KVCache.bytes_for(model_config, 1, 16, torch.float32)
     by_size = config(tiny_model, tmp_path, kv_cache_mb=40 * one_block / 2**20)
@@ -49,7 +49,7 @@ def test_kv_cache_size_flags(tiny_model: Path, tmp_path: Path) -> None:
     assert caught.value.option == "--num-blocks"
     built = build_sampler(config(tiny_model, tmp_path, num_blocks=40, max_len=64))
     assert isinstance(built.engine, Engine) and built.engine.blocks.num_blocks == 40
-    assert built.engine.cache.num_blocks == 40  # no area apart for ComputeLogprobs
+    assert built.engine.cache.num_blocks == 40 + 4  # + one max_len sequence's kept out of the pool
     asyncio.run(built.on_stop())
 
 
