@@ -51,7 +51,8 @@ imports: $(STAMP) linktree
 	cd build/typecheck && PYTHONPATH=. ../../$(BIN)/lint-imports ../../pyproject.toml --no-cache
 
 test: $(STAMP) lint typecheck imports protos-check
-	$(BIN)/python -m pytest tests
+	@# The slowest 15 tests close every run, so growth is visible.
+	$(BIN)/python -m pytest tests --durations=15
 
 demo: $(STAMP)
 	$(BIN)/opentinker demo
@@ -72,9 +73,10 @@ bench: $(STAMP)
 bench-check: $(STAMP)
 	$(BIN)/python bench/bench_check.py $(if $(BASE),--base $(BASE))
 
-# The reliability suite with its load test at 60 s instead of 10 s.
+# The reliability suite with its load test at 60 s instead of 10 s, and the HTTP fuzzer at 500 examples per route.
 soak: $(STAMP)
 	OPENTINKER_SOAK=1 $(BIN)/python -m pytest tests/reliability -q
+	OPENTINKER_FUZZ_EXAMPLES=500 $(BIN)/python -m pytest tests/gateway/test_http_fuzz.py -q
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -27,6 +27,15 @@ def sample_command(
     top_p: Annotated[float, typer.Option(help="Nucleus sampling mass.")] = 1.0,
     top_k: Annotated[int, typer.Option(min=0, max=(1 << 32) - 1, help="0: off.")] = 0,
     seed: Annotated[int | None, typer.Option(min=0, max=(1 << 64) - 1, help="Same seed, same output.")] = None,
+    frequency_penalty: Annotated[
+        float, typer.Option(help="-2..2: a token's logit loses count * this for each time it was sampled.")
+    ] = 0.0,
+    presence_penalty: Annotated[
+        float, typer.Option(help="-2..2: a token's logit loses this once it has been sampled.")
+    ] = 0.0,
+    cache_salt: Annotated[
+        str, typer.Option(help="Requests with different salts share no prefix-cache blocks (at most 256 bytes).")
+    ] = "",
     stop: Annotated[list[str] | None, typer.Option(help="Stop strings.")] = None,
     chat: Annotated[
         bool, typer.Option(help="Render PROMPT as a user message with the model's chat template; stop at end of turn.")
@@ -51,10 +60,12 @@ def sample_command(
             stop_token_ids: tuple[int, ...] = ()
             if chat:
                 request, stop_token_ids = _chat_prompt(client, prompt, system, tokenizer)
-            params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                    seed=seed, stop=stop or [], stop_token_ids=stop_token_ids,
-                                    logprobs=False)  # fmt: skip
-            for chunk in client.stream(request, params):
+            params = SamplingParams(
+                max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                stop=stop or [], stop_token_ids=stop_token_ids, logprobs=False,
+                frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
+            )  # fmt: skip
+            for chunk in client.stream(request, params, cache_salt=cache_salt):
                 version = chunk.version.exact
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()

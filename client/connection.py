@@ -16,6 +16,7 @@ import grpc.aio
 from google.protobuf.message import Message
 
 from opentinker.client.errors import OpenTinkerError, from_rpc_error
+from opentinker.rpc import request_ids
 from opentinker.rpc.channel import bearer_metadata, open_aio_channel, open_channel
 
 M = TypeVar("M", bound=Message)
@@ -51,13 +52,19 @@ class Connection(Generic[S]):
         self.address = address
         self.timeout = timeout
         self.ca_cert = ca_cert
-        self.metadata: tuple[tuple[str, str], ...] = tuple(bearer_metadata(token))
+        self._auth: tuple[tuple[str, str], ...] = tuple(bearer_metadata(token))
         self._make_stub = make_stub
         self._channel = open_channel(address, ca_cert)
         self.stub = make_stub(self._channel)
         self._lock = threading.Lock()
         self._aio: dict[asyncio.AbstractEventLoop, tuple[grpc.aio.Channel, S]] = {}
         self._closed = False
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """The bearer token, and the request id of the call being served when a server (the gateway, the
+        sampler resolving through the registry) calls on a client's behalf: its logs and ours share the id."""
+        return self._auth + request_ids.outgoing()
 
     def check_open(self) -> None:
         if self._closed:

@@ -13,21 +13,23 @@ from collections.abc import Mapping
 import grpc
 import grpc.aio
 
-from opentinker.rpc.errors import error_info
+from opentinker.rpc.errors import error_info, request_id_of
 
 __all__ = ["OpenTinkerError", "from_rpc_error"]
 
 
 class OpenTinkerError(Exception):
-    """A failed OpenTinker call: gRPC status code, message, ErrorInfo reason ("" if none) and metadata.
+    """A failed OpenTinker call: gRPC status code, message, ErrorInfo reason ("" if none) and metadata, and
+    the request id the server logged it under ("" if none; quote it to the operator).
 
-    ``str(err)`` reads ``"NOT_FOUND: adapter 'x' not found [ADAPTER_NOT_FOUND]"``.
+    ``str(err)`` reads ``"NOT_FOUND: adapter 'x' not found (request 3f2a...) [ADAPTER_NOT_FOUND]"``.
     """
 
     code: grpc.StatusCode
     message: str
     reason: str
     metadata: dict[str, str]
+    request_id: str
 
     def __init__(
         self,
@@ -35,15 +37,17 @@ class OpenTinkerError(Exception):
         message: str,
         reason: str = "",
         metadata: Mapping[str, str] | None = None,
+        request_id: str = "",
     ) -> None:
         # Every constructor argument goes into args so that pickling (multiprocessing, Ray, ...) rebuilds
         # an equal error: Exception.__reduce__ calls cls(*args).
         meta = dict(metadata or {})
-        super().__init__(code, message, reason, meta)
+        super().__init__(code, message, reason, meta, request_id)
         self.code = code
         self.message = message
         self.reason = reason
         self.metadata = meta
+        self.request_id = request_id
 
     def __str__(self) -> str:
         suffix = f" [{self.reason}]" if self.reason else ""
@@ -64,9 +68,10 @@ def from_rpc_error(err: grpc.RpcError) -> OpenTinkerError:
         code = grpc.StatusCode.UNKNOWN
     try:
         info = error_info(err)  # sync calls and grpc.aio errors alike
+        request_id = request_id_of(err)
     except Exception:
         # A malformed grpc-status-details-bin trailer (a proxy, a foreign server) must not hide the status.
-        info = None
+        info, request_id = None, ""
     if info is None:
-        return OpenTinkerError(code, message)
-    return OpenTinkerError(code, message, info.reason, dict(info.metadata))
+        return OpenTinkerError(code, message, request_id=request_id)
+    return OpenTinkerError(code, message, info.reason, dict(info.metadata), request_id)

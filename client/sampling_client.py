@@ -15,6 +15,10 @@ resolves it once per request, so each result names the exact version that produc
 (``SampledVersion``), whatever the aliases do meanwhile. Prompts are token ids (a ModelInput or a sequence
 of ints) or text, which the sampler tokenizes with the base model's tokenizer (no chat template).
 
+``cache_salt`` (sample, stream, compute_logprobs): requests with different salts share no prefix-cache
+blocks, even within one tenant (different tenants never do); the same salt, or none, shares them. At most
+256 UTF-8 bytes (longer: INVALID_ARGUMENT / INVALID_CACHE_SALT from the sampler).
+
 Every method has an ``*_async`` twin on a grpc.aio channel (one per event loop, opened on first use).
 Every failure is an `OpenTinkerError` with the gRPC status code and the server's ErrorInfo reason.
 """
@@ -103,7 +107,12 @@ class SamplerConnection(Connection[sampler_pb2_grpc.SamplerServiceStub]):
 
 
 def _sample_request(
-    reference: str, prompt: Prompt, params: SamplingParams | None, num_samples: int, prompt_logprobs: bool
+    reference: str,
+    prompt: Prompt,
+    params: SamplingParams | None,
+    num_samples: int,
+    prompt_logprobs: bool,
+    cache_salt: str = "",
 ) -> sampler_pb2.SampleRequest:
     if num_samples < 1:
         raise ValueError(f"num_samples must be at least 1, got {num_samples}")
@@ -112,6 +121,7 @@ def _sample_request(
         sampling_params=sampling_params_to_proto(params or SamplingParams()),
         num_samples=num_samples,
         prompt_logprobs=prompt_logprobs,
+        cache_salt=_cache_salt(cache_salt),
     )
     if isinstance(prompt, str):
         request.prompt_text = prompt
@@ -120,14 +130,24 @@ def _sample_request(
     return request
 
 
+def _cache_salt(salt: str) -> str:
+    if not isinstance(salt, str):
+        raise TypeError(f"cache_salt must be a string, got {type(salt).__name__}")
+    return salt
+
+
 def _model_input(tokens: ModelInput | Sequence[int]) -> ModelInput:
     return tokens if isinstance(tokens, ModelInput) else ModelInput.from_ints(tokens)
 
 
-def _logprobs_request(reference: str, tokens: ModelInput | Sequence[int]) -> sampler_pb2.ComputeLogprobsRequest:
+def _logprobs_request(
+    reference: str, tokens: ModelInput | Sequence[int], cache_salt: str = ""
+) -> sampler_pb2.ComputeLogprobsRequest:
     if isinstance(tokens, str):
         raise TypeError("compute_logprobs takes token ids, not text")
-    return sampler_pb2.ComputeLogprobsRequest(model=reference, inputs=[model_input_to_proto(_model_input(tokens))])
+    return sampler_pb2.ComputeLogprobsRequest(
+        model=reference, inputs=[model_input_to_proto(_model_input(tokens))], cache_salt=_cache_salt(cache_salt)
+    )
 
 
 def _logprobs_of(response: sampler_pb2.ComputeLogprobsResponse) -> tuple[float, ...]:
@@ -230,13 +250,15 @@ class SamplingClient:
         num_samples: int = 1,
         *,
         prompt_logprobs: bool = False,
+        cache_salt: str = "",
     ) -> SampleResult:
         """``num_samples`` completions of ``prompt`` (params None: SamplingParams()), collected from the stream.
 
-        ``prompt_logprobs``: also return the logprobs of the prompt's tokens 1..n-1.
+        ``prompt_logprobs``: also return the logprobs of the prompt's tokens 1..n-1. ``cache_salt``: this
+        request's prefix-cache blocks are shared only with requests of the same salt (module docstring).
         """
         collector = _Collector(num_samples, prompt_logprobs)
-        request = _sample_request(self.reference, prompt, params, num_samples, prompt_logprobs)
+        request = _sample_request(self.reference, prompt, params, num_samples, prompt_logprobs, cache_salt)
         with closing(self._connection.sample(request)) as messages:
             for message in messages:
                 collector.add(message)
@@ -249,43 +271,47 @@ class SamplingClient:
         num_samples: int = 1,
         *,
         prompt_logprobs: bool = False,
+        cache_salt: str = "",
     ) -> SampleResult:
         collector = _Collector(num_samples, prompt_logprobs)
-        request = _sample_request(self.reference, prompt, params, num_samples, prompt_logprobs)
+        request = _sample_request(self.reference, prompt, params, num_samples, prompt_logprobs, cache_salt)
         async with aclosing(self._connection.sample_async(request)) as messages:
             async for message in messages:
                 collector.add(message)
         return collector.result()
 
     def stream(
-        self, prompt: Prompt, params: SamplingParams | None = None, num_samples: int = 1
+        self, prompt: Prompt, params: SamplingParams | None = None, num_samples: int = 1, *, cache_salt: str = ""
     ) -> Generator[SampleChunk, None, None]:
         """The samples' tokens as they are generated: one chunk per sample per step, samples interleaved.
 
         A generator: the request starts at the first ``next()``; closing it (``close()``, leaving a ``with
         contextlib.closing(...)`` block, or dropping it) cancels the request, which stops its generation.
         """
-        request = _sample_request(self.reference, prompt, params, num_samples, False)
+        request = _sample_request(self.reference, prompt, params, num_samples, False, cache_salt)
         with closing(self._connection.sample(request)) as messages:
             for message in messages:
                 yield sample_chunk_from_proto(message)
 
     async def stream_async(
-        self, prompt: Prompt, params: SamplingParams | None = None, num_samples: int = 1
+        self, prompt: Prompt, params: SamplingParams | None = None, num_samples: int = 1, *, cache_salt: str = ""
     ) -> AsyncGenerator[SampleChunk, None]:
         """stream() on the async channel. To stop early, ``aclose()`` it (``contextlib.aclosing``)."""
-        request = _sample_request(self.reference, prompt, params, num_samples, False)
+        request = _sample_request(self.reference, prompt, params, num_samples, False, cache_salt)
         async with aclosing(self._connection.sample_async(request)) as messages:
             async for message in messages:
                 yield sample_chunk_from_proto(message)
 
-    def compute_logprobs(self, tokens: ModelInput | Sequence[int]) -> tuple[float, ...]:
-        """logprobs[i] = log p(tokens[i+1] | tokens[..i]) under this reference: one fewer than the tokens."""
-        request = _logprobs_request(self.reference, tokens)
+    def compute_logprobs(self, tokens: ModelInput | Sequence[int], *, cache_salt: str = "") -> tuple[float, ...]:
+        """logprobs[i] = log p(tokens[i+1] | tokens[..i]) under this reference: one fewer than the tokens.
+        ``cache_salt``: as for sample(); the blocks this caches are found only by requests of the same salt."""
+        request = _logprobs_request(self.reference, tokens, cache_salt)
         return _logprobs_of(self._connection.unary("ComputeLogprobs", request, sampler_pb2.ComputeLogprobsResponse))
 
-    async def compute_logprobs_async(self, tokens: ModelInput | Sequence[int]) -> tuple[float, ...]:
-        request = _logprobs_request(self.reference, tokens)
+    async def compute_logprobs_async(
+        self, tokens: ModelInput | Sequence[int], *, cache_salt: str = ""
+    ) -> tuple[float, ...]:
+        request = _logprobs_request(self.reference, tokens, cache_salt)
         response = await self._connection.unary_async("ComputeLogprobs", request, sampler_pb2.ComputeLogprobsResponse)
         return _logprobs_of(response)
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
@@ -17,6 +16,7 @@ from opentinker.gateway import (
     expiry,
     openai_errors,
     openai_routes,
+    openapi,
     rest,
     sampling,
     training,
@@ -33,11 +33,12 @@ from opentinker.gateway.state import (
     principal_of,
     required,
 )
+from opentinker.rpc import request_ids
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-_PUBLIC = frozenset({"/api/v1/healthz"})
+_PUBLIC = frozenset({"/api/v1/healthz", "/openapi.json"})
 _NO_RETRY = {"x-should-retry": "false"}
 _OPENAI = "/v1/"  # the OpenAI-compatible routes (openai_routes.py): errors in OpenAI's shape
 
@@ -46,7 +47,8 @@ def _error(status: int, code: str, message: str, retry: bool = False) -> web.Res
     # 4xx answers say "do not retry" (the SDK would otherwise retry some of them: 409, 429) unless they are a
     # rate limit the SDK should back off from and retry.
     headers = _NO_RETRY if status < 500 and not retry else {}
-    return web.json_response({"error": code, "detail": message}, status=status, headers=headers)
+    body = {"error": code, "detail": message, "request_id": request_ids.current.get() or ""}
+    return web.json_response(body, status=status, headers=headers)
 
 
 def _authenticate(request: web.Request) -> None:
@@ -66,6 +68,18 @@ def _authenticate(request: web.Request) -> None:
 
 @web.middleware
 async def errors_and_auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+    # Every answer carries X-Request-Id (the caller's, when it sent a short token, else a new one); the
+    # gateway's calls to the servers carry it on, so one id finds a failure in every log.
+    request_id = request_ids.accepted(request.headers.get(request_ids.REQUEST_ID_KEY))
+    request["request_id"] = request_id
+    token = request_ids.current.set(request_id)  # reset after: keep-alive requests share a connection's task
+    try:
+        return await _answer(request, handler, request_id)
+    finally:
+        request_ids.current.reset(token)
+
+
+async def _answer(request: web.Request, handler: Handler, request_id: str) -> web.StreamResponse:
     error = _openai_error if request.path.startswith(_OPENAI) else _error
     try:
         if request.path not in _PUBLIC:
@@ -83,9 +97,15 @@ async def errors_and_auth(request: web.Request, handler: Handler) -> web.StreamR
         code = "BODY_TOO_LARGE" if exc.status == 413 else exc.reason.upper().replace(" ", "_")
         return error(exc.status, code, f"{request.method} {request.path[:200]}: {exc.reason}")
     except Exception:
-        incident = uuid.uuid4().hex[:12]
-        log.exception("%s %s failed (incident %s)", request.method, request.path, incident)
-        return error(500, "INTERNAL_ERROR", f"internal gateway error (incident {incident})")
+        log.exception("%s %s failed (incident %s)", request.method, request.path, request_id)
+        return error(500, "INTERNAL_ERROR", f"internal gateway error (incident {request_id})")
+
+
+async def _request_id_header(request: web.Request, response: web.StreamResponse) -> None:
+    # on_response_prepare: also reaches streamed answers, whose headers go out before the handler returns.
+    request_id = request.get("request_id")
+    if request_id is not None:
+        response.headers[request_ids.REQUEST_ID_KEY] = request_id
 
 
 def _openai_error(
@@ -101,6 +121,10 @@ def _openai_error(
 
 async def healthz(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
+
+
+async def openapi_document(request: web.Request) -> web.Response:
+    return web.json_response(openapi.document())
 
 
 async def client_config(request: web.Request) -> web.Response:
@@ -200,7 +224,9 @@ async def telemetry(request: web.Request) -> web.Response:
 def create_app(gateway: Gateway) -> web.Application:
     app = web.Application(middlewares=[errors_and_auth], client_max_size=gateway.config.max_body_bytes)
     app[GATEWAY] = gateway
+    app.on_response_prepare.append(_request_id_header)
     app.router.add_get("/api/v1/healthz", healthz)
+    app.router.add_get("/openapi.json", openapi_document)
     app.router.add_post("/api/v1/client/config", client_config)
     app.router.add_post("/api/v1/client/dynamic_config", client_dynamic_config)
     app.router.add_get("/api/v1/get_server_capabilities", server_capabilities)

@@ -18,12 +18,15 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import re
 import threading
 from collections.abc import Iterator
 
 from opentinker.gateway.errors import GatewayError, bad_request
 
 MAX_JSON_DEPTH = 32  # the SDK's bodies nest 4 levels (user_metadata aside)
+# A \uD800-\uDFFF escape: json.loads keeps a lone one as a str that no UTF-8 codec (protobuf, tokenizers) encodes.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 def _no_constant(name: str) -> object:
@@ -103,6 +106,30 @@ def check_json(body: object, *, max_string: int, max_depth: int = MAX_JSON_DEPTH
             stack.extend((child, (*parents, i)) for i, child in enumerate(item) if isinstance(child, str | dict | list))
 
 
+def check_unicode(body: object) -> None:
+    """Every string and object key of ``body`` valid Unicode text, without a lone surrogate (JSON's "\\ud800");
+    400 naming the first place that is not."""
+    stack: list[tuple[object, tuple[object, ...]]] = [(body, ())]
+    while stack:
+        item, parents = stack.pop()
+        children = item.items() if isinstance(item, dict) else enumerate(item) if isinstance(item, list) else ()
+        for key, child in children:
+            for text, where in ((key, f"a key of {_path(parents)}"), (child, _path((*parents, key)))):
+                if isinstance(text, str) and not _is_unicode(text):
+                    message = f"{where} is not Unicode text (it holds a lone surrogate such as \\ud800)"
+                    raise bad_request(message, "MALFORMED_JSON")
+            if isinstance(child, dict | list):
+                stack.append((child, (*parents, key)))
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def parse_json(raw: bytes, *, max_bytes: int, max_string: int, yielding: bool = False) -> dict[str, object]:
     """The body as a JSON object; 413 (BODY_TOO_LARGE) or 400 (MALFORMED_JSON, JSON_TOO_DEEP,
     STRING_TOO_LONG) otherwise. ``yielding``: parse so that other threads get the GIL meanwhile (slower)."""
@@ -127,4 +154,6 @@ def parse_json(raw: bytes, *, max_bytes: int, max_string: int, yielding: bool = 
     if not isinstance(body, dict):
         raise bad_request("body must be a JSON object", "MALFORMED_JSON")
     check_json(body, max_string=max_string)
+    if _SURROGATE_ESCAPE.search(raw):  # rare: only then is a walk over every string needed
+        check_unicode(body)
     return body

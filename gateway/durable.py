@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit, urlunsplit
@@ -24,6 +25,9 @@ from opentinker.gateway.checkpoints import Checkpoint
 from opentinker.gateway.errors import GatewayError
 from opentinker.gateway.runs import TrainingRun
 from opentinker.gateway.sessions import SamplingSession, Session
+from opentinker.rpc import request_ids
+
+log = logging.getLogger(__name__)
 
 PREFIX = "otgw:"
 SESSIONS, SAMPLERS, RUNS, SEQ, CHECKPOINTS = (
@@ -97,8 +101,15 @@ async def _unavailable() -> AsyncIterator[None]:
     try:
         yield
     except redis.RedisError as exc:
+        # The exception's text names the Redis address: the log has it, under the request id the client gets.
+        request_id = request_ids.current.get() or request_ids.new_request_id()
+        log.warning("state store call failed (request %s): %s: %s", request_id, type(exc).__name__, exc)
         raise GatewayError(
-            503, "STATE_STORE_UNAVAILABLE", f"the gateway's state store (Redis) is unavailable: {exc}", retry=True
+            503,
+            "STATE_STORE_UNAVAILABLE",
+            "the gateway's state store is unavailable; retry shortly, and if it "
+            f"persists ask the operator to check the gateway's Redis (request {request_id})",
+            retry=True,
         ) from None
 
 

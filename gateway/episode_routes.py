@@ -32,7 +32,7 @@ async def reward_episode(request: web.Request) -> web.Response:
 async def list_episodes(request: web.Request) -> web.Response:
     gw, principal = gateway_of(request), principal_of(request)
     raw = request.query.get("limit", str(DEFAULT_LIST))
-    if not raw.isdigit() or not 1 <= int(raw) <= MAX_LIST:
+    if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= MAX_LIST:  # isdigit alone: "²", int() refuses
         raise bad_request(f"limit must be an integer in [1, {MAX_LIST}], got {raw[:40]!r}")
     found = await gw.episodes.recent(principal.tenant, int(raw))
     data = [{"id": episode_id, "object": "episode", "updated_at": at} for episode_id, at in found]

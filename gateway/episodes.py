@@ -21,8 +21,8 @@ runtime's decision, which the gateway cannot see, so it refuses n > 1 rather tha
 from __future__ import annotations
 
 import json
-import math
 import re
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -149,10 +149,14 @@ def check_single_choice(n: int) -> None:
         )
 
 
+_FLOAT_MAX = sys.float_info.max
+
+
 def parse_reward(body: dict[str, object], num_turns: int) -> tuple[str, float]:
     """``{"reward": x}`` -> ("episode", x); ``{"turn": i, "reward": x}`` -> ("turn:i", x)."""
     reward = body.get("reward")
-    if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
+    # compared, not math.isfinite: that raises OverflowError for an int beyond float64 (10**400); NaN compares False
+    if isinstance(reward, bool) or not isinstance(reward, int | float) or not -_FLOAT_MAX <= reward <= _FLOAT_MAX:
         raise bad_request("reward must be a finite number", "INVALID_REWARD")
     unknown = set(body) - {"reward", "turn"}
     if unknown:

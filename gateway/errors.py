@@ -8,9 +8,15 @@ as ``RequestFailedError``.
 
 from __future__ import annotations
 
+import logging
+
 import grpc
 
 from opentinker.client.errors import OpenTinkerError
+from opentinker.rpc import request_ids
+from opentinker.rpc.errors import CALLER_CODES
+
+log = logging.getLogger(__name__)
 
 
 class GatewayError(Exception):
@@ -47,27 +53,29 @@ class RequestFailed(Exception):
         self.poisons = poisons
 
 
-# gRPC codes that mean the caller's request was wrong, not that a server failed.
-_USER_CODES = {
-    grpc.StatusCode.INVALID_ARGUMENT,
-    grpc.StatusCode.NOT_FOUND,
-    grpc.StatusCode.ALREADY_EXISTS,
-    grpc.StatusCode.FAILED_PRECONDITION,
-    grpc.StatusCode.PERMISSION_DENIED,
-    grpc.StatusCode.UNAUTHENTICATED,
-    grpc.StatusCode.RESOURCE_EXHAUSTED,
-    grpc.StatusCode.OUT_OF_RANGE,
-}
-
-
 # Reasons of failures after which the adapter is exactly as before the request: the trainer undoes an OptimStep
 # whose weights break the magnitude rule (weights, AdamW state, step) and refuses such a SaveSnapshot.
 _MODEL_UNCHANGED = frozenset({"WEIGHTS_OUT_OF_RANGE"})
 
 
+def backend_message(exc: OpenTinkerError) -> str:
+    """What a client is told of a trainer/sampler/registry failure. Our servers' messages are written for
+    clients (rpc/errors.py) and pass on; a failure without their ErrorInfo is gRPC's own (the server did not
+    answer) and its text names the server's address: the client gets a generic message with the request id,
+    the gateway's log the text under the same id."""
+    if exc.reason:
+        return exc.message
+    request_id = request_ids.current.get() or request_ids.new_request_id()
+    log.warning("backend call failed (request %s): %s", request_id, exc)
+    return (
+        "a server behind the gateway did not answer; retry shortly, and if it persists ask the operator "
+        f"(request {request_id})"
+    )
+
+
 def from_backend(exc: OpenTinkerError) -> RequestFailed:
     """A trainer/sampler/registry error as a future failure, its status and reason kept in the message."""
-    category = "user" if exc.code in _USER_CODES else "server"
+    category = "user" if exc.code in CALLER_CODES else "server"
     reason = f"/{exc.reason}" if exc.reason else ""
     poisons = not (exc.code == grpc.StatusCode.FAILED_PRECONDITION and exc.reason in _MODEL_UNCHANGED)
-    return RequestFailed(f"{exc.code.name}{reason}: {exc.message}", category, poisons=poisons)
+    return RequestFailed(f"{exc.code.name}{reason}: {backend_message(exc)}", category, poisons=poisons)

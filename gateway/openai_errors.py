@@ -7,7 +7,7 @@ from __future__ import annotations
 import grpc
 
 from opentinker.client.errors import OpenTinkerError
-from opentinker.gateway.errors import GatewayError
+from opentinker.gateway.errors import GatewayError, backend_message
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 403: "invalid_request_error",
           404: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}  # fmt: skip
@@ -43,19 +43,21 @@ def of_gateway_error(exc: GatewayError) -> dict[str, object]:
 
 def from_backend(exc: OpenTinkerError, model: str) -> OpenAIError | None:
     """A sampler/registry failure as the caller's error; None for a server-side one (answered 500, logged)."""
-    code, reason = exc.code, (exc.reason or exc.code.name).lower()
+    code, reason, message = exc.code, (exc.reason or exc.code.name).lower(), backend_message(exc)
     if code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED):
         return model_not_found(model)  # an adapter, alias or version the caller cannot sample: no existence leak
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         if exc.reason in ("PROMPT_TOO_LONG", "INVALID_SAMPLING_PARAMS") and "context" in exc.message:
             reason = "context_length_exceeded"
-        return OpenAIError(400, reason, exc.message, exc.metadata.get("field"))
+        return OpenAIError(400, reason, message, exc.metadata.get("field"))
     if code == grpc.StatusCode.FAILED_PRECONDITION:
-        return OpenAIError(400, reason, exc.message, "model")
+        return OpenAIError(400, reason, message, "model")
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return OpenAIError(429, reason, exc.message)
+        return OpenAIError(429, reason, message)
     if code == grpc.StatusCode.UNAVAILABLE:
-        return OpenAIError(503, reason, exc.message)
+        return OpenAIError(503, reason, message)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return OpenAIError(504, reason, exc.message)
+        return OpenAIError(504, reason, message)
+    if code == grpc.StatusCode.DATA_LOSS:  # stored weights failed verification: the operator's to repair
+        return OpenAIError(500, reason, message, "model")
     return None

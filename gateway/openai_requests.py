@@ -4,7 +4,10 @@ Fields OpenAI defines that do not change what is sampled (user, service_tier, st
 ignored, as OpenAI ignores unknown ones. One that would change it but is not implemented is refused rather than
 dropped, so that no client believes it got what it asked for: ``response_format`` other than text, ``tool_choice``
 "required" or a named function (nothing here constrains the output to JSON or forces a call), a non-empty
-``logit_bias``. A field of the wrong type, out of range or refused is a 400 naming it (``param``)."""
+``logit_bias``. A field of the wrong type, out of range or refused is a 400 naming it (``param``).
+
+``cache_salt`` (vLLM's; the openai SDK sends it with ``extra_body``): requests with different salts share no
+prefix-cache blocks on the sampler, even within one tenant; a non-empty string of at most 256 UTF-8 bytes."""
 
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ MAX_PROMPTS = 64
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 TOOL_CHOICES = frozenset({"none", "auto"})  # "required" and named functions: refused until outputs can be forced
 MAX_PENALTY = 2.0  # OpenAI's bound on frequency_penalty and presence_penalty (either sign)
+MAX_CACHE_SALT_BYTES = 256  # the sampler's bound on cache_salt (UTF-8 bytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +49,7 @@ class SamplingOptions:
     stream: bool
     include_usage: bool
     return_token_ids: bool
+    cache_salt: str = ""  # the sampler's prefix-cache salt; "": none
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,8 +116,9 @@ def number(body: Body, name: str, low: float, high: float, default: float) -> fl
         return default
     if not isinstance(value, int | float) or isinstance(value, bool):
         raise invalid(f"'{name}' must be a number, got {_type_name(value)}", name, "invalid_type")
-    if not low <= float(value) <= high:  # NaN fails this too
-        raise invalid(f"'{name}' must be in {low:g}..{high:g}, got {value}", name)
+    if not low <= value <= high:  # NaN fails this too; an int compares exactly (float() of 10**400 overflows)
+        shown = value if isinstance(value, float) or abs(value) < 10**20 else "a huge number"
+        raise invalid(f"'{name}' must be in {low:g}..{high:g}, got {shown}", name)
     return float(value)
 
 
@@ -196,6 +202,23 @@ def _logit_bias(body: Body) -> None:
                   "unsupported_value")  # fmt: skip
 
 
+def _cache_salt(body: Body) -> str:
+    """vLLM's rule: absent or null is no salt; present, a non-empty string (here also at most the sampler's 256
+    UTF-8 bytes, checked before anything is sampled)."""
+    salt = string(body, "cache_salt")
+    if salt is None:
+        return ""
+    if not salt:
+        raise invalid("'cache_salt' must be a non-empty string if provided", "cache_salt")
+    try:
+        size = len(salt.encode())
+    except UnicodeEncodeError:  # a lone surrogate (JSON "\ud800"): not text the sampler can take
+        raise invalid("'cache_salt' must be valid Unicode text", "cache_salt") from None
+    if size > MAX_CACHE_SALT_BYTES:
+        raise invalid(f"'cache_salt' is {size:,} UTF-8 bytes; at most {MAX_CACHE_SALT_BYTES}", "cache_salt")
+    return salt
+
+
 def options(body: Body, max_num_samples: int, *, logprobs: bool, top_logprobs: int) -> SamplingOptions:
     """The sampling fields common to both endpoints (logprobs are read by each: their forms differ)."""
     max_tokens = integer(body, "max_completion_tokens", 1, INT32_MAX)
@@ -221,6 +244,7 @@ def options(body: Body, max_num_samples: int, *, logprobs: bool, top_logprobs: i
         stream=stream,
         include_usage=stream and boolean(stream_options, "include_usage"),
         return_token_ids=boolean(body, "return_token_ids"),
+        cache_salt=_cache_salt(body),
     )
 
 
@@ -271,7 +295,7 @@ def message(raw: object, i: int) -> Message:
     if not isinstance(raw, dict):
         raise invalid(f"'{where}' must be an object, got {_type_name(raw)}", "messages", "invalid_type")
     role = raw.get("role")
-    if role not in ROLES:
+    if not isinstance(role, str) or role not in ROLES:  # a list or object role is unhashable: no set lookup
         raise invalid(f"'{where}.role' must be one of {', '.join(sorted(ROLES))}, got {role!r}"[:300], "messages")
     assert isinstance(role, str)
     out: Message = {"role": "system" if role == "developer" else role}

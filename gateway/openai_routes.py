@@ -54,6 +54,8 @@ def reference(model: str, tenant: str, base: BaseModelInfo) -> str:
         name = f"{tenant}/{name}"
     elif tenant_of(name) != tenant:
         raise model_not_found(model)
+    if not suffix.isascii():  # parse_reference reads "x@²" as a version (isdigit) that int() refuses
+        raise model_not_found(model)
     try:
         parse_reference(f"{name}{at}{suffix}")
     except InvalidArgument:
@@ -156,6 +158,7 @@ class _Job:
             sampling_params=params,
             num_samples=opts.n,
             request_id=self.response_id,
+            cache_salt=opts.cache_salt,
         )
 
     def add(self, i: int, message: sampler_pb2.SampleResponse) -> tuple[_Choice, str]:

@@ -231,3 +231,15 @@ def apply(message: Any, datums: list[common_pb2.Datum], records: Mapping[str, Re
                 dtype=common_pb2.D_TYPE_FLOAT32, shape=[len(targets)], float32_values=sampler_logprobs.tolist()
             )
         )
+        if "weights" not in inputs:
+            # The provenance says which positions were sampled: those are the tokens the loss and its KL
+            # penalty cover, whatever their advantage (without weights the trainer could only take A != 0).
+            sampled = np.zeros(len(targets), dtype=np.float32)  # [N]
+            for position, kind, _record, _offset, length in runs:
+                if kind != "prompt_tokens":
+                    sampled[position : position + length] = 1.0
+            inputs["weights"].CopyFrom(
+                common_pb2.TensorData(
+                    dtype=common_pb2.D_TYPE_FLOAT32, shape=[len(targets)], float32_values=sampled.tolist()
+                )
+            )

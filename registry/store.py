@@ -114,7 +114,11 @@ def _redis_errors() -> Iterator[None]:
             raise
         raise error(message, reason=reason) from None
     except (redis.ConnectionError, redis.TimeoutError) as exc:
-        raise Unavailable(f"registry store (Redis) unavailable: {exc}", reason="STORE_UNAVAILABLE") from None
+        raise Unavailable(
+            "the registry's database is unavailable; retry shortly, and if it persists ask the operator to check "
+            "the registry's Redis",
+            reason="STORE_UNAVAILABLE",
+        ).logged_with(f"Redis: {type(exc).__name__}: {exc}") from None
 
 
 def _encode_token(value: str) -> str:

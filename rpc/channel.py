@@ -30,11 +30,17 @@ def open_channel(address: str, ca_cert: Path | None = None, options: Options = C
     return grpc.secure_channel(address, _credentials(ca_cert), options=list(options))
 
 
-def open_aio_channel(address: str, ca_cert: Path | None = None, options: Options = CHANNEL_OPTIONS) -> grpc.aio.Channel:
+def open_aio_channel(
+    address: str,
+    ca_cert: Path | None = None,
+    options: Options = CHANNEL_OPTIONS,
+    interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
+) -> grpc.aio.Channel:
     """As open_channel, for grpc.aio: open it inside the event loop that will use it."""
     if ca_cert is None:
-        return grpc.aio.insecure_channel(address, options=list(options))
-    return grpc.aio.secure_channel(address, _credentials(ca_cert), options=list(options))
+        return grpc.aio.insecure_channel(address, options=list(options), interceptors=list(interceptors))
+    creds = _credentials(ca_cert)
+    return grpc.aio.secure_channel(address, creds, options=list(options), interceptors=list(interceptors))
 
 
 def bearer_metadata(token: str | None) -> list[tuple[str, str]]:

@@ -1,8 +1,9 @@
 """One server interceptor: authenticate, run the handler, map errors, count.
 
 Every RPC of every server passes through `ServiceInterceptor`, so no handler can leak UNKNOWN or a
-traceback: `ServiceError`s become their status with ErrorInfo, anything unexpected becomes INTERNAL with
-an incident id that points into the server log.
+traceback: `ServiceError`s become their status with ErrorInfo, anything unexpected becomes INTERNAL. Each
+call has a request id (the caller's `x-request-id`, else a new one; rpc/request_ids.py): a failed call's
+status carries it, and the server log has one line under it with what the client is not shown.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeAlias
 
@@ -19,8 +19,16 @@ from google.protobuf.message import DecodeError
 from grpc import aio
 from prometheus_client import Counter, Histogram
 
+from opentinker.rpc import request_ids
 from opentinker.rpc.auth import LOCAL_PRINCIPAL, Principal, TokenTable, reset_principal, set_principal
-from opentinker.rpc.errors import Internal, InvalidArgument, ResourceExhausted, ServiceError, Unauthenticated
+from opentinker.rpc.errors import (
+    CALLER_CODES,
+    Internal,
+    InvalidArgument,
+    ResourceExhausted,
+    ServiceError,
+    Unauthenticated,
+)
 
 log = logging.getLogger("opentinker.rpc")
 
@@ -40,11 +48,23 @@ if TYPE_CHECKING:
     Handler: TypeAlias = grpc.RpcMethodHandler[Any, Any]
 
 
-async def abort_with(context: _Context, error: ServiceError) -> None:
+async def abort_with(context: _Context, error: ServiceError, request_id: str | None = None) -> None:
     from grpc_status import rpc_status
 
+    if request_id is not None:
+        error = error.for_request(request_id)
     status = rpc_status.to_status(error.to_status())
-    await context.abort(status.code, status.details, trailing_metadata=status.trailing_metadata)
+    trailing = tuple(status.trailing_metadata)
+    if request_id is not None:
+        trailing += ((request_ids.REQUEST_ID_KEY, request_id),)
+    await context.abort(status.code, status.details, trailing_metadata=trailing)
+
+
+def _log_failure(method: str, request_id: str, error: ServiceError) -> None:
+    level = logging.INFO if error.code in CALLER_CODES else logging.WARNING
+    detail = f"; detail: {error.detail}" if error.detail else ""
+    name = error.code.name
+    log.log(level, "%s failed (request %s): %s %s: %s%s", method, request_id, name, error.reason, error.message, detail)
 
 
 def _authenticate(tokens: TokenTable | None, metadata: tuple[tuple[str, str | bytes], ...]) -> Principal:
@@ -112,11 +132,12 @@ class ServiceInterceptor(aio.ServerInterceptor):
         if handler is None or method.startswith(_OPEN_PREFIXES):
             return handler
         metadata = tuple(handler_call_details.invocation_metadata or ())
+        request_id = request_ids.from_metadata(metadata)
         try:
             principal: Principal | ServiceError = _authenticate(self._tokens, metadata)
         except ServiceError as error:
             principal = error
-        return _wrap(handler, method, principal, self._calls)
+        return _wrap(handler, method, principal, self._calls, request_id)
 
 
 def _record(method: str, started: float, code: grpc.StatusCode) -> None:
@@ -126,13 +147,14 @@ def _record(method: str, started: float, code: grpc.StatusCode) -> None:
 
 @contextlib.asynccontextmanager
 async def _rpc_scope(
-    method: str, principal: Principal | ServiceError, context: _Context, calls: TenantCalls
+    method: str, principal: Principal | ServiceError, context: _Context, calls: TenantCalls, request_id: str
 ) -> AsyncIterator[None]:
     """Run one RPC's handler as `principal`, map what it raises to a status, record metrics."""
     started = time.perf_counter()
     code = grpc.StatusCode.OK
     token = None
     counted: str | None = None
+    id_token = request_ids.current.set(request_id)
     try:
         if isinstance(principal, ServiceError):
             raise principal
@@ -144,19 +166,20 @@ async def _rpc_scope(
         raise
     except ServiceError as error:
         code = error.code
-        await abort_with(context, error)
+        _log_failure(method, request_id, error)
+        await abort_with(context, error, request_id)
     except Exception:
         code = grpc.StatusCode.INTERNAL
-        incident = uuid.uuid4().hex[:12]
-        log.exception("unhandled error in %s (incident %s)", method, incident)
-        await abort_with(
-            context, Internal(f"internal error (incident {incident}); see the server log", incident=incident)
-        )
+        log.exception("unhandled error in %s (request %s)", method, request_id)
+        internal = Internal("internal error; the server log has the details under this id", incident=request_id)
+        await abort_with(context, internal, request_id)
     except BaseException:  # cancelled by the client or by shutdown
         code = grpc.StatusCode.CANCELLED
         raise
     finally:
         calls.leave(counted)
+        with contextlib.suppress(ValueError):  # see below
+            request_ids.current.reset(id_token)
         if token is not None:
             # A stream whose client left mid-stream is dropped by gRPC at a `yield`, and closed later by
             # asyncio's async-generator finalizer in another context: the principal was set in the RPC's own
@@ -166,7 +189,9 @@ async def _rpc_scope(
         _record(method, started, code)
 
 
-def _wrap(handler: Handler, method: str, principal: Principal | ServiceError, calls: TenantCalls) -> Handler:
+def _wrap(
+    handler: Handler, method: str, principal: Principal | ServiceError, calls: TenantCalls, request_id: str
+) -> Handler:
     if handler.request_streaming and handler.response_streaming:
         raise NotImplementedError("bidirectional streaming RPCs are not used by OpenTinker")
 
@@ -177,7 +202,7 @@ def _wrap(handler: Handler, method: str, principal: Principal | ServiceError, ca
         async def streaming(request: Any, context: _Context) -> AsyncIterator[Any]:
             responses = None
             try:
-                async with _rpc_scope(method, principal, context, calls):
+                async with _rpc_scope(method, principal, context, calls, request_id):
                     responses = stream_behavior(_decoded(request), context)
                     async for response in responses:
                         yield response
@@ -190,7 +215,7 @@ def _wrap(handler: Handler, method: str, principal: Principal | ServiceError, ca
     unary_behavior: Any = handler.stream_unary if handler.request_streaming else handler.unary_unary
 
     async def unary(request: Any, context: _Context) -> Any:
-        async with _rpc_scope(method, principal, context, calls):
+        async with _rpc_scope(method, principal, context, calls, request_id):
             if handler.request_streaming:
                 return await unary_behavior(_decoded_stream(request), context)
             return await unary_behavior(_decoded(request), context)

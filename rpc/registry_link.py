@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from opentinker.rpc import request_ids
 from opentinker.rpc.channel import open_aio_channel
 from opentinker.rpc.errors import DataLoss, ServiceError, Unavailable, error_info
 from opentinker.v1 import registry_pb2, registry_pb2_grpc
@@ -39,19 +40,28 @@ _BY_CODE: dict[grpc.StatusCode, type[ServiceError]] = {cls.code: cls for cls in 
 
 
 def registry_error(exc: grpc.aio.AioRpcError) -> ServiceError:
-    """A failed registry call as our own error: same code, reason and metadata; UNAVAILABLE if unreachable."""
-    if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-        return Unavailable(f"registry unavailable: {exc.details()}", reason="REGISTRY_UNAVAILABLE")
+    """A failed registry call as our own error: same code, reason and metadata; UNAVAILABLE if unreachable.
+    The registry's own messages are written for clients and pass on; gRPC's text for a call that did not get
+    an answer from the registry names its address, so that goes to our log only (`detail`)."""
+    code = exc.code() or grpc.StatusCode.UNKNOWN
+    detail = f"registry call failed: {code.name}: {exc.details()}"
     info = error_info(exc)
-    metadata = dict(info.metadata) if info else {}
-    return _BY_CODE.get(exc.code(), Unavailable)(
-        f"registry: {exc.details()}", reason=info.reason if info else None, **metadata
-    )
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        where = {"registry_reason": info.reason} if info is not None else {}
+        return Unavailable(
+            "the registry is unavailable; retry shortly, and if it persists ask the operator to check it",
+            reason="REGISTRY_UNAVAILABLE",
+            **where,
+        ).logged_with(detail)
+    if info is None:  # refused by gRPC itself (a message over the size limit): no text of the registry's
+        return _BY_CODE.get(code, Unavailable)(f"the registry call failed ({code.name})").logged_with(detail)
+    return _BY_CODE.get(code, Unavailable)(f"registry: {exc.details()}", reason=info.reason, **info.metadata)
 
 
 def registry_channel(address: str, ca: Path | None) -> grpc.aio.Channel:
-    """A channel to the registry (open it inside the server's event loop): TLS verified against `ca` when given."""
-    return open_aio_channel(address, ca)
+    """A channel to the registry (open it inside the server's event loop): TLS verified against `ca` when given.
+    Calls on it carry the request id of the call they serve, so the registry logs them under the same id."""
+    return open_aio_channel(address, ca, interceptors=(request_ids.FORWARD,))
 
 
 async def registry_call(call: Awaitable[T]) -> T:

@@ -260,8 +260,9 @@ class AdapterLoader:
             tensors = load_file(str(directory / WEIGHTS_FILE))
             modules = lora_modules({key: list(t.shape) for key, t in tensors.items()}, config)
         except (OSError, SafetensorError, PeftFormatError) as error:
-            # Digests verified, so these are the publisher's bytes: not a usable peft LoRA adapter.
-            raise unusable(str(error)) from None
+            # Digests verified, so these are the publisher's bytes: not a usable peft LoRA adapter. The text may
+            # name the file by its place in our store, which the client has no business seeing.
+            raise unusable(str(error).replace(str(directory), version.artifact_uri)) from None
         rank = config.rank
         if rank > self.pool.max_rank:
             raise FailedPrecondition(

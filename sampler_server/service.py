@@ -9,6 +9,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import functools
+import hashlib
 import math
 import os
 import threading
@@ -35,6 +36,20 @@ MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20  # most likely tokens reported per sampled position (OpenAI's bound)
 MAX_PENALTY = 2.0  # OpenAI's bound on frequency and presence penalties (either sign)
 REQUEST_SLACK = 65536  # bytes of a text SampleRequest besides its prompt_text, before the text is read
+MAX_CACHE_SALT_BYTES = 256  # UTF-8 bytes of a request's cache_salt (only its SHA-256 enters the cache key)
+
+
+def cache_salt(salt: str) -> str:
+    """The SHA-256 (hex) of a request's cache_salt, the part of its prefix-cache key that keeps requests of one
+    tenant with different salts from sharing blocks; "" for no salt. Longer than MAX_CACHE_SALT_BYTES:
+    INVALID_ARGUMENT INVALID_CACHE_SALT."""
+    if not salt:
+        return ""
+    data = salt.encode()
+    if len(data) > MAX_CACHE_SALT_BYTES:
+        raise InvalidArgument(f"cache_salt is {len(data):,} bytes; at most {MAX_CACHE_SALT_BYTES}",
+                              reason="INVALID_CACHE_SALT", field="cache_salt")  # fmt: skip
+    return hashlib.sha256(data).hexdigest()
 
 
 def sampling_params(message: sampler_pb2.SamplingParams, *, vocab_size: int) -> SamplingParams:
@@ -216,9 +231,11 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
             base_model=self.info, max_slots=pool.capacity, max_rank=pool.max_rank,
             max_seqs=self.engine.max_seqs, max_batch_tokens=self.engine.max_batch_tokens,
             lora_kernel=self.engine.kernel,  # the kernel the engine runs, not a second guess at it
+            max_pinned_per_tenant=self.loader.max_pinned_per_tenant,
         )  # fmt: skip
 
     async def Sample(self, request: sampler_pb2.SampleRequest, context: Context) -> AsyncIterator[Any]:
+        salt = cache_salt(request.cache_salt)
         prompt = await self._prompt(request)
         params = sampling_params(request.sampling_params, vocab_size=self.info.vocab_size)
         if len(prompt) + params.max_tokens > self.engine.max_len:
@@ -247,7 +264,7 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
             slot = await self.loader.acquire(resolved, count)  # refs released by the engine as sequences end
             request_id = f"{request.request_id or 'req'}-{uuid.uuid4().hex[:12]}"
             tenant = batch_tenant(principal, request.model)
-            key = self._cache_key(slot, principal.tenant or "")
+            key = self._cache_key(slot, principal.tenant or "", salt)
             sequences = [self._sequence(request_id, i, prompt, params, slot, request.prompt_logprobs, tenant, key)
                          for i in range(count)]  # fmt: skip
             updates: asyncio.Queue[SequenceUpdate] = asyncio.Queue()
@@ -346,24 +363,29 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
             lora_slot=slot, tenant=tenant, want_prompt_logprobs=prompt_logprobs, seed=seed, cache_key=cache_key,
         )  # fmt: skip
 
-    def _cache_key(self, slot: int, tenant: str) -> str:
+    def _cache_key(self, slot: int, tenant: str, salt: str = "") -> str:
         """The prefix cache's weights identity for a request (block_manager.py): the content digest of the
         adapter version in its slot salted with the tenant that owns the adapter, or the base model's digest
         salted with the caller's tenant (unless --share-base-prefix-cache), so no tenant can time another's
         prompts: two tenants serving byte-identical adapters (both imported one public peft folder) share no
-        block. An admin's request on team-a's adapter shares team-a's blocks. Never a name or an alias."""
+        block. An admin's request on team-a's adapter shares team-a's blocks. Never a name or an alias. `salt`:
+        the request's cache_salt digest (cache_salt()), appended when set, so requests of one tenant with
+        different salts share no block either; no salt keeps the key as it was."""
         base = self.info.model_digest
+        suffix = f":salt:{salt}" if salt else ""
         if slot:
             held = self.pool.slots[slot]
             owner = tenant_of(held.key[0]) if held.key else ""
-            return f"lora:{base}:{held.artifact_sha256}:tenant:{owner}" if held.artifact_sha256 and base else ""
+            key = f"lora:{base}:{held.artifact_sha256}:tenant:{owner}" if held.artifact_sha256 and base else ""
+            return key + suffix if key else ""
         if not base:
             return ""
-        return f"base:{base}" if self.share_base_prefix_cache else f"base:{base}:tenant:{tenant}"
+        return (f"base:{base}" if self.share_base_prefix_cache else f"base:{base}:tenant:{tenant}") + suffix
 
     async def ComputeLogprobs(self, request: sampler_pb2.ComputeLogprobsRequest, context: Context) -> Any:
         if not request.inputs:
             raise InvalidArgument("inputs is empty", reason="INVALID_PROMPT", field="inputs")
+        salt = cache_salt(request.cache_salt)
         sequences = [self._check_tokens(tokens_of(m), f"inputs[{i}]") for i, m in enumerate(request.inputs)]
         principal = current_principal()
         activity = self.tenants.of(principal.tenant or "")
@@ -379,7 +401,7 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
             try:
                 slot = await self.loader.acquire(resolved)  # released by the engine after scoring
                 # Its blocks join the prefix cache under the same weights identity a Sample of this slot uses.
-                key = self._cache_key(slot, principal.tenant or "")
+                key = self._cache_key(slot, principal.tenant or "", salt)
                 logprobs = await asyncio.wrap_future(self.engine.score(tokens, slot, key, tenant))
             finally:
                 activity.waiting -= 1

@@ -297,8 +297,10 @@ class Trainer:
             # The format rules every process applies (a snapshot the sampler would refuse is refused here too).
             lora_modules(shapes, read_peft_config(directory / CONFIG_FILE))
         except Exception as exc:
-            raise FailedPrecondition(f"snapshot {uri} is not a peft LoRA snapshot: {exc}",
-                                     reason="INCOMPATIBLE_SNAPSHOT") from None  # fmt: skip
+            why = str(exc).replace(str(directory), uri)  # the store's paths are not the client's business
+            raise FailedPrecondition(
+                f"snapshot {uri} is not a peft LoRA snapshot: {why}", reason="INCOMPATIBLE_SNAPSHOT"
+            ) from None
         module_shapes = self.base.module_shapes()
         expected: dict[str, tuple[int, ...]] = {}
         for target in self.base.resolve_targets(list(lora.target_modules)):

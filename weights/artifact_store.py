@@ -249,7 +249,7 @@ class ArtifactStore:
             except OSError as error:
                 if not os.path.lexists(verified.directory):
                     raise not_found(digest) from error
-                raise corrupt(digest, f"cannot open {entry.path!r}: {error}", path=entry.path) from error
+                raise corrupt(digest, f"cannot open {entry.path!r}: {error.strerror}", path=entry.path) from error
             with source:
                 hasher = hashlib.sha256()
                 remaining = entry.size
@@ -335,7 +335,7 @@ def _verify_dir(directory: Path, digest: str) -> _Verified:
     except OSError as error:
         if error.errno not in _CORRUPT_ERRNOS:
             raise
-        raise corrupt(digest, f"unreadable: {error}") from error
+        raise corrupt(digest, f"unreadable: {error.strerror}") from error  # not the path: the client sees it
     return _Verified(directory, files, len(manifest))
 
 

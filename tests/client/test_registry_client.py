@@ -370,9 +370,8 @@ def test_errors_carry_code_reason_and_metadata(client: RegistryClient, tmp_path:
     expect_error(grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ARTIFACT_SOURCE", client.upload_artifact, tmp_path / "nope")
     # Errors survive pickling (worker processes) with every field.
     again = pickle.loads(pickle.dumps(bad_name))
-    assert (again.code, again.message, again.reason, again.metadata) == (
-        bad_name.code, bad_name.message, bad_name.reason, bad_name.metadata,
-    )  # fmt: skip
+    fields = ("code", "message", "reason", "metadata", "request_id")
+    assert bad_name.request_id and [getattr(again, f) for f in fields] == [getattr(bad_name, f) for f in fields]
 
 
 def test_upload_reports_local_read_errors(

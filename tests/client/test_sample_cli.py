@@ -34,6 +34,19 @@ def test_sample_reports_errors_without_a_traceback(sampler_server: ServerProcess
     assert "Traceback" not in done.stderr and done.stdout == ""
     done = sample(sampler_server, "base", "hello", "--top-p", "1.5")
     assert done.returncode == 1 and done.stderr.startswith("error: INVALID_ARGUMENT"), done.stderr
+    # The penalties and the salt reach the sampler, which checks them.
+    for option in (("--frequency-penalty", "2.5"), ("--presence-penalty", "-3"), ("--cache-salt", "s" * 257)):
+        done = sample(sampler_server, "base", "hello", *option)
+        assert done.returncode == 1 and done.stderr.startswith("error: INVALID_ARGUMENT"), (option, done.stderr)
+
+
+def test_sample_penalties_change_a_greedy_completion(sampler_server: ServerProcess) -> None:
+    plain = sample(sampler_server, "base", "hello", "--max-tokens", "12", "--temperature", "0")
+    penalized = sample(sampler_server, "base", "hello", "--max-tokens", "12", "--temperature", "0",
+                       "--frequency-penalty", "2", "--presence-penalty", "2", "--cache-salt", "mine")  # fmt: skip
+    assert plain.returncode == penalized.returncode == 0, (plain.stderr, penalized.stderr)
+    # Greedy on a tiny random model repeats itself; a penalty of 2 per use forbids the repeats.
+    assert penalized.stdout != plain.stdout
 
 
 @pytest.mark.parametrize("option", [("--top-k", "-1"), ("--seed", "-1"), ("--max-tokens", "0")])

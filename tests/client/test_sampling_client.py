@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import aclosing, closing
 from dataclasses import dataclass, replace
 
 import grpc
 import pytest
 from registryutil import unique_name
+from samplerutil import wait_until
 from serverproc import ServerProcess
 from trainerutil import Trainer, create, lora, sft_batch, train_step
 
@@ -317,3 +318,58 @@ def test_closed_client_refuses_calls(sampler_server: ServerProcess) -> None:
     client = SamplingClient(sampler_server.address, "base")
     client.close()
     expect_error(grpc.StatusCode.CANCELLED, "CLIENT_CLOSED", client.sample, PROMPT, GREEDY)
+
+
+def test_cache_salt_reaches_the_sampler(base: SamplingClient) -> None:
+    """sample, stream, compute_logprobs and their async twins send cache_salt: a request salted otherwise finds
+    none of the blocks a salted request cached, the same salt finds them (the caller's prompt tokens found in
+    the prefix cache, GetStats); a salt beyond 256 UTF-8 bytes is the sampler's INVALID_CACHE_SALT."""
+    base.sample(PROMPT, GREEDY)  # the engine's figures (its block size) are in GetStats once it has worked
+    assert wait_until(lambda: base.stats().kv_block_size > 0)
+    block = base.stats().kv_block_size
+    salt = unique_name("salt")  # nothing earlier in the session used these salts
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+
+    def found(call: Callable[[list[int], str], object], prompt: list[int], salt: str) -> int:
+        """The prompt tokens `call` found cached: counted before its stream's messages are sent."""
+        before = base.stats().own_prompt_tokens_cached
+        call(prompt, salt)
+        return base.stats().own_prompt_tokens_cached - before
+
+    async def drain(chunks: AsyncIterator[SampleChunk]) -> None:
+        async for _ in chunks:
+            pass
+
+    def sample(p: list[int], s: str) -> object:
+        return base.sample(p, params, cache_salt=s)
+
+    def stream(p: list[int], s: str) -> object:
+        return list(base.stream(p, params, cache_salt=s))
+
+    def sample_async(p: list[int], s: str) -> object:
+        return asyncio.run(base.sample_async(p, params, cache_salt=s))
+
+    def stream_async(p: list[int], s: str) -> object:
+        return asyncio.run(drain(base.stream_async(p, params, cache_salt=s)))
+
+    def logprobs(p: list[int], s: str) -> object:
+        return base.compute_logprobs(p, cache_salt=s)
+
+    def logprobs_async(p: list[int], s: str) -> object:
+        return asyncio.run(base.compute_logprobs_async(p, cache_salt=s))
+
+    # (caches under salt a, then salt b must find nothing, then salt a again must find it)
+    cases = [(sample, stream, sample_async), (logprobs, stream_async, sample), (logprobs_async, sample, stream)]
+    for n, (first, other, again) in enumerate(cases):
+        prompt = [(31 * i + 11 * n) % 400 + 5 for i in range(2 * block + 3)]  # two full blocks and a bit
+        first(prompt, f"{salt}-a")
+        assert found(other, prompt, f"{salt}-b") == 0, n  # another salt: none of salt a's blocks
+        assert found(again, prompt, f"{salt}-a") == 2 * block, n  # the same salt: both full blocks
+    invalid, long = grpc.StatusCode.INVALID_ARGUMENT, "é" * 129  # 258 UTF-8 bytes
+    expect_error(invalid, "INVALID_CACHE_SALT", base.sample, PROMPT, GREEDY, cache_salt=long)
+    expect_error(invalid, "INVALID_CACHE_SALT", lambda: list(base.stream(PROMPT, GREEDY, cache_salt=long)))
+    expect_error(invalid, "INVALID_CACHE_SALT", base.compute_logprobs, PROMPT, cache_salt=long)
+    expect_error(invalid, "INVALID_CACHE_SALT", asyncio.run, base.sample_async(PROMPT, GREEDY, cache_salt=long))
+    expect_error(invalid, "INVALID_CACHE_SALT", asyncio.run, base.compute_logprobs_async(PROMPT, cache_salt=long))
+    with pytest.raises(TypeError, match="cache_salt"):
+        base.sample(PROMPT, GREEDY, cache_salt=7)  # type: ignore[arg-type]

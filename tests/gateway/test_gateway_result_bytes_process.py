@@ -100,7 +100,8 @@ def test_json_bodies_parsed_on_a_thread_get_the_answers_of_small_ones(http: http
             post(http, "asample", (text + padding).encode(), KEY_A),
         )
         assert small.status_code == big.status_code == 400, (small.text, big.text)
-        assert small.json() == big.json()
+        # The same answer (each has its own request id).
+        assert {**small.json(), "request_id": ""} == {**big.json(), "request_id": ""}
         assert big.headers["x-should-retry"] == "false"
     ok = post(http, "asample", (json.dumps(asample(tiny_model, 2)) + padding).encode(), KEY_B)
     assert ok.status_code == 200, ok.text

@@ -47,10 +47,11 @@ def datum_of(seq: types.SampledSequence, advantage: float, client_logprobs: list
 def expected_loss(
     p: list[float], q: list[float], advantages: list[float], kl_coeff: float = 0.0
 ) -> tuple[float, float]:
-    """(loss, kl) of the documented formula over the sampled (A != 0) positions."""
+    """(loss, kl) of the documented formula over the sampled positions (the gateway's weights: 1 on the tokens
+    the provenance names sampled, whatever their advantage; 0 on the prompt, the first len(PROMPT) - 1)."""
     loss = kl = 0.0
-    for p_t, q_t, a_t in zip(p, q, advantages, strict=True):
-        if a_t == 0:
+    for t, (p_t, q_t, a_t) in enumerate(zip(p, q, advantages, strict=True)):
+        if t < len(PROMPT) - 1:
             continue
         ratio = math.exp(p_t - q_t)
         loss -= min(ratio, 1.0) * a_t * p_t
@@ -102,6 +103,17 @@ def test_sample_with_stability_info_then_train_one_step(gateway: ServerProcess, 
     assert after.metrics["kl:sum"] == pytest.approx(kl_total, rel=1e-3)
     assert after.metrics["loss:sum"] == pytest.approx(total, rel=1e-3, abs=1e-4)
     assert after.metrics["loss:sum"] != pytest.approx(result.metrics["loss:sum"], abs=1e-4)
+
+    # Advantages all 0: the KL penalty still covers every sampled token, so a kl_coeff > 0 pulls the policy back.
+    flat = [datum_of(s, 0.0) for s in sequences]
+    zero = training.forward_backward(flat, "stable_reinforce", {"kl_coeff": 0.5}).result()
+    kl_zero = 0.0
+    for seq, output in zip(sequences, zero.loss_fn_outputs, strict=True):
+        p = output["logprobs"].tolist()
+        q = [0.0] * (len(PROMPT) - 1) + list(seq.logprobs or [])
+        kl_zero += expected_loss(p, q, [0.0] * len(p), kl_coeff=0.5)[1]
+    assert kl_zero > 1e-6 and zero.metrics["kl:sum"] == pytest.approx(kl_zero, rel=1e-3)
+    assert zero.metrics["loss:sum"] == pytest.approx(0.5 * kl_zero, rel=1e-3)
     service.close("success").result()
 
 

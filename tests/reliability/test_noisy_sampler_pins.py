@@ -97,6 +97,9 @@ def test_one_tenants_pins_leave_the_other_tenant_slots_to_load_and_serve(tenants
             break
         pinned.append(reference)
     assert refused is not None and len(pinned) == LIMIT
+    # The limit a client can read before it runs into it (the default here: max(1, 16 // 8)).
+    info = tenants.sampler.GetSamplerInfo(sampler_pb2.GetSamplerInfoRequest(), metadata=tenants.md("team-a"))
+    assert info.max_pinned_per_tenant == LIMIT
     metadata = assert_status(refused, grpc.StatusCode.RESOURCE_EXHAUSTED, "TOO_MANY_PINS")
     assert metadata == {"tenant": "team-a", "pinned": str(LIMIT), "limit": str(LIMIT)}
     assert f"--max-pinned-per-tenant ({LIMIT})" in str(refused.details())

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import secrets
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -191,12 +192,12 @@ Refusal = tuple[grpc.StatusCode | None, str, str]
 
 
 def refusal(call: Callable[[], object], *ids: str) -> Refusal:
-    """(code, reason, message with the given ids blanked) of a refused call."""
+    """(code, reason, message with the given ids and its request id blanked) of a refused call."""
     try:
         call()
     except grpc.RpcError as error:
         info = error_info(error)
-        message = str(error.details())
+        message = re.sub(r" \(request [^)]*\)$", "", str(error.details()))  # each call has its own id
         for value in ids:
             message = message.replace(value, "<id>")
         return error.code(), info.reason if info is not None else "", message

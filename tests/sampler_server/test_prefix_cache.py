@@ -1,24 +1,36 @@
 """The prefix cache: a request reuses the K/V of its longest cached prefix of full blocks, keyed by a hash chain
 seeded with the exact weights identity. Outputs equal a cache-off engine's; a hot reload, a rollback and a
 re-created adapter each get their own version's K/V; two tenants on the base model share nothing by default;
-idle cached blocks are evicted LRU under a small pool and every reference ends with its request."""
+requests of one tenant with different cache_salt share nothing either; idle cached blocks are evicted LRU under a
+small pool and every reference ends with its request."""
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import types
-from typing import Any, cast
+from collections.abc import Coroutine
+from typing import Any, TypeVar, cast
 
+import pytest
 from pagedkvutil import CPU, assert_same, fill_random, make_pool, prompt, run
 from pagedkvutil import engine as paged_engine
+from trainerutil import model_input
 
+from opentinker.rpc import auth
+from opentinker.rpc.auth import Principal, Role
+from opentinker.rpc.errors import InvalidArgument
+from opentinker.sampler_server.adapters import BASE_RESOLVED, Resolved
 from opentinker.sampler_server.engine import Engine
 from opentinker.sampler_server.model.llama import LlamaForCausalLM
 from opentinker.sampler_server.sequence import SamplingParams, Sequence
-from opentinker.sampler_server.service import SamplerServicer
+from opentinker.sampler_server.service import SamplerServicer, cache_salt
 from opentinker.sampler_server.slot_pool import SlotPool
+from opentinker.v1 import common_pb2, sampler_pb2
 
 SYSTEM = prompt(35, 99)  # a shared "system prompt": two full blocks and a bit
 MAX_LEN = 128
+T = TypeVar("T")
 
 
 def engine(runner: LlamaForCausalLM, pool: SlotPool, *, num_blocks: int, prefix_cache: bool = True) -> Engine:
@@ -162,3 +174,112 @@ def test_byte_identical_adapters_of_two_tenants_share_no_blocks(runner: LlamaFor
         assert on.stats.prompt_tokens_cached == 32  # the contrast: within team-a the identical copy hits
     finally:
         on.stop()
+
+
+class OneVersion:
+    """A servicer's loader over the pool's slot 1 (paged/a0@1, artifact "sha-0", owned by tenant "paged") and
+    the base model; counts acquires, the first step that queues anything for a request."""
+
+    def __init__(self, pool: SlotPool) -> None:
+        self.pool = pool
+        self.acquired = 0
+
+    async def resolve(self, reference: str) -> Resolved:
+        if reference == "base":
+            return BASE_RESOLVED
+        message = common_pb2.ResolvedVersion(adapter="paged/a0", version=1, reference=reference,
+                                             artifact_sha256="sha-0")  # fmt: skip
+        return Resolved(("paged/a0", 1), message, None)
+
+    async def acquire(self, resolved: Resolved, count: int = 1) -> int:
+        self.acquired += 1
+        return 0 if resolved.key == ("", 0) else 1
+
+
+def as_tenant(call: Coroutine[Any, Any, T]) -> T:
+    """`call` run as a user of tenant "paged", the owner of paged/a0 (what the auth interceptor sets)."""
+
+    async def scoped() -> T:
+        token = auth.set_principal(Principal("paged", Role.USER))
+        try:
+            return await call
+        finally:
+            auth.reset_principal(token)
+
+    return asyncio.run(scoped())
+
+
+def test_requests_of_one_tenant_with_different_cache_salts_share_no_blocks(
+    runner: LlamaForCausalLM, pool: SlotPool
+) -> None:
+    """One tenant, one adapter (and the base model), one prompt, through the real servicer: a request salted
+    "b" reuses none of the blocks of one salted "a"; "a" again, or no salt twice, reuses them (prompt tokens
+    found in the cache, counted at admission). A ComputeLogprobs salts the blocks it registers the same way.
+    Only the salt's SHA-256 enters the key, and no salt keeps the key unsalted requests had before."""
+    loader = OneVersion(pool)
+    on = engine(runner, pool, num_blocks=32)
+    info = common_pb2.BaseModelInfo(model_digest="base-digest", vocab_size=runner.config.vocab_size)
+    servicer = SamplerServicer(cast(Any, on), cast(Any, loader), info=info, tokenizer=None, max_waiting=64)
+    assert servicer._cache_key(1, "paged") == "lora:base-digest:sha-0:tenant:paged"  # as before cache_salt
+    assert servicer._cache_key(0, "paged") == "base:base-digest:tenant:paged"
+    digest = hashlib.sha256(b"a").hexdigest()
+    assert servicer._cache_key(1, "paged", cache_salt("a")) == f"lora:base-digest:sha-0:tenant:paged:salt:{digest}"
+    assert servicer._cache_key(0, "paged", cache_salt("a")) == f"base:base-digest:tenant:paged:salt:{digest}"
+    servicer.share_base_prefix_cache = True  # tenants share base blocks on purpose; salts still split them
+    assert servicer._cache_key(0, "paged", cache_salt("a")) == f"base:base-digest:salt:{digest}"
+    servicer.share_base_prefix_cache = False
+
+    def found(model: str, salt: str, tokens: list[int] = SYSTEM) -> int:
+        """The prompt tokens one Sample found in the prefix cache."""
+        before = on.scheduler.prompt_tokens_cached
+        greedy = sampler_pb2.SamplingParams(temperature=0.0, max_tokens=4)
+        request = sampler_pb2.SampleRequest(model=model, prompt=model_input(tokens), sampling_params=greedy,
+                                            cache_salt=salt)  # fmt: skip
+
+        async def sample() -> list[sampler_pb2.SampleResponse]:
+            return [message async for message in servicer.Sample(request, None)]
+
+        assert as_tenant(sample())[-1].stop_reason != sampler_pb2.STOP_REASON_UNSPECIFIED
+        return on.scheduler.prompt_tokens_cached - before
+
+    on.start()
+    try:
+        for model in ("paged/a0@1", "base"):
+            assert found(model, "a") == 0
+            assert found(model, "b") == 0  # salt "b" reuses none of salt "a"'s blocks
+            assert found(model, "a") == 32  # the contrast: salt "a" again finds its two full blocks
+            assert found(model, "") == 0  # no salt: its own blocks, not salt "a"'s
+            assert found(model, "") == 32  # no salt twice shares as before
+            assert found(model, "é" * 128) == 0  # 256 UTF-8 bytes: the most a salt may have
+        scored = [*SYSTEM, 7, 8, 9]
+        logprobs = sampler_pb2.ComputeLogprobsRequest(model="paged/a0@1", inputs=[model_input(scored)],
+                                                      cache_salt="c")  # fmt: skip
+        assert len(as_tenant(servicer.ComputeLogprobs(logprobs, None)).results[0].logprobs) == len(scored) - 1
+        assert found("paged/a0@1", "d", scored) == 0  # another salt cannot find the score's blocks
+        assert found("paged/a0@1", "c", scored) == 32  # its own salt does
+    finally:
+        on.stop()
+
+
+def test_an_over_long_cache_salt_is_refused_before_anything_is_queued(runner: LlamaForCausalLM, pool: SlotPool) -> None:
+    loader = OneVersion(pool)
+    on = engine(runner, pool, num_blocks=32)
+    info = common_pb2.BaseModelInfo(model_digest="base-digest", vocab_size=runner.config.vocab_size)
+    servicer = SamplerServicer(cast(Any, on), cast(Any, loader), info=info, tokenizer=None, max_waiting=64)
+    salt = "é" * 129  # 129 characters, 258 UTF-8 bytes: the bound is in bytes
+    sample = sampler_pb2.SampleRequest(model="paged/a0@1", prompt=model_input(SYSTEM), cache_salt=salt)
+    logprobs = sampler_pb2.ComputeLogprobsRequest(model="paged/a0@1", inputs=[model_input(SYSTEM)], cache_salt=salt)
+
+    async def drain() -> None:
+        async for _ in servicer.Sample(sample, None):
+            pass
+
+    calls = [drain(), servicer.ComputeLogprobs(logprobs, None)]
+    for call in calls:
+        with pytest.raises(InvalidArgument) as refused:
+            as_tenant(call)
+        assert refused.value.reason == "INVALID_CACHE_SALT"
+        assert refused.value.metadata["field"] == "cache_salt"
+        assert "258 bytes" in refused.value.message and "256" in refused.value.message
+    assert loader.acquired == 0 and on.num_waiting == 0 and on.scheduler.prompt_tokens_cached == 0
+    assert servicer.tenants.of("paged").waiting == 0

@@ -29,20 +29,22 @@ class GetSamplerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetSamplerInfoResponse(_message.Message):
-    __slots__ = ("base_model", "max_slots", "max_rank", "max_seqs", "max_batch_tokens", "lora_kernel")
+    __slots__ = ("base_model", "max_slots", "max_rank", "max_seqs", "max_batch_tokens", "lora_kernel", "max_pinned_per_tenant")
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_SLOTS_FIELD_NUMBER: _ClassVar[int]
     MAX_RANK_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQS_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LORA_KERNEL_FIELD_NUMBER: _ClassVar[int]
+    MAX_PINNED_PER_TENANT_FIELD_NUMBER: _ClassVar[int]
     base_model: _common_pb2.BaseModelInfo
     max_slots: int
     max_rank: int
     max_seqs: int
     max_batch_tokens: int
     lora_kernel: str
-    def __init__(self, base_model: _Optional[_Union[_common_pb2.BaseModelInfo, _Mapping]] = ..., max_slots: _Optional[int] = ..., max_rank: _Optional[int] = ..., max_seqs: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., lora_kernel: _Optional[str] = ...) -> None: ...
+    max_pinned_per_tenant: int
+    def __init__(self, base_model: _Optional[_Union[_common_pb2.BaseModelInfo, _Mapping]] = ..., max_slots: _Optional[int] = ..., max_rank: _Optional[int] = ..., max_seqs: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., lora_kernel: _Optional[str] = ..., max_pinned_per_tenant: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "seed", "max_tokens", "stop_token_ids", "stop_strings", "logprobs", "top_logprobs", "frequency_penalty", "presence_penalty")
@@ -71,7 +73,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop_strings: _Optional[_Iterable[str]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ...) -> None: ...
 
 class SampleRequest(_message.Message):
-    __slots__ = ("model", "prompt", "sampling_params", "num_samples", "prompt_logprobs", "request_id", "prompt_text")
+    __slots__ = ("model", "prompt", "sampling_params", "num_samples", "prompt_logprobs", "request_id", "prompt_text", "cache_salt")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +81,7 @@ class SampleRequest(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     model: str
     prompt: _common_pb2.ModelInput
     sampling_params: SamplingParams
@@ -86,7 +89,8 @@ class SampleRequest(_message.Message):
     prompt_logprobs: bool
     request_id: str
     prompt_text: str
-    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[_Union[_common_pb2.ModelInput, _Mapping]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_samples: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., request_id: _Optional[str] = ..., prompt_text: _Optional[str] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[_Union[_common_pb2.ModelInput, _Mapping]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_samples: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., request_id: _Optional[str] = ..., prompt_text: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class SampleResponse(_message.Message):
     __slots__ = ("sample_index", "tokens", "logprobs", "stop_reason", "version", "prompt_logprobs", "prompt_tokens", "text", "top_logprobs")
@@ -119,12 +123,14 @@ class TopLogprobs(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ComputeLogprobsRequest(_message.Message):
-    __slots__ = ("model", "inputs")
+    __slots__ = ("model", "inputs", "cache_salt")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     model: str
     inputs: _containers.RepeatedCompositeFieldContainer[_common_pb2.ModelInput]
-    def __init__(self, model: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[_common_pb2.ModelInput, _Mapping]]] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, model: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[_common_pb2.ModelInput, _Mapping]]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class TokenLogprobs(_message.Message):
     __slots__ = ("logprobs",)
