@@ -74,7 +74,7 @@ def parse_reference(text: str) -> Reference:
     if not sep:
         return Reference(check_adapter_name(name), alias=LATEST, bare=True)
     check_adapter_name(name)
-    if suffix.isdigit():
+    if suffix.isascii() and suffix.isdigit():  # "²".isdigit() holds, and int("²") raises
         version = int(suffix)
         if version < 1:
             raise InvalidArgument(f"invalid reference {text!r}: versions start at 1", reason="INVALID_REFERENCE")

@@ -147,6 +147,12 @@ BAD_SAMPLES: dict[str, tuple[Callable[[str], sampler_pb2.SampleRequest], str, st
         "INVALID_REFERENCE",
         "expected name, name@alias or name@N",
     ),
+    # A digit str.isdigit() accepts and int() refuses: it was a crash (INTERNAL), found by the HTTP fuzzer.
+    "superscript version": (
+        lambda m: sampler_pb2.SampleRequest(model="some-adapter@\u00b2", prompt=model_input([1])),
+        "INVALID_REFERENCE",
+        "expected name, name@alias or name@N",
+    ),
 }
 
 
