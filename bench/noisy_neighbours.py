@@ -35,6 +35,7 @@ import contextlib
 import json
 import multiprocessing
 import secrets
+import shlex
 import sys
 import tempfile
 import time
@@ -145,7 +146,7 @@ class Stack:
                 server.kill()
 
 
-def start(work: Path, model: Path) -> Stack:
+def start(work: Path, model: Path, sampler_args: tuple[str, ...] = ()) -> Stack:
     tokens = {who: f"tok-{who}-{secrets.token_hex(8)}" for who in ("team-a", "team-b", "svc")}
     roles = {"team-a": "user", "team-b": "user", "svc": "admin"}
     entries = [{"token": t, "tenant": who, "role": roles[who]} for who, t in tokens.items()]
@@ -155,7 +156,7 @@ def start(work: Path, model: Path) -> Stack:
     registry = start_registry(work / "registry", *auth)
     service = (*auth, "--registry-token", tokens["svc"])
     trainer = start_trainer(work / "trainer", model, registry, *service)
-    sampler = start_sampler(work / "sampler", model, registry, *service, "--max-slots", "4")
+    sampler = start_sampler(work / "sampler", model, registry, *service, "--max-slots", "4", *sampler_args)
     keys = {who: f"tml-{who}-{secrets.token_hex(8)}" for who in ("team-a", "team-b")}
     keys_file = work / "keys.json"
     keys_file.write_text(
@@ -510,16 +511,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--only", default="", help="Run only the cases whose name starts with this.")
+    parser.add_argument(
+        "--sampler-args", default="", help="More `sampler serve` flags, e.g. '--mixed-prefill-tokens 16'."
+    )
     args = parser.parse_args()
     setup, spec = (QUICK, QUICK_SPEC) if args.quick else (FULL, FULL_SPEC)
     model = model_dir(spec)
     config: dict[str, str | int | float | bool | None] = {
         **model_config(spec), "pairs": setup.pairs, "window_s": setup.window_s, "abusers": setup.abusers,
+        "sampler_args": args.sampler_args,
     }  # fmt: skip
     print(f"noisy neighbours ({spec.arch} hidden {spec.hidden_size}, {spec.num_hidden_layers} layers; {setup.pairs} x "
           f"{setup.window_s:g} s windows per side; {setup.abusers} team-a threads)")  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="nn-bench-") as tmp:
-        stack = start(Path(tmp), model)
+        stack = start(Path(tmp), model, tuple(shlex.split(args.sampler_args)))
         try:
             clients = stack.clients
             prepare(clients, model, spec)

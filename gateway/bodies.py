@@ -69,6 +69,7 @@ class _CollectorPause:
 
 _COLLECTOR = _CollectorPause()
 _SCALARS = frozenset({int, float, bool, type(None)})
+_NOT_UNICODE = "is not Unicode text (it holds a lone surrogate such as \\ud800)"
 
 
 def _path(parents: tuple[object, ...]) -> str:
@@ -78,9 +79,10 @@ def _path(parents: tuple[object, ...]) -> str:
     return text or "the body"
 
 
-def check_json(body: object, *, max_string: int, max_depth: int = MAX_JSON_DEPTH) -> None:
-    """Every string and object key of ``body`` at most ``max_string`` characters, nesting at most
-    ``max_depth`` levels; 400 naming the first place that is not. Iterative: any depth is safe to walk."""
+def check_json(body: object, *, max_string: int, max_depth: int = MAX_JSON_DEPTH, unicode: bool = False) -> None:
+    """Every string and object key of ``body`` at most ``max_string`` characters (``unicode``: and valid Unicode
+    text, without a lone surrogate such as JSON's "\\ud800"), nesting at most ``max_depth`` levels; 400 naming the
+    first place that is not. Iterative: any depth is safe to walk."""
     stack: list[tuple[object, tuple[object, ...]]] = [(body, ())]
     while stack:
         item, parents = stack.pop()
@@ -89,6 +91,8 @@ def check_json(body: object, *, max_string: int, max_depth: int = MAX_JSON_DEPTH
                 raise bad_request(
                     f"{_path(parents)} is {len(item)} characters long; at most {max_string}", "STRING_TOO_LONG"
                 )
+            if unicode and not _is_unicode(item):
+                raise bad_request(f"{_path(parents)} {_NOT_UNICODE}", "MALFORMED_JSON")
             continue
         if not isinstance(item, dict | list):
             continue
@@ -100,26 +104,12 @@ def check_json(body: object, *, max_string: int, max_depth: int = MAX_JSON_DEPTH
             for key, child in item.items():
                 if len(key) > max_string:
                     raise bad_request(f"a key of {_path(parents)} is longer than {max_string}", "STRING_TOO_LONG")
+                if unicode and not _is_unicode(key):
+                    raise bad_request(f"a key of {_path(parents)} {_NOT_UNICODE}", "MALFORMED_JSON")
                 if isinstance(child, str | dict | list):
                     stack.append((child, (*parents, key)))
         else:
             stack.extend((child, (*parents, i)) for i, child in enumerate(item) if isinstance(child, str | dict | list))
-
-
-def check_unicode(body: object) -> None:
-    """Every string and object key of ``body`` valid Unicode text, without a lone surrogate (JSON's "\\ud800");
-    400 naming the first place that is not."""
-    stack: list[tuple[object, tuple[object, ...]]] = [(body, ())]
-    while stack:
-        item, parents = stack.pop()
-        children = item.items() if isinstance(item, dict) else enumerate(item) if isinstance(item, list) else ()
-        for key, child in children:
-            for text, where in ((key, f"a key of {_path(parents)}"), (child, _path((*parents, key)))):
-                if isinstance(text, str) and not _is_unicode(text):
-                    message = f"{where} is not Unicode text (it holds a lone surrogate such as \\ud800)"
-                    raise bad_request(message, "MALFORMED_JSON")
-            if isinstance(child, dict | list):
-                stack.append((child, (*parents, key)))
 
 
 def _is_unicode(text: str) -> bool:
@@ -153,7 +143,6 @@ def parse_json(raw: bytes, *, max_bytes: int, max_string: int, yielding: bool = 
         raise bad_request(f"body is not JSON: {str(exc)[:200]}", "MALFORMED_JSON") from exc
     if not isinstance(body, dict):
         raise bad_request("body must be a JSON object", "MALFORMED_JSON")
-    check_json(body, max_string=max_string)
-    if _SURROGATE_ESCAPE.search(raw):  # rare: only then is a walk over every string needed
-        check_unicode(body)
+    # A lone surrogate can only come from a \u escape: only then is each string's encoding checked.
+    check_json(body, max_string=max_string, unicode=_SURROGATE_ESCAPE.search(raw) is not None)
     return body

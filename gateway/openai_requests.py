@@ -210,10 +210,7 @@ def _cache_salt(body: Body) -> str:
         return ""
     if not salt:
         raise invalid("'cache_salt' must be a non-empty string if provided", "cache_salt")
-    try:
-        size = len(salt.encode())
-    except UnicodeEncodeError:  # a lone surrogate (JSON "\ud800"): not text the sampler can take
-        raise invalid("'cache_salt' must be valid Unicode text", "cache_salt") from None
+    size = len(salt.encode())  # a lone surrogate never gets here: bodies.check_json refused the body
     if size > MAX_CACHE_SALT_BYTES:
         raise invalid(f"'cache_salt' is {size:,} UTF-8 bytes; at most {MAX_CACHE_SALT_BYTES}", "cache_salt")
     return salt

@@ -54,8 +54,6 @@ def reference(model: str, tenant: str, base: BaseModelInfo) -> str:
         name = f"{tenant}/{name}"
     elif tenant_of(name) != tenant:
         raise model_not_found(model)
-    if not suffix.isascii():  # parse_reference reads "x@²" as a version (isdigit) that int() refuses
-        raise model_not_found(model)
     try:
         parse_reference(f"{name}{at}{suffix}")
     except InvalidArgument:

@@ -55,6 +55,7 @@ class SamplerConfig:
     max_seqs: int = 64
     max_batch_tokens: int = 4096
     prefill_chunk_tokens: int = 512  # prompt tokens per mixed step; 0: whole prompts, a step prefills or decodes
+    mixed_prefill_tokens: int | None = None  # None: default_mixed_prefill_tokens(the device); 0: no bound
     max_len: int = 0  # 0: the model's, capped at 4096
     max_waiting: int = 256
     num_blocks: int = 0  # KV-cache blocks; 0: kv_cache_mb, or what max_seqs x max_len took in slots
@@ -114,6 +115,7 @@ def build_sampler(config: SamplerConfig) -> BuiltSampler:
     from opentinker.sampler_server.model.weights import linear_shapes
     from opentinker.sampler_server.scheduler import (
         Scheduler,
+        default_mixed_prefill_tokens,
         default_tenant_blocks,
         default_tenant_queue,
         default_tenant_slots,
@@ -133,6 +135,8 @@ def build_sampler(config: SamplerConfig) -> BuiltSampler:
     queued = default_tenant_queue(c.max_waiting) if c.max_queued_per_tenant is None else c.max_queued_per_tenant
     pins = default_tenant_pins(c.max_slots) if c.max_pinned_per_tenant is None else c.max_pinned_per_tenant
     torch_device = torch.device(pick_device(c.device))
+    mixed = c.mixed_prefill_tokens
+    mixed = default_mixed_prefill_tokens(torch_device.type) if mixed is None else mixed
     dtype = pick_dtype(c.dtype, torch_device.type)
     torch_dtype = torch.float32 if dtype == "float32" else torch.bfloat16
     lora_kernel = resolve_kernel(c.kernel, torch_device.type)  # the engine runs it, GetSamplerInfo reports it
@@ -170,6 +174,7 @@ def build_sampler(config: SamplerConfig) -> BuiltSampler:
             max_seqs_per_tenant=per_tenant,
             prefill_chunk_tokens=c.prefill_chunk_tokens,
             max_blocks_per_tenant=tenant_blocks,
+            mixed_prefill_tokens=mixed,
         )
         return Engine(runner, cache, slots, scheduler, release=release, max_len=context,
                       eos_token_ids=model_config.eos_token_ids, kernel=lora_kernel,

@@ -45,6 +45,16 @@ def serve(
             "prompt never stalls running streams. 0: whole prompts, a step prefills or decodes.",
         ),
     ] = 512,
+    mixed_prefill_tokens: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            help="Prompt tokens one tenant computes in a step where another tenant's streams decode, so that long "
+            "prompts (a flood of ComputeLogprobs) cannot slow every other tenant's tokens to one per 512-token "
+            "chunk. Default: 16 on the CPU (where a prompt token costs what a decode row does), no bound but "
+            "--prefill-chunk-tokens on CUDA; 0: no bound.",
+        ),
+    ] = None,
     max_len: Annotated[int, typer.Option(help="Context per sequence (0: the model's, capped at 4096).")] = 0,
     max_waiting: Annotated[int, typer.Option(help="Queued sequences before RESOURCE_EXHAUSTED.")] = 256,
     num_blocks: Annotated[
@@ -199,7 +209,8 @@ def serve(
         server=options, registry_token=registry_token, registry_ca=registry_ca, device=device,
         dtype=cast("Dtype", dtype), max_slots=max_slots,
         max_rank=max_rank, max_seqs=max_seqs, max_batch_tokens=max_batch_tokens, max_len=max_len,
-        prefill_chunk_tokens=prefill_chunk_tokens, max_kv_blocks_per_tenant=max_kv_blocks_per_tenant,
+        prefill_chunk_tokens=prefill_chunk_tokens, mixed_prefill_tokens=mixed_prefill_tokens,
+        max_kv_blocks_per_tenant=max_kv_blocks_per_tenant,
         max_waiting=max_waiting, num_blocks=num_blocks, kv_cache_mb=kv_cache_mb, prefix_cache=prefix_cache,
         share_base_prefix_cache=share_base_prefix_cache,
         max_seqs_per_tenant=max_seqs_per_tenant,

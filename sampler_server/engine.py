@@ -196,9 +196,9 @@ class Engine:
 
         def on_update(update: SequenceUpdate) -> None:  # engine thread
             if update.error:
-                _settle(future, RuntimeError(update.error))
+                settle_score(future, RuntimeError(update.error))
             elif update.finished:
-                _settle(future, update.prompt_logprobs or [])
+                settle_score(future, update.prompt_logprobs or [])
 
         future.add_done_callback(lambda done: self.abort(request_id) if done.cancelled() else None)
         self.submit([seq], on_update)
@@ -533,7 +533,7 @@ class Engine:
                                     prompt_sources=sources, top_logprobs=new_top))  # fmt: skip
 
 
-def _settle(future: concurrent.futures.Future[list[float]], outcome: list[float] | Exception) -> None:
+def settle_score(future: concurrent.futures.Future[list[float]], outcome: list[float] | Exception) -> None:
     """Completes a score's future unless its caller cancelled it meanwhile."""
     try:
         if isinstance(outcome, Exception):

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from opentinker.rpc.process import die_with_parent
-from opentinker.sampler_server.engine import Engine, EngineStats, SequenceUpdate, UpdateCallback
+from opentinker.sampler_server.engine import Engine, EngineStats, SequenceUpdate, UpdateCallback, settle_score
 from opentinker.sampler_server.kernels import Kernel
 from opentinker.sampler_server.sequence import Sequence
 from opentinker.sampler_server.slot_mirror import SlotMirror
@@ -365,7 +365,7 @@ class EngineProcess:
             with self._lock:
                 future = self._scores.pop(job, None)
             if future is not None:  # the engine released the slot either way
-                _settle(future, logprobs, error)
+                settle_score(future, RuntimeError(error) if logprobs is None else logprobs)
 
     def _engine_died(self) -> None:
         self.died = True
@@ -379,7 +379,7 @@ class EngineProcess:
             for index in sorted(open_samples):
                 callback(SequenceUpdate(request_id, index, [], [], finished=True, error=error))
         for future in scores.values():
-            _settle(future, None, error)
+            settle_score(future, RuntimeError(error))
         if self.on_exit is not None:
             self.on_exit()
 
@@ -392,14 +392,3 @@ class EngineProcess:
             if entry is not None:
                 entry[0](SequenceUpdate(seq.request_id, seq.sample_index, [], [], finished=True,
                                         error="the sampler engine process has exited"))  # fmt: skip
-
-
-def _settle(future: concurrent.futures.Future[list[float]], logprobs: list[float] | None, error: str) -> None:
-    """Completes a score future unless its caller cancelled it meanwhile."""
-    try:
-        if logprobs is None:
-            future.set_exception(RuntimeError(error))
-        else:
-            future.set_result(logprobs)
-    except concurrent.futures.InvalidStateError:
-        pass  # cancelled: nobody waits for it

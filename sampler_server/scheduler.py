@@ -7,10 +7,13 @@ samples nothing that step and its `num_cached` advances by its chunk. Two ways t
 
 - Chunked (`prefill_chunk_tokens` > 0, the server's default): every step holds the decode token of every
   running sequence whose prompt is computed, and then prompt tokens up to `prefill_chunk_tokens` (and up to
-  `max_batch_tokens` in all): first the next chunks of partly computed prompts (oldest first), then new
-  sequences, the last of them possibly with only a first chunk. A long prompt enters over several steps and
-  running streams keep their pace: none waits for more than one step between two of its tokens, whatever
-  arrives (a "mixed" step). A step with no decode due is a plain prefill.
+  `max_batch_tokens` in all), shared out between the tenants that want prompt tokens: evenly, what one cannot use
+  going to the others, and at most `mixed_prefill_tokens` to a tenant while another tenant's sequences decode in
+  the step (the step's time is what every one of their tokens waits). Within a tenant's share, first the next
+  chunks of its partly computed prompts (oldest first), then its new sequences, the last possibly with only a
+  first chunk. A long prompt enters over several steps and running streams keep their pace: none waits for more
+  than one step between two of its tokens, whatever arrives (a "mixed" step), and one tenant's long prompts do
+  not keep another tenant's new request out until they are done. A step with no decode due is a plain prefill.
 - Whole prompts (`prefill_chunk_tokens` 0): a step is either a prefill of newly admitted sequences (whole
   prompts within `max_batch_tokens`; a single prompt may exceed it, in a prefill of its own) or one decode token
   for every running sequence. Prefill goes first so new requests start quickly (nano-vllm's policy), but never
@@ -80,6 +83,18 @@ def default_tenant_blocks(num_blocks: int) -> int:
     return max(1, num_blocks * 3 // 4)
 
 
+def default_mixed_prefill_tokens(device_type: str) -> int:
+    """--mixed-prefill-tokens' default. On the CPU a step's time grows with its tokens from the first one, a prompt
+    token costing about what a decode row does (a step ~34 ms + ~2.7 ms per prompt token on the benchmark model):
+    a 512-token chunk of one tenant's prompts made each of another tenant's decode steps 40x slower. Measured with
+    bench/noisy_neighbours.py's logprobs flood, team-b's p99 during / alone: 6.7x at 32 tokens, 4.0x at 16, 3.6x
+    at 8 (so what is left at 16 is mostly not the step's prompt tokens). At 16 a long prompt still prefills beside
+    other tenants' decodes at ~60% of its unbounded rate, a step's fixed cost being shared by fewer tokens. On
+    CUDA a step of a few hundred tokens costs little more than a decode step (the weights are read once either
+    way): 0, the step's budget only."""
+    return 16 if device_type == "cpu" else 0
+
+
 class Scheduler:
     def __init__(
         self,
@@ -90,16 +105,20 @@ class Scheduler:
         blocks: BlockManager | None = None,
         prefill_chunk_tokens: int = 0,
         max_blocks_per_tenant: int = 0,
+        mixed_prefill_tokens: int = 0,
     ) -> None:
         """max_seqs_per_tenant: the seats one tenant may hold at once (0: no limit, every seat). blocks: the KV
         cache's books (the engine hands its own in with `use_blocks`); None: seats are the only limit.
         prefill_chunk_tokens: prompt tokens per step in chunked mode (0: whole prompts, a step prefills or
-        decodes). max_blocks_per_tenant: the KV blocks one tenant may hold (0: no bound)."""
+        decodes). max_blocks_per_tenant: the KV blocks one tenant may hold (0: no bound). mixed_prefill_tokens: the
+        prompt tokens a tenant computes in a chunked step where another tenant's sequences decode (0: no bound
+        but the step's)."""
         self.max_seqs = max_seqs
         self.max_batch_tokens = max_batch_tokens
         self.max_seqs_per_tenant = min(max_seqs_per_tenant or max_seqs, max_seqs)
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.max_blocks_per_tenant = max_blocks_per_tenant
+        self.mixed_prefill_tokens = mixed_prefill_tokens
         self.tenant_blocks = 0  # the bound in force (use_blocks); 0: none
         self._queues: dict[str, collections.deque[Sequence]] = {}  # tenants with waiting sequences, FIFO each
         self.running: list[Sequence] = []
@@ -158,24 +177,29 @@ class Scheduler:
         return ScheduledBatch(decoding, False, [1] * len(decoding)) if decoding else None  # none: the next admits
 
     def _schedule_chunked(self) -> ScheduledBatch | None:
-        """Every due decode, then prompt chunks: partly computed prompts first (oldest first), then new
-        sequences, within prefill_chunk_tokens (and max_batch_tokens in all)."""
+        """Every due decode, then prompt chunks within prefill_chunk_tokens (and max_batch_tokens in all), shared
+        between the tenants that want prompt tokens (`_prompt_allowances`): each tenant's partly computed prompts
+        first (oldest first), then new sequences."""
         decoding = self._grow_running([seq for seq in self.running if _decoding(seq)])
         budget = min(self.prefill_chunk_tokens, self.max_batch_tokens - len(decoding))
         work = [(seq, 1) for seq in decoding]
-        for seq in self.running:
-            if budget > 0 and seq.leader is None and not _decoding(seq):
-                chunk = min(budget, seq.num_tokens - seq.num_cached)
+        partial = [seq for seq in self.running if seq.leader is None and not _decoding(seq)]
+        allowed = self._prompt_allowances(partial, {seq.tenant for seq in decoding}, budget)
+        for seq in partial:
+            chunk = min(allowed[seq.tenant], seq.num_tokens - seq.num_cached)
+            if chunk > 0:
                 work.append((seq, chunk))
+                allowed[seq.tenant] -= chunk
                 budget -= chunk
         admitted: list[Sequence] = []
         if budget > 0:
-            self._admit(admitted, budget, whole=False)
+            self._admit(admitted, budget, whole=False, allowed=dict(allowed))
         self.running.extend(admitted)
         for seq in admitted:
             if seq.leader is None:  # the last one admitted may get only its first chunk
-                chunk = min(budget, seq.num_tokens - seq.num_cached)
+                chunk = min(budget, allowed[seq.tenant], seq.num_tokens - seq.num_cached)
                 work.append((seq, chunk))
+                allowed[seq.tenant] -= chunk
                 budget -= chunk
         # The waiting samples of each prompt computed to its end this step take its row.
         ending = {id(seq) for seq, chunk in work if seq.num_cached + chunk == seq.num_tokens}
@@ -184,6 +208,37 @@ class Scheduler:
             return None
         prefill = sum(chunk for seq, chunk in work if not (chunk == 1 and _decoding(seq)))
         return ScheduledBatch([seq for seq, _ in work], prefill > 0, [chunk for _, chunk in work], prefill)
+
+    def _prompt_allowances(self, partial: list[Sequence], decoders: set[str], budget: int) -> dict[str, int]:
+        """The prompt tokens each tenant may compute this step. The budget is shared out evenly between the tenants
+        that want prompt tokens (partly computed prompts, waiting sequences), what one of them cannot use going to
+        the others, so one tenant's long prompts do not keep another's new request out until they are done. A
+        tenant gets at most `mixed_prefill_tokens` while another tenant's sequences decode in the step: on a
+        compute-bound device each prompt token costs about what a decode row does, and a 512-token chunk would
+        make every one of the other tenant's tokens wait as long as 15 decode steps."""
+        demand: collections.Counter[str] = collections.Counter()
+        for seq in partial:
+            demand[seq.tenant] += seq.num_tokens - seq.num_cached
+        for tenant, queue in self._queues.items():
+            for seq in queue:  # the head requests are what is admitted; enough of them to want the budget
+                if demand[tenant] >= budget:
+                    break
+                demand[tenant] += seq.num_tokens - seq.num_cached
+        mixed = self.mixed_prefill_tokens
+        limit = {t: mixed if mixed and decoders - {t} else budget for t in demand}
+        allowed = dict.fromkeys(demand, 0)
+        wanting = sorted((t for t in demand if demand[t]), key=lambda t: (self.held[t], self._last_turn.get(t, 0)))
+        while budget > 0 and wanting:
+            share = max(1, budget // len(wanting))
+            for tenant in list(wanting):
+                give = min(share, budget, demand[tenant] - allowed[tenant], limit[tenant] - allowed[tenant])
+                allowed[tenant] += give
+                budget -= give
+                if allowed[tenant] >= min(demand[tenant], limit[tenant]):
+                    wanting.remove(tenant)
+                if not budget:
+                    break
+        return allowed
 
     def _grow_running(self, sequences: list[Sequence]) -> list[Sequence]:
         """Every sequence given (running, oldest first) gets the block its next token needs; when its tenant's
@@ -230,9 +285,13 @@ class Scheduler:
             self.num_waiting += 1
             self.preemptions += 1
 
-    def _admit(self, admitted: list[Sequence], budget: int, *, whole: bool) -> None:
+    def _admit(
+        self, admitted: list[Sequence], budget: int, *, whole: bool, allowed: dict[str, int] | None = None
+    ) -> None:
         """Fills free seats turn by turn within `budget` prompt tokens (`whole`: prompts must fit it whole;
-        else sequences are admitted while some budget is left, the last possibly for a first chunk). A tenant is out of
+        else sequences are admitted while some budget is left, the last possibly for a first chunk; `allowed`: and
+        while their tenant's allowance of this step's prompt tokens is, each charged what its first chunk computes,
+        from both; see `_prompt_allowances`). A tenant is out of
         this prefill once it cannot take its next sequence (its seat cap, its block bound, or a whole prompt
         beyond the budget left: it goes first in the next prefill). Admission ends when the next sequence's
         blocks are not free: nobody jumps it (it would starve behind short ones)."""
@@ -254,7 +313,7 @@ class Scheduler:
                 if leader is not None and not _same_prompt(leader, seq):
                     leader = None
                 cost = 0 if leader is not None else seq.num_tokens - seq.num_cached
-                if cost and (admitted and cost > budget if whole else budget <= 0):
+                if cost and (admitted and cost > budget if whole else min(budget, _allowed(allowed, tenant)) <= 0):
                     break  # whole: a single prompt may exceed the budget on its own, in a prefill of its own
                 if leader is not None:
                     seq.leader = leader
@@ -279,6 +338,9 @@ class Scheduler:
                 admitted.append(seq)
                 if leader is None and not seq.output:
                     leaders.setdefault(seq.request_id, seq)
+                if allowed is not None:  # chunked: this step computes what the tenant's allowance holds of it
+                    cost = min(cost, allowed[tenant])
+                    allowed[tenant] -= cost
                 budget -= cost
                 taken += 1
             if taken:
@@ -320,6 +382,11 @@ class Scheduler:
             del self.held[seq.tenant]
         if self.blocks is not None:
             self.blocks.release(seq)
+
+
+def _allowed(allowed: dict[str, int] | None, tenant: str) -> int:
+    """A tenant's prompt tokens left in this step (None: no allowances, only the step's budget)."""
+    return 1 << 30 if allowed is None else allowed.get(tenant, 0)
 
 
 def _decoding(seq: Sequence) -> bool:

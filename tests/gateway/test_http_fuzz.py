@@ -202,7 +202,7 @@ def test_the_gateway_serves_the_document(gateway: ServerProcess) -> None:
 
 # What the fuzzer found (each answered 500 before its fix), pinned: method, path, JSON body, the status now.
 FOUND: tuple[tuple[str, str, object, int], ...] = (
-    # a lone surrogate escape reached protobuf or the tokenizer (UnicodeEncodeError): bodies.check_unicode
+    # a lone surrogate escape reached protobuf or the tokenizer (UnicodeEncodeError): bodies.check_json
     ("POST", "/v1/completions", {"model": "{base}", "prompt": "\ud800", "max_tokens": 2}, 400),
     ("POST", "/api/v1/asample", {"sampling_session_id": "{sampler}", "seq_id": 0,
                                  "sampling_params": {"stop": "x\udfff"},

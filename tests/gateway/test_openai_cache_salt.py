@@ -19,7 +19,8 @@ from samplerutil import wait_until
 from serverproc import ServerProcess
 
 from opentinker.client import SamplingClient, ServiceClient
-from opentinker.gateway.openai_errors import OpenAIError
+from opentinker.gateway.bodies import parse_json
+from opentinker.gateway.errors import GatewayError
 from opentinker.gateway.openai_requests import chat_request, completion_request
 
 
@@ -106,14 +107,16 @@ def test_a_bad_cache_salt_is_a_400_naming_it(client: openai.OpenAI, sampler: Sam
 
 def test_the_parsed_salt_and_a_lone_surrogate() -> None:
     """What the sampler is sent ("": none, as absent or null), and JSON text that is not Unicode ("\\ud800",
-    which json.loads accepts) refused by name rather than failing later."""
+    which json.loads accepts) refused by the body parser, naming the field, before any route reads it."""
     chat: dict[str, object] = {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}
     completion: dict[str, object] = {"model": "m", "prompt": "Hi"}
     assert chat_request(chat, 8).options.cache_salt == ""
     assert chat_request({**chat, "cache_salt": None}, 8).options.cache_salt == ""
     assert chat_request({**chat, "cache_salt": "é" * 128}, 8).options.cache_salt == "é" * 128
     assert completion_request({**completion, "cache_salt": "s"}, 8).options.cache_salt == "s"
-    for parse, body in ((chat_request, chat), (completion_request, completion)):
-        with pytest.raises(OpenAIError) as refused:
-            parse({**body, "cache_salt": "\ud800"}, 8)
-        assert refused.value.status == 400 and refused.value.param == "cache_salt"
+    raw = b'{"model": "m", "prompt": "Hi", "cache_salt": "\\ud800"}'
+    with pytest.raises(GatewayError) as refused:
+        parse_json(raw, max_bytes=1 << 20, max_string=1 << 20)
+    assert (
+        refused.value.status == 400 and refused.value.code == "MALFORMED_JSON" and "cache_salt" in refused.value.message
+    )
