@@ -32,8 +32,10 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
+import dataclasses
 import json
 import multiprocessing
+import os
 import secrets
 import shlex
 import sys
@@ -88,6 +90,7 @@ class Setup:
     pairs: int  # (alone, abuse) window pairs per case
     window_s: float
     abusers: int  # team-a threads
+    abuser_nice: int = 0  # team-a's processes' niceness: 19 leaves the servers the cores, as clients on other hosts
 
 
 FULL = Setup(pairs=3, window_s=6.0, abusers=4)
@@ -426,7 +429,8 @@ ABUSES: dict[str, Callable[[Clients], Callable[[], None]]] = {
 }
 
 
-def _abuse_process(case: str, clients: Clients, ready: Any, stop: Any) -> None:
+def _abuse_process(case: str, clients: Clients, ready: Any, stop: Any, nice: int) -> None:
+    os.nice(nice)
     abuse = ABUSES[case](clients)
     ready.release()
     while not stop.is_set():
@@ -439,8 +443,8 @@ def measure(workload: Callable[[int], None], case: str | None, clients: Clients,
     (None: alone); and team-b's errors."""
     context = multiprocessing.get_context("spawn")
     stop, ready = context.Event(), context.Semaphore(0)
-    processes = [context.Process(target=_abuse_process, args=(case, clients, ready, stop), daemon=True)
-                 for _ in range(abusers if case else 0)]  # fmt: skip
+    work = (case, clients, ready, stop, setup.abuser_nice)
+    processes = [context.Process(target=_abuse_process, args=work, daemon=True) for _ in range(abusers if case else 0)]
     for process in processes:
         process.start()
     for _ in processes:
@@ -514,12 +518,16 @@ def main() -> None:
     parser.add_argument(
         "--sampler-args", default="", help="More `sampler serve` flags, e.g. '--mixed-prefill-tokens 16'."
     )
+    parser.add_argument(
+        "--abuser-nice", type=int, default=0, help="Niceness of team-a's processes (19: as if on other hosts)."
+    )
     args = parser.parse_args()
     setup, spec = (QUICK, QUICK_SPEC) if args.quick else (FULL, FULL_SPEC)
+    setup = dataclasses.replace(setup, abuser_nice=args.abuser_nice)
     model = model_dir(spec)
     config: dict[str, str | int | float | bool | None] = {
         **model_config(spec), "pairs": setup.pairs, "window_s": setup.window_s, "abusers": setup.abusers,
-        "sampler_args": args.sampler_args,
+        "sampler_args": args.sampler_args, "abuser_nice": args.abuser_nice,
     }  # fmt: skip
     print(f"noisy neighbours ({spec.arch} hidden {spec.hidden_size}, {spec.num_hidden_layers} layers; {setup.pairs} x "
           f"{setup.window_s:g} s windows per side; {setup.abusers} team-a threads)")  # fmt: skip
