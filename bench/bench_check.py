@@ -58,8 +58,9 @@ def git(*args: str) -> str:
 
 def default_base() -> tuple[str, str]:
     """(ref, why) of the build this change is compared with."""
-    upstream = subprocess.run(["git", "rev-parse", "--abbrev-ref", "@{upstream}"], cwd=ROOT, capture_output=True,
-                              text=True, check=False)  # fmt: skip
+    upstream = subprocess.run(
+        ["git", "rev-parse", "--abbrev-ref", "@{upstream}"], cwd=ROOT, capture_output=True, text=True, check=False
+    )
     if upstream.returncode == 0:
         base = git("merge-base", "HEAD", upstream.stdout.strip())
         if base != git("rev-parse", "HEAD"):
@@ -126,8 +127,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="runs per side (default 3)")
     parser.add_argument("--tolerance", type=float, default=0.05, help="largest drop of a ratio (default 0.05)")
     parser.add_argument("--full", action="store_true", help="the full-size runs (~5 min each) instead of --quick")
-    parser.add_argument("--script", choices=("own", "head"), default="own",
-                        help="each build runs its own bench script (default), or both the head's")  # fmt: skip
+    parser.add_argument(
+        "--script",
+        choices=("own", "head"),
+        default="own",
+        help="each build runs its own bench script (default), or both the head's",
+    )
     args = parser.parse_args()
     base_ref, why = (args.base, "--base") if args.base else default_base()
     base_rev = git("rev-parse", "--short", base_ref)
@@ -137,8 +142,9 @@ def main() -> None:
         work = Path(tmp)
         with checkout(base_rev, work, "base") as base_tree, _head_tree(args.head, work) as head_tree:
             head_script = head_tree / "bench" / "sampler_multilora.py"
-            head = Build("head", head_tree, head_script,
-                         None if args.head is None else link_tree(head_tree, work / "head-link"))  # fmt: skip
+            head = Build(
+                "head", head_tree, head_script, None if args.head is None else link_tree(head_tree, work / "head-link")
+            )
             base_script = head_script if args.script == "head" else base_tree / "bench" / "sampler_multilora.py"
             base = Build("base", base_tree, base_script, link_tree(base_tree, work / "base-link"))
             runs: dict[str, list[dict[str, object]]] = {"base": [], "head": []}
@@ -162,8 +168,10 @@ def _head_tree(ref: str | None, work: Path) -> Iterator[Path]:
 
 def report(runs: dict[str, list[dict[str, object]]], tolerance: float) -> list[str]:
     """Prints the table; returns the labels of the figures that dropped by more than the tolerance."""
-    print(f"\n  {'figure (median of ' + str(len(runs['head'])) + ' runs each)':<40} {'base':>8} {'head':>8} "
-          f"{'head/base':>10}")  # fmt: skip
+    print(
+        f"\n  {'figure (median of ' + str(len(runs['head'])) + ' runs each)':<40} {'base':>8} {'head':>8} "
+        f"{'head/base':>10}"
+    )
     failed: list[str] = []
     for key, label in JUDGED.items():
         old, new = median_of(runs["base"], key), median_of(runs["head"], key)
@@ -178,10 +186,14 @@ def report(runs: dict[str, list[dict[str, object]]], tolerance: float) -> list[s
     old_rates, new_rates = decode_rates(runs["base"]), decode_rates(runs["head"])
     for name in sorted(old_rates.keys() & new_rates.keys()):
         change = new_rates[name] / old_rates[name]
-        print(f"  {'decode tokens/s, ' + name:<40} {old_rates[name]:8.1f} {new_rates[name]:8.1f} {change:10.3f}"
-              "  (absolute: shown, not judged)")  # fmt: skip
-    print(f"\nbench-check: {'FAILED: ' + ', '.join(failed) if failed else 'no ratio dropped by more than '}"
-          f"{'' if failed else f'{tolerance:.0%}'}")  # fmt: skip
+        print(
+            f"  {'decode tokens/s, ' + name:<40} {old_rates[name]:8.1f} {new_rates[name]:8.1f} {change:10.3f}"
+            "  (absolute: shown, not judged)"
+        )
+    print(
+        f"\nbench-check: {'FAILED: ' + ', '.join(failed) if failed else 'no ratio dropped by more than '}"
+        f"{'' if failed else f'{tolerance:.0%}'}"
+    )
     return failed
 
 

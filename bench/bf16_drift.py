@@ -75,9 +75,11 @@ def main() -> None:
     print(f"{len(tokens)} tokens, random-weight scaled copies (hidden 64, 2 layers), CPU")
     print("sampler vs trainer: fp32 (prefill, max |d|); bf16 prefill (ComputeLogprobs, prompt logprobs) and bf16")
     print(f"decode (the logprobs sampling returns: prefill of {PREFIX}, then one token per step); KL(sampler||trainer)")
-    print(f"{'family':14} {'fp32 max|d|':>12} {'pre mean|d|':>13} {'pre max|d|':>12} {'pre KL/token':>14} "
-          f"{'dec mean|d|':>13} {'dec max|d|':>12} {'dec KL/token':>14} "
-          f"{'trainer bf16 vs fp32 mean|d|':>29}")  # fmt: skip
+    print(
+        f"{'family':14} {'fp32 max|d|':>12} {'pre mean|d|':>13} {'pre max|d|':>12} {'pre KL/token':>14} "
+        f"{'dec mean|d|':>13} {'dec max|d|':>12} {'dec KL/token':>14} "
+        f"{'trainer bf16 vs fp32 mean|d|':>29}"
+    )
     worst_mean, worst_kl = 0.0, 0.0
     with tempfile.TemporaryDirectory() as tmp:
         for family in families:
@@ -94,13 +96,18 @@ def main() -> None:
             decode_diff = (_picked(decode, tokens[PREFIX - 1 :]) - _picked(tail, tokens[PREFIX - 1 :])).abs()
             decode_kl = float((decode.exp() * (decode - tail)).sum(-1).mean())
             trainer_drift = float((_picked(trainer, tokens) - _picked(reference, tokens)).abs().mean())
-            print(f"{family:14} {exact:12.2e} {float(diff.mean()):13.2e} {float(diff.max()):12.2e} {kl:14.2e} "
-                  f"{float(decode_diff.mean()):13.2e} {float(decode_diff.max()):12.2e} {decode_kl:14.2e} "
-                  f"{trainer_drift:29.2e}")  # fmt: skip
+            print(
+                f"{family:14} {exact:12.2e} {float(diff.mean()):13.2e} {float(diff.max()):12.2e} {kl:14.2e} "
+                f"{float(decode_diff.mean()):13.2e} {float(decode_diff.max()):12.2e} {decode_kl:14.2e} "
+                f"{trainer_drift:29.2e}"
+            )
             worst_mean = max(worst_mean, float(diff.mean()), float(decode_diff.mean()))
             worst_kl = max(worst_kl, kl, decode_kl)
-    config: dict[str, str | int] = {"families": ",".join(families), "tokens": len(tokens),
-                                    "model": "scaled copies, random weights"}  # fmt: skip
+    config: dict[str, str | int] = {
+        "families": ",".join(families),
+        "tokens": len(tokens),
+        "model": "scaled copies, random weights",
+    }
     record(
         "bf16 sampler vs trainer mean |logprob diff| (worst family, prefill or decode)",
         worst_mean,

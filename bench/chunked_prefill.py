@@ -35,13 +35,36 @@ def measure(runner: LlamaForCausalLM, device: torch.device, chunk: int) -> dict[
     cache = KVCache(runner.config, blocks, BLOCK, device, runner.dtype)
     pool = SlotPool(runner.linear_shapes(), max_slots=1, max_rank=8, device=device)
     scheduler = Scheduler(max_seqs=8, max_batch_tokens=4096, prefill_chunk_tokens=chunk)
-    engine = Engine(runner, cache, pool.tensors, scheduler, release=lambda slot: None, max_len=MAX_LEN,
-                    eos_token_ids=(), burst_wait=0.02)  # fmt: skip
+    engine = Engine(
+        runner,
+        cache,
+        pool.tensors,
+        scheduler,
+        release=lambda slot: None,
+        max_len=MAX_LEN,
+        eos_token_ids=(),
+        burst_wait=0.02,
+    )
     params = SamplingParams(temperature=0.0, max_tokens=STREAM_TOKENS)
-    streams = [Sequence(seq_id=i, request_id=f"s{i}", sample_index=0, params=params, lora_slot=0,
-                        prompt=[(7 * i + j) % 200 + 3 for j in range(16)]) for i in range(STREAMS)]  # fmt: skip
-    long = Sequence(seq_id=99, request_id="long", sample_index=0, params=SamplingParams(temperature=0.0, max_tokens=4),
-                    lora_slot=0, prompt=[(13 * j) % 300 + 3 for j in range(LONG_PROMPT)])  # fmt: skip
+    streams = [
+        Sequence(
+            seq_id=i,
+            request_id=f"s{i}",
+            sample_index=0,
+            params=params,
+            lora_slot=0,
+            prompt=[(7 * i + j) % 200 + 3 for j in range(16)],
+        )
+        for i in range(STREAMS)
+    ]
+    long = Sequence(
+        seq_id=99,
+        request_id="long",
+        sample_index=0,
+        params=SamplingParams(temperature=0.0, max_tokens=4),
+        lora_slot=0,
+        prompt=[(13 * j) % 300 + 3 for j in range(LONG_PROMPT)],
+    )
     seen: dict[str, list[tuple[int, float]]] = {}  # request -> (engine step, time) of each token
     done, left, sent = threading.Event(), [STREAMS + 1], [0.0]
 
@@ -66,9 +89,12 @@ def measure(runner: LlamaForCausalLM, device: torch.device, chunk: int) -> dict[
         if request.startswith("s"):
             step_gaps += [b[0] - a[0] for a, b in itertools.pairwise(marks)]
             ms_gaps += [1000 * (b[1] - a[1]) for a, b in itertools.pairwise(marks)]
-    return {"max gap (steps)": max(step_gaps), "max gap (ms)": max(ms_gaps),
-            "median gap (ms)": statistics.median(ms_gaps),
-            "long prompt TTFT (ms)": 1000 * (seen["long"][0][1] - sent[0])}  # fmt: skip
+    return {
+        "max gap (steps)": max(step_gaps),
+        "max gap (ms)": max(ms_gaps),
+        "median gap (ms)": statistics.median(ms_gaps),
+        "long prompt TTFT (ms)": 1000 * (seen["long"][0][1] - sent[0]),
+    }
 
 
 def main() -> None:

@@ -117,8 +117,9 @@ def main() -> None:
     setup, spec = (QUICK, QUICK_SPEC) if args.quick else (FULL, FULL_SPEC)
     torch.set_num_threads(1)  # as the other sampler benchmarks
     began = time.perf_counter()
-    engine, pool = build_engine(model_dir(spec), max_slots=setup.adapters, max_seqs=setup.max_seqs,
-                                max_len=MAX_LEN, stop_on_eos=False)  # fmt: skip
+    engine, pool = build_engine(
+        model_dir(spec), max_slots=setup.adapters, max_seqs=setup.max_seqs, max_len=MAX_LEN, stop_on_eos=False
+    )
     slots = fill_slots(pool, [lora_weights(linear_shapes(spec), seed=i) for i in range(setup.adapters)])
     engine.start()
     try:
@@ -165,10 +166,14 @@ def main() -> None:
     print(f"P8 continuous batching ({config['model']}; {config['lora']})")
     print(f"  {config['workload']}; {setup.reps} alternating reps, medians")
     for mode, run in med.items():
-        print(f"    {mode:<10} {run.throughput:8.1f} tokens/s   latency p50 {run.p50 * 1000:7.0f} ms   "
-              f"p99 {run.p99 * 1000:7.0f} ms")  # fmt: skip
-    print(f"  continuous / static: throughput {c.throughput / s.throughput:.2f}, latency p50 {c.p50 / s.p50:.2f}, "
-          f"p99 {c.p99 / s.p99:.2f}")  # fmt: skip
+        print(
+            f"    {mode:<10} {run.throughput:8.1f} tokens/s   latency p50 {run.p50 * 1000:7.0f} ms   "
+            f"p99 {run.p99 * 1000:7.0f} ms"
+        )
+    print(
+        f"  continuous / static: throughput {c.throughput / s.throughput:.2f}, latency p50 {c.p50 / s.p50:.2f}, "
+        f"p99 {c.p99 / s.p99:.2f}"
+    )
     print(f"  total {time.perf_counter() - began:.0f} s")
 
 

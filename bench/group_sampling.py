@@ -80,8 +80,17 @@ def run(
             n = next(ids)
             generator = torch.Generator().manual_seed(1000 * g + i)
             request_id = f"group-{g}" if shared else f"sample-{g}-{i}"
-            group.append(Sequence(seq_id=n, request_id=request_id, sample_index=i if shared else 0,
-                                  prompt=list(prompt), params=params, lora_slot=slot, generator=generator))  # fmt: skip
+            group.append(
+                Sequence(
+                    seq_id=n,
+                    request_id=request_id,
+                    sample_index=i if shared else 0,
+                    prompt=list(prompt),
+                    params=params,
+                    lora_slot=slot,
+                    generator=generator,
+                )
+            )
         requests.extend([group] if shared else [[seq] for seq in group])
     start = time.monotonic()
     for sequences in requests:
@@ -105,8 +114,9 @@ def main() -> None:
     torch.set_num_threads(1)  # as the other sampler benchmarks
     began = time.perf_counter()
     count = setup.groups * setup.samples
-    engine, pool = build_engine(model_dir(spec), max_slots=1, max_seqs=count,
-                                max_len=setup.prompt_len + setup.max_tokens + 8)  # fmt: skip
+    engine, pool = build_engine(
+        model_dir(spec), max_slots=1, max_seqs=count, max_len=setup.prompt_len + setup.max_tokens + 8
+    )
     (slot,) = fill_slots(pool, [lora_weights(linear_shapes(spec), seed=0)])
     group_prompts = prompts(setup.groups, spec.vocab_size, lens=(setup.prompt_len, setup.prompt_len))
     engine.start()
@@ -137,14 +147,20 @@ def report(
         "reps": setup.reps,
         "same_tokens": same,
     }
-    record("Group sampling wall, one-sample requests / n-sample requests", wall["separate"] / wall["shared"],
-           config=config)  # fmt: skip
-    record("Group sampling time to first token, one-sample requests / n-sample requests",
-           ttft["separate"] / ttft["shared"], config=config)  # fmt: skip
+    record(
+        "Group sampling wall, one-sample requests / n-sample requests", wall["separate"] / wall["shared"], config=config
+    )
+    record(
+        "Group sampling time to first token, one-sample requests / n-sample requests",
+        ttft["separate"] / ttft["shared"],
+        config=config,
+    )
     print(f"Group sampling ({config['model']}; {config['lora']})")
     print(f"  {config['workload']}; {setup.reps} alternating reps, medians")
-    for side, label in (("shared", f"{setup.groups} requests of n={setup.samples}"),
-                        ("separate", f"{setup.groups * setup.samples} requests of n=1")):  # fmt: skip
+    for side, label in (
+        ("shared", f"{setup.groups} requests of n={setup.samples}"),
+        ("separate", f"{setup.groups * setup.samples} requests of n=1"),
+    ):
         walls = ", ".join(f"{r.wall:.2f}" for r in runs[side])
         print(f"    {label:<22} wall {wall[side]:.3f} s (runs {walls}); median first token {ttft[side] * 1000:.0f} ms")
     print(

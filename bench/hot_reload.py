@@ -95,8 +95,9 @@ async def traffic(stack: Stack, setup: Setup, files: list[dict[str, bytes]], voc
             while (now := time.monotonic()) < start + setup.window_s:
                 if kind == "reload" and now >= due:  # one publish per second of the window
                     ref = refs[published % len(refs)]
-                    await asyncio.to_thread(stack.client.publish_version, ADAPTER, ref.uri, ref.sha256,
-                                            size_bytes=ref.size_bytes)  # fmt: skip
+                    await asyncio.to_thread(
+                        stack.client.publish_version, ADAPTER, ref.uri, ref.sha256, size_bytes=ref.size_bytes
+                    )
                     published += 1
                     due += 1.0
                 await asyncio.sleep(0.01)
@@ -159,16 +160,28 @@ def main() -> None:
     record("P4 reload latency p50", p50, target=50, comparison="<=", unit="ms", config=config)
     record("P4 reload latency p99", p99, target=250, comparison="<=", unit="ms", config=config)
     record("P4 tokens/s with reloads / without", ratio, target=0.90, comparison=">=", config=config)
-    record("P4 failed requests during reloads", load["failed"], target=0, comparison="<=", unit="requests",
-           config={**config, "requests": int(load["requests"])})  # fmt: skip
+    record(
+        "P4 failed requests during reloads",
+        load["failed"],
+        target=0,
+        comparison="<=",
+        unit="requests",
+        config={**config, "requests": int(load["requests"])},
+    )
     print(f"P4 hot reload ({config['model']}; {config['lora']}; artifact {config['artifact_mib']} MiB)")
-    print(f"  publish ack -> served over {len(ms)} reloads: p50 {p50:.1f} ms, p99 {p99:.1f} ms, "
-          f"mean {statistics.mean(ms):.1f} ms, max {max(ms):.1f} ms   (targets <= 50 / <= 250 ms)")  # fmt: skip
+    print(
+        f"  publish ack -> served over {len(ms)} reloads: p50 {p50:.1f} ms, p99 {p99:.1f} ms, "
+        f"mean {statistics.mean(ms):.1f} ms, max {max(ms):.1f} ms   (targets <= 50 / <= 250 ms)"
+    )
     print(f"  traffic: {config['traffic']}")
-    print(f"    quiet {load['quiet_tps']:.1f} tokens/s, with reloads {load['reload_tps']:.1f} tokens/s: ratio "
-          f"{ratio:.3f} (target >= 0.90); {int(load['publishes'])} publishes")  # fmt: skip
-    print(f"    requests {int(load['requests'])}, failed {int(load['failed'])}; request p99 quiet "
-          f"{load['quiet_p99_s'] * 1000:.0f} ms, with reloads {load['reload_p99_s'] * 1000:.0f} ms")  # fmt: skip
+    print(
+        f"    quiet {load['quiet_tps']:.1f} tokens/s, with reloads {load['reload_tps']:.1f} tokens/s: ratio "
+        f"{ratio:.3f} (target >= 0.90); {int(load['publishes'])} publishes"
+    )
+    print(
+        f"    requests {int(load['requests'])}, failed {int(load['failed'])}; request p99 quiet "
+        f"{load['quiet_p99_s'] * 1000:.0f} ms, with reloads {load['reload_p99_s'] * 1000:.0f} ms"
+    )
     print(f"  total {time.perf_counter() - began:.0f} s")
 
 

@@ -43,9 +43,16 @@ def build_engine(
     cache = KVCache(runner.config, (max_seqs + 1) * blocks, BLOCK_SIZE, device, torch.float32)
     pool = SlotPool(runner.linear_shapes(), max_slots=max_slots, max_rank=RANK, device=device)
     eos = runner.config.eos_token_ids if stop_on_eos else ()
-    engine = Engine(runner, cache, pool.tensors, Scheduler(max_seqs=max_seqs, max_batch_tokens=max_batch_tokens),
-                    release=pool.release, max_len=max_len, eos_token_ids=eos,
-                    kernel="auto")  # fmt: skip
+    engine = Engine(
+        runner,
+        cache,
+        pool.tensors,
+        Scheduler(max_seqs=max_seqs, max_batch_tokens=max_batch_tokens),
+        release=pool.release,
+        max_len=max_len,
+        eos_token_ids=eos,
+        kernel="auto",
+    )
     return engine, pool
 
 
@@ -97,8 +104,14 @@ class Client:
             n = next(self._ids)
             self.pool.acquire(req.slot)  # the request's pin; the engine releases it when the request ends
             params = SamplingParams(temperature=0.0, max_tokens=req.max_tokens)
-            seq = Sequence(seq_id=n, request_id=f"bench-{n}", sample_index=0, prompt=list(req.prompt), params=params,
-                           lora_slot=req.slot)  # fmt: skip
+            seq = Sequence(
+                seq_id=n,
+                request_id=f"bench-{n}",
+                sample_index=0,
+                prompt=list(req.prompt),
+                params=params,
+                lora_slot=req.slot,
+            )
             timing.submit = time.monotonic()
             self.engine.submit([seq], self._callback(timing))
         return timings

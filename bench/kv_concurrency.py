@@ -52,8 +52,7 @@ def measure(
     params = SamplingParams(temperature=0.0, max_tokens=1)
     for i, length in enumerate(lengths or zipf_lengths(offered, max_len, seed=seed)):
         tokens = [(7 * i + j) % 1000 + 3 for j in range(length)]
-        scheduler.add(Sequence(seq_id=i, request_id=f"r{i}", sample_index=0, prompt=tokens, params=params,
-                               lora_slot=0))  # fmt: skip
+        scheduler.add(Sequence(seq_id=i, request_id=f"r{i}", sample_index=0, prompt=tokens, params=params, lora_slot=0))
     while True:  # a prefill admits until the next sequence's blocks are not free; a decode (no new token) takes none
         before = len(scheduler.running)
         scheduler.schedule()
@@ -61,9 +60,15 @@ def measure(
         if len(scheduler.running) == before:
             break
     running = scheduler.running
-    return Concurrency(budget_tokens=budget, max_len=max_len, slot_sequences=max_seqs,
-                       paged_sequences=len(running), mean_length=sum(s.num_tokens for s in running) / len(running),
-                       blocks_used=blocks.num_used, blocks_total=blocks.num_blocks)  # fmt: skip
+    return Concurrency(
+        budget_tokens=budget,
+        max_len=max_len,
+        slot_sequences=max_seqs,
+        paged_sequences=len(running),
+        mean_length=sum(s.num_tokens for s in running) / len(running),
+        blocks_used=blocks.num_used,
+        blocks_total=blocks.num_blocks,
+    )
 
 
 def report(result: Concurrency) -> str:

@@ -45,8 +45,14 @@ def batches(trainer: Trainer, rows: int) -> dict[str, Batch]:
     limit = [sft_datum(random_tokens(1, LENGTH)), *(sft_datum([5, 6]) for _ in range(rows - 1))]
 
     def build(datums: list[common_pb2.Datum]) -> Batch:
-        return build_batch(datums, "cross_entropy", vocab_size=base.vocab_size, max_positions=base.max_positions,
-                           pad_id=trainer.pad_id, max_batch_positions=rows * LENGTH)  # fmt: skip
+        return build_batch(
+            datums,
+            "cross_entropy",
+            vocab_size=base.vocab_size,
+            max_positions=base.max_positions,
+            pad_id=trainer.pad_id,
+            max_batch_positions=rows * LENGTH,
+        )
 
     return {"dense": build(dense), "limit": build(limit)}
 
@@ -96,12 +102,17 @@ def main() -> None:
                 for name, batch in work.items():
                     run = run_request(trainer, "bench/adapter", batch, size)
                     results.setdefault((name, size), []).append(run)
-                    print(f"round {round_index} {name} {size}: {run[2]} parts, {run[0]:.2f} s, longest part "
-                          f"{run[1]:.3f} s", flush=True)  # fmt: skip
+                    print(
+                        f"round {round_index} {name} {size}: {run[2]} parts, {run[0]:.2f} s, longest part "
+                        f"{run[1]:.3f} s",
+                        flush=True,
+                    )
     model = "quick" if args.quick else "full"
-    print(f"model {model} ({spec.hidden_size} hidden, {spec.num_hidden_layers} layers), rank {RANK}, device "
-          f"{args.device}, torch threads {torch.get_num_threads()}, {args.rounds} rounds, "
-          f"{args.rows} x {LENGTH - 1} positions")  # fmt: skip
+    print(
+        f"model {model} ({spec.hidden_size} hidden, {spec.num_hidden_layers} layers), rank {RANK}, device "
+        f"{args.device}, torch threads {torch.get_num_threads()}, {args.rounds} rounds, "
+        f"{args.rows} x {LENGTH - 1} positions"
+    )
     # min: the run least disturbed by the machine's other work (a shared machine's noise only adds time)
     print("batch  micro-batch  parts  request s (min / median)  padded positions/s  vs 16384  longest part s (min)")
     for name in work:
@@ -110,8 +121,10 @@ def main() -> None:
             runs = results[(name, size)]
             best, median = min(r[0] for r in runs), statistics.median(r[0] for r in runs)
             positions = args.rows * (LENGTH - 1)
-            print(f"{name:6} {size:11} {runs[0][2]:6} {best:11.2f} / {median:6.2f} {positions / best:19.0f} "
-                  f"{best / reference:8.2f}x {min(r[1] for r in runs):21.3f}")  # fmt: skip
+            print(
+                f"{name:6} {size:11} {runs[0][2]:6} {best:11.2f} / {median:6.2f} {positions / best:19.0f} "
+                f"{best / reference:8.2f}x {min(r[1] for r in runs):21.3f}"
+            )
 
 
 if __name__ == "__main__":

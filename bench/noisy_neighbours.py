@@ -113,8 +113,14 @@ class Clients:
     def http(self) -> httpx.Client:
         return httpx.Client(base_url=self.gateway, timeout=120)
 
-    def post(self, http: httpx.Client, who: str, route: str, body: bytes | dict[str, object],
-             headers: dict[str, str] | None = None) -> httpx.Response:  # fmt: skip
+    def post(
+        self,
+        http: httpx.Client,
+        who: str,
+        route: str,
+        body: bytes | dict[str, object],
+        headers: dict[str, str] | None = None,
+    ) -> httpx.Response:
         assert self.keys is not None
         content = body if isinstance(body, bytes) else json.dumps(body).encode()
         sent = {"X-API-Key": self.keys[who], "Content-Type": "application/json", **(headers or {})}
@@ -123,14 +129,20 @@ class Clients:
     def md(self, who: str) -> list[tuple[str, str]]:
         return [("authorization", f"Bearer {self.tokens[who]}")]
 
-    def stubs(self) -> tuple[registry_pb2_grpc.RegistryServiceStub, trainer_pb2_grpc.TrainerServiceStub,
-                             sampler_pb2_grpc.SamplerServiceStub]:  # fmt: skip
+    def stubs(
+        self,
+    ) -> tuple[
+        registry_pb2_grpc.RegistryServiceStub, trainer_pb2_grpc.TrainerServiceStub, sampler_pb2_grpc.SamplerServiceStub
+    ]:
         """Stubs on fresh channels (each caller its own, as separate clients would); they live as long as the
         process."""
         options = [("grpc.max_send_message_length", 64 << 20)]
         channels = [grpc.insecure_channel(a, options=options) for a in (self.registry, self.trainer, self.sampler)]
-        return (registry_pb2_grpc.RegistryServiceStub(channels[0]), trainer_pb2_grpc.TrainerServiceStub(channels[1]),
-                sampler_pb2_grpc.SamplerServiceStub(channels[2]))  # fmt: skip
+        return (
+            registry_pb2_grpc.RegistryServiceStub(channels[0]),
+            trainer_pb2_grpc.TrainerServiceStub(channels[1]),
+            sampler_pb2_grpc.SamplerServiceStub(channels[2]),
+        )
 
 
 @dataclass
@@ -165,19 +177,42 @@ def start(work: Path, model: Path, sampler_args: tuple[str, ...] = ()) -> Stack:
     keys_file.write_text(
         json.dumps({"keys": [{"key": k, "tenant": who, "token": tokens[who]} for who, k in keys.items()]})
     )
-    gateway = ServerProcess(opentinker_command(
-        "gateway", "serve", "--trainer", trainer.address, "--sampler", sampler.address, "--registry", registry.address,
-        "--keys-file", str(keys_file), "--port", "0", *GATEWAY_FLAGS,
-    ), work / "gateway")  # fmt: skip
-    clients = Clients(registry.address, trainer.address, sampler.address, tokens, f"http://{gateway.address}", keys,
-                      str(model))  # fmt: skip
+    gateway = ServerProcess(
+        opentinker_command(
+            "gateway",
+            "serve",
+            "--trainer",
+            trainer.address,
+            "--sampler",
+            sampler.address,
+            "--registry",
+            registry.address,
+            "--keys-file",
+            str(keys_file),
+            "--port",
+            "0",
+            *GATEWAY_FLAGS,
+        ),
+        work / "gateway",
+    )
+    clients = Clients(
+        registry.address, trainer.address, sampler.address, tokens, f"http://{gateway.address}", keys, str(model)
+    )
     return Stack(registry, trainer, sampler, gateway, clients)
 
 
 # The parked-bodies case reaches its bounds within a window: 16 ids ahead, 64 MiB per model, 128 MiB per tenant,
 # parked bodies failed after 5 s (the defaults: 256, 256 MiB, 1 GiB, 300 s).
-GATEWAY_FLAGS = ("--seq-window", "16", "--max-pending-bytes", str(64 << 20), "--max-tenant-pending-bytes",
-                 str(128 << 20), "--pending-ttl-seconds", "5")  # fmt: skip
+GATEWAY_FLAGS = (
+    "--seq-window",
+    "16",
+    "--max-pending-bytes",
+    str(64 << 20),
+    "--max-tenant-pending-bytes",
+    str(128 << 20),
+    "--pending-ttl-seconds",
+    "5",
+)
 
 
 class CallFailed(Exception):
@@ -220,10 +255,12 @@ def team_b_registry(stack: Clients) -> Callable[[int], None]:
     registry, _, _ = stack.stubs()
 
     def call(i: int) -> None:
-        registry.GetAdapter(registry_pb2.GetAdapterRequest(name="team-b/policy"), metadata=stack.md("team-b"),
-                            timeout=60)  # fmt: skip
-        registry.Resolve(registry_pb2.ResolveRequest(reference="team-b/policy@latest"), metadata=stack.md("team-b"),
-                         timeout=60)  # fmt: skip
+        registry.GetAdapter(
+            registry_pb2.GetAdapterRequest(name="team-b/policy"), metadata=stack.md("team-b"), timeout=60
+        )
+        registry.Resolve(
+            registry_pb2.ResolveRequest(reference="team-b/policy@latest"), metadata=stack.md("team-b"), timeout=60
+        )
 
     return call
 
@@ -241,10 +278,12 @@ def team_b_train(stack: Clients) -> Callable[[int], None]:
 
 def _asample_body(clients: Clients, seed: int, **extra: object) -> dict[str, object]:
     return {
-        "base_model": clients.base_model, "num_samples": 1,
+        "base_model": clients.base_model,
+        "num_samples": 1,
         "prompt": {"chunks": [{"type": "encoded_text", "tokens": random_tokens(seed, 24)}]},
-        "sampling_params": {"max_tokens": 8, "temperature": 1.0, "seed": seed}, **extra,
-    }  # fmt: skip
+        "sampling_params": {"max_tokens": 8, "temperature": 1.0, "seed": seed},
+        **extra,
+    }
 
 
 def _result(clients: Clients, http: httpx.Client, who: str, request_id: str) -> httpx.Response:
@@ -277,8 +316,13 @@ def team_b_gateway(clients: Clients) -> Callable[[int], None]:
 
 def exploding(stack: Clients) -> Callable[[], None]:
     _, _, sampler = stack.stubs()
-    return lambda: refused(lambda: list(sampler.Sample(sample_request("team-a/exploding", 3, num_samples=2),
-                                                      metadata=stack.md("team-a"), timeout=120)))  # fmt: skip
+    return lambda: refused(
+        lambda: list(
+            sampler.Sample(
+                sample_request("team-a/exploding", 3, num_samples=2), metadata=stack.md("team-a"), timeout=120
+            )
+        )
+    )
 
 
 def huge_prompt(stack: Clients) -> Callable[[], None]:
@@ -297,8 +341,7 @@ def sampler_flood(stack: Clients) -> Callable[[], None]:
     params = sampler_pb2.SamplingParams(temperature=0.0, max_tokens=128)
 
     def one(seed: int) -> None:
-        request = sampler_pb2.SampleRequest(model="base", prompt=prompt_of(seed), sampling_params=params,
-                                            num_samples=4)  # fmt: skip
+        request = sampler_pb2.SampleRequest(model="base", prompt=prompt_of(seed), sampling_params=params, num_samples=4)
         refused(lambda: list(sampler.Sample(request, metadata=stack.md("team-a"), timeout=300)))
 
     def attempt() -> None:
@@ -333,8 +376,10 @@ def watch_flood(stack: Clients) -> Callable[[], None]:
     registry, _, _ = stack.stubs()
 
     def attempt() -> None:  # 100 streams open at once, held a moment, then cancelled
-        calls = [registry.WatchEvents(registry_pb2.WatchEventsRequest(send_snapshot=True), metadata=stack.md("team-a"))
-                 for _ in range(100)]  # fmt: skip
+        calls = [
+            registry.WatchEvents(registry_pb2.WatchEventsRequest(send_snapshot=True), metadata=stack.md("team-a"))
+            for _ in range(100)
+        ]
         for call in calls:
             with contextlib.suppress(grpc.RpcError):
                 next(call)  # the first message (or the refusal) of each
@@ -390,17 +435,25 @@ def gateway_parked(clients: Clients) -> Callable[[], None]:
     the model's or the tenant's pending bytes are full, then 429; past the window 400) and failed after the TTL."""
     http = clients.http()
     session = clients.post(http, "team-a", "create_session", {"tags": [], "sdk_version": "0.38.0"}).json()
-    created = clients.post(http, "team-a", "create_model", {
-        "session_id": session["session_id"], "model_seq_id": 0, "base_model": clients.base_model,
-        "lora_config": {"rank": 4, "seed": 1},
-    }).json()  # fmt: skip
+    created = clients.post(
+        http,
+        "team-a",
+        "create_model",
+        {
+            "session_id": session["session_id"],
+            "model_seq_id": 0,
+            "base_model": clients.base_model,
+            "lora_config": {"rank": 4, "seed": 1},
+        },
+    ).json()
     model_id = str(created["model_id"])
     _result(clients, http, "team-a", created["request_id"])
     bodies = [_inflating_body(model_id, seq_id, 12 << 20) for seq_id in range(2, 22)]
     turn = iter(range(1 << 62))
     headers = {"Content-Type": "application/x-protobuf", "Content-Encoding": "zstd"}
-    return lambda: _sent(lambda: clients.post(http, "team-a", "forward_backward", bodies[next(turn) % len(bodies)],
-                                              headers))  # fmt: skip
+    return lambda: _sent(
+        lambda: clients.post(http, "team-a", "forward_backward", bodies[next(turn) % len(bodies)], headers)
+    )
 
 
 def gateway_big_json(clients: Clients) -> Callable[[], None]:
@@ -437,8 +490,9 @@ def _abuse_process(case: str, clients: Clients, ready: Any, stop: Any, nice: int
         abuse()
 
 
-def measure(workload: Callable[[int], None], case: str | None, clients: Clients, setup: Setup,
-            abusers: int) -> tuple[list[float], int]:  # fmt: skip
+def measure(
+    workload: Callable[[int], None], case: str | None, clients: Clients, setup: Setup, abusers: int
+) -> tuple[list[float], int]:
     """team-b's call latencies over one window, with `abusers` processes running team-a's `case` meanwhile
     (None: alone); and team-b's errors."""
     context = multiprocessing.get_context("spawn")
@@ -472,8 +526,14 @@ def measure(workload: Callable[[int], None], case: str | None, clients: Clients,
     return latencies, errors
 
 
-def run_case(name: str, workload: Callable[[int], None], clients: Clients, setup: Setup, abusers: int,
-             config: dict[str, str | int | float | bool | None]) -> None:  # fmt: skip
+def run_case(
+    name: str,
+    workload: Callable[[int], None],
+    clients: Clients,
+    setup: Setup,
+    abusers: int,
+    config: dict[str, str | int | float | bool | None],
+) -> None:
     alone: list[float] = []
     during: list[float] = []
     errors = 0
@@ -485,9 +545,11 @@ def run_case(name: str, workload: Callable[[int], None], clients: Clients, setup
             (during if side else alone).extend(latencies)
     p50a, p99a = percentile(alone, 50), percentile(alone, 99)
     p50d, p99d = percentile(during, 50), percentile(during, 99)
-    print(f"  {name:18s} team-b alone p50 {p50a * 1e3:7.1f} ms p99 {p99a * 1e3:7.1f} ms ({len(alone)} calls); "
-          f"during p50 {p50d * 1e3:7.1f} ms p99 {p99d * 1e3:7.1f} ms ({len(during)} calls); "
-          f"errors {errors}")  # fmt: skip
+    print(
+        f"  {name:18s} team-b alone p50 {p50a * 1e3:7.1f} ms p99 {p99a * 1e3:7.1f} ms ({len(alone)} calls); "
+        f"during p50 {p50d * 1e3:7.1f} ms p99 {p99d * 1e3:7.1f} ms ({len(during)} calls); "
+        f"errors {errors}"
+    )
     record(f"NN {name}: team-b p99 during / alone", p99d / p99a, target=TARGET, comparison="<=", config=config)
     record(f"NN {name}: team-b p50 during / alone", p50d / p50a, config=config)
     record(f"NN {name}: team-b errors", float(errors), target=0, comparison="<=", unit="requests", config=config)
@@ -496,8 +558,10 @@ def run_case(name: str, workload: Callable[[int], None], clients: Clients, setup
 def prepare(stack: Clients, model: Path, spec: ModelSpec) -> None:
     """team-b's adapter in the registry (random weights) and on the trainer; team-a's exploding adapter."""
     registry, trainer, _ = stack.stubs()
-    policies = {"team-b/policy": (peft_files(lora_weights(linear_shapes(spec), seed=5)), RANK, float(ALPHA)),
-                "team-a/exploding": (overflowing_lora_files(model), 4, 4096.0)}  # fmt: skip
+    policies = {
+        "team-b/policy": (peft_files(lora_weights(linear_shapes(spec), seed=5)), RANK, float(ALPHA)),
+        "team-a/exploding": (overflowing_lora_files(model), 4, 4096.0),
+    }
     for name, (files, rank, alpha) in policies.items():
         md = stack.md(name.split("/")[0])
         lora = common_pb2.LoraConfig(rank=rank, alpha=alpha)
@@ -506,8 +570,9 @@ def prepare(stack: Clients, model: Path, spec: ModelSpec) -> None:
         publish = registry_pb2.PublishVersionRequest(adapter=name, artifact_uri=uri, lora_config=lora)
         registry.PublishVersion(publish, metadata=md, timeout=60)
     for tenant in ("team-a", "team-b"):
-        create = trainer_pb2.TrainerServiceCreateAdapterRequest(name=f"{tenant}/trained",
-                                                                lora_config=common_pb2.LoraConfig(rank=8))  # fmt: skip
+        create = trainer_pb2.TrainerServiceCreateAdapterRequest(
+            name=f"{tenant}/trained", lora_config=common_pb2.LoraConfig(rank=8)
+        )
         trainer.CreateAdapter(create, metadata=stack.md(tenant), timeout=120)
 
 
@@ -526,28 +591,42 @@ def main() -> None:
     setup = dataclasses.replace(setup, abuser_nice=args.abuser_nice)
     model = model_dir(spec)
     config: dict[str, str | int | float | bool | None] = {
-        **model_config(spec), "pairs": setup.pairs, "window_s": setup.window_s, "abusers": setup.abusers,
-        "sampler_args": args.sampler_args, "abuser_nice": args.abuser_nice,
-    }  # fmt: skip
-    print(f"noisy neighbours ({spec.arch} hidden {spec.hidden_size}, {spec.num_hidden_layers} layers; {setup.pairs} x "
-          f"{setup.window_s:g} s windows per side; {setup.abusers} team-a threads)")  # fmt: skip
+        **model_config(spec),
+        "pairs": setup.pairs,
+        "window_s": setup.window_s,
+        "abusers": setup.abusers,
+        "sampler_args": args.sampler_args,
+        "abuser_nice": args.abuser_nice,
+    }
+    print(
+        f"noisy neighbours ({spec.arch} hidden {spec.hidden_size}, {spec.num_hidden_layers} layers; {setup.pairs} x "
+        f"{setup.window_s:g} s windows per side; {setup.abusers} team-a threads)"
+    )
     with tempfile.TemporaryDirectory(prefix="nn-bench-") as tmp:
         stack = start(Path(tmp), model, tuple(shlex.split(args.sampler_args)))
         try:
             clients = stack.clients
             prepare(clients, model, spec)
-            workloads = {"sample": team_b_sample(clients), "registry": team_b_registry(clients),
-                         "train": team_b_train(clients), "gateway": team_b_gateway(clients)}  # fmt: skip
+            workloads = {
+                "sample": team_b_sample(clients),
+                "registry": team_b_registry(clients),
+                "train": team_b_train(clients),
+                "gateway": team_b_gateway(clients),
+            }
             warmed = False
             for case, (workload, abusers) in {
                 "sampler flood": ("sample", setup.abusers),
-                "exploding adapter": ("sample", setup.abusers), "huge prompt text": ("sample", setup.abusers),
+                "exploding adapter": ("sample", setup.abusers),
+                "huge prompt text": ("sample", setup.abusers),
                 "logprobs flood": ("sample", setup.abusers),
-                "watch flood": ("registry", 1), "many-file upload": ("registry", setup.abusers),
-                "padded batch": ("train", setup.abusers), "limit batch": ("train", 1),
-                "gateway absurd": ("gateway", setup.abusers), "gateway parked": ("gateway", setup.abusers),
+                "watch flood": ("registry", 1),
+                "many-file upload": ("registry", setup.abusers),
+                "padded batch": ("train", setup.abusers),
+                "limit batch": ("train", 1),
+                "gateway absurd": ("gateway", setup.abusers),
+                "gateway parked": ("gateway", setup.abusers),
                 "gateway 8 MiB JSON": ("gateway", setup.abusers),
-            }.items():  # fmt: skip
+            }.items():
                 if args.only and not case.startswith(args.only):
                     continue
                 if workload == "gateway" and not warmed:  # the gateway's first calls look up the base model

@@ -51,9 +51,13 @@ async def http_stream(
 ) -> tuple[float, float, list[int]]:
     first, tokens = math.nan, list[int]()
     chunks = await client.chat.completions.create(
-        model="base", messages=question(i), max_tokens=max_tokens, temperature=0.0, stream=True,
+        model="base",
+        messages=question(i),
+        max_tokens=max_tokens,
+        temperature=0.0,
+        stream=True,
         extra_body={"return_token_ids": True},
-    )  # fmt: skip
+    )
     async for chunk in chunks:
         for choice in chunk.choices:
             new = (choice.model_extra or {}).get("token_ids") or []
@@ -67,8 +71,14 @@ async def plain_stream(
     http: httpx.AsyncClient, i: int, max_tokens: int, start: float
 ) -> tuple[float, float, list[int]]:
     first, tokens = math.nan, list[int]()
-    body = {"model": "base", "messages": question(i), "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-            "return_token_ids": True}  # fmt: skip
+    body = {
+        "model": "base",
+        "messages": question(i),
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "return_token_ids": True,
+    }
     async with http.stream("POST", "/v1/chat/completions", json=body) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
@@ -88,8 +98,11 @@ Streamed = Callable[[int, int, float], Awaitable[tuple[float, float, list[int]]]
 async def over_http(one: Streamed, setup: Setup) -> Run:
     start = time.monotonic()
     done = await asyncio.gather(*(one(i, setup.max_tokens, start) for i in range(setup.requests)))
-    return Run(max(end for _, end, _ in done) - start, statistics.median(t for t, _, _ in done),
-               sum(len(tokens) for _, _, tokens in done))  # fmt: skip
+    return Run(
+        max(end for _, end, _ in done) - start,
+        statistics.median(t for t, _, _ in done),
+        sum(len(tokens) for _, _, tokens in done),
+    )
 
 
 async def prompts(client: openai.AsyncOpenAI, setup: Setup) -> list[list[int]]:
@@ -115,16 +128,23 @@ def cpu_now(gateway: ServerProcess, sampler: ServerProcess) -> Cpu:
         return float(sum(t.user + t.system for t in (p.cpu_times() for p in processes)))
 
     server = psutil.Process(sampler.process.pid)
-    return {"client": seconds(psutil.Process()), "gateway": seconds(psutil.Process(gateway.process.pid)),
-            "sampler": seconds(server, *server.children(recursive=True))}  # fmt: skip
+    return {
+        "client": seconds(psutil.Process()),
+        "gateway": seconds(psutil.Process(gateway.process.pid)),
+        "sampler": seconds(server, *server.children(recursive=True)),
+    }
 
 
 async def alternate(
     gateway: ServerProcess, sampler: ServerProcess, setup: Setup
 ) -> tuple[dict[str, list[Run]], dict[str, list[Cpu]], bool]:
     client = openai.AsyncOpenAI(base_url=f"http://{gateway.address}/v1", api_key=KEY, max_retries=0, timeout=600)
-    http = httpx.AsyncClient(base_url=f"http://{gateway.address}", headers={"Authorization": f"Bearer {KEY}"},
-                             timeout=600, limits=httpx.Limits(max_connections=setup.requests))  # fmt: skip
+    http = httpx.AsyncClient(
+        base_url=f"http://{gateway.address}",
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=600,
+        limits=httpx.Limits(max_connections=setup.requests),
+    )
     channel, stub = aio_stub(sampler.address)
     ids = await prompts(client, setup)
     params = sampler_pb2.SamplingParams(temperature=0.0, max_tokens=setup.max_tokens, logprobs=True)
@@ -175,14 +195,32 @@ def main() -> None:
             registry = start_registry(work / "registry")
             servers.append(registry)
             servers.append(trainer := start_trainer(work / "trainer", model, registry))
-            sampler_flags = ["--max-seqs", str(n), "--max-seqs-per-tenant", "0", "--max-len", str(MAX_LEN),
-                             "--metrics-port", "-1"]  # fmt: skip
+            sampler_flags = [
+                "--max-seqs",
+                str(n),
+                "--max-seqs-per-tenant",
+                "0",
+                "--max-len",
+                str(MAX_LEN),
+                "--metrics-port",
+                "-1",
+            ]
             servers.append(sampler := start_sampler(work / "sampler", model, registry, *sampler_flags))
             (work / "keys.json").write_text(json.dumps({"keys": [{"key": KEY, "tenant": "bench"}]}))
             gateway_args = opentinker_command(
-                "gateway", "serve", "--trainer", trainer.address, "--sampler", sampler.address,
-                "--registry", registry.address, "--keys-file", str(work / "keys.json"), "--port", "0",
-            )  # fmt: skip
+                "gateway",
+                "serve",
+                "--trainer",
+                trainer.address,
+                "--sampler",
+                sampler.address,
+                "--registry",
+                registry.address,
+                "--keys-file",
+                str(work / "keys.json"),
+                "--port",
+                "0",
+            )
             servers.append(gateway := ServerProcess(gateway_args, work / "gateway", timeout=120))
             runs, cpu, same = asyncio.run(alternate(gateway, sampler, setup))
         finally:
@@ -202,13 +240,14 @@ def main() -> None:
     for side, label in SIDES.items():
         walls = ", ".join(f"{r.wall:.2f}" for r in runs[side])
         medians = {k: statistics.median(c[k] for c in cpu[side]) for k in cpu[side][0]}
-        print(f"    {label:<22} wall {wall[side]:.3f} s (runs {walls}); median first token "
-              f"{ttft[side] * 1000:.1f} ms; tokens {sorted({r.tokens for r in runs[side]})}")  # fmt: skip
+        print(
+            f"    {label:<22} wall {wall[side]:.3f} s (runs {walls}); median first token "
+            f"{ttft[side] * 1000:.1f} ms; tokens {sorted({r.tokens for r in runs[side]})}"
+        )
         print("      CPU s per run: " + ", ".join(f"{k} {v:.2f}" for k, v in medians.items()))
     for side, client in (("sdk", "openai SDK client"), ("plain", "plain httpx SSE client")):
         ratio, overhead_ms = wall[side] / wall["grpc"], (ttft[side] - ttft["grpc"]) * 1000
-        record(f"OpenAI streaming wall, HTTP SSE ({client}) / gRPC", ratio, target=1.10, comparison="<=",
-               config=config)  # fmt: skip
+        record(f"OpenAI streaming wall, HTTP SSE ({client}) / gRPC", ratio, target=1.10, comparison="<=", config=config)
         record(f"OpenAI streaming time to first token overhead ({client})", overhead_ms, unit="ms", config=config)
         print(f"  {client}: wall HTTP / gRPC {ratio:.3f} (target <= 1.10); first-token overhead {overhead_ms:+.1f} ms")
     print(f"  total {time.perf_counter() - began:.0f} s")

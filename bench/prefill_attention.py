@@ -74,8 +74,10 @@ def compare(model: LlamaForCausalLM, name: str, lengths: list[int], cached: list
                     times[batched].append(timed(make(batched)))
         for stat in (min, statistics.median):  # min: the least disturbed run on a shared machine
             per_seg, batched_t = stat(times[False]), stat(times[True])
-            print(f"{name:<34} {label:<9} {stat.__name__:<6} per-segment {per_seg * 1e3:8.2f} ms  "
-                  f"batched {batched_t * 1e3:8.2f} ms  batched/per-segment {batched_t / per_seg:5.2f}x")  # fmt: skip
+            print(
+                f"{name:<34} {label:<9} {stat.__name__:<6} per-segment {per_seg * 1e3:8.2f} ms  "
+                f"batched {batched_t * 1e3:8.2f} ms  batched/per-segment {batched_t / per_seg:5.2f}x"
+            )
 
 
 def main() -> None:
@@ -90,8 +92,13 @@ def main() -> None:
         print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
         compare(model, "8 prompts x 200 tokens", [200] * 8, [0] * 8, args.repeats)
         compare(model, "8 prompts of 20..380 tokens", [20 + 51 * i for i in range(8)], [0] * 8, args.repeats)
-        compare(model, "8 x 100 new after 100..800 cached", [200 + 100 * i for i in range(8)],
-                [100 + 100 * i for i in range(8)], args.repeats)  # fmt: skip
+        compare(
+            model,
+            "8 x 100 new after 100..800 cached",
+            [200 + 100 * i for i in range(8)],
+            [100 + 100 * i for i in range(8)],
+            args.repeats,
+        )
         compare(model, "32 prompts x 24 tokens", [24] * 32, [0] * 32, args.repeats)
 
 

@@ -125,8 +125,13 @@ def workload(setup: Setup, vocab: int, rep: int) -> tuple[list[int], list[list[l
     """The system prompt and every conversation's observations, fresh for each repetition."""
     rng = random.Random(1000 + rep)
     system = [rng.randrange(3, vocab) for _ in range(setup.system_tokens)]
-    observations = [[[rng.randrange(3, vocab) for _ in range(setup.observation_tokens + rng.randrange(-8, 9))]
-                     for _ in range(setup.turns)] for _ in range(setup.conversations)]  # fmt: skip
+    observations = [
+        [
+            [rng.randrange(3, vocab) for _ in range(setup.observation_tokens + rng.randrange(-8, 9))]
+            for _ in range(setup.turns)
+        ]
+        for _ in range(setup.conversations)
+    ]
     return system, observations
 
 
@@ -138,8 +143,12 @@ def run(address: str, names: list[str], setup: Setup, vocab: int, rep: int) -> R
         channel, stub = aio_stub(address)
         try:
             start = time.monotonic()
-            done = await asyncio.gather(*(conversation(stub, names[c % len(names)], system, observations[c], setup)
-                                          for c in range(setup.conversations)))  # fmt: skip
+            done = await asyncio.gather(
+                *(
+                    conversation(stub, names[c % len(names)], system, observations[c], setup)
+                    for c in range(setup.conversations)
+                )
+            )
             return time.monotonic() - start, done
         finally:
             await channel.close()
@@ -148,12 +157,13 @@ def run(address: str, names: list[str], setup: Setup, vocab: int, rep: int) -> R
     after = stats(address)
     streams = [s for turns in done for s, _ in turns]
     return Run(
-        wall=wall, ttft_p50=percentile([s.first - s.start for s in streams], 50),
+        wall=wall,
+        ttft_p50=percentile([s.first - s.start for s in streams], 50),
         generated=sum(s.tokens for s in streams),
         computed=after.prompt_tokens_computed - before.prompt_tokens_computed,
         cached=after.prompt_tokens_cached - before.prompt_tokens_cached,
         outputs=tuple(tuple(tokens) for turns in done for _, tokens in turns),
-    )  # fmt: skip
+    )
 
 
 def main() -> None:
@@ -167,8 +177,18 @@ def main() -> None:
     began = time.perf_counter()
     memory = kv_concurrency.measure()
     longest = setup.system_tokens + setup.turns * (setup.observation_tokens + 8 + setup.max_tokens)
-    flags = ["--max-slots", str(setup.adapters), "--max-rank", "16", "--max-seqs", str(setup.conversations),
-             "--max-len", str(1 << (longest + 64).bit_length()), "--num-blocks", "4096"]  # fmt: skip
+    flags = [
+        "--max-slots",
+        str(setup.adapters),
+        "--max-rank",
+        "16",
+        "--max-seqs",
+        str(setup.conversations),
+        "--max-len",
+        str(1 << (longest + 64).bit_length()),
+        "--num-blocks",
+        "4096",
+    ]
     shapes = linear_shapes(spec)
     with tempfile.TemporaryDirectory(prefix="bench-prefix-cache-") as tmp:
         stack = start_stack(Path(tmp), model_dir(spec), {"on": flags, "off": [*flags, "--no-prefix-cache"]})
@@ -179,8 +199,13 @@ def main() -> None:
                 publish(stack, name, peft_files(lora_weights(shapes, seed=300 + i)))
             addresses = {side: stack.samplers[side].address for side in SIDES}
             for side in SIDES:  # warm-up: load the adapters, run each batch shape once
-                run(addresses[side], names, Setup(setup.adapters, 2, setup.adapters, 64, 16, 4, 1), spec.vocab_size,
-                    rep=-1)  # fmt: skip
+                run(
+                    addresses[side],
+                    names,
+                    Setup(setup.adapters, 2, setup.adapters, 64, 16, 4, 1),
+                    spec.vocab_size,
+                    rep=-1,
+                )
             runs: dict[str, list[Run]] = {side: [] for side in SIDES}
             for rep in range(setup.reps):
                 for side in SIDES if rep % 2 == 0 else SIDES[::-1]:
@@ -190,8 +215,9 @@ def main() -> None:
     report(setup, spec, runs, memory, time.perf_counter() - began)
 
 
-def report(setup: Setup, spec: ModelSpec, runs: dict[str, list[Run]], memory: kv_concurrency.Concurrency,
-           seconds: float) -> None:  # fmt: skip
+def report(
+    setup: Setup, spec: ModelSpec, runs: dict[str, list[Run]], memory: kv_concurrency.Concurrency, seconds: float
+) -> None:
     def med(side: str, field: str) -> float:
         return float(statistics.median(float(getattr(r, field)) for r in runs[side]))
 
@@ -213,17 +239,26 @@ def report(setup: Setup, spec: ModelSpec, runs: dict[str, list[Run]], memory: kv
     record("Prefix cache prompt tokens computed, on / off", computed, target=0.2, comparison="<=", config=config)
     record("Prefix cache time to first token p50, on / off", ttft, target=0.35, comparison="<=", config=config)
     record("Prefix cache throughput, on / off", throughput, target=2.0, comparison=">=", config=config)
-    record("Paged KV concurrent sequences, paged / slots", memory.ratio, target=3.0, comparison=">=",
-           config={"measure": kv_concurrency.report(memory)})  # fmt: skip
+    record(
+        "Paged KV concurrent sequences, paged / slots",
+        memory.ratio,
+        target=3.0,
+        comparison=">=",
+        config={"measure": kv_concurrency.report(memory)},
+    )
     print(f"Prefix cache ({config['model']}; {config['lora']})")
     print(f"  {config['workload']}; {setup.reps} alternating reps, medians")
     print(f"    {'':<10} {'computed':>10} {'cached':>10} {'TTFT p50':>10} {'tokens/s':>10} {'wall':>8}")
     for side in SIDES:
         computed_side, cached_side, first = med(side, "computed"), med(side, "cached"), med(side, "ttft_p50")
-        print(f"    cache {side:<4} {computed_side:>10.0f} {cached_side:>10.0f} {first * 1000:>8.0f} ms "
-              f"{med(side, 'throughput'):>10.1f} {med(side, 'wall'):>6.1f} s")  # fmt: skip
-    print(f"  on / off: prompt tokens computed {computed:.3f}x (target <= 0.2), TTFT p50 {ttft:.3f}x (<= 0.35), "
-          f"throughput {throughput:.2f}x (>= 2); same tokens on both sides: {same}")  # fmt: skip
+        print(
+            f"    cache {side:<4} {computed_side:>10.0f} {cached_side:>10.0f} {first * 1000:>8.0f} ms "
+            f"{med(side, 'throughput'):>10.1f} {med(side, 'wall'):>6.1f} s"
+        )
+    print(
+        f"  on / off: prompt tokens computed {computed:.3f}x (target <= 0.2), TTFT p50 {ttft:.3f}x (<= 0.35), "
+        f"throughput {throughput:.2f}x (>= 2); same tokens on both sides: {same}"
+    )
     print(f"  memory: {kv_concurrency.report(memory)}")
     print(f"  total {seconds:.0f} s")
 

@@ -184,9 +184,16 @@ class OurSampler:
         blocks = -(-self.max_len // BLOCK_SIZE)  # per sequence; + one sequence's for ComputeLogprobs
         cache = KVCache(self.runner.config, (self.batch + 1) * blocks, BLOCK_SIZE, self.device, torch.float32)
         scheduler = Scheduler(max_seqs=self.batch, max_batch_tokens=self.batch * self.max_len)  # one prefill
-        return Engine(self.runner, cache, self.pool.tensors, scheduler, release=self.pool.release,
-                      max_len=self.max_len, eos_token_ids=(),
-                      kernel="auto")  # fmt: skip
+        return Engine(
+            self.runner,
+            cache,
+            self.pool.tensors,
+            scheduler,
+            release=self.pool.release,
+            max_len=self.max_len,
+            eos_token_ids=(),
+            kernel="auto",
+        )
 
     @staticmethod
     def _on_update(update: SequenceUpdate) -> None:
@@ -200,8 +207,11 @@ class OurSampler:
             n = next(self._ids)
             self.pool.acquire(slot)  # the engine releases each request's pin when it finishes
             params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-            seqs.append(Sequence(seq_id=n, request_id=f"bench-{n}", sample_index=0, prompt=prompt, params=params,
-                                 lora_slot=slot))  # fmt: skip
+            seqs.append(
+                Sequence(
+                    seq_id=n, request_id=f"bench-{n}", sample_index=0, prompt=prompt, params=params, lora_slot=slot
+                )
+            )
         engine.submit(seqs, self._on_update)
         engine._drain(block=False)
         engine.step()
@@ -293,8 +303,14 @@ class PeftSampler:
         ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in prompts])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
         with torch.inference_mode():
-            out = self.model.generate(input_ids=ids, attention_mask=mask, adapter_names=self.names[: len(prompts)],
-                                      max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False)  # fmt: skip
+            out = self.model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                adapter_names=self.names[: len(prompts)],
+                max_new_tokens=max_new,
+                min_new_tokens=max_new,
+                do_sample=False,
+            )
         return [row[width:].tolist() for row in out]
 
     def sequential(self, prompts: list[list[int]], max_new: int) -> list[list[int]]:
@@ -304,8 +320,13 @@ class PeftSampler:
             self.model.set_adapter(name)
             ids = torch.tensor([prompt])
             with torch.inference_mode():
-                out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
-                                          min_new_tokens=max_new, do_sample=False)  # fmt: skip
+                out = self.model.generate(
+                    input_ids=ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=max_new,
+                    min_new_tokens=max_new,
+                    do_sample=False,
+                )
             outputs.append(out[0, len(prompt) :].tolist())
         return outputs
 
@@ -338,14 +359,30 @@ def record_figures(figures: dict[str, Any]) -> None:
     keys = ("model", "lora", "adapters", "decode_steps_per_rep", "decode_reps", "new_tokens", "e2e_reps")
     config = {key: figures[key] for key in keys}
     agree = f"{figures['agree_peft_mixed_requests']}/{figures['adapters']}"
-    record("P1 mixed-adapter decode tokens/s, distinct adapters / one adapter", figures["p1_mixed_over_single"],
-           target=0.95, config={**config, "by_cpu_time": figures["p1_cpu_time"]})  # fmt: skip
-    record("P2a peft generate(adapter_names) wall / ours", figures["p2a_peft_mixed_over_ours"], target=3.0,
-           config={**config, "by_cpu_time": figures["p2a_cpu_time"], "greedy_tokens_equal": agree})  # fmt: skip
-    record("P2b peft one adapter at a time wall / ours", figures["p2b_peft_sequential_over_ours"], target=10.0,
-           config={**config, "by_cpu_time": figures["p2b_cpu_time"]})  # fmt: skip
-    record("P3 one adapter / base model decode tokens/s", figures["p3_single_over_base"], target=0.90,
-           config={**config, "by_cpu_time": figures["p3_cpu_time"]})  # fmt: skip
+    record(
+        "P1 mixed-adapter decode tokens/s, distinct adapters / one adapter",
+        figures["p1_mixed_over_single"],
+        target=0.95,
+        config={**config, "by_cpu_time": figures["p1_cpu_time"]},
+    )
+    record(
+        "P2a peft generate(adapter_names) wall / ours",
+        figures["p2a_peft_mixed_over_ours"],
+        target=3.0,
+        config={**config, "by_cpu_time": figures["p2a_cpu_time"], "greedy_tokens_equal": agree},
+    )
+    record(
+        "P2b peft one adapter at a time wall / ours",
+        figures["p2b_peft_sequential_over_ours"],
+        target=10.0,
+        config={**config, "by_cpu_time": figures["p2b_cpu_time"]},
+    )
+    record(
+        "P3 one adapter / base model decode tokens/s",
+        figures["p3_single_over_base"],
+        target=0.90,
+        config={**config, "by_cpu_time": figures["p3_cpu_time"]},
+    )
 
 
 def load() -> str:
@@ -482,8 +519,11 @@ def main() -> None:
         f"  decode only: {batch} rows, {setup.decode_reps} reps x {setup.decode_steps} steps, the 3 configurations "
         "interleaved step by step; median step (interquartile range) [median process CPU time]"
     )
-    labels = {"mixed": f"{batch} rows on {batch} adapters", "single": f"{batch} rows on 1 adapter",
-              "base": f"{batch} rows, base (slot 0)"}  # fmt: skip
+    labels = {
+        "mixed": f"{batch} rows on {batch} adapters",
+        "single": f"{batch} rows on 1 adapter",
+        "base": f"{batch} rows, base (slot 0)",
+    }
     for name, label in labels.items():
         q1, _, q3 = quartiles[name]
         print(
@@ -499,8 +539,11 @@ def main() -> None:
         f"by CPU time {figures['p3_cpu_time']:.3f})"
     )
     print(f"  end to end: {batch} requests x {setup.new_tokens} greedy tokens, {len(e2e['ours'])} alternating reps")
-    for name, label in (("ours", "ours, one mixed batch"), ("peft_mixed", "peft, generate(adapter_names)"),
-                        ("peft_sequential", f"peft, {batch} x set_adapter+gen")):  # fmt: skip
+    for name, label in (
+        ("ours", "ours, one mixed batch"),
+        ("peft_mixed", "peft, generate(adapter_names)"),
+        ("peft_sequential", f"peft, {batch} x set_adapter+gen"),
+    ):
         runs = ", ".join(f"{v:.2f}" for v in e2e[name])
         print(f"    {label:<30} {wall[name]:8.3f} s median   (runs: {runs}) [{wall_cpu[name]:.3f} s cpu]")
     print(

@@ -209,10 +209,14 @@ def main() -> None:
     print(f"  {setup.adapters} registered over {setup.slots} slots vs {setup.slots} resident; {config['traffic']}")
     for name in ("resident", "paged"):
         values = ", ".join(f"{v:.0f}" for v in rates[name])
-        print(f"    {name:<9} {tps[name]:8.1f} tokens/s (windows {values}); requests {result.requests[name]}, "
-              f"failed {result.failed[name]}, adapter loads {result.loads[name]}")  # fmt: skip
-    print(f"  paged / resident {ratio:.3f} (target >= 0.80); the top {setup.slots} adapters get "
-          f"{config['top_slots_traffic_share']:.0%} of the traffic")  # fmt: skip
+        print(
+            f"    {name:<9} {tps[name]:8.1f} tokens/s (windows {values}); requests {result.requests[name]}, "
+            f"failed {result.failed[name]}, adapter loads {result.loads[name]}"
+        )
+    print(
+        f"  paged / resident {ratio:.3f} (target >= 0.80); the top {setup.slots} adapters get "
+        f"{config['top_slots_traffic_share']:.0%} of the traffic"
+    )
     print(
         f"  memory: PSS {mem_full / 2**20:.0f} MiB with {setup.slots} slots full, {mem_one / 2**20:.0f} MiB with 1: "
         f"{per_slot / 2**20:.2f} MiB per extra adapter = {per_slot / raw:.3f} x raw {raw / 2**20:.2f} MiB "

@@ -47,9 +47,22 @@ def start_stack(work: Path, model: Path, samplers: dict[str, list[str]], *, thre
 
     def start(name: str) -> ServerProcess:
         args = opentinker_command(
-            "sampler", "serve", "--model", str(model), "--registry", registry.address, "--store", str(store),
-            "--port", "0", "--metrics-port", "-1", "--device", "cpu", *samplers[name],
-        )  # fmt: skip
+            "sampler",
+            "serve",
+            "--model",
+            str(model),
+            "--registry",
+            registry.address,
+            "--store",
+            str(store),
+            "--port",
+            "0",
+            "--metrics-port",
+            "-1",
+            "--device",
+            "cpu",
+            *samplers[name],
+        )
         return ServerProcess(args, work / name, timeout=300, env={"OMP_NUM_THREADS": str(threads)})
 
     with concurrent.futures.ThreadPoolExecutor(max(1, len(samplers))) as pool:

@@ -92,8 +92,11 @@ async def over_grpc(stub: sampler_pb2_grpc.SamplerServiceStub, requests: list[sa
     failed = [s.error for s in streams if s.error]
     if failed:
         raise RuntimeError(f"{len(failed)} streams failed: {failed[0]}")
-    return Run(max(s.end for s in streams) - start, statistics.median(s.first - start for s in streams),
-               sum(s.tokens for s in streams))  # fmt: skip
+    return Run(
+        max(s.end for s in streams) - start,
+        statistics.median(s.first - start for s in streams),
+        sum(s.tokens for s in streams),
+    )
 
 
 def in_process(client: Client, requests: list[Request]) -> Run:
@@ -103,8 +106,12 @@ def in_process(client: Client, requests: list[Request]) -> Run:
     failed = [t.error for t in timings if t.error]
     if failed:
         raise RuntimeError(f"{len(failed)} requests failed: {failed[0]}")
-    return Run(max(t.end for t in timings) - start, statistics.median(t.first - start for t in timings),
-               sum(t.tokens for t in timings), time.process_time() - cpu)  # fmt: skip
+    return Run(
+        max(t.end for t in timings) - start,
+        statistics.median(t.first - start for t in timings),
+        sum(t.tokens for t in timings),
+        time.process_time() - cpu,
+    )
 
 
 def engine_process(conn: Connection, model: Path, spec: ModelSpec, prompts: list[list[int]], max_tokens: int) -> None:
@@ -128,8 +135,9 @@ def run_in_helper(conn: Connection) -> Run:
     return Run(*conn.recv())
 
 
-async def alternate(server: ServerProcess, helper: Connection, grpc_requests: list[sampler_pb2.SampleRequest],
-                    reps: int) -> dict[str, list[Run]]:  # fmt: skip
+async def alternate(
+    server: ServerProcess, helper: Connection, grpc_requests: list[sampler_pb2.SampleRequest], reps: int
+) -> dict[str, list[Run]]:
     channel, stub = aio_stub(server.address)
     process = psutil.Process(server.process.pid)
 
@@ -207,10 +215,14 @@ def main() -> None:
     print(f"  {config['requests']}; {setup.reps} alternating reps, medians")
     for side, label in (("grpc", f"{n} gRPC Sample streams"), ("inprocess", "Engine.submit in-process")):
         runs_s = ", ".join(f"{r.wall:.2f}" for r in runs[side])
-        print(f"    {label:<26} wall {wall[side]:.3f} s (runs {runs_s}); median first token "
-              f"{ttft[side] * 1000:.1f} ms; CPU {cpu[side]:.3f} s; tokens {sorted(tokens[side])}")  # fmt: skip
-    print(f"  wall gRPC / in-process {ratio:.3f} (target <= 1.05); first-token overhead {overhead_ms:+.1f} ms; "
-          f"CPU time gRPC / in-process {cpu['grpc'] / cpu['inprocess']:.3f}")  # fmt: skip
+        print(
+            f"    {label:<26} wall {wall[side]:.3f} s (runs {runs_s}); median first token "
+            f"{ttft[side] * 1000:.1f} ms; CPU {cpu[side]:.3f} s; tokens {sorted(tokens[side])}"
+        )
+    print(
+        f"  wall gRPC / in-process {ratio:.3f} (target <= 1.05); first-token overhead {overhead_ms:+.1f} ms; "
+        f"CPU time gRPC / in-process {cpu['grpc'] / cpu['inprocess']:.3f}"
+    )
     print(f"  total {time.perf_counter() - began:.0f} s")
 
 

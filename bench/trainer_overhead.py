@@ -72,8 +72,12 @@ class PeftLoop:
 
     def state_bytes(self) -> tuple[int, int]:
         raw = sum(p.numel() * p.element_size() for p in self.params)
-        moments = sum(t.numel() * t.element_size() for s in self.optimizer.state.values() for t in s.values()
-                      if isinstance(t, torch.Tensor))  # fmt: skip
+        moments = sum(
+            t.numel() * t.element_size()
+            for s in self.optimizer.state.values()
+            for t in s.values()
+            if isinstance(t, torch.Tensor)
+        )
         return raw, raw + moments
 
 
@@ -83,8 +87,15 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args()
     steps, batch, length = (4, 2, 64) if args.quick else (12, 4, 128)
-    spec = TinyModelSpec(arch="qwen2", vocab_size=2048, hidden_size=512, intermediate_size=1408,
-                         num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2)  # fmt: skip
+    spec = TinyModelSpec(
+        arch="qwen2",
+        vocab_size=2048,
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+    )
     with tempfile.TemporaryDirectory(prefix="ot-bench-") as tmp:
         work = Path(tmp)
         model_dir = make_tiny_model(work / "model", spec)
@@ -100,8 +111,11 @@ def main() -> None:
             peft_loop = PeftLoop(model_dir)
 
             def grpc_step(rows: list[list[int]]) -> float:
-                response = stub.ForwardBackward(trainer_pb2.ForwardBackwardRequest(
-                    adapter="bench", datums=[to_datum(r) for r in rows], loss_fn="cross_entropy"))  # fmt: skip
+                response = stub.ForwardBackward(
+                    trainer_pb2.ForwardBackwardRequest(
+                        adapter="bench", datums=[to_datum(r) for r in rows], loss_fn="cross_entropy"
+                    )
+                )
                 stub.OptimStep(trainer_pb2.OptimStepRequest(adapter="bench", adam_params=adam))
                 return float(response.metrics["loss:sum"])
 
@@ -151,10 +165,18 @@ def main() -> None:
     # Both sides see the same batches, but their LoRA A matrices start from different random draws, so the losses
     # agree at the first step (B = 0) and drift apart afterwards: a sanity figure, not an equality check.
     print(f"  same batches, differently initialised LoRA: max |loss_a - loss_b| = {figures['max_abs_loss_diff']:.4g}")
-    config: dict[str, str | int | float | None] = {"model": str(figures["model"]), "batch": str(figures["batch"]),
-                                                   "steps": len(peft_times)}  # fmt: skip
-    record("P5 trainer step, gRPC / in-process peft + AdamW", b / a, target=1.10, comparison="<=",
-           config={**config, "max_abs_loss_diff": max_loss_diff})  # fmt: skip
+    config: dict[str, str | int | float | None] = {
+        "model": str(figures["model"]),
+        "batch": str(figures["batch"]),
+        "steps": len(peft_times),
+    }
+    record(
+        "P5 trainer step, gRPC / in-process peft + AdamW",
+        b / a,
+        target=1.10,
+        comparison="<=",
+        config={**config, "max_abs_loss_diff": max_loss_diff},
+    )
     record("P5 trainer memory, LoRA weights + AdamW / raw LoRA", with_adam / raw, config={**config, "raw_bytes": raw})
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2))

@@ -31,10 +31,24 @@ class ModelSpec:
 
 
 # The issue's model: hidden 896, intermediate 4864, 4 layers, 14 heads / 2 KV heads, vocab 8192.
-FULL_SPEC = ModelSpec(arch="qwen2", vocab_size=8192, hidden_size=896, intermediate_size=4864,
-                      num_hidden_layers=4, num_attention_heads=14, num_key_value_heads=2)  # fmt: skip
-QUICK_SPEC = ModelSpec(arch="qwen2", vocab_size=2048, hidden_size=256, intermediate_size=1024,
-                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+FULL_SPEC = ModelSpec(
+    arch="qwen2",
+    vocab_size=8192,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=4,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+)
+QUICK_SPEC = ModelSpec(
+    arch="qwen2",
+    vocab_size=2048,
+    hidden_size=256,
+    intermediate_size=1024,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 RANK = 16
 ALPHA = 32
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -70,9 +84,15 @@ def linear_shapes(spec: ModelSpec) -> dict[str, tuple[int, int]]:
     """HF module path -> (d_in, d_out) of every projection (as LlamaForCausalLM.linear_shapes names them)."""
     h, head_dim = spec.hidden_size, spec.hidden_size // spec.num_attention_heads
     q, kv, inter = spec.num_attention_heads * head_dim, spec.num_key_value_heads * head_dim, spec.intermediate_size
-    per_layer = {"self_attn.q_proj": (h, q), "self_attn.k_proj": (h, kv), "self_attn.v_proj": (h, kv),
-                 "self_attn.o_proj": (q, h), "mlp.gate_proj": (h, inter), "mlp.up_proj": (h, inter),
-                 "mlp.down_proj": (inter, h)}  # fmt: skip
+    per_layer = {
+        "self_attn.q_proj": (h, q),
+        "self_attn.k_proj": (h, kv),
+        "self_attn.v_proj": (h, kv),
+        "self_attn.o_proj": (q, h),
+        "mlp.gate_proj": (h, inter),
+        "mlp.up_proj": (h, inter),
+        "mlp.down_proj": (inter, h),
+    }
     return {f"model.layers.{i}.{m}": s for i in range(spec.num_hidden_layers) for m, s in per_layer.items()}
 
 
@@ -101,8 +121,16 @@ def peft_files(weights: Weights) -> dict[str, bytes]:
     for module, (a, b) in weights.items():
         tensors[lora_a_key(module)] = a.contiguous()
         tensors[lora_b_key(module)] = b.contiguous()
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": RANK, "lora_alpha": ALPHA, "lora_dropout": 0.0,
-              "bias": "none", "target_modules": list(TARGETS), "use_rslora": False}  # fmt: skip
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": RANK,
+        "lora_alpha": ALPHA,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "target_modules": list(TARGETS),
+        "use_rslora": False,
+    }
     return {"adapter_config.json": json.dumps(config).encode(), "adapter_model.safetensors": bytes(save(tensors))}
 
 

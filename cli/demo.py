@@ -85,20 +85,45 @@ async def train_everything(service: Any, renderer: Any, steps: int, progress: Pr
     lora = LoraConfig(rank=8, alpha=16)
     rl_jobs = [
         train_rl_async(
-            service, adapter, getattr(task_module, task_class).factory(renderer), steps=steps, group_size=8,
-            groups_per_step=4, sampling=sampling, adam=AdamParams(learning_rate=3e-2), lora=lora, seed=i,
+            service,
+            adapter,
+            getattr(task_module, task_class).factory(renderer),
+            steps=steps,
+            group_size=8,
+            groups_per_step=4,
+            sampling=sampling,
+            adam=AdamParams(learning_rate=3e-2),
+            lora=lora,
+            seed=i,
             progress=progress,
         )
         for i, (adapter, (_task, task_class)) in enumerate(RL_TASKS.items())
-    ]  # fmt: skip
+    ]
     game = train_multi_agent_rl_async(
-        service, GAME, task_module.EchoGame.factory(renderer), steps=steps, group_size=8, groups_per_step=4,
-        sampling=sampling, adam=AdamParams(learning_rate=3e-2), lora=lora, progress=progress,
-    )  # fmt: skip
+        service,
+        GAME,
+        task_module.EchoGame.factory(renderer),
+        steps=steps,
+        group_size=8,
+        groups_per_step=4,
+        sampling=sampling,
+        adam=AdamParams(learning_rate=3e-2),
+        lora=lora,
+        progress=progress,
+    )
     sft = asyncio.to_thread(
-        train_sft, service, SFT_ADAPTER, sft_conversations(), steps=steps, batch_size=7, renderer=renderer,
-        adam=AdamParams(learning_rate=1e-2), lora=lora, save_every=5, progress=progress,
-    )  # fmt: skip
+        train_sft,
+        service,
+        SFT_ADAPTER,
+        sft_conversations(),
+        steps=steps,
+        batch_size=7,
+        renderer=renderer,
+        adam=AdamParams(learning_rate=1e-2),
+        lora=lora,
+        save_every=5,
+        progress=progress,
+    )
     # Everything trains at once: start all runs, then collect their results.
     game_task, sft_task = asyncio.ensure_future(game), asyncio.ensure_future(sft)
     rl_results = await asyncio.gather(*rl_jobs)
@@ -134,8 +159,9 @@ def run_demo(workdir: Path, out_dir: Path = Path("demo_out"), steps: int = 20) -
         console.print(
             f"registry {registry_proc.address}   trainer {trainer_proc.address}   sampler {sampler_proc.address}"
         )
-        service = ServiceClient(trainer=trainer_proc.address, sampler=sampler_proc.address,
-                                registry=registry_proc.address)  # fmt: skip
+        service = ServiceClient(
+            trainer=trainer_proc.address, sampler=sampler_proc.address, registry=registry_proc.address
+        )
         registry = RegistryClient(registry_proc.address)
         renderer = Renderer.from_pretrained(model_dir)
 
@@ -189,8 +215,10 @@ def run_demo(workdir: Path, out_dir: Path = Path("demo_out"), steps: int = 20) -
         console.print(f"lineage of {adapter} (newest 3 of {len(registry.list_versions(adapter))} versions):")
         for version in chain:
             traces = [t for b in version.lineage.batches for t in b.trace_ids]
-            console.print(f"  v{version.number}: parent v{version.lineage.parent_version}, step "
-                          f"{version.lineage.trainer_step}, {len(traces)} rollouts, e.g. {traces[:2]}")  # fmt: skip
+            console.print(
+                f"  v{version.number}: parent v{version.lineage.parent_version}, step "
+                f"{version.lineage.trainer_step}, {len(traces)} rollouts, e.g. {traces[:2]}"
+            )
 
         sampler = service.create_sampling_client(adapter)
         prompt = renderer.prompt_tokens([{"role": "user", "content": "Give me a number."}])

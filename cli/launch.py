@@ -106,19 +106,42 @@ def registry_store(registry: ServerProcess) -> Path:
 def start_trainer(workdir: Path, model: Path, registry: ServerProcess, *extra: str) -> ServerProcess:
     """A trainer process on the given model, sharing the registry's artifact store."""
     args = opentinker_command(
-        "trainer", "serve", "--model", str(model), "--registry", registry.address,
-        "--store", str(registry_store(registry)), "--port", "0", "--device", "cpu",
-        "--spill-dir", str(workdir / "spill"), *extra,
-    )  # fmt: skip
+        "trainer",
+        "serve",
+        "--model",
+        str(model),
+        "--registry",
+        registry.address,
+        "--store",
+        str(registry_store(registry)),
+        "--port",
+        "0",
+        "--device",
+        "cpu",
+        "--spill-dir",
+        str(workdir / "spill"),
+        *extra,
+    )
     return ServerProcess(args, workdir, timeout=120)
 
 
 def start_sampler(workdir: Path, model: Path, registry: ServerProcess, *extra: str) -> ServerProcess:
     """A sampler process on the given model, sharing the registry's artifact store."""
     args = opentinker_command(
-        "sampler", "serve", "--model", str(model), "--registry", registry.address,
-        "--store", str(registry_store(registry)), "--port", "0", "--device", "cpu", *extra,
-    )  # fmt: skip
+        "sampler",
+        "serve",
+        "--model",
+        str(model),
+        "--registry",
+        registry.address,
+        "--store",
+        str(registry_store(registry)),
+        "--port",
+        "0",
+        "--device",
+        "cpu",
+        *extra,
+    )
     return ServerProcess(args, workdir, timeout=120)
 
 

@@ -20,8 +20,11 @@ Token = Annotated[
 CaCert = Annotated[
     Path | None,
     typer.Option(
-        "--ca-cert", envvar="OPENTINKER_CA_CERT", exists=True, dir_okay=False,
+        "--ca-cert",
+        envvar="OPENTINKER_CA_CERT",
+        exists=True,
+        dir_okay=False,
         help="PEM root certificate(s) verifying the server's TLS certificate; when set, TLS instead of plaintext.",
     ),
-]  # fmt: skip
+]
 AsJson = Annotated[bool, typer.Option("--json", help="Machine-readable JSON output.")]

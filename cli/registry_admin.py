@@ -53,8 +53,9 @@ def create(
     """Register an adapter name."""
     with connect(registry, token, ca_cert) as client:
         # No --target: the empty list, which the registry reads as its default (all linear modules).
-        created = client.create_adapter(name, rank=rank, alpha=alpha, target_modules=target or [],
-                                        description=description)  # fmt: skip
+        created = client.create_adapter(
+            name, rank=rank, alpha=alpha, target_modules=target or [], description=description
+        )
     if as_json:
         out.print_json(out.created_json(created))
     else:
@@ -102,10 +103,16 @@ def versions(
     for v in newest:
         artifact = "(collected)" if v.artifact_deleted else v.sha256[:12]
         table.add_row(
-            str(v.number), ", ".join(v.aliases), parent_text(v), str(v.lineage.trainer_step),
-            str(v.lineage.tokens_trained), metrics_text(v.lineage.metrics), artifact, when(v.created_at),
+            str(v.number),
+            ", ".join(v.aliases),
+            parent_text(v),
+            str(v.lineage.trainer_step),
+            str(v.lineage.tokens_trained),
+            metrics_text(v.lineage.metrics),
+            artifact,
+            when(v.created_at),
             v.published_by,
-        )  # fmt: skip
+        )
     console.print(table)
     if total > len(newest):
         console.print(
@@ -258,9 +265,14 @@ def lineage(
         if len(traces) > TRACES_SHOWN:
             shown += f" (+{len(traces) - TRACES_SHOWN} more: --json lists all)"
         table.add_row(
-            v.reference, parent_text(v), str(v.lineage.trainer_step),
-            str(v.lineage.tokens_trained), str(len(v.lineage.batches)), shown, metrics_text(v.lineage.metrics),
-        )  # fmt: skip
+            v.reference,
+            parent_text(v),
+            str(v.lineage.trainer_step),
+            str(v.lineage.tokens_trained),
+            str(len(v.lineage.batches)),
+            shown,
+            metrics_text(v.lineage.metrics),
+        )
     console.print(table)
 
 
@@ -281,8 +293,7 @@ def watch(
             if as_json:
                 print(out.line(out.watch_json(message)), flush=True)
             elif isinstance(message, Reconcile):
-                print(f"{message.event_id} RECONCILE ({message.reason}) {len(message.aliases)} adapters",
-                      flush=True)  # fmt: skip
+                print(f"{message.event_id} RECONCILE ({message.reason}) {len(message.aliases)} adapters", flush=True)
                 for name, aliases in message.aliases.items():
                     print(f"    {name} {dict(sorted(aliases.items()))}", flush=True)
             else:
@@ -327,10 +338,18 @@ def add_admin_commands(registry_app: typer.Typer) -> None:
     from opentinker.cli.registry_import import export_adapter, import_adapter
 
     commands: list[tuple[str, Callable[..., None]]] = [
-        ("create", create), ("adapters", adapters), ("versions", versions), ("show", show), ("rollback", rollback),
-        ("lineage", lineage), ("watch", watch), ("gc", gc), ("delete", delete), ("import", import_adapter),
+        ("create", create),
+        ("adapters", adapters),
+        ("versions", versions),
+        ("show", show),
+        ("rollback", rollback),
+        ("lineage", lineage),
+        ("watch", watch),
+        ("gc", gc),
+        ("delete", delete),
+        ("import", import_adapter),
         ("export", export_adapter),
-    ]  # fmt: skip
+    ]
     for name, command in commands:
         registry_app.command(name)(command)
     registry_app.add_typer(alias_app, name="alias")

@@ -56,8 +56,10 @@ def import_adapter(
     if as_json:
         out.print_json(out.version_json(version))
         return
-    console.print(f"imported {directory} as {version.reference} (rank {adapter.rank}, "
-                  f"{len(adapter.modules)} modules: {', '.join(adapter.target_modules)})")  # fmt: skip
+    console.print(
+        f"imported {directory} as {version.reference} (rank {adapter.rank}, "
+        f"{len(adapter.modules)} modules: {', '.join(adapter.target_modules)})"
+    )
     for note in adapter.notes:
         console.print(f"  note: {note}")
 
@@ -66,8 +68,9 @@ def _publish_import(
     client: RegistryClient, adapter: PeftAdapter, name: str, aliases: list[str], *, quiet: bool
 ) -> Version:
     source = str(adapter.directory.resolve())
-    lora = LoraConfig(rank=adapter.rank, alpha=adapter.alpha, dropout=adapter.dropout,
-                      target_modules=tuple(adapter.target_modules))  # fmt: skip
+    lora = LoraConfig(
+        rank=adapter.rank, alpha=adapter.alpha, dropout=adapter.dropout, target_modules=tuple(adapter.target_modules)
+    )
     try:
         existing = client.get_adapter(name)
     except OpenTinkerError as exc:
@@ -77,26 +80,35 @@ def _publish_import(
     if existing is not None:
         theirs, ours = existing.base_model_digest, adapter.base_model_digest
         if theirs and ours and theirs != ours:
-            fail(f"{name} belongs to base model {theirs[:12]}..., but {source} was checked against "
-                 f"{adapter.base_model_checked} ({ours[:12]}...)")  # fmt: skip
+            fail(
+                f"{name} belongs to base model {theirs[:12]}..., but {source} was checked against "
+                f"{adapter.base_model_checked} ({ours[:12]}...)"
+            )
         base_digest = ours or theirs
     else:
         base_digest = adapter.base_model_digest
         client.create_adapter(
-            name, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, target_modules=lora.target_modules,
-            base_model_digest=base_digest, labels={"origin": "peft-import"},
+            name,
+            rank=lora.rank,
+            alpha=lora.alpha,
+            dropout=lora.dropout,
+            target_modules=lora.target_modules,
+            base_model_digest=base_digest,
+            labels={"origin": "peft-import"},
             description=f"imported from {source}"[:1000],
-        )  # fmt: skip
+        )
     with tempfile.TemporaryDirectory(prefix="opentinker-import-") as tmp:
         write_import_files(adapter, Path(tmp))  # only the peft files, without what the inspection left out
         with spinner(f"uploading {name}", quiet=quiet):
             uploaded = client.upload_artifact(Path(tmp))
     # Imported weights were not trained from any earlier version: no parent, one record naming the source.
-    record = BatchRecord(digest=adapter.weights_sha256, trace_ids=(f"import:{source}",), loss_fn="peft-import",
-                         time=datetime.now(UTC))  # fmt: skip
+    record = BatchRecord(
+        digest=adapter.weights_sha256, trace_ids=(f"import:{source}",), loss_fn="peft-import", time=datetime.now(UTC)
+    )
     lineage = Lineage(base_model_digest=base_digest, batches=(record,))
-    return client.publish_version(name, uploaded, lineage=lineage, aliases=aliases, lora=lora,
-                                  request_id=f"import-{uuid.uuid4().hex}")  # fmt: skip
+    return client.publish_version(
+        name, uploaded, lineage=lineage, aliases=aliases, lora=lora, request_id=f"import-{uuid.uuid4().hex}"
+    )
 
 
 def export_adapter(
@@ -129,7 +141,14 @@ def export_adapter(
             except PeftFolderError as exc:
                 fail(str(exc))
     if as_json:
-        out.print_json({"adapter": version.adapter, "version": str(version.number), "directory": str(directory),
-                        "files": [p.name for p in written], "artifact_sha256": version.sha256})  # fmt: skip
+        out.print_json(
+            {
+                "adapter": version.adapter,
+                "version": str(version.number),
+                "directory": str(directory),
+                "files": [p.name for p in written],
+                "artifact_sha256": version.sha256,
+            }
+        )
     else:
         console.print(f"wrote {version.reference} to {directory} ({', '.join(p.name for p in written)})")

@@ -59,43 +59,60 @@ def _lora(rank: int, alpha: float, dropout: float, targets: tuple[str, ...]) -> 
 
 def _batch(batch: BatchRecord) -> registry_pb2.BatchRecord:
     proto = registry_pb2.BatchRecord(
-        digest=batch.digest, trace_ids=list(batch.trace_ids), step=batch.step, num_datums=batch.num_datums,
-        num_tokens=batch.num_tokens, loss_fn=batch.loss_fn,
-    )  # fmt: skip
+        digest=batch.digest,
+        trace_ids=list(batch.trace_ids),
+        step=batch.step,
+        num_datums=batch.num_datums,
+        num_tokens=batch.num_tokens,
+        loss_fn=batch.loss_fn,
+    )
     _stamp(batch.time, proto.time)
     return proto
 
 
 def _lineage(lineage: Lineage) -> registry_pb2.Lineage:
     return registry_pb2.Lineage(
-        parent_version=lineage.parent_version, trainer_step=lineage.trainer_step,
-        tokens_trained=lineage.tokens_trained, datums_trained=lineage.datums_trained,
-        batches=[_batch(b) for b in lineage.batches], metrics=lineage.metrics,
+        parent_version=lineage.parent_version,
+        trainer_step=lineage.trainer_step,
+        tokens_trained=lineage.tokens_trained,
+        datums_trained=lineage.datums_trained,
+        batches=[_batch(b) for b in lineage.batches],
+        metrics=lineage.metrics,
         base_model_digest=lineage.base_model_digest,
-    )  # fmt: skip
+    )
 
 
 def adapter_message(adapter: Adapter) -> registry_pb2.Adapter:
     proto = registry_pb2.Adapter(
-        name=adapter.name, tenant=adapter.tenant,
+        name=adapter.name,
+        tenant=adapter.tenant,
         lora_config=_lora(adapter.rank, adapter.alpha, adapter.dropout, adapter.target_modules),
-        base_model_digest=adapter.base_model_digest, aliases=adapter.aliases,
-        latest_version=adapter.latest_version, version_count=adapter.version_count, created_by=adapter.created_by,
-        labels=adapter.labels, description=adapter.description,
+        base_model_digest=adapter.base_model_digest,
+        aliases=adapter.aliases,
+        latest_version=adapter.latest_version,
+        version_count=adapter.version_count,
+        created_by=adapter.created_by,
+        labels=adapter.labels,
+        description=adapter.description,
         serving_alias="" if adapter.serving_alias == LATEST else adapter.serving_alias,
-    )  # fmt: skip
+    )
     _stamp(adapter.created_at, proto.create_time)
     return proto
 
 
 def version_message(version: Version) -> registry_pb2.Version:
     proto = registry_pb2.Version(
-        adapter=version.adapter, version=version.number, artifact_uri=version.artifact_uri,
-        artifact_sha256=version.sha256, artifact_size_bytes=version.size_bytes,
+        adapter=version.adapter,
+        version=version.number,
+        artifact_uri=version.artifact_uri,
+        artifact_sha256=version.sha256,
+        artifact_size_bytes=version.size_bytes,
         lora_config=_lora(version.rank, version.alpha, version.dropout, version.target_modules),
-        lineage=_lineage(version.lineage), aliases=list(version.aliases), published_by=version.published_by,
+        lineage=_lineage(version.lineage),
+        aliases=list(version.aliases),
+        published_by=version.published_by,
         artifact_deleted=version.artifact_deleted,
-    )  # fmt: skip
+    )
     _stamp(version.created_at, proto.publish_time)
     return proto
 
@@ -113,8 +130,9 @@ def created_json(adapter: Adapter) -> dict[str, Any]:
 
 
 def alias_set_json(move: AliasMove) -> dict[str, Any]:
-    reply = registry_pb2.SetAliasResponse(previous_version=move.previous_version, version=move.version,
-                                          event_id=move.event_id)  # fmt: skip
+    reply = registry_pb2.SetAliasResponse(
+        previous_version=move.previous_version, version=move.version, event_id=move.event_id
+    )
     return dump(reply)
 
 
@@ -123,14 +141,16 @@ def alias_rm_json(move: AliasMove) -> dict[str, Any]:
 
 
 def serving_alias_json(move: ServingAliasMove) -> dict[str, Any]:
-    reply = registry_pb2.SetServingAliasResponse(previous_alias=move.previous_alias, alias=move.alias,
-                                                 version=move.version, event_id=move.event_id)  # fmt: skip
+    reply = registry_pb2.SetServingAliasResponse(
+        previous_alias=move.previous_alias, alias=move.alias, version=move.version, event_id=move.event_id
+    )
     return dump(reply)
 
 
 def rollback_json(move: AliasMove) -> dict[str, Any]:
-    reply = registry_pb2.RollbackResponse(alias=move.alias, from_version=move.previous_version,
-                                          to_version=move.version, event_id=move.event_id)  # fmt: skip
+    reply = registry_pb2.RollbackResponse(
+        alias=move.alias, from_version=move.previous_version, to_version=move.version, event_id=move.event_id
+    )
     return dump(reply)
 
 
@@ -160,10 +180,17 @@ def watch_json(message: Event | Reconcile) -> dict[str, Any]:
         reconcile = registry_pb2.Reconcile(event_id=message.event_id, adapters=adapters, reason=message.reason)
         return dump(registry_pb2.WatchEventsResponse(reconcile=reconcile))
     event = registry_pb2.Event(
-        event_id=message.event_id, type=_event_type(message.type), adapter=message.adapter, version=message.version,
-        alias=message.alias, previous_version=message.previous_version, aliases=message.aliases,
-        actor=message.actor, cause=message.cause, artifact_sha256=message.artifact_sha256,
+        event_id=message.event_id,
+        type=_event_type(message.type),
+        adapter=message.adapter,
+        version=message.version,
+        alias=message.alias,
+        previous_version=message.previous_version,
+        aliases=message.aliases,
+        actor=message.actor,
+        cause=message.cause,
+        artifact_sha256=message.artifact_sha256,
         serving_alias="" if message.serving_alias == LATEST else message.serving_alias,
-    )  # fmt: skip
+    )
     _stamp(message.time, event.time)
     return dump(registry_pb2.WatchEventsResponse(event=event))

@@ -61,10 +61,17 @@ def sample_command(
             if chat:
                 request, stop_token_ids = _chat_prompt(client, prompt, system, tokenizer)
             params = SamplingParams(
-                max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                stop=stop or [], stop_token_ids=stop_token_ids, logprobs=False,
-                frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
-            )  # fmt: skip
+                max_tokens=max_tokens,
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                seed=seed,
+                stop=stop or [],
+                stop_token_ids=stop_token_ids,
+                logprobs=False,
+                frequency_penalty=frequency_penalty,
+                presence_penalty=presence_penalty,
+            )
             for chunk in client.stream(request, params, cache_salt=cache_salt):
                 version = chunk.version.exact
                 sys.stdout.write(chunk.text)

@@ -88,8 +88,14 @@ def plan_stack(config_path: Path, workdir: Path | None = None) -> StackPlan:
     store = resolve_value(config, "registry", "store")
     registry_store = Path(str(store)) if store is not None else data_dir / "artifacts"
     ordered = [s for s in SERVER_SECTIONS if s in services]  # the registry first: the others need it
-    return StackPlan(config_path.resolve(), workdir, ordered, registry_store.resolve(), config,
-                     data_dir=None if configured is not None else data_dir)  # fmt: skip
+    return StackPlan(
+        config_path.resolve(),
+        workdir,
+        ordered,
+        registry_store.resolve(),
+        config,
+        data_dir=None if configured is not None else data_dir,
+    )
 
 
 def validate(plan: StackPlan) -> None:
@@ -165,14 +171,20 @@ class Stack:
                         raise ServiceFailed(service, exc.returncode, exc.reason, exc.log_path) from None
                     pending.remove(service)
                 elif time.monotonic() > deadline[service]:
-                    raise ServiceFailed(service, None, f"not serving after {STARTUP_SECONDS[service]:.0f}s",
-                                        server.log_path)  # fmt: skip
+                    raise ServiceFailed(
+                        service, None, f"not serving after {STARTUP_SECONDS[service]:.0f}s", server.log_path
+                    )
             time.sleep(0.05)
 
     def _spawn(self, service: str, registry_address: str | None) -> ServerProcess:
         # Own session: Ctrl-C reaches only `up`, which then stops the servers itself, in order.
-        return ServerProcess(self.plan.args(service, registry_address), self.plan.workdir / service,
-                             env=self.plan.env(service), own_session=True, wait=False)  # fmt: skip
+        return ServerProcess(
+            self.plan.args(service, registry_address),
+            self.plan.workdir / service,
+            env=self.plan.env(service),
+            own_session=True,
+            wait=False,
+        )
 
     def exited(self) -> str | None:
         """The first server that is no longer running, if any."""
@@ -215,8 +227,13 @@ def _print_addresses(stack: Stack, as_json: bool) -> None:
         return
     table = Table("server", "address", "metrics", "pid", "log")
     for service, info in stack.describe().items():
-        table.add_row(service, str(info["address"]), f"http://{info['metrics_address']}/metrics",
-                      str(info["pid"]), str(info["log"]))  # fmt: skip
+        table.add_row(
+            service,
+            str(info["address"]),
+            f"http://{info['metrics_address']}/metrics",
+            str(info["pid"]),
+            str(info["log"]),
+        )
     console = Console()
     console.print(table)
     console.print("Ctrl-C stops everything.")
@@ -227,8 +244,10 @@ def _lock_workdir(workdir: Path) -> DirLock:
         return DirLock.acquire(workdir, LOCK_NAME, orphan_wait_s=0)
     except DirLocked as exc:
         holder = exc.pid or "unknown"
-        raise StartupError(f"workdir {exc.directory} is in use by another `opentinker up` (pid {holder}); stop it "
-                           "or pass another --workdir") from None  # fmt: skip
+        raise StartupError(
+            f"workdir {exc.directory} is in use by another `opentinker up` (pid {holder}); stop it "
+            "or pass another --workdir"
+        ) from None
 
 
 def prepare(config_path: Path, workdir: Path | None) -> tuple[StackPlan, DirLock]:
@@ -278,8 +297,12 @@ def run_up(config_path: Path, workdir: Path | None, as_json: bool) -> int:
                 gone = stack.exited()
                 if gone is not None:
                     returncode = stack.servers[gone].process.returncode
-                    print(f"opentinker up: the {gone} exited with {returncode}; stopping the stack (its log: "
-                          f"{stack.servers[gone].log_path})", file=sys.stderr, flush=True)  # fmt: skip
+                    print(
+                        f"opentinker up: the {gone} exited with {returncode}; stopping the stack (its log: "
+                        f"{stack.servers[gone].log_path})",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     code = 1
                     break
     finally:

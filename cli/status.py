@@ -107,18 +107,28 @@ def _trainer(address: str, token: str | None, ca_cert: Path | None) -> Section:
     # The replies themselves, as for the sampler: the JSON keeps every field of the wire form.
     connection = Connection(address, trainer_pb2_grpc.TrainerServiceStub, token, timeout=TIMEOUT, ca_cert=ca_cert)
     try:
-        info = connection.unary("GetTrainerInfo", trainer_pb2.GetTrainerInfoRequest(),
-                                trainer_pb2.GetTrainerInfoResponse)  # fmt: skip
-        listed = connection.unary("ListAdapters", trainer_pb2.TrainerServiceListAdaptersRequest(),
-                                  trainer_pb2.TrainerServiceListAdaptersResponse)  # fmt: skip
+        info = connection.unary(
+            "GetTrainerInfo", trainer_pb2.GetTrainerInfoRequest(), trainer_pb2.GetTrainerInfoResponse
+        )
+        listed = connection.unary(
+            "ListAdapters",
+            trainer_pb2.TrainerServiceListAdaptersRequest(),
+            trainer_pb2.TrainerServiceListAdaptersResponse,
+        )
     finally:
         connection.close()
     base = info.base_model
     title = f"trainer: {base.architecture} on {base.device} ({base.dtype}), {len(listed.adapters)} adapters"
     table = Table("adapter", "step", "tokens", "pending", "last snapshot", "resident", title=title)
     for adapter in listed.adapters:
-        table.add_row(adapter.name, str(adapter.step), str(adapter.tokens_trained), str(adapter.pending_batches),
-                      str(adapter.last_snapshot_version or "-"), "yes" if adapter.resident else "no")  # fmt: skip
+        table.add_row(
+            adapter.name,
+            str(adapter.step),
+            str(adapter.tokens_trained),
+            str(adapter.pending_batches),
+            str(adapter.last_snapshot_version or "-"),
+            "yes" if adapter.resident else "no",
+        )
     return Section([table], {"info": _dump(info), "adapters": [_dump(a) for a in listed.adapters]})
 
 
@@ -138,9 +148,14 @@ def _sampler(address: str, token: str | None, ca_cert: Path | None) -> Section:
     )
     slots = Table("slot", "version", "serving", "rank", "requests", "pinned", title=title)
     for adapter in loaded.adapters:
-        slots.add_row(str(adapter.slot), f"{adapter.version.adapter}@{adapter.version.version}",
-                      ", ".join(adapter.serving_aliases), str(adapter.rank), str(adapter.active_requests),
-                      "yes" if adapter.pinned else "")  # fmt: skip
+        slots.add_row(
+            str(adapter.slot),
+            f"{adapter.version.adapter}@{adapter.version.version}",
+            ", ".join(adapter.serving_aliases),
+            str(adapter.rank),
+            str(adapter.active_requests),
+            "yes" if adapter.pinned else "",
+        )
     tables: list[Table | str] = [slots, kv_cache_line(sampler_stats_from_proto(stats))]
     recent = list(stats.recent_reloads)[-RECENT_RELOADS:]
     if recent:  # a table of their own: a reload's outcome is no slot's "pinned"

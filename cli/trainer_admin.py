@@ -72,8 +72,15 @@ def adapters(
         return
     table = Table("name", "rank", "step", "tokens", "pending", "next parent", "resident")
     for info in held:
-        table.add_row(info.name, str(info.rank), str(info.step), str(info.tokens_trained),
-                      str(info.pending_batches), _parent(info), "yes" if info.resident else "no")  # fmt: skip
+        table.add_row(
+            info.name,
+            str(info.rank),
+            str(info.step),
+            str(info.tokens_trained),
+            str(info.pending_batches),
+            _parent(info),
+            "yes" if info.resident else "no",
+        )
     console.print(table)
 
 
@@ -91,12 +98,17 @@ def show(
         print_json(info)
         return
     rows = [
-        ("name", info.name), ("lora", f"rank {info.rank}, alpha {info.alpha:g}, dropout {info.dropout:g}"),
-        ("target modules", ", ".join(info.target_modules)), ("step", str(info.step)),
-        ("tokens trained", str(info.tokens_trained)), ("datums trained", str(info.datums_trained)),
-        ("pending batches", str(info.pending_batches)), ("next snapshot's parent", _parent(info)),
-        ("parameters", str(info.num_parameters)), ("resident", "yes" if info.resident else "no"),
-    ]  # fmt: skip
+        ("name", info.name),
+        ("lora", f"rank {info.rank}, alpha {info.alpha:g}, dropout {info.dropout:g}"),
+        ("target modules", ", ".join(info.target_modules)),
+        ("step", str(info.step)),
+        ("tokens trained", str(info.tokens_trained)),
+        ("datums trained", str(info.datums_trained)),
+        ("pending batches", str(info.pending_batches)),
+        ("next snapshot's parent", _parent(info)),
+        ("parameters", str(info.num_parameters)),
+        ("resident", "yes" if info.resident else "no"),
+    ]
     for key, value in rows:
         console.print(f"{key:>24}  {value}", highlight=False)
 
@@ -135,9 +147,11 @@ def reset(
         print_json(result)
         return
     optimizer = "optimizer kept" if result.optimizer_kept else "optimizer fresh"
-    console.print(f"{name}: weights of {result.adapter}@{result.version} loaded, {optimizer}, step "
-                  f"{result.info.step}; the next snapshot's parent is {result.adapter}@{result.version}",
-                  highlight=False)  # fmt: skip
+    console.print(
+        f"{name}: weights of {result.adapter}@{result.version} loaded, {optimizer}, step "
+        f"{result.info.step}; the next snapshot's parent is {result.adapter}@{result.version}",
+        highlight=False,
+    )
 
 
 def save_state(
@@ -154,14 +168,17 @@ def save_state(
     if as_json:
         print_json(saved)
     else:
-        console.print(f"{name}: state {saved.state_id} (step {saved.step}, {saved.size_bytes} bytes)",
-                      highlight=False)  # fmt: skip
+        console.print(f"{name}: state {saved.state_id} (step {saved.step}, {saved.size_bytes} bytes)", highlight=False)
 
 
 def add_trainer_commands(trainer_app: typer.Typer) -> None:
     """Adds the operations to the `trainer` group (next to `serve`)."""
     commands: list[tuple[str, Callable[..., None]]] = [
-        ("adapters", adapters), ("show", show), ("delete", delete), ("reset", reset), ("save-state", save_state),
-    ]  # fmt: skip
+        ("adapters", adapters),
+        ("show", show),
+        ("delete", delete),
+        ("reset", reset),
+        ("save-state", save_state),
+    ]
     for name, command in commands:
         trainer_app.command(name)(command)

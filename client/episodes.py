@@ -98,9 +98,15 @@ class Episode:
 
 def _turn(t: dict[str, Any]) -> EpisodeTurn:
     return EpisodeTurn(
-        tuple(t["prompt_token_ids"]), tuple(t["token_ids"]), tuple(float(v) for v in t["logprobs"]), str(t["model"]),
-        str(t["finish_reason"]), str(t["request_id"]), float(t["started_at"]), float(t["finished_at"]),
-    )  # fmt: skip
+        tuple(t["prompt_token_ids"]),
+        tuple(t["token_ids"]),
+        tuple(float(v) for v in t["logprobs"]),
+        str(t["model"]),
+        str(t["finish_reason"]),
+        str(t["request_id"]),
+        float(t["started_at"]),
+        float(t["finished_at"]),
+    )
 
 
 class EpisodeError(Exception):

@@ -290,8 +290,9 @@ class TrainingClient:
 
     async def reset_async(self, to: str, *, keep_optimizer: bool = False) -> ResetResult:
         request = _reset_request(self.adapter, to, keep_optimizer)
-        return await self._call_async("ResetAdapter", request, trainer_pb2.ResetAdapterResponse,
-                                      reset_result_from_proto)  # fmt: skip
+        return await self._call_async(
+            "ResetAdapter", request, trainer_pb2.ResetAdapterResponse, reset_result_from_proto
+        )
 
     def get_info(self) -> TrainingAdapterInfo:
         request = trainer_pb2.TrainerServiceGetAdapterRequest(name=self.adapter)

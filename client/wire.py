@@ -138,8 +138,13 @@ _START_KINDS: dict[int, Literal["fresh", "version", "state"]] = {
 
 
 def started_from_proto(proto: trainer_pb2.StartedFrom) -> StartedFrom:
-    return StartedFrom(kind=_START_KINDS.get(proto.kind, "fresh"), adapter=proto.adapter, version=proto.version,
-                       state_id=proto.state_id, description=proto.description)  # fmt: skip
+    return StartedFrom(
+        kind=_START_KINDS.get(proto.kind, "fresh"),
+        adapter=proto.adapter,
+        version=proto.version,
+        state_id=proto.state_id,
+        description=proto.description,
+    )
 
 
 def reset_result_from_proto(proto: trainer_pb2.ResetAdapterResponse) -> ResetResult:
@@ -158,9 +163,7 @@ def forward_output_from_proto(
     step: int = 0,
 ) -> ForwardBackwardOutput:
     tensors = tuple({key: tensor_data_from_proto(value) for key, value in out.tensors.items()} for out in outputs)
-    logprobs = tuple(
-        tuple(float(v) for v in out["logprobs"].data) if "logprobs" in out else () for out in tensors
-    )  # fmt: skip
+    logprobs = tuple(tuple(float(v) for v in out["logprobs"].data) if "logprobs" in out else () for out in tensors)
     return ForwardBackwardOutput(
         logprobs=logprobs, loss_fn_outputs=tensors, metrics=dict(metrics), batch_digest=batch_digest, step=step
     )

@@ -52,9 +52,13 @@ def play(chat: OpenAI, episode_id: str, secret: int, opening: str, seed: int, tu
     won, model = False, ""
     for turn in range(turns):
         answer = chat.chat.completions.create(
-            model=f"{ADAPTER}@latest", messages=messages, max_tokens=12, temperature=0.1,  # type: ignore[arg-type]
-            seed=seed + turn, extra_headers={"X-OpenTinker-Episode": episode_id},
-        )  # fmt: skip
+            model=f"{ADAPTER}@latest",
+            messages=messages,
+            max_tokens=12,
+            temperature=0.1,  # type: ignore[arg-type]
+            seed=seed + turn,
+            extra_headers={"X-OpenTinker-Episode": episode_id},
+        )
         reply, model = answer.choices[0].message.content or "", answer.model
         format_scores.append(score(reply))
         digits = [int(c) for c in reply if c.isdigit()]
@@ -86,10 +90,26 @@ def start(run: Path) -> tuple[subprocess.Popen[bytes], subprocess.Popen[bytes], 
     ready = run / "gateway.json"
     ready.unlink(missing_ok=True)
     gateway = subprocess.Popen(
-        ["opentinker", "gateway", "serve", "--trainer", servers["trainer"], "--sampler", servers["sampler"],
-         "--registry", servers["registry"], "--keys-file", run / "keys.json", "--port", "0", "--ready-file", ready],
-        stdout=subprocess.DEVNULL, stderr=open(run / "gateway.log", "wb"),  # noqa: SIM115
-    )  # fmt: skip
+        [
+            "opentinker",
+            "gateway",
+            "serve",
+            "--trainer",
+            servers["trainer"],
+            "--sampler",
+            servers["sampler"],
+            "--registry",
+            servers["registry"],
+            "--keys-file",
+            run / "keys.json",
+            "--port",
+            "0",
+            "--ready-file",
+            ready,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=open(run / "gateway.log", "wb"),  # noqa: SIM115
+    )
     while not ready.exists():
         if gateway.poll() is not None:
             raise SystemExit(f"the gateway exited: {(run / 'gateway.log').read_text()[-2000:]}")
@@ -129,11 +149,13 @@ def main() -> None:
                 captured = [episodes.get(i) for i in ids]
                 result = train_on_episodes(training, captured, adam=AdamParams(learning_rate=args.learning_rate))
                 line = {
-                    "iteration": it, "mean_reward": round(result.mean_reward, 4),
-                    "wins": sum(won for _, won, _ in played), "played_by": sorted({model for *_, model in played}),
+                    "iteration": it,
+                    "mean_reward": round(result.mean_reward, 4),
+                    "wins": sum(won for _, won, _ in played),
+                    "played_by": sorted({model for *_, model in played}),
                     "mismatches": sum(e.mismatches for e in captured),
                     "saved": result.version.number if result.version else None,
-                }  # fmt: skip
+                }
                 print(json.dumps(line) if args.json else line, flush=True)
                 if result.version is not None:
                     wait_for(chat, result.version.reference)

@@ -74,8 +74,12 @@ class TokenizerHandle:
         try:
             return await self._thread.run(tenant, call)
         except TenantQueueFull as exc:
-            raise OpenAIError(429, "rate_limit_exceeded", f"{exc.limit} of your requests are already waiting for "
-                              "the gateway's tokenizer; retry when they are answered") from exc  # fmt: skip
+            raise OpenAIError(
+                429,
+                "rate_limit_exceeded",
+                f"{exc.limit} of your requests are already waiting for "
+                "the gateway's tokenizer; retry when they are answered",
+            ) from exc
 
     async def _run(self, tenant: str, where: str, fn: Callable[..., _T], *args: object) -> _T:
         """``fn(tokenizer, *args)`` on the tokenizer's thread; ``where``: the trainer's model, unless --tokenizer."""
@@ -88,9 +92,11 @@ class TokenizerHandle:
                         raise
                     except Exception as exc:  # not found offline, not a model directory
                         raise OpenAIError(
-                            500, "tokenizer_unavailable", f"cannot load the tokenizer of {self.source or where!r} "
+                            500,
+                            "tokenizer_unavailable",
+                            f"cannot load the tokenizer of {self.source or where!r} "
                             "(start the gateway with --tokenizer PATH)",
-                        ) from exc  # fmt: skip
+                        ) from exc
         return await self._on_thread(tenant, functools.partial(fn, self._tokenizer, *args))
 
     async def render(

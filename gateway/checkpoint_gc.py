@@ -81,5 +81,7 @@ async def run_collector(gw: Gateway) -> None:
         if collected.deleted or collected.failed:
             log.info(
                 "checkpoints: %d deleted, %d kept while aliased, %d to retry",
-                collected.deleted, collected.kept, collected.failed,
-            )  # fmt: skip
+                collected.deleted,
+                collected.kept,
+                collected.failed,
+            )

@@ -61,11 +61,20 @@ class Checkpoint:
 
     def to_json(self) -> dict[str, object]:
         return {
-            "path": self.path, "tenant": self.tenant, "kind": self.kind, "target": self.target,
-            "lora": MessageToDict(self.lora), "model_id": self.model_id, "created": self.created,
-            "expires_at": self.expires_at, "size_bytes": self.size_bytes, "public": self.public,
-            "user_metadata": self.user_metadata, "key": self.key, "deleted": self.deleted,
-        }  # fmt: skip
+            "path": self.path,
+            "tenant": self.tenant,
+            "kind": self.kind,
+            "target": self.target,
+            "lora": MessageToDict(self.lora),
+            "model_id": self.model_id,
+            "created": self.created,
+            "expires_at": self.expires_at,
+            "size_bytes": self.size_bytes,
+            "public": self.public,
+            "user_metadata": self.user_metadata,
+            "key": self.key,
+            "deleted": self.deleted,
+        }
 
     @classmethod
     def from_json(cls, data: dict[str, object]) -> Checkpoint:
@@ -78,14 +87,20 @@ class Checkpoint:
             data.get("size_bytes"),
         )
         return cls(
-            path=str(data["path"]), tenant=str(data["tenant"]), kind=kind, target=str(data["target"]),
+            path=str(data["path"]),
+            tenant=str(data["tenant"]),
+            kind=kind,
+            target=str(data["target"]),
             lora=ParseDict(lora if isinstance(lora, dict) else {}, common_pb2.LoraConfig()),
-            model_id=str(data["model_id"]), created=float(str(data["created"])),
+            model_id=str(data["model_id"]),
+            created=float(str(data["created"])),
             expires_at=None if expires is None else float(str(expires)),
-            size_bytes=None if size is None else int(str(size)), public=bool(data.get("public")),
+            size_bytes=None if size is None else int(str(size)),
+            public=bool(data.get("public")),
             user_metadata={str(k): str(v) for k, v in metadata.items()} if isinstance(metadata, dict) else None,
-            key=str(data.get("key") or data["path"]), deleted=bool(data.get("deleted")),
-        )  # fmt: skip
+            key=str(data.get("key") or data["path"]),
+            deleted=bool(data.get("deleted")),
+        )
 
 
 def checkpoint_path(model_id: str, kind: Kind, name: str) -> str:

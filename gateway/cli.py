@@ -159,16 +159,28 @@ def serve(
         typer.echo("no API keys: pass --keys-file or set OPENTINKER_GATEWAY_KEYS(_FILE)", err=True)
         raise typer.Exit(2)
     config = GatewayConfig(
-        fwdbwd_max_chunk_len=fwdbwd_max_chunk_len, compress_fwdbwd=compress_fwdbwd,
-        default_max_tokens=default_max_tokens, poll_seconds=poll_seconds, max_num_samples=max_num_samples,
-        max_body_bytes=max_body_bytes, max_json_bytes=max_json_bytes, max_string_length=max_string_length,
-        seq_window=seq_window, max_pending_bytes=max_pending_bytes, pending_ttl_seconds=pending_ttl_seconds,
-        session_ttl_seconds=session_ttl_seconds, max_tenant_pending_bytes=max_tenant_pending_bytes,
-        max_sessions_per_tenant=max_sessions_per_tenant, max_inflight_per_tenant=max_inflight_per_tenant,
-        max_tenant_result_bytes=max_tenant_result_bytes, checkpoint_gc_seconds=checkpoint_gc_seconds,
-        stability_ttl_seconds=stability_ttl_seconds, max_tenant_stability_tokens=max_tenant_stability_tokens,
-        tool_call_parser=tool_call_parser, max_tokenizer_jobs_per_tenant=max_tokenizer_jobs_per_tenant,
-    )  # fmt: skip
+        fwdbwd_max_chunk_len=fwdbwd_max_chunk_len,
+        compress_fwdbwd=compress_fwdbwd,
+        default_max_tokens=default_max_tokens,
+        poll_seconds=poll_seconds,
+        max_num_samples=max_num_samples,
+        max_body_bytes=max_body_bytes,
+        max_json_bytes=max_json_bytes,
+        max_string_length=max_string_length,
+        seq_window=seq_window,
+        max_pending_bytes=max_pending_bytes,
+        pending_ttl_seconds=pending_ttl_seconds,
+        session_ttl_seconds=session_ttl_seconds,
+        max_tenant_pending_bytes=max_tenant_pending_bytes,
+        max_sessions_per_tenant=max_sessions_per_tenant,
+        max_inflight_per_tenant=max_inflight_per_tenant,
+        max_tenant_result_bytes=max_tenant_result_bytes,
+        checkpoint_gc_seconds=checkpoint_gc_seconds,
+        stability_ttl_seconds=stability_ttl_seconds,
+        max_tenant_stability_tokens=max_tenant_stability_tokens,
+        tool_call_parser=tool_call_parser,
+        max_tokenizer_jobs_per_tenant=max_tokenizer_jobs_per_tenant,
+    )
     if tool_call_parser not in PARSER_CHOICES:
         typer.echo(f"--tool-call-parser must be one of {', '.join(PARSER_CHOICES)}", err=True)
         raise typer.Exit(2)
@@ -224,15 +236,22 @@ async def _run(
         else MemoryEpisodes(episode_limits)
     )
     gateway = Gateway(
-        keys=keys, backends=Backends(*addresses), config=config, durable=durable,
-        tokenizer=TokenizerHandle(tokenizer, config.max_tokenizer_jobs_per_tenant), episodes=episodes,
-    )  # fmt: skip
+        keys=keys,
+        backends=Backends(*addresses),
+        config=config,
+        durable=durable,
+        tokenizer=TokenizerHandle(tokenizer, config.max_tokenizer_jobs_per_tenant),
+        episodes=episodes,
+    )
     gateway.restore(saved)
     if durable.durable:
         log.info(
             "gateway state in %s: %d sessions, %d training runs, %d checkpoint paths restored",
-            durable.where, len(gateway.sessions), len(gateway.runs), len(gateway.checkpoints),
-        )  # fmt: skip
+            durable.where,
+            len(gateway.sessions),
+            len(gateway.runs),
+            len(gateway.checkpoints),
+        )
     else:
         log.warning(
             "gateway state is in memory only: a restart forgets every session, model id, tinker:// path and "

@@ -25,9 +25,15 @@ async def capture(gw: Gateway, tenant: str, episode: str | None, records: Sequen
     _one_choice(len(records))
     (record,) = records
     turn = Turn(
-        list(record.prompt_token_ids), list(record.token_ids), list(record.logprobs), record.model,
-        record.finish_reason, record.request_id, record.started_at, record.finished_at,
-    )  # fmt: skip
+        list(record.prompt_token_ids),
+        list(record.token_ids),
+        list(record.logprobs),
+        record.model,
+        record.finish_reason,
+        record.request_id,
+        record.started_at,
+        record.finished_at,
+    )
     try:
         await gw.episodes.append(tenant, episode, turn)
     except GatewayError as exc:

@@ -85,5 +85,7 @@ async def run_sweeps(gw: Gateway) -> None:
         if swept.freed_bytes or swept.expired_sessions:
             log.info(
                 "expired %d stalled models and %d sessions; freed %d bytes",
-                swept.stalled_models, swept.expired_sessions, swept.freed_bytes,
-            )  # fmt: skip
+                swept.stalled_models,
+                swept.expired_sessions,
+                swept.freed_bytes,
+            )

@@ -9,8 +9,14 @@ import grpc
 from opentinker.client.errors import OpenTinkerError
 from opentinker.gateway.errors import GatewayError, backend_message
 
-_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 403: "invalid_request_error",
-          404: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}  # fmt: skip
+_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    403: "invalid_request_error",
+    404: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+}
 
 
 class OpenAIError(GatewayError):
@@ -28,8 +34,9 @@ def invalid(message: str, param: str | None = None, code: str = "invalid_value")
 def model_not_found(model: str) -> OpenAIError:
     """The same answer for a missing model and another tenant's: nothing tells one from the other."""
     shown = model if len(model) <= 200 else model[:200] + "..."
-    return OpenAIError(404, "model_not_found", f"The model '{shown}' does not exist or you do not have access to it.",
-                       "model")  # fmt: skip
+    return OpenAIError(
+        404, "model_not_found", f"The model '{shown}' does not exist or you do not have access to it.", "model"
+    )
 
 
 def error_json(status: int, code: str, message: str, param: str | None = None) -> dict[str, object]:

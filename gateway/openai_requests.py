@@ -92,8 +92,17 @@ def text_size(value: object) -> int:
 def _type_name(value: object) -> str:
     if value is None:
         return "null"
-    return "object" if isinstance(value, dict) else "array" if isinstance(value, list) else \
-        "string" if isinstance(value, str) else "boolean" if isinstance(value, bool) else "number"  # fmt: skip
+    return (
+        "object"
+        if isinstance(value, dict)
+        else "array"
+        if isinstance(value, list)
+        else "string"
+        if isinstance(value, str)
+        else "boolean"
+        if isinstance(value, bool)
+        else "number"
+    )
 
 
 def integer(body: Body, name: str, low: int, high: int) -> int | None:
@@ -105,8 +114,9 @@ def integer(body: Body, name: str, low: int, high: int) -> int | None:
     if not isinstance(value, int) or isinstance(value, bool):
         raise invalid(f"'{name}' must be an integer, got {_type_name(value)}", name, "invalid_type")
     if not low <= value <= high:
-        raise invalid(f"'{name}' must be in {low}..{high}, got {value if abs(value) < 10**20 else 'a huge number'}",
-                      name)  # fmt: skip
+        raise invalid(
+            f"'{name}' must be in {low}..{high}, got {value if abs(value) < 10**20 else 'a huge number'}", name
+        )
     return value
 
 
@@ -188,8 +198,12 @@ def _response_format(body: Body) -> None:
     if not isinstance(value, dict) or not isinstance(value.get("type"), str):
         raise invalid("'response_format' must be an object with a 'type'", "response_format", "invalid_type")
     if value["type"] != "text":
-        raise invalid(f"'response_format' type {value['type'][:64]!r} is not supported: structured outputs are not "
-                      "implemented, only 'text'", "response_format", "unsupported_value")  # fmt: skip
+        raise invalid(
+            f"'response_format' type {value['type'][:64]!r} is not supported: structured outputs are not "
+            "implemented, only 'text'",
+            "response_format",
+            "unsupported_value",
+        )
 
 
 def _logit_bias(body: Body) -> None:
@@ -198,8 +212,7 @@ def _logit_bias(body: Body) -> None:
         return
     if not isinstance(value, dict):
         raise invalid("'logit_bias' must be an object", "logit_bias", "invalid_type")
-    raise invalid("'logit_bias' is not supported (only an empty object is accepted)", "logit_bias",
-                  "unsupported_value")  # fmt: skip
+    raise invalid("'logit_bias' is not supported (only an empty object is accepted)", "logit_bias", "unsupported_value")
 
 
 def _cache_salt(body: Body) -> str:
@@ -278,8 +291,9 @@ def _tool_call(raw: object, where: str) -> dict[str, object]:
             parsed = None
         arguments = parsed if isinstance(parsed, dict) else arguments
     elif not isinstance(arguments, dict):
-        raise invalid(f"'{where}.function.arguments' must be a JSON string", f"{where}.function.arguments",
-                      "invalid_type")  # fmt: skip
+        raise invalid(
+            f"'{where}.function.arguments' must be a JSON string", f"{where}.function.arguments", "invalid_type"
+        )
     call: dict[str, object] = {"type": "function", "function": {"name": name, "arguments": arguments}}
     call_id = string(raw, "id", where=f"{where}.")
     if call_id is not None:
@@ -303,8 +317,9 @@ def message(raw: object, i: int) -> Message:
             raise invalid(f"'{where}.tool_calls' must be an array", f"{where}.tool_calls", "invalid_type")
         out["tool_calls"] = [_tool_call(call, f"{where}.tool_calls[{j}]") for j, call in enumerate(calls)]
     if content is None and role != "assistant":
-        raise invalid(f"'{where}.content' is required for role {role}", f"{where}.content",
-                      "missing_required_parameter")  # fmt: skip
+        raise invalid(
+            f"'{where}.content' is required for role {role}", f"{where}.content", "missing_required_parameter"
+        )
     out["content"] = "" if content is None else _text(content, where)
     for name in ("name", "reasoning_content"):
         value = string(raw, name, where=f"{where}.")
@@ -339,9 +354,12 @@ def _tool_choice(body: Body) -> str | None:
     if choice is None or (isinstance(choice, str) and choice in TOOL_CHOICES):
         return choice
     if choice == "required" or (isinstance(choice, dict) and choice.get("type") in ("function", "allowed_tools")):
-        raise invalid("'tool_choice' 'required' or a named function is not supported: nothing forces the model to "
-                      "call a tool; use 'auto' (calls the model writes are parsed) or 'none'", "tool_choice",
-                      "unsupported_value")  # fmt: skip
+        raise invalid(
+            "'tool_choice' 'required' or a named function is not supported: nothing forces the model to "
+            "call a tool; use 'auto' (calls the model writes are parsed) or 'none'",
+            "tool_choice",
+            "unsupported_value",
+        )
     raise invalid("'tool_choice' must be 'none' or 'auto'", "tool_choice")
 
 
@@ -393,8 +411,12 @@ def _prompts(body: Body) -> tuple[Prompt, ...]:
     elif isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
         prompts = [_token_ids(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
     else:
-        raise invalid("'prompt' must be a string, an array of strings, an array of token ids or an array of such "
-                      "arrays (non-empty)", "prompt", "invalid_type")  # fmt: skip
+        raise invalid(
+            "'prompt' must be a string, an array of strings, an array of token ids or an array of such "
+            "arrays (non-empty)",
+            "prompt",
+            "invalid_type",
+        )
     if len(prompts) > MAX_PROMPTS:
         raise invalid(f"'prompt' holds {len(prompts)} prompts; at most {MAX_PROMPTS}", "prompt")
     if any(p == "" for p in prompts):

@@ -77,9 +77,14 @@ def check_text_fits(chars: int, base: BaseModelInfo, param: str) -> None:
     """400 context_length_exceeded, before any tokenizing, for text that cannot fit in the model's context."""
     context = base.max_positions or DEFAULT_CONTEXT
     if chars > TEXT_CHARS_PER_TOKEN * context:
-        raise OpenAIError(400, "context_length_exceeded", f"the request holds {chars:,} characters of text, more "
-                          f"than a {context:,}-token context can hold (the gateway tokenizes at most "
-                          f"{TEXT_CHARS_PER_TOKEN} characters per token of the context)", param)  # fmt: skip
+        raise OpenAIError(
+            400,
+            "context_length_exceeded",
+            f"the request holds {chars:,} characters of text, more "
+            f"than a {context:,}-token context can hold (the gateway tokenizes at most "
+            f"{TEXT_CHARS_PER_TOKEN} characters per token of the context)",
+            param,
+        )
 
 
 def _exact(version: common_pb2.ResolvedVersion, base: BaseModelInfo) -> str:
@@ -128,9 +133,10 @@ class _Job:
     def __post_init__(self) -> None:
         n = self.options.n
         self.choices = [
-            _Choice(i * n + j, prompt, StopCut(self.options.stop)) for i, prompt in enumerate(self.prompts)
+            _Choice(i * n + j, prompt, StopCut(self.options.stop))
+            for i, prompt in enumerate(self.prompts)
             for j in range(n)
-        ]  # fmt: skip
+        ]
 
     def sample_request(self, i: int) -> sampler_pb2.SampleRequest:
         prompt, opts = self.prompts[i], self.options
@@ -138,14 +144,22 @@ class _Job:
         if max_tokens is None:
             max_tokens = min(self.base.max_positions or DEFAULT_CONTEXT, DEFAULT_CONTEXT) - len(prompt)
             if max_tokens < 1:
-                raise OpenAIError(400, "context_length_exceeded", f"the prompt has {len(prompt)} tokens; the "
-                                  "context has no room for a completion", "messages")  # fmt: skip
+                raise OpenAIError(
+                    400,
+                    "context_length_exceeded",
+                    f"the prompt has {len(prompt)} tokens; the context has no room for a completion",
+                    "messages",
+                )
         params = sampler_pb2.SamplingParams(
-            temperature=opts.temperature, top_p=opts.top_p if opts.top_p < 1.0 else 0.0, max_tokens=max_tokens,
-            stop_strings=opts.stop, logprobs=True,  # always: the records keep the sampler's logprobs
-            top_logprobs=opts.top_logprobs, frequency_penalty=opts.frequency_penalty,
+            temperature=opts.temperature,
+            top_p=opts.top_p if opts.top_p < 1.0 else 0.0,
+            max_tokens=max_tokens,
+            stop_strings=opts.stop,
+            logprobs=True,  # always: the records keep the sampler's logprobs
+            top_logprobs=opts.top_logprobs,
+            frequency_penalty=opts.frequency_penalty,
             presence_penalty=opts.presence_penalty,
-        )  # fmt: skip
+        )
         if opts.seed is not None:
             params.seed = opts.seed
         return sampler_pb2.SampleRequest(
@@ -166,8 +180,9 @@ class _Job:
         choice = self.choices[i * self.options.n + message.sample_index]
         self.model = self.model or _exact(message.version, self.base)
         if self.options.top_logprobs and len(message.top_logprobs) != len(message.tokens):
-            raise RuntimeError(f"the sampler answered {len(message.top_logprobs)} top logprobs for "
-                               f"{len(message.tokens)} tokens")  # fmt: skip
+            raise RuntimeError(
+                f"the sampler answered {len(message.top_logprobs)} top logprobs for {len(message.tokens)} tokens"
+            )
         choice.tokens.extend(message.tokens)
         choice.logprobs.extend(message.logprobs)
         choice.top.extend(message.top_logprobs)
@@ -181,12 +196,20 @@ class _Job:
     def records(self, reasons: Sequence[str]) -> list[CompletedChoice]:
         return [
             CompletedChoice(
-                request_id=self.response_id, index=c.index, endpoint=self.endpoint, prompt_token_ids=c.prompt,
-                token_ids=tuple(c.tokens), logprobs=tuple(c.logprobs), model=self.model, finish_reason=reason,
-                text=c.cut.answer, started_at=self.started_at, finished_at=c.finished_at,
+                request_id=self.response_id,
+                index=c.index,
+                endpoint=self.endpoint,
+                prompt_token_ids=c.prompt,
+                token_ids=tuple(c.tokens),
+                logprobs=tuple(c.logprobs),
+                model=self.model,
+                finish_reason=reason,
+                text=c.cut.answer,
+                started_at=self.started_at,
+                finished_at=c.finished_at,
             )
             for c, reason in zip(self.choices, reasons, strict=True)
-        ]  # fmt: skip
+        ]
 
 
 Tagged = tuple[int, sampler_pb2.SampleResponse]  # a sampler message and the index of its prompt
@@ -261,8 +284,7 @@ async def _logprobs(
     ]
     if job.endpoint == CHAT:
         return openai_responses.chat_logprobs(pieces, logprobs, ranked if top else [[] for _ in tokens])
-    return openai_responses.completion_logprobs(pieces, logprobs, ranked if job.options.top_logprobs else None,
-                                                offset)  # fmt: skip
+    return openai_responses.completion_logprobs(pieces, logprobs, ranked if job.options.top_logprobs else None, offset)
 
 
 def _finish_reasons(job: _Job) -> tuple[list[str], list[tool_calls.Parsed | None]]:
@@ -286,8 +308,9 @@ async def _answer(request: web.Request, backend: Backend, job: _Job) -> web.Resp
     opts, choices = job.options, []
     for choice, reason, calls in zip(job.choices, reasons, parsed, strict=True):
         out: Json = {"index": choice.index}
-        logprobs = await _logprobs(request, job, choice.tokens, choice.logprobs, choice.top, 0) \
-            if opts.logprobs else None  # fmt: skip
+        logprobs = (
+            await _logprobs(request, job, choice.tokens, choice.logprobs, choice.top, 0) if opts.logprobs else None
+        )
         if job.endpoint == CHAT:
             content = choice.cut.answer if calls is None else calls.content
             out["message"] = openai_responses.chat_message(content, calls.calls if calls is not None else ())
@@ -341,10 +364,15 @@ async def _stream(request: web.Request, backend: Backend, job: _Job) -> web.Stre
             head: Json
             if job.endpoint == CHAT:
                 roles: list[Json] = [
-                    {"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                     "finish_reason": None, **({"token_ids": []} if opts.return_token_ids else {})}
+                    {
+                        "index": c.index,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                        **({"token_ids": []} if opts.return_token_ids else {}),
+                    }
                     for c in job.choices
-                ]  # fmt: skip
+                ]
                 head = envelope(kind, job.response_id, job.created, job.model or _exact_of(first, job), roles)
                 if opts.return_token_ids:
                     head["prompt_token_ids"] = list(job.prompts[0])
@@ -359,8 +387,9 @@ async def _stream(request: web.Request, backend: Backend, job: _Job) -> web.Stre
                 choice, text = job.add(i, message)
                 logprobs = None
                 if opts.logprobs:
-                    logprobs = await _logprobs(request, job, message.tokens, message.logprobs, message.top_logprobs,
-                                               offsets[choice.index])  # fmt: skip
+                    logprobs = await _logprobs(
+                        request, job, message.tokens, message.logprobs, message.top_logprobs, offsets[choice.index]
+                    )
                 offsets[choice.index] += len(text)
                 out = _chunk_choice(job, choice, text, message.tokens, logprobs)
                 if job.endpoint == COMPLETIONS and opts.return_token_ids and not sent_prompt[choice.index]:
@@ -369,8 +398,12 @@ async def _stream(request: web.Request, backend: Backend, job: _Job) -> web.Stre
                 await response.write(sse(envelope(kind, job.response_id, job.created, job.model, [out])))
                 if job.endpoint == CHAT and choice.stop_reason != sampler_pb2.STOP_REASON_UNSPECIFIED:
                     delta, reason = _held_back(choice)
-                    end: Json = {"index": choice.index, "delta": delta, "logprobs": None,
-                                 "finish_reason": reason or finish_reason(choice.stop_reason)}  # fmt: skip
+                    end: Json = {
+                        "index": choice.index,
+                        "delta": delta,
+                        "logprobs": None,
+                        "finish_reason": reason or finish_reason(choice.stop_reason),
+                    }
                     if opts.return_token_ids:
                         end["token_ids"] = []
                     await response.write(sse(envelope(kind, job.response_id, job.created, job.model, [end])))
@@ -430,12 +463,23 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     episode_capture.check_capturable(episode, parsed.options.n)
     base = await gw.backends.base_model(principal.token)
     ref = reference(parsed.model, principal.tenant, base)
-    check_text_fits(text_size(parsed.messages) + text_size(parsed.tools) + text_size(parsed.template_kwargs), base,
-                    "messages")  # fmt: skip
+    check_text_fits(
+        text_size(parsed.messages) + text_size(parsed.tools) + text_size(parsed.template_kwargs), base, "messages"
+    )
     source = base.started_as
     prompt = await gw.tokenizer.render(principal.tenant, source, parsed.messages, parsed.tools, parsed.template_kwargs)
-    job = _Job(CHAT, f"chatcmpl-{uuid.uuid4().hex}", parsed.model, ref, (tuple(prompt),), parsed.options, base,
-               source, parsed.tools, episode)  # fmt: skip
+    job = _Job(
+        CHAT,
+        f"chatcmpl-{uuid.uuid4().hex}",
+        parsed.model,
+        ref,
+        (tuple(prompt),),
+        parsed.options,
+        base,
+        source,
+        parsed.tools,
+        episode,
+    )
     if tool_calls.wanted(parsed.tools, parsed.tool_choice):
         parser = gw.config.tool_call_parser
         template = await gw.tokenizer.chat_template(principal.tenant, source) if parser == "auto" else None
@@ -462,14 +506,31 @@ async def completions(request: web.Request) -> web.StreamResponse:
         p if isinstance(p, tuple) else tuple(await gw.tokenizer.encode(principal.tenant, source, p))
         for p in parsed.prompts
     ]
-    job = _Job(COMPLETIONS, f"cmpl-{uuid.uuid4().hex}", parsed.model, ref, tuple(prompts), parsed.options, base,
-               source, (), episode)  # fmt: skip
+    job = _Job(
+        COMPLETIONS,
+        f"cmpl-{uuid.uuid4().hex}",
+        parsed.model,
+        ref,
+        tuple(prompts),
+        parsed.options,
+        base,
+        source,
+        (),
+        episode,
+    )
     return await (_stream if parsed.options.stream else _answer)(request, backend, job)
 
 
 def _base_json(base: BaseModelInfo) -> Json:
-    return {"id": base.model, "object": "model", "created": 0, "owned_by": "opentinker", "root": base.model,
-            "parent": None, "max_model_len": base.max_positions}  # fmt: skip
+    return {
+        "id": base.model,
+        "object": "model",
+        "created": 0,
+        "owned_by": "opentinker",
+        "root": base.model,
+        "parent": None,
+        "max_model_len": base.max_positions,
+    }
 
 
 def _adapter_json(adapter: registry_pb2.Adapter, base: BaseModelInfo, model_id: str | None = None) -> Json:

@@ -33,23 +33,32 @@ class TrainingRun:
 
     def to_json(self) -> dict[str, object]:
         return {
-            "model_id": self.model_id, "tenant": self.tenant, "session_id": self.session_id, "adapter": self.adapter,
-            "lora": MessageToDict(self.lora), "base_model": self.base_model, "user_metadata": self.user_metadata,
-            "created": self.created, "last_request": self.last_request,
-        }  # fmt: skip
+            "model_id": self.model_id,
+            "tenant": self.tenant,
+            "session_id": self.session_id,
+            "adapter": self.adapter,
+            "lora": MessageToDict(self.lora),
+            "base_model": self.base_model,
+            "user_metadata": self.user_metadata,
+            "created": self.created,
+            "last_request": self.last_request,
+        }
 
     @classmethod
     def from_json(cls, data: dict[str, object]) -> TrainingRun:
         lora = data["lora"]
         metadata = data.get("user_metadata")
         return cls(
-            model_id=str(data["model_id"]), tenant=str(data["tenant"]), session_id=str(data["session_id"]),
+            model_id=str(data["model_id"]),
+            tenant=str(data["tenant"]),
+            session_id=str(data["session_id"]),
             adapter=str(data["adapter"]),
             lora=ParseDict(lora if isinstance(lora, dict) else {}, common_pb2.LoraConfig()),
             base_model=str(data["base_model"]),
             user_metadata={str(k): str(v) for k, v in metadata.items()} if isinstance(metadata, dict) else None,
-            created=float(str(data["created"])), last_request=float(str(data["last_request"])),
-        )  # fmt: skip
+            created=float(str(data["created"])),
+            last_request=float(str(data["last_request"])),
+        )
 
 
 def user_metadata(value: object) -> dict[str, str] | None:

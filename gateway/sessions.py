@@ -23,15 +23,23 @@ class Session:
     finished: str | None = None  # the finish reason, first one wins
 
     def to_json(self) -> dict[str, object]:
-        return {"session_id": self.session_id, "tenant": self.tenant, "sdk_version": self.sdk_version,
-                "finished": self.finished}  # fmt: skip
+        return {
+            "session_id": self.session_id,
+            "tenant": self.tenant,
+            "sdk_version": self.sdk_version,
+            "finished": self.finished,
+        }
 
     @classmethod
     def from_json(cls, data: dict[str, object]) -> Session:
         """A session read back after a restart: its heartbeat clock starts again now."""
         finished = data.get("finished")
-        return cls(str(data["session_id"]), str(data["tenant"]), str(data.get("sdk_version") or ""),
-                   finished=None if finished is None else str(finished))  # fmt: skip
+        return cls(
+            str(data["session_id"]),
+            str(data["tenant"]),
+            str(data.get("sdk_version") or ""),
+            finished=None if finished is None else str(finished),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,14 +52,26 @@ class SamplingSession:
     model_path: str | None
 
     def to_json(self) -> dict[str, object]:
-        return {"sampling_session_id": self.sampling_session_id, "tenant": self.tenant, "session_id": self.session_id,
-                "reference": self.reference, "base_model": self.base_model, "model_path": self.model_path}  # fmt: skip
+        return {
+            "sampling_session_id": self.sampling_session_id,
+            "tenant": self.tenant,
+            "session_id": self.session_id,
+            "reference": self.reference,
+            "base_model": self.base_model,
+            "model_path": self.model_path,
+        }
 
     @classmethod
     def from_json(cls, data: dict[str, object]) -> SamplingSession:
         path = data.get("model_path")
-        return cls(str(data["sampling_session_id"]), str(data["tenant"]), str(data["session_id"]),
-                   str(data["reference"]), str(data["base_model"]), None if path is None else str(path))  # fmt: skip
+        return cls(
+            str(data["sampling_session_id"]),
+            str(data["tenant"]),
+            str(data["session_id"]),
+            str(data["reference"]),
+            str(data["base_model"]),
+            None if path is None else str(path),
+        )
 
 
 def new_id() -> str:

@@ -211,9 +211,12 @@ async def forward_backward(request: web.Request) -> web.Response:
             outputs, metrics = list(reply.loss_fn_outputs), dict(reply.metrics)
         else:
             fb = trainer_pb2.ForwardBackwardRequest(
-                adapter=model.adapter, datums=datums, loss_fn=loss_fn, loss_fn_config=config,
+                adapter=model.adapter,
+                datums=datums,
+                loss_fn=loss_fn,
+                loss_fn_config=config,
                 trace_ids=convert.trace_ids(message, model.session_id),
-            )  # fmt: skip
+            )
             fb_reply = await backend.trainer.unary_async("ForwardBackward", fb, trainer_pb2.ForwardBackwardResponse)
             outputs, metrics = list(fb_reply.loss_fn_outputs), dict(fb_reply.metrics)
         return Outcome(proto=convert.forward_backward_output(outputs, metrics))
@@ -255,8 +258,17 @@ async def save_weights(request: web.Request) -> web.Response:
             raise RequestFailed(f"checkpoint {path} exists; pass overwrite=True to replace it")
         save = trainer_pb2.SaveStateRequest(adapter=model.adapter, label=name)
         reply = await backend.trainer.unary_async("SaveState", save, trainer_pb2.SaveStateResponse)
-        checkpoint = Checkpoint(path, model.tenant, "state", reply.state_id, model.lora, model.model_id,
-                                expires_at=expires_at, size_bytes=reply.size_bytes, user_metadata=metadata)  # fmt: skip
+        checkpoint = Checkpoint(
+            path,
+            model.tenant,
+            "state",
+            reply.state_id,
+            model.lora,
+            model.model_id,
+            expires_at=expires_at,
+            size_bytes=reply.size_bytes,
+            user_metadata=metadata,
+        )
         await record_checkpoint(gw, checkpoint)
         return Outcome(json={"path": path, "type": "save_weights"})
 
@@ -285,8 +297,17 @@ async def save_weights_for_sampler(request: web.Request) -> web.Response:
         reference = f"{model.adapter}@{reply.version.version}"
         if path is not None:
             size = reply.version.artifact_size_bytes
-            checkpoint = Checkpoint(path, model.tenant, "sampler", reference, model.lora, model.model_id,
-                                    expires_at=expires_at, size_bytes=size, user_metadata=metadata)  # fmt: skip
+            checkpoint = Checkpoint(
+                path,
+                model.tenant,
+                "sampler",
+                reference,
+                model.lora,
+                model.model_id,
+                expires_at=expires_at,
+                size_bytes=size,
+                user_metadata=metadata,
+            )
             await record_checkpoint(gw, checkpoint)
             return Outcome(json={"path": path, "type": "save_weights_for_sampler"})
         sampler_id = f"{model.session_id}:sample:{sampler_seq}"

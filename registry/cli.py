@@ -78,8 +78,18 @@ def serve(
         tenant_storage_quota_bytes=tenant_storage_quota_mb << 20,
         upload_grace_s=upload_grace_s,
     )
-    options = opt.server_options(host, port, metrics_port, tokens_file, insecure_public, tls_cert, tls_key, ready_file,
-                                 max_message_mb, max_calls_per_tenant)  # fmt: skip
+    options = opt.server_options(
+        host,
+        port,
+        metrics_port,
+        tokens_file,
+        insecure_public,
+        tls_cert,
+        tls_key,
+        ready_file,
+        max_message_mb,
+        max_calls_per_tenant,
+    )
     check_ports(host, port, metrics_port)  # before the lock and Redis: a clash must not touch the data
     server = build_registry(redis_url, data_dir or default_data_dir(), store, events_maxlen, limits)
     try:

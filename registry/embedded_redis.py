@@ -66,12 +66,26 @@ class EmbeddedRedis:
         for _attempt in range(1 if fixed else 5):  # a probed free port can be taken before redis binds it
             port = fixed or _free_port()
             args = [
-                redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1",
-                "--dir", str(self.data_dir),
-                "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", "always",
-                "--save", "", "--daemonize", "no", "--protected-mode", "yes",
-                "--logfile", str(self.data_dir / "redis.log"),
-            ]  # fmt: skip
+                redis_server_binary(),
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(self.data_dir),
+                "--appendonly",
+                "yes" if self.appendonly else "no",
+                "--appendfsync",
+                "always",
+                "--save",
+                "",
+                "--daemonize",
+                "no",
+                "--protected-mode",
+                "yes",
+                "--logfile",
+                str(self.data_dir / "redis.log"),
+            ]
             self.process = subprocess.Popen(
                 args,
                 stdout=subprocess.DEVNULL,

@@ -151,11 +151,19 @@ class RegistryStore:
         self._scripts = {
             name: client.register_script(getattr(scripts, name))
             for name in (
-                "CREATE_ADAPTER", "DELETE_ADAPTER", "PUBLISH_VERSION",
-                "SET_ALIAS", "DELETE_ALIAS", "COLLECT_VERSION", "SET_SERVING_ALIAS",
-                "CLAIM_UPLOAD", "LEASE_ARTIFACT", "RESERVE_QUOTA", "RECORD_UPLOAD",
+                "CREATE_ADAPTER",
+                "DELETE_ADAPTER",
+                "PUBLISH_VERSION",
+                "SET_ALIAS",
+                "DELETE_ALIAS",
+                "COLLECT_VERSION",
+                "SET_SERVING_ALIAS",
+                "CLAIM_UPLOAD",
+                "LEASE_ARTIFACT",
+                "RESERVE_QUOTA",
+                "RECORD_UPLOAD",
             )
-        }  # fmt: skip
+        }
 
     @classmethod
     def from_url(cls, url: str, *, events_maxlen: int = 100_000) -> RegistryStore:
@@ -252,15 +260,31 @@ class RegistryStore:
         record.published_by = actor
         key = _adapter_key(name)
         keys = [
-            key, f"{key}:seq", f"{key}:versions", f"{key}:aliases", f"{key}:requests", EVENTS_KEY,
-            _refs_key(version.artifact_sha256), _version_prefix(name), f"{key}:history:",
-            _leases_key(version.artifact_sha256), UPLOADS_KEY,
-        ]  # fmt: skip
+            key,
+            f"{key}:seq",
+            f"{key}:versions",
+            f"{key}:aliases",
+            f"{key}:requests",
+            EVENTS_KEY,
+            _refs_key(version.artifact_sha256),
+            _version_prefix(name),
+            f"{key}:history:",
+            _leases_key(version.artifact_sha256),
+            UPLOADS_KEY,
+        ]
         args: list[str | bytes | int] = [
-            name, record.SerializeToString(), version.artifact_sha256, _now_ms(), actor, self.events_maxlen,
-            request_id, "1" if skip_latest else "0",
-            "" if expected_latest is None else expected_latest, lease_id, *aliases,
-        ]  # fmt: skip
+            name,
+            record.SerializeToString(),
+            version.artifact_sha256,
+            _now_ms(),
+            actor,
+            self.events_maxlen,
+            request_id,
+            "1" if skip_latest else "0",
+            "" if expected_latest is None else expected_latest,
+            lease_id,
+            *aliases,
+        ]
         result = await self._run("PUBLISH_VERSION", keys, args)
         assert isinstance(result, list)
         status, payload = _text(result[0]), _text(result[1])
@@ -327,8 +351,9 @@ class RegistryStore:
         version = await self.resolve(reference)
         chain = [version]
         while version.lineage.parent_version and (max_depth == 0 or len(chain) < max_depth):
-            version = await self.get_version(version.lineage.parent_adapter or version.adapter,
-                                             version.lineage.parent_version)  # fmt: skip
+            version = await self.get_version(
+                version.lineage.parent_adapter or version.adapter, version.lineage.parent_version
+            )
             chain.append(version)
         return chain
 
@@ -365,8 +390,13 @@ class RegistryStore:
         key = _adapter_key(name)
         keys = [key, f"{key}:aliases", f"{key}:history:{alias}", EVENTS_KEY]
         args: list[str | bytes | int] = [
-            name, alias, "" if expected is None else expected, _now_ms(), actor, self.events_maxlen
-        ]  # fmt: skip
+            name,
+            alias,
+            "" if expected is None else expected,
+            _now_ms(),
+            actor,
+            self.events_maxlen,
+        ]
         result = await self._run("DELETE_ALIAS", keys, args)
         assert isinstance(result, list)
         return int(result[0]), _text(result[1])
@@ -391,9 +421,16 @@ class RegistryStore:
         name = version.adapter
         sha = version.artifact_sha256
         keys = [
-            f"{_version_prefix(name)}{version.version}", f"{_adapter_key(name)}:aliases", EVENTS_KEY,
-            _refs_key(sha), _adapter_key(name), _uploaders_key(sha), _leases_key(sha), DELETING_KEY, UPLOADS_KEY,
-        ]  # fmt: skip
+            f"{_version_prefix(name)}{version.version}",
+            f"{_adapter_key(name)}:aliases",
+            EVENTS_KEY,
+            _refs_key(sha),
+            _adapter_key(name),
+            _uploaders_key(sha),
+            _leases_key(sha),
+            DELETING_KEY,
+            UPLOADS_KEY,
+        ]
         args = [name, version.version, _now_ms(), actor, self.events_maxlen, cutoff_ms, TENANT_PREFIX]
         remaining, claimed = await self._run("COLLECT_VERSION", keys, args)
         return None if int(remaining) < 0 else (int(remaining), bool(int(claimed)))
@@ -452,9 +489,12 @@ class RegistryStore:
         """tenant: the uploader's tenant ("" with auth off). Releases the lease and the reservation (upload_id,
         "" if none) in the same step."""
         keys = [
-            _uploaders_key(sha256), _tenant_uploads_key(tenant), UPLOADS_KEY, _leases_key(sha256),
+            _uploaders_key(sha256),
+            _tenant_uploads_key(tenant),
+            UPLOADS_KEY,
+            _leases_key(sha256),
             _tenant_reserved_key(tenant),
-        ]  # fmt: skip
+        ]
         await self._run("RECORD_UPLOAD", keys, [sha256, tenant, size_bytes, _now_ms(), lease_id, upload_id])
 
     async def uploaded_by(self, sha256: str, tenant: str) -> bool:

@@ -22,10 +22,11 @@ TlsKey = Annotated[Path | None, typer.Option(help="PEM private key for TLS.", ex
 RegistryCa = Annotated[
     Path | None,
     typer.Option(
-        envvar="OPENTINKER_REGISTRY_CA", exists=True,
+        envvar="OPENTINKER_REGISTRY_CA",
+        exists=True,
         help="PEM root certificate(s) verifying the registry's TLS certificate; when set, TLS to the registry.",
     ),
-]  # fmt: skip
+]
 ServedModelName = Annotated[
     str | None,
     typer.Option(
@@ -42,10 +43,13 @@ MaxMessageMb = Annotated[
 Config = Annotated[
     Path | None,
     typer.Option(
-        "--config", is_eager=True, callback=load_config_file, dir_okay=False,
+        "--config",
+        is_eager=True,
+        callback=load_config_file,
+        dir_okay=False,
         help="TOML file with flag values (shared keys, then this server's [section]); flags and env vars win.",
     ),
-]  # fmt: skip
+]
 PrintConfig = Annotated[
     bool, typer.Option(help="Print the resolved flags and where each came from as JSON, then exit.")
 ]

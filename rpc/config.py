@@ -36,10 +36,23 @@ UP_KEYS = frozenset({"workdir", "services"})
 # Top-level keys: flags that at least one server takes and that make sense to share (a test keeps this honest).
 SHARED_KEYS = frozenset(
     {
-        "host", "port", "metrics_port", "tokens_file", "insecure_public", "tls_cert", "tls_key", "log_level",
-        "max_message_mb", "model", "store", "registry_token", "registry_ca", "device", "dtype",
+        "host",
+        "port",
+        "metrics_port",
+        "tokens_file",
+        "insecure_public",
+        "tls_cert",
+        "tls_key",
+        "log_level",
+        "max_message_mb",
+        "model",
+        "store",
+        "registry_token",
+        "registry_ca",
+        "device",
+        "dtype",
     }
-)  # fmt: skip
+)
 # Options that describe the invocation rather than the server: no env var, no config key.
 _NOT_CONFIGURABLE = frozenset({"config_file", "print_config", "help"})
 _SOURCE_NAMES = {"COMMANDLINE": "command line", "ENVIRONMENT": "env", "DEFAULT_MAP": "config", "DEFAULT": "default"}

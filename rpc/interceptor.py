@@ -102,8 +102,10 @@ class TenantCalls:
         if held >= self.limit:
             raise ResourceExhausted(
                 f"tenant {tenant!r} has {held} calls in flight on this server, its limit ({self.flag} "
-                f"{self.limit}): wait for some to finish", reason="TOO_MANY_REQUESTS", tenant=tenant,
-            )  # fmt: skip
+                f"{self.limit}): wait for some to finish",
+                reason="TOO_MANY_REQUESTS",
+                tenant=tenant,
+            )
         self.open[tenant] = held + 1
         return tenant
 

@@ -40,8 +40,13 @@ def byte_progress(description: str, total: int, *, quiet: bool = False) -> Itera
     if not interactive(quiet):
         yield lambda amount: None
         return
-    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-               TimeRemainingColumn())  # fmt: skip
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+    )
     with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
         task = progress.add_task(description, total=total)
         yield lambda amount: progress.advance(task, amount)

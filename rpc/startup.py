@@ -38,8 +38,9 @@ def check_port(host: str, port: int, flag: str) -> None:
             sock.bind((host.strip("[]"), port))
         except OSError as exc:
             if exc.errno == errno.EADDRINUSE:
-                raise StartupError(f"port {port} on {host} is in use; stop what holds it or pass another {flag} "
-                                   "(0 picks a free one)") from None  # fmt: skip
+                raise StartupError(
+                    f"port {port} on {host} is in use; stop what holds it or pass another {flag} (0 picks a free one)"
+                ) from None
             raise StartupError(f"cannot bind {host}:{port} ({exc.strerror}); check --host and {flag}") from None
 
 

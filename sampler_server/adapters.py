@@ -114,9 +114,11 @@ class AdapterLoader:
                 cached = self._versions.get((ref.adapter, number)) if number is not None else None
                 if cached is not None:  # the alias as this sampler serves it: no registry round trip
                     message = common_pb2.ResolvedVersion(
-                        adapter=cached.adapter, version=cached.version, reference=reference,
+                        adapter=cached.adapter,
+                        version=cached.version,
+                        reference=reference,
                         artifact_sha256=cached.artifact_sha256,
-                    )  # fmt: skip
+                    )
                     return Resolved((cached.adapter, cached.version), message, cached)
         response = await registry_call(
             self.registry.Resolve(registry_pb2.ResolveRequest(reference=reference), metadata=self.metadata)
@@ -178,8 +180,11 @@ class AdapterLoader:
                 f"tenant {tenant!r} already pins {len(held)} adapter versions on this sampler ({names}), the most "
                 f"--max-pinned-per-tenant ({limit}) allows: unload one (UnloadAdapter) before pinning "
                 f"{key[0]}@{key[1]}, or load it without pin",
-                reason="TOO_MANY_PINS", tenant=tenant, pinned=len(held), limit=limit,
-            )  # fmt: skip
+                reason="TOO_MANY_PINS",
+                tenant=tenant,
+                pinned=len(held),
+                limit=limit,
+            )
         claims[key] = claims.get(key, 0) + 1
         self._pin_claims[tenant] = claims
 
@@ -252,8 +257,9 @@ class AdapterLoader:
         name = f"{version.adapter}@{version.version}"
 
         def unusable(why: str) -> FailedPrecondition:
-            return FailedPrecondition(f"{name} is not a LoRA adapter this sampler can serve: {why}",
-                                      reason="INCOMPATIBLE_ADAPTER")  # fmt: skip
+            return FailedPrecondition(
+                f"{name} is not a LoRA adapter this sampler can serve: {why}", reason="INCOMPATIBLE_ADAPTER"
+            )
 
         try:
             config = read_peft_config(directory / CONFIG_FILE)

@@ -100,8 +100,9 @@ class BlockManager:
     def _shared_target(self, seq: Sequence) -> int:
         """1 when the block seq writes next (its token at num_tokens - 1) is in its table and held by others."""
         index = (seq.num_tokens - 1) // self.block_size
-        return int(seq.num_cached < seq.num_tokens and index < len(seq.block_table)
-                   and self.refs[seq.block_table[index]] > 1)  # fmt: skip
+        return int(
+            seq.num_cached < seq.num_tokens and index < len(seq.block_table) and self.refs[seq.block_table[index]] > 1
+        )
 
     def can_grow(self, seq: Sequence) -> bool:
         return self.needed(seq) <= self.num_free

@@ -176,16 +176,31 @@ def build_sampler(config: SamplerConfig) -> BuiltSampler:
             max_blocks_per_tenant=tenant_blocks,
             mixed_prefill_tokens=mixed,
         )
-        return Engine(runner, cache, slots, scheduler, release=release, max_len=context,
-                      eos_token_ids=model_config.eos_token_ids, kernel=lora_kernel,
-                      burst_wait=c.burst_wait_ms / 1000, prefix_cache=prefix_cache,
-                      on_iteration=on_iteration)  # fmt: skip
+        return Engine(
+            runner,
+            cache,
+            slots,
+            scheduler,
+            release=release,
+            max_len=context,
+            eos_token_ids=model_config.eos_token_ids,
+            kernel=lora_kernel,
+            burst_wait=c.burst_wait_ms / 1000,
+            prefix_cache=prefix_cache,
+            on_iteration=on_iteration,
+        )
 
     engine: EngineAPI
     if not in_process:
         # Forked first, while this process has no other thread (the spinner below starts one).
-        engine = EngineProcess(build_engine, pool, max_len=context, max_seqs=max_seqs,
-                               max_batch_tokens=max_batch_tokens, device=torch_device)  # fmt: skip
+        engine = EngineProcess(
+            build_engine,
+            pool,
+            max_len=context,
+            max_seqs=max_seqs,
+            max_batch_tokens=max_batch_tokens,
+            device=torch_device,
+        )
         with spinner(f"loading {model} on {torch_device} in the engine process"):
             engine.wait_ready()
     else:
@@ -195,28 +210,53 @@ def build_sampler(config: SamplerConfig) -> BuiltSampler:
     artifacts.cleanup_temp()
     digest = model_digest(model_dir)
     info = common_pb2.BaseModelInfo(
-        model=model, model_digest=digest, architecture=model_config.arch, vocab_size=model_config.vocab_size,
-        hidden_size=model_config.hidden_size, num_layers=model_config.num_layers, max_position_embeddings=context,
-        dtype=dtype, device=str(torch_device), lora_target_modules=sorted({m.rsplit(".", 1)[-1] for m in shapes}),
+        model=model,
+        model_digest=digest,
+        architecture=model_config.arch,
+        vocab_size=model_config.vocab_size,
+        hidden_size=model_config.hidden_size,
+        num_layers=model_config.num_layers,
+        max_position_embeddings=context,
+        dtype=dtype,
+        device=str(torch_device),
+        lora_target_modules=sorted({m.rsplit(".", 1)[-1] for m in shapes}),
         served_name=served_name,
-    )  # fmt: skip
+    )
     metadata = bearer_metadata(registry_token) or None
     state: dict[str, object] = {}
 
     def add(server: grpc.aio.Server) -> None:
         channel = registry_channel(registry, registry_ca)  # inside the server's event loop
         state["channel"] = channel
-        loader = AdapterLoader(pool, artifacts, registry_pb2_grpc.RegistryServiceStub(channel), metadata=metadata,
-                               model_digest=digest, max_pinned_per_tenant=pins)  # fmt: skip
-        follower = AliasFollower(registry_pb2_grpc.RegistryServiceStub(channel), loader, follow=c.follow,
-                                 follow_window=c.follow_window, metadata=metadata)  # fmt: skip
+        loader = AdapterLoader(
+            pool,
+            artifacts,
+            registry_pb2_grpc.RegistryServiceStub(channel),
+            metadata=metadata,
+            model_digest=digest,
+            max_pinned_per_tenant=pins,
+        )
+        follower = AliasFollower(
+            registry_pb2_grpc.RegistryServiceStub(channel),
+            loader,
+            follow=c.follow,
+            follow_window=c.follow_window,
+            metadata=metadata,
+        )
         loader.follower = follower
         state["follower"] = follower
         follower.start()
-        servicer = SamplerServicer(engine, loader, info=info, tokenizer=tokenizer, max_waiting=c.max_waiting,
-                                   follower=follower, max_queued_per_tenant=queued,
-                                   share_base_prefix_cache=c.share_base_prefix_cache,
-                                   max_prompt_bytes=c.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * context)  # fmt: skip
+        servicer = SamplerServicer(
+            engine,
+            loader,
+            info=info,
+            tokenizer=tokenizer,
+            max_waiting=c.max_waiting,
+            follower=follower,
+            max_queued_per_tenant=queued,
+            share_base_prefix_cache=c.share_base_prefix_cache,
+            max_prompt_bytes=c.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * context,
+        )
         sampler_pb2_grpc.add_SamplerServiceServicer_to_server(servicer, server)
         if isinstance(engine, EngineProcess):
             engine.on_exit = functools.partial(os.kill, os.getpid(), signal.SIGTERM)  # see engine_process.py
@@ -251,8 +291,11 @@ def kv_blocks(c: SamplerConfig, model_config: Any, context: int, dtype: Any) -> 
         # engine keeps out of the pool (and always room for one max_len sequence: the rounding could leave less)
         blocks, option = max(per_sequence, (c.max_seqs + 1) * context // BLOCK_SIZE - per_sequence), "--max-seqs"
     if blocks < per_sequence:
-        raise BadOption(f"{blocks} KV-cache blocks of {BLOCK_SIZE} tokens cannot hold one {context}-token sequence "
-                        f"(--max-len); it needs {per_sequence}", option)  # fmt: skip
+        raise BadOption(
+            f"{blocks} KV-cache blocks of {BLOCK_SIZE} tokens cannot hold one {context}-token sequence "
+            f"(--max-len); it needs {per_sequence}",
+            option,
+        )
     return blocks
 
 

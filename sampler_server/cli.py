@@ -194,31 +194,58 @@ def serve(
     if num_blocks and kv_cache_mb:
         raise typer.BadParameter("give --num-blocks or --kv-cache-mb, not both", param_hint="--kv-cache-mb")
     if max_seqs_per_tenant is not None and max_seqs_per_tenant > max_seqs:
-        raise typer.BadParameter(f"{max_seqs_per_tenant} is more than --max-seqs ({max_seqs}); 0 means no limit",
-                                 param_hint="--max-seqs-per-tenant")  # fmt: skip
+        raise typer.BadParameter(
+            f"{max_seqs_per_tenant} is more than --max-seqs ({max_seqs}); 0 means no limit",
+            param_hint="--max-seqs-per-tenant",
+        )
     if max_queued_per_tenant is not None and max_queued_per_tenant > max_waiting:
-        raise typer.BadParameter(f"{max_queued_per_tenant} is more than --max-waiting ({max_waiting}); 0 means no "
-                                 "limit", param_hint="--max-queued-per-tenant")  # fmt: skip
+        raise typer.BadParameter(
+            f"{max_queued_per_tenant} is more than --max-waiting ({max_waiting}); 0 means no limit",
+            param_hint="--max-queued-per-tenant",
+        )
     if max_pinned_per_tenant is not None and max_pinned_per_tenant > max_slots:
-        raise typer.BadParameter(f"{max_pinned_per_tenant} is more than --max-slots ({max_slots}); 0 means no limit",
-                                 param_hint="--max-pinned-per-tenant")  # fmt: skip
-    options = opt.server_options(host, port, metrics_port, tokens_file, insecure_public, tls_cert, tls_key, ready_file,
-                                 max_message_mb)  # fmt: skip
+        raise typer.BadParameter(
+            f"{max_pinned_per_tenant} is more than --max-slots ({max_slots}); 0 means no limit",
+            param_hint="--max-pinned-per-tenant",
+        )
+    options = opt.server_options(
+        host, port, metrics_port, tokens_file, insecure_public, tls_cert, tls_key, ready_file, max_message_mb
+    )
     config = SamplerConfig(
-        model=model, revision=revision, served_model_name=served_model_name, registry=registry, store=store,
-        server=options, registry_token=registry_token, registry_ca=registry_ca, device=device,
-        dtype=cast("Dtype", dtype), max_slots=max_slots,
-        max_rank=max_rank, max_seqs=max_seqs, max_batch_tokens=max_batch_tokens, max_len=max_len,
-        prefill_chunk_tokens=prefill_chunk_tokens, mixed_prefill_tokens=mixed_prefill_tokens,
+        model=model,
+        revision=revision,
+        served_model_name=served_model_name,
+        registry=registry,
+        store=store,
+        server=options,
+        registry_token=registry_token,
+        registry_ca=registry_ca,
+        device=device,
+        dtype=cast("Dtype", dtype),
+        max_slots=max_slots,
+        max_rank=max_rank,
+        max_seqs=max_seqs,
+        max_batch_tokens=max_batch_tokens,
+        max_len=max_len,
+        prefill_chunk_tokens=prefill_chunk_tokens,
+        mixed_prefill_tokens=mixed_prefill_tokens,
         max_kv_blocks_per_tenant=max_kv_blocks_per_tenant,
-        max_waiting=max_waiting, num_blocks=num_blocks, kv_cache_mb=kv_cache_mb, prefix_cache=prefix_cache,
+        max_waiting=max_waiting,
+        num_blocks=num_blocks,
+        kv_cache_mb=kv_cache_mb,
+        prefix_cache=prefix_cache,
         share_base_prefix_cache=share_base_prefix_cache,
         max_seqs_per_tenant=max_seqs_per_tenant,
-        max_queued_per_tenant=max_queued_per_tenant, max_prompt_bytes=max_prompt_bytes, burst_wait_ms=burst_wait_ms,
+        max_queued_per_tenant=max_queued_per_tenant,
+        max_prompt_bytes=max_prompt_bytes,
+        burst_wait_ms=burst_wait_ms,
         max_pinned_per_tenant=max_pinned_per_tenant,
-        kernel=cast("Backend", kernel), cpu_gemm=cast("CpuGemm", cpu_gemm), engine_process=engine_process,
-        follow=tuple(follow or ()), follow_window=follow_window,
-    )  # fmt: skip
+        kernel=cast("Backend", kernel),
+        cpu_gemm=cast("CpuGemm", cpu_gemm),
+        engine_process=engine_process,
+        follow=tuple(follow or ()),
+        follow_window=follow_window,
+    )
     try:
         serve_sampler(config)
     except BadOption as exc:

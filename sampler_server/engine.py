@@ -157,8 +157,10 @@ class Engine:
         # runs), this layout at 1.04x of the build before; the cause is not found yet (docs/performance.md).
         sequence_blocks = -(-max_len // cache.block_size)
         if cache.num_blocks < 2 * sequence_blocks:
-            raise ValueError(f"a KV cache of {cache.num_blocks} blocks of {cache.block_size} tokens cannot hold one "
-                             f"{max_len}-token sequence besides the blocks kept out of the pool")  # fmt: skip
+            raise ValueError(
+                f"a KV cache of {cache.num_blocks} blocks of {cache.block_size} tokens cannot hold one "
+                f"{max_len}-token sequence besides the blocks kept out of the pool"
+            )
         self.blocks = BlockManager(cache.num_blocks - sequence_blocks, cache.block_size, prefix_cache=prefix_cache)
         scheduler.use_blocks(self.blocks, sequence_blocks=sequence_blocks)
         self.burst_wait = burst_wait  # seconds without a new request that end a burst; the whole wait is at most 10x
@@ -191,8 +193,17 @@ class Engine:
         The caller holds a pin on the slot, which ends with the score; cancelling the future aborts it."""
         future: concurrent.futures.Future[list[float]] = concurrent.futures.Future()
         request_id = f"score-{next(self._score_ids)}"
-        seq = Sequence(seq_id=-1, request_id=request_id, sample_index=0, prompt=list(tokens), params=SCORE_PARAMS,
-                       lora_slot=lora_slot, tenant=tenant, want_prompt_logprobs=True, cache_key=cache_key)  # fmt: skip
+        seq = Sequence(
+            seq_id=-1,
+            request_id=request_id,
+            sample_index=0,
+            prompt=list(tokens),
+            params=SCORE_PARAMS,
+            lora_slot=lora_slot,
+            tenant=tenant,
+            want_prompt_logprobs=True,
+            cache_key=cache_key,
+        )
 
         def on_update(update: SequenceUpdate) -> None:  # engine thread
             if update.error:
@@ -331,8 +342,11 @@ class Engine:
         ending = [seq for seq in ended if not seq.scores_only]  # they sample
         scored = [seq for seq in ended if seq.scores_only]  # a score's input is in: its logprobs are done
         partial = [(seq, chunk) for seq, chunk in computed if seq.num_cached + chunk < seq.num_tokens]
-        sampling = [seq for seq, chunk in work
-                    if (not chunk or seq.num_cached + chunk == seq.num_tokens) and not seq.scores_only]  # fmt: skip
+        sampling = [
+            seq
+            for seq, chunk in work
+            if (not chunk or seq.num_cached + chunk == seq.num_tokens) and not seq.scores_only
+        ]
         for src, dst, rows in self.blocks.take_copies():  # copy-on-write of shared partial blocks
             self.cache.copy_block(src, dst, rows)
         forward, token_slots, row_slots = self._prepare(computed)
@@ -358,8 +372,9 @@ class Engine:
                 self.blocks.register(seq)  # the next turn, which extends the scored text, finds its blocks
             self._end_score(seq)
         appended = 0
-        for row, (seq, token, logprob) in enumerate(zip(sampling, draw.tokens if draw else [],
-                                                        draw.logprobs if draw else [], strict=True)):  # fmt: skip
+        for row, (seq, token, logprob) in enumerate(
+            zip(sampling, draw.tokens if draw else [], draw.logprobs if draw else [], strict=True)
+        ):
             if seq.request_id in failed:
                 continue
             seq.num_cached = seq.num_tokens
@@ -388,8 +403,11 @@ class Engine:
             if seq.request_id == request_id:
                 self._retire(seq)
                 if callback is not None:
-                    callback(SequenceUpdate(request_id, seq.sample_index, [], [], finished=True, error=error,
-                                            error_reason=reason))  # fmt: skip
+                    callback(
+                        SequenceUpdate(
+                            request_id, seq.sample_index, [], [], finished=True, error=error, error_reason=reason
+                        )
+                    )
 
     def _end_score(self, seq: Sequence) -> None:
         """A score's input is computed: its prompt logprobs are the answer, and it ends."""
@@ -399,8 +417,18 @@ class Engine:
         self._retire(seq)
         self._forget_if_done(seq.request_id)
         if callback is not None:
-            callback(SequenceUpdate(seq.request_id, seq.sample_index, [], [], True, seq.stop_reason,
-                                    seq.prompt_logprobs, prompt_sources=sources))  # fmt: skip
+            callback(
+                SequenceUpdate(
+                    seq.request_id,
+                    seq.sample_index,
+                    [],
+                    [],
+                    True,
+                    seq.stop_reason,
+                    seq.prompt_logprobs,
+                    prompt_sources=sources,
+                )
+            )
 
     def _share_prompts(self, sequences: list[Sequence]) -> None:
         """Each sample that held its leader's prompt blocks takes its prompt logprobs too."""
@@ -454,8 +482,9 @@ class Engine:
             if _wants_prompt_logprobs(seq):
                 begin = seq.num_cached  # 0 at a first (or, after a preemption, again first) chunk
                 count = min(begin + chunk, len(seq.prompt) - 1) - begin  # positions predicting a prompt token
-                targets = torch.tensor(seq.prompt[begin + 1 : begin + 1 + count], dtype=torch.long,
-                                       device=logits.device)  # fmt: skip
+                targets = torch.tensor(
+                    seq.prompt[begin + 1 : begin + 1 + count], dtype=torch.long, device=logits.device
+                )
                 picked = logits[offset : offset + count].log_softmax(-1).gather(1, targets[:, None]).squeeze(1)
                 so_far = [] if begin == 0 else seq.prompt_logprobs_so_far
                 seq.prompt_logprobs_so_far = [*so_far, *picked.tolist()]
@@ -487,8 +516,15 @@ class Engine:
 
             def planned(module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
                 if module in lora.a:
-                    add_lora_runs(y, x, lora.a[module], lora.b[module], row_runs if module == UNEMBED_MODULE else runs,
-                                  views, module)  # fmt: skip
+                    add_lora_runs(
+                        y,
+                        x,
+                        lora.a[module],
+                        lora.b[module],
+                        row_runs if module == UNEMBED_MODULE else runs,
+                        views,
+                        module,
+                    )
                 return y
 
             return planned
@@ -528,9 +564,19 @@ class Engine:
             self._retire(seq)
             self._forget_if_done(seq.request_id)
         if callback is not None:
-            callback(SequenceUpdate(seq.request_id, seq.sample_index, new_tokens, new_logprobs, finished,
-                                    seq.stop_reason, seq.prompt_logprobs if first else None,
-                                    prompt_sources=sources, top_logprobs=new_top))  # fmt: skip
+            callback(
+                SequenceUpdate(
+                    seq.request_id,
+                    seq.sample_index,
+                    new_tokens,
+                    new_logprobs,
+                    finished,
+                    seq.stop_reason,
+                    seq.prompt_logprobs if first else None,
+                    prompt_sources=sources,
+                    top_logprobs=new_top,
+                )
+            )
 
 
 def settle_score(future: concurrent.futures.Future[list[float]], outcome: list[float] | Exception) -> None:

@@ -101,8 +101,9 @@ class _Outbox:
         self.conn.send(report)
 
 
-def _engine_main(conn: Connection, build: EngineBuilder, server_pid: int, pool: SlotPool,
-                 mirror_on: torch.device | None) -> None:  # fmt: skip
+def _engine_main(
+    conn: Connection, build: EngineBuilder, server_pid: int, pool: SlotPool, mirror_on: torch.device | None
+) -> None:
     """The engine process: build the engine, then feed it what the server sends until "stop" or the pipe closes.
     mirror_on: the device its copy of the adapter slots lives on; None: it reads the shared pool itself."""
     die_with_parent(signal.SIGKILL)
@@ -390,5 +391,13 @@ class EngineProcess:
         for seq in sequences:
             self.pool.release(seq.lora_slot)
             if entry is not None:
-                entry[0](SequenceUpdate(seq.request_id, seq.sample_index, [], [], finished=True,
-                                        error="the sampler engine process has exited"))  # fmt: skip
+                entry[0](
+                    SequenceUpdate(
+                        seq.request_id,
+                        seq.sample_index,
+                        [],
+                        [],
+                        finished=True,
+                        error="the sampler engine process has exited",
+                    )
+                )

@@ -203,8 +203,12 @@ class AliasFollower:
                 error = exc if isinstance(exc, ServiceError) else registry_error(exc)
                 self._record(target, ok=False, error=f"{error.code.name}: {error.message}")
                 RELOAD_FAILURES.labels(error.code.name, error.reason).inc()
-                log.warning("loading %s@%s failed (%s); still serving the previous version", target.adapter,
-                            target.version, error.message)  # fmt: skip
+                log.warning(
+                    "loading %s@%s failed (%s); still serving the previous version",
+                    target.adapter,
+                    target.version,
+                    error.message,
+                )
                 if error.code == grpc.StatusCode.FAILED_PRECONDITION:
                     return  # refused for what the version is (out of range, incompatible): no retry will load it
                 await asyncio.sleep(backoff)
@@ -226,9 +230,14 @@ class AliasFollower:
         now = time.time()
         latency = now - target.event_time if target.event_time else 0.0
         record = sampler_pb2.ReloadRecord(
-            adapter=target.adapter, alias=target.alias, from_version=previous, to_version=target.version,
-            latency_seconds=latency, ok=ok, error=error,
-        )  # fmt: skip
+            adapter=target.adapter,
+            alias=target.alias,
+            from_version=previous,
+            to_version=target.version,
+            latency_seconds=latency,
+            ok=ok,
+            error=error,
+        )
         record.time.FromNanoseconds(int(now * 1e9))
         self.recent.append(record)
         if ok:

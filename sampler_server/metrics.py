@@ -38,44 +38,65 @@ class SamplerCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         engine = self.engine
-        yield GaugeMetricFamily("opentinker_sampler_running_sequences", "Sequences being decoded now",
-                                value=engine.num_running)  # fmt: skip
-        yield GaugeMetricFamily("opentinker_sampler_waiting_sequences", "Sequences queued for admission",
-                                value=engine.num_waiting)  # fmt: skip
-        yield GaugeMetricFamily("opentinker_sampler_slots_used", "Adapter slots holding a version",
-                                value=self.pool.used())  # fmt: skip
-        yield GaugeMetricFamily("opentinker_sampler_slots_total", "Adapter slots (--max-slots)",
-                                value=self.pool.capacity)  # fmt: skip
-        yield CounterMetricFamily("opentinker_sampler_tokens_generated", "Tokens sampled since start",
-                                  value=engine.stats.tokens_generated)  # fmt: skip
-        prompt = CounterMetricFamily("opentinker_sampler_prompt_tokens", "Prompt tokens prefilled, by where their "
-                                     "K/V came from", labels=["source"])  # fmt: skip
+        yield GaugeMetricFamily(
+            "opentinker_sampler_running_sequences", "Sequences being decoded now", value=engine.num_running
+        )
+        yield GaugeMetricFamily(
+            "opentinker_sampler_waiting_sequences", "Sequences queued for admission", value=engine.num_waiting
+        )
+        yield GaugeMetricFamily(
+            "opentinker_sampler_slots_used", "Adapter slots holding a version", value=self.pool.used()
+        )
+        yield GaugeMetricFamily(
+            "opentinker_sampler_slots_total", "Adapter slots (--max-slots)", value=self.pool.capacity
+        )
+        yield CounterMetricFamily(
+            "opentinker_sampler_tokens_generated", "Tokens sampled since start", value=engine.stats.tokens_generated
+        )
+        prompt = CounterMetricFamily(
+            "opentinker_sampler_prompt_tokens",
+            "Prompt tokens prefilled, by where their K/V came from",
+            labels=["source"],
+        )
         prompt.add_metric(["computed"], engine.stats.prompt_tokens_computed)
         prompt.add_metric(["cached"], engine.stats.prompt_tokens_cached)
         prompt.add_metric(["shared"], engine.stats.prompt_tokens_shared)
         yield prompt
         stats = engine.stats
-        blocks = GaugeMetricFamily("opentinker_sampler_kv_blocks", "KV-cache blocks: free, used (held by a "
-                                   "sequence), cached (holding a prefix-cache block, held or idle)",
-                                   labels=["state"])  # fmt: skip
+        blocks = GaugeMetricFamily(
+            "opentinker_sampler_kv_blocks",
+            "KV-cache blocks: free, used (held by a sequence), cached (holding a prefix-cache block, held or idle)",
+            labels=["state"],
+        )
         blocks.add_metric(["free"], stats.blocks_total - stats.blocks_used)
         blocks.add_metric(["used"], stats.blocks_used)
         blocks.add_metric(["cached"], stats.blocks_cached)
         yield blocks
         looked_up = stats.prompt_tokens_cached + stats.prompt_tokens_computed
-        yield GaugeMetricFamily("opentinker_sampler_prefix_cache_hit_ratio", "Of the prompt tokens that needed "
-                                "K/V since start (cached or computed), the fraction found in the prefix cache",
-                                value=stats.prompt_tokens_cached / looked_up if looked_up else 0.0)  # fmt: skip
-        yield CounterMetricFamily("opentinker_sampler_kv_blocks_evicted", "Idle prefix-cache blocks evicted (LRU) "
-                                  "for new tokens", value=stats.blocks_evicted)  # fmt: skip
-        yield CounterMetricFamily("opentinker_sampler_preemptions", "Running sequences sent back to the queue "
-                                  "to recompute later because the KV-cache blocks ran out",
-                                  value=stats.preemptions)  # fmt: skip
-        yield CounterMetricFamily("opentinker_sampler_non_finite_requests", "Requests ended (FAILED_PRECONDITION "
-                                  "NON_FINITE_OUTPUT) because their adapter made their logits inf or NaN",
-                                  value=engine.stats.non_finite_failures)  # fmt: skip
-        loads = CounterMetricFamily("opentinker_sampler_adapter_loads", "Adapter versions loaded into a slot",
-                                    labels=["result"])  # fmt: skip
+        yield GaugeMetricFamily(
+            "opentinker_sampler_prefix_cache_hit_ratio",
+            "Of the prompt tokens that needed "
+            "K/V since start (cached or computed), the fraction found in the prefix cache",
+            value=stats.prompt_tokens_cached / looked_up if looked_up else 0.0,
+        )
+        yield CounterMetricFamily(
+            "opentinker_sampler_kv_blocks_evicted",
+            "Idle prefix-cache blocks evicted (LRU) for new tokens",
+            value=stats.blocks_evicted,
+        )
+        yield CounterMetricFamily(
+            "opentinker_sampler_preemptions",
+            "Running sequences sent back to the queue to recompute later because the KV-cache blocks ran out",
+            value=stats.preemptions,
+        )
+        yield CounterMetricFamily(
+            "opentinker_sampler_non_finite_requests",
+            "Requests ended (FAILED_PRECONDITION NON_FINITE_OUTPUT) because their adapter made their logits inf or NaN",
+            value=engine.stats.non_finite_failures,
+        )
+        loads = CounterMetricFamily(
+            "opentinker_sampler_adapter_loads", "Adapter versions loaded into a slot", labels=["result"]
+        )
         loads.add_metric(["ok"], self.loader.loads)
         loads.add_metric(["failed"], self.loader.load_failures)
         yield loads

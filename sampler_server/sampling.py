@@ -102,8 +102,11 @@ def _penalized(logits: torch.Tensor, sequences: list[Sequence]) -> torch.Tensor:
     for row in rows:
         flat.extend(row * vocab + token for token in sequences[row].output)
     counts = torch.zeros(b * vocab, dtype=logits.dtype, device=logits.device)
-    counts.index_add_(0, torch.tensor(flat, dtype=torch.long, device=logits.device),
-                      torch.ones(len(flat), dtype=logits.dtype, device=logits.device))  # fmt: skip
+    counts.index_add_(
+        0,
+        torch.tensor(flat, dtype=torch.long, device=logits.device),
+        torch.ones(len(flat), dtype=logits.dtype, device=logits.device),
+    )
     counts = counts.view(b, vocab)  # [B, V] times each token was generated
     frequency = torch.tensor([s.params.frequency_penalty for s in sequences], device=logits.device)  # [B]
     presence = torch.tensor([s.params.presence_penalty for s in sequences], device=logits.device)  # [B]

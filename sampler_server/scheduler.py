@@ -397,6 +397,10 @@ def _decoding(seq: Sequence) -> bool:
 def _same_prompt(leader: Sequence, seq: Sequence) -> bool:
     """Whether seq may hold leader's prompt blocks: another sample of one request (same prompt, weights and
     prompt-logprobs wish, nothing generated yet), which the n samples of a Sample call always are."""
-    return (not seq.output and seq.prompt == leader.prompt and seq.lora_slot == leader.lora_slot
-            and seq.cache_key == leader.cache_key
-            and seq.want_prompt_logprobs == leader.want_prompt_logprobs)  # fmt: skip
+    return (
+        not seq.output
+        and seq.prompt == leader.prompt
+        and seq.lora_slot == leader.lora_slot
+        and seq.cache_key == leader.cache_key
+        and seq.want_prompt_logprobs == leader.want_prompt_logprobs
+    )

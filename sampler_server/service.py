@@ -47,44 +47,69 @@ def cache_salt(salt: str) -> str:
         return ""
     data = salt.encode()
     if len(data) > MAX_CACHE_SALT_BYTES:
-        raise InvalidArgument(f"cache_salt is {len(data):,} bytes; at most {MAX_CACHE_SALT_BYTES}",
-                              reason="INVALID_CACHE_SALT", field="cache_salt")  # fmt: skip
+        raise InvalidArgument(
+            f"cache_salt is {len(data):,} bytes; at most {MAX_CACHE_SALT_BYTES}",
+            reason="INVALID_CACHE_SALT",
+            field="cache_salt",
+        )
     return hashlib.sha256(data).hexdigest()
 
 
 def sampling_params(message: sampler_pb2.SamplingParams, *, vocab_size: int) -> SamplingParams:
     temperature = message.temperature if message.HasField("temperature") else 1.0
     if not math.isfinite(temperature) or temperature < 0:
-        raise InvalidArgument("sampling_params.temperature must be >= 0", reason="INVALID_SAMPLING_PARAMS",
-                              field="sampling_params.temperature")  # fmt: skip
+        raise InvalidArgument(
+            "sampling_params.temperature must be >= 0",
+            reason="INVALID_SAMPLING_PARAMS",
+            field="sampling_params.temperature",
+        )
     top_p = message.top_p or 1.0
     if not 0.0 < top_p <= 1.0:
-        raise InvalidArgument("sampling_params.top_p must be in (0, 1]", reason="INVALID_SAMPLING_PARAMS",
-                              field="sampling_params.top_p")  # fmt: skip
+        raise InvalidArgument(
+            "sampling_params.top_p must be in (0, 1]", reason="INVALID_SAMPLING_PARAMS", field="sampling_params.top_p"
+        )
     max_tokens = message.max_tokens or 16
     stop_ids = tuple(int(t) for t in message.stop_token_ids)
     if any(not 0 <= t < vocab_size for t in stop_ids):
-        raise InvalidArgument("sampling_params.stop_token_ids has ids outside the vocabulary",
-                              reason="INVALID_SAMPLING_PARAMS", field="sampling_params.stop_token_ids")  # fmt: skip
+        raise InvalidArgument(
+            "sampling_params.stop_token_ids has ids outside the vocabulary",
+            reason="INVALID_SAMPLING_PARAMS",
+            field="sampling_params.stop_token_ids",
+        )
     if len(message.stop_strings) > MAX_STOP_STRINGS or any(not s for s in message.stop_strings):
-        raise InvalidArgument(f"at most {MAX_STOP_STRINGS} non-empty stop strings", reason="INVALID_SAMPLING_PARAMS",
-                              field="sampling_params.stop_strings")  # fmt: skip
+        raise InvalidArgument(
+            f"at most {MAX_STOP_STRINGS} non-empty stop strings",
+            reason="INVALID_SAMPLING_PARAMS",
+            field="sampling_params.stop_strings",
+        )
     if message.top_logprobs > MAX_TOP_LOGPROBS:
-        raise InvalidArgument(f"sampling_params.top_logprobs is {message.top_logprobs}; at most {MAX_TOP_LOGPROBS} "
-                              "most likely tokens per position are reported (0: none)",
-                              reason="INVALID_SAMPLING_PARAMS", field="sampling_params.top_logprobs")  # fmt: skip
+        raise InvalidArgument(
+            f"sampling_params.top_logprobs is {message.top_logprobs}; at most {MAX_TOP_LOGPROBS} "
+            "most likely tokens per position are reported (0: none)",
+            reason="INVALID_SAMPLING_PARAMS",
+            field="sampling_params.top_logprobs",
+        )
     for name in ("frequency_penalty", "presence_penalty"):
         value = getattr(message, name)
         if not -MAX_PENALTY <= value <= MAX_PENALTY:  # NaN fails this too
-            raise InvalidArgument(f"sampling_params.{name} is {value}; it must be in {-MAX_PENALTY:g}..{MAX_PENALTY:g}",
-                                  reason="INVALID_SAMPLING_PARAMS", field=f"sampling_params.{name}")  # fmt: skip
+            raise InvalidArgument(
+                f"sampling_params.{name} is {value}; it must be in {-MAX_PENALTY:g}..{MAX_PENALTY:g}",
+                reason="INVALID_SAMPLING_PARAMS",
+                field=f"sampling_params.{name}",
+            )
     return SamplingParams(
-        temperature=temperature, top_k=message.top_k, top_p=top_p,
-        seed=message.seed if message.HasField("seed") else None, max_tokens=max_tokens,
-        stop_token_ids=stop_ids, stop_strings=tuple(message.stop_strings), logprobs=message.logprobs,
-        top_logprobs=message.top_logprobs, frequency_penalty=message.frequency_penalty,
+        temperature=temperature,
+        top_k=message.top_k,
+        top_p=top_p,
+        seed=message.seed if message.HasField("seed") else None,
+        max_tokens=max_tokens,
+        stop_token_ids=stop_ids,
+        stop_strings=tuple(message.stop_strings),
+        logprobs=message.logprobs,
+        top_logprobs=message.top_logprobs,
+        frequency_penalty=message.frequency_penalty,
         presence_penalty=message.presence_penalty,
-    )  # fmt: skip
+    )
 
 
 def coalesce(updates: list[SequenceUpdate]) -> list[SequenceUpdate]:
@@ -95,11 +120,23 @@ def coalesce(updates: list[SequenceUpdate]) -> list[SequenceUpdate]:
     for new in updates:
         index = new.sample_index
         old = merged.get(index)
-        merged[index] = new if old is None else SequenceUpdate(
-            new.request_id, index, old.tokens + new.tokens, old.logprobs + new.logprobs, new.finished,
-            new.stop_reason, old.prompt_logprobs, new.error or old.error,
-            new.error_reason or old.error_reason, new.prompt_sources, old.top_logprobs + new.top_logprobs,
-        )  # fmt: skip
+        merged[index] = (
+            new
+            if old is None
+            else SequenceUpdate(
+                new.request_id,
+                index,
+                old.tokens + new.tokens,
+                old.logprobs + new.logprobs,
+                new.finished,
+                new.stop_reason,
+                old.prompt_logprobs,
+                new.error or old.error,
+                new.error_reason or old.error_reason,
+                new.prompt_sources,
+                old.top_logprobs + new.top_logprobs,
+            )
+        )
     return list(merged.values())
 
 
@@ -113,9 +150,13 @@ def with_text(update: SequenceUpdate, stream: StreamText) -> tuple[SequenceUpdat
     last = update.finished and keep == len(update.tokens)
     by_token = last and update.stop_reason == sampler_pb2.STOP_REASON_STOP_TOKEN
     cut = dataclasses.replace(
-        update, tokens=update.tokens[:keep], logprobs=update.logprobs[:keep], top_logprobs=update.top_logprobs[:keep],
-        finished=True, stop_reason=update.stop_reason if by_token else sampler_pb2.STOP_REASON_STOP_STRING,
-    )  # fmt: skip
+        update,
+        tokens=update.tokens[:keep],
+        logprobs=update.logprobs[:keep],
+        top_logprobs=update.top_logprobs[:keep],
+        finished=True,
+        stop_reason=update.stop_reason if by_token else sampler_pb2.STOP_REASON_STOP_STRING,
+    )
     return cut, fed.text
 
 
@@ -204,8 +245,11 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
         # request: the request's serialized size is at least the text's bytes (its other fields are small).
         limit = self.max_prompt_bytes
         if request.ByteSize() > limit + REQUEST_SLACK or len((text := request.prompt_text).encode()) > limit:
-            raise InvalidArgument(f"prompt_text is longer than {limit:,} bytes, the most this sampler tokenizes "
-                                  "(--max-prompt-bytes)", reason="PROMPT_TOO_LONG", field="prompt_text")  # fmt: skip
+            raise InvalidArgument(
+                f"prompt_text is longer than {limit:,} bytes, the most this sampler tokenizes (--max-prompt-bytes)",
+                reason="PROMPT_TOO_LONG",
+                field="prompt_text",
+            )
         if text:
             if self.tokenizer is None:
                 raise InvalidArgument("this sampler has no tokenizer: send prompt tokens", reason="INVALID_PROMPT")
@@ -218,21 +262,30 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
             raise InvalidArgument(f"{field} is empty", reason="INVALID_PROMPT", field=field)
         bad = next((t for t in tokens if not 0 <= t < self.info.vocab_size), None)
         if bad is not None:
-            raise InvalidArgument(f"{field} has token id {bad} outside the vocabulary [0, {self.info.vocab_size})",
-                                  reason="TOKEN_OUT_OF_RANGE", field=field)  # fmt: skip
+            raise InvalidArgument(
+                f"{field} has token id {bad} outside the vocabulary [0, {self.info.vocab_size})",
+                reason="TOKEN_OUT_OF_RANGE",
+                field=field,
+            )
         if len(tokens) >= self.engine.max_len:
-            raise InvalidArgument(f"{field} has {len(tokens)} tokens; the context holds {self.engine.max_len}",
-                                  reason="PROMPT_TOO_LONG", field=field)  # fmt: skip
+            raise InvalidArgument(
+                f"{field} has {len(tokens)} tokens; the context holds {self.engine.max_len}",
+                reason="PROMPT_TOO_LONG",
+                field=field,
+            )
         return tokens
 
     async def GetSamplerInfo(self, request: sampler_pb2.GetSamplerInfoRequest, context: Context) -> Any:
         pool = self.pool
         return sampler_pb2.GetSamplerInfoResponse(
-            base_model=self.info, max_slots=pool.capacity, max_rank=pool.max_rank,
-            max_seqs=self.engine.max_seqs, max_batch_tokens=self.engine.max_batch_tokens,
+            base_model=self.info,
+            max_slots=pool.capacity,
+            max_rank=pool.max_rank,
+            max_seqs=self.engine.max_seqs,
+            max_batch_tokens=self.engine.max_batch_tokens,
             lora_kernel=self.engine.kernel,  # the kernel the engine runs, not a second guess at it
             max_pinned_per_tenant=self.loader.max_pinned_per_tenant,
-        )  # fmt: skip
+        )
 
     async def Sample(self, request: sampler_pb2.SampleRequest, context: Context) -> AsyncIterator[Any]:
         salt = cache_salt(request.cache_salt)
@@ -242,12 +295,14 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
             raise InvalidArgument(
                 f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) exceeds the context "
                 f"of {self.engine.max_len}",
-                reason="INVALID_SAMPLING_PARAMS", field="sampling_params.max_tokens",
-            )  # fmt: skip
+                reason="INVALID_SAMPLING_PARAMS",
+                field="sampling_params.max_tokens",
+            )
         count = request.num_samples or 1
         if count > MAX_SAMPLES:
-            raise InvalidArgument(f"num_samples is at most {MAX_SAMPLES}", reason="INVALID_SAMPLING_PARAMS",
-                                  field="num_samples")  # fmt: skip
+            raise InvalidArgument(
+                f"num_samples is at most {MAX_SAMPLES}", reason="INVALID_SAMPLING_PARAMS", field="num_samples"
+            )
         if self.engine.num_waiting + count > self.max_waiting:
             raise ResourceExhausted(f"the waiting queue is full ({self.max_waiting} sequences)", reason="QUEUE_FULL")
         principal = current_principal()
@@ -265,8 +320,10 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
             request_id = f"{request.request_id or 'req'}-{uuid.uuid4().hex[:12]}"
             tenant = batch_tenant(principal, request.model)
             key = self._cache_key(slot, principal.tenant or "", salt)
-            sequences = [self._sequence(request_id, i, prompt, params, slot, request.prompt_logprobs, tenant, key)
-                         for i in range(count)]  # fmt: skip
+            sequences = [
+                self._sequence(request_id, i, prompt, params, slot, request.prompt_logprobs, tenant, key)
+                for i in range(count)
+            ]
             updates: asyncio.Queue[SequenceUpdate] = asyncio.Queue()
             loop = asyncio.get_running_loop()
             if self._mailbox is None or self._mailbox.loop is not loop:
@@ -315,8 +372,11 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
         raise ResourceExhausted(
             f"tenant {principal.tenant!r} already has {activity.waiting} samples waiting on this sampler; "
             f"{count} more would exceed its {limit} (--max-queued-per-tenant): retry when some have started",
-            reason="TENANT_QUEUE_FULL", tenant=principal.tenant, waiting=activity.waiting, limit=limit,
-        )  # fmt: skip
+            reason="TENANT_QUEUE_FULL",
+            tenant=principal.tenant,
+            waiting=activity.waiting,
+            limit=limit,
+        )
 
     @staticmethod
     def _response(
@@ -329,10 +389,12 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
     ) -> sampler_pb2.SampleResponse:
         index = update.sample_index
         message = sampler_pb2.SampleResponse(
-            sample_index=index, tokens=update.tokens, version=resolved.message,
+            sample_index=index,
+            tokens=update.tokens,
+            version=resolved.message,
             stop_reason=update.stop_reason if update.finished else sampler_pb2.STOP_REASON_UNSPECIFIED,  # type: ignore[arg-type]
             text=text,
-        )  # fmt: skip
+        )
         if params.logprobs:
             message.logprobs.extend(update.logprobs)
         for top in update.top_logprobs:  # empty unless params.top_logprobs
@@ -359,9 +421,17 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
         if not params.greedy:
             seed = int.from_bytes(os.urandom(7), "little") if params.seed is None else (params.seed + index) % 2**64
         return Sequence(
-            seq_id=next(self._seq_ids), request_id=request_id, sample_index=index, prompt=list(prompt), params=params,
-            lora_slot=slot, tenant=tenant, want_prompt_logprobs=prompt_logprobs, seed=seed, cache_key=cache_key,
-        )  # fmt: skip
+            seq_id=next(self._seq_ids),
+            request_id=request_id,
+            sample_index=index,
+            prompt=list(prompt),
+            params=params,
+            lora_slot=slot,
+            tenant=tenant,
+            want_prompt_logprobs=prompt_logprobs,
+            seed=seed,
+            cache_key=cache_key,
+        )
 
     def _cache_key(self, slot: int, tenant: str, salt: str = "") -> str:
         """The prefix cache's weights identity for a request (block_manager.py): the content digest of the
@@ -414,10 +484,14 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
         slot = self.pool.slots[index]
         adapter, version = slot.key or ("", 0)
         message = sampler_pb2.LoadedAdapter(
-            version=common_pb2.ResolvedVersion(adapter=adapter, version=version, reference=f"{adapter}@{version}",
-                                               artifact_sha256=slot.artifact_sha256),
-            slot=index, rank=slot.rank, pinned=slot.pinned, active_requests=slot.refs,
-        )  # fmt: skip
+            version=common_pb2.ResolvedVersion(
+                adapter=adapter, version=version, reference=f"{adapter}@{version}", artifact_sha256=slot.artifact_sha256
+            ),
+            slot=index,
+            rank=slot.rank,
+            pinned=slot.pinned,
+            active_requests=slot.refs,
+        )
         if self.follower is not None and slot.key is not None:
             message.serving_aliases.extend(self.follower.serving_aliases(adapter, version))
         message.load_time.FromNanoseconds(int(slot.load_time * 1e9))
@@ -465,19 +539,26 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
     def _all_stats(self) -> sampler_pb2.GetStatsResponse:
         engine, pool, follower = self.engine, self.pool, self.follower
         stats = sampler_pb2.GetStatsResponse(
-            running_requests=engine.num_running, waiting_requests=engine.num_waiting, max_waiting=self.max_waiting,
-            slots_used=pool.used(), slots_total=pool.capacity,
+            running_requests=engine.num_running,
+            waiting_requests=engine.num_waiting,
+            max_waiting=self.max_waiting,
+            slots_used=pool.used(),
+            slots_total=pool.capacity,
             tokens_generated=engine.stats.tokens_generated,
             decode_tokens_per_second=engine.stats.tokens_per_second(),
             kv_cache_usage=engine.stats.blocks_used / max(engine.stats.blocks_total, 1),  # blocks held
-            adapter_loads_total=self.loader.loads, reload_failures_total=self.loader.load_failures,
+            adapter_loads_total=self.loader.loads,
+            reload_failures_total=self.loader.load_failures,
             prompt_tokens_computed=engine.stats.prompt_tokens_computed,
             prompt_tokens_cached=engine.stats.prompt_tokens_cached,
-            prompt_tokens_shared=engine.stats.prompt_tokens_shared, kv_blocks_total=engine.stats.blocks_total,
-            kv_blocks_used=engine.stats.blocks_used, kv_blocks_cached=engine.stats.blocks_cached,
-            kv_blocks_evicted=engine.stats.blocks_evicted, preemptions_total=engine.stats.preemptions,
+            prompt_tokens_shared=engine.stats.prompt_tokens_shared,
+            kv_blocks_total=engine.stats.blocks_total,
+            kv_blocks_used=engine.stats.blocks_used,
+            kv_blocks_cached=engine.stats.blocks_cached,
+            kv_blocks_evicted=engine.stats.blocks_evicted,
+            preemptions_total=engine.stats.preemptions,
             kv_block_size=engine.stats.block_size,
-        )  # fmt: skip
+        )
         for activity in self.tenants.all():  # every caller's requests: the engine's counts less ComputeLogprobs
             _add_own_prompt_tokens(stats, activity)
         if follower is not None:
@@ -491,14 +572,17 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServiceServicer):
         mine, follower, loader = principal.can_access, self.follower, self.loader
         activity = self.tenants.of(principal.tenant or "")
         stats = sampler_pb2.GetStatsResponse(
-            running_requests=activity.running, waiting_requests=activity.waiting, max_waiting=self.max_waiting,
+            running_requests=activity.running,
+            waiting_requests=activity.waiting,
+            max_waiting=self.max_waiting,
             slots_used=sum(1 for s in self.pool.slots[1:] if s.key is not None and mine(s.key[0])),
-            slots_total=self.pool.capacity, tokens_generated=activity.tokens_generated,
+            slots_total=self.pool.capacity,
+            tokens_generated=activity.tokens_generated,
             decode_tokens_per_second=activity.tokens_per_second(),
             kv_cache_usage=activity.running / max(self.engine.max_seqs, 1),
             adapter_loads_total=sum(n for a, n in loader.loads_by_adapter.items() if mine(a)),
             reload_failures_total=sum(n for a, n in loader.load_failures_by_adapter.items() if mine(a)),
-        )  # fmt: skip
+        )
         _add_own_prompt_tokens(stats, activity)
         if follower is not None:
             stats.reloads_total = sum(n for a, n in follower.reloads_by_adapter.items() if mine(a))

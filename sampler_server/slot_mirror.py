@@ -23,8 +23,10 @@ class SlotMirror:
         # A and B of every slot on the device, zero (slot 0, and slots never loaded, add nothing); B keeps the
         # pool's layout (a transposed view of [n_slots, r_max, d_out] storage), which the kernels expect.
         a = {m: torch.zeros(t.shape, dtype=t.dtype, device=device) for m, t in shared.a.items()}
-        b = {m: torch.zeros(t.transpose(1, 2).shape, dtype=t.dtype, device=device).transpose(1, 2)
-             for m, t in shared.b.items()}  # fmt: skip
+        b = {
+            m: torch.zeros(t.transpose(1, 2).shape, dtype=t.dtype, device=device).transpose(1, 2)
+            for m, t in shared.b.items()
+        }
         scaling = torch.zeros(shared.scaling.shape, dtype=shared.scaling.dtype, device=device)
         # ranks and unembed are read on the host by the engine: host copies, apart from the server's.
         self.tensors = SlotTensors(a, b, scaling, shared.ranks.clone(), shared.unembed.clone())

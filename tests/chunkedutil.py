@@ -18,16 +18,24 @@ class RecordingScheduler(Scheduler):
     """Remembers every step's (request id, sample index, chunk, tokens it lacked) and every preemption."""
 
     def __init__(self, *, max_seqs: int, max_batch_tokens: int, chunk: int, tenant_blocks: int) -> None:
-        super().__init__(max_seqs=max_seqs, max_batch_tokens=max_batch_tokens, prefill_chunk_tokens=chunk,
-                         max_blocks_per_tenant=tenant_blocks)  # fmt: skip
+        super().__init__(
+            max_seqs=max_seqs,
+            max_batch_tokens=max_batch_tokens,
+            prefill_chunk_tokens=chunk,
+            max_blocks_per_tenant=tenant_blocks,
+        )
         self.steps: list[list[tuple[str, int, int, int]]] = []
         self.preempted: list[tuple[str, int, bool]] = []  # (tenant, sample index, its prompt partly computed)
 
     def schedule(self) -> ScheduledBatch | None:
         batch = super().schedule()
         if batch is not None:
-            self.steps.append([(seq.request_id, seq.sample_index, chunk, seq.num_tokens - seq.num_cached)
-                               for seq, chunk in zip(batch.sequences, batch.chunks, strict=True)])  # fmt: skip
+            self.steps.append(
+                [
+                    (seq.request_id, seq.sample_index, chunk, seq.num_tokens - seq.num_cached)
+                    for seq, chunk in zip(batch.sequences, batch.chunks, strict=True)
+                ]
+            )
         return batch
 
     def preempt(self, seq: Sequence) -> None:
@@ -58,6 +66,15 @@ def chunked_engine(
         max_seqs=max_seqs, max_batch_tokens=max_batch_tokens, chunk=chunk, tenant_blocks=tenant_blocks
     )
     cache = KVCache(runner.config, num_blocks + -(-max_len // block_size), block_size, CPU, torch.float32)
-    engine = Engine(runner, cache, pool.tensors, scheduler, release=lambda slot: None, max_len=max_len,
-                    eos_token_ids=(), burst_wait=0.05, prefix_cache=prefix_cache)  # fmt: skip
+    engine = Engine(
+        runner,
+        cache,
+        pool.tensors,
+        scheduler,
+        release=lambda slot: None,
+        max_len=max_len,
+        eos_token_ids=(),
+        burst_wait=0.05,
+        prefix_cache=prefix_cache,
+    )
     return engine, scheduler

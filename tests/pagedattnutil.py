@@ -36,12 +36,26 @@ class AttnInputs:
 
 def attn_config(heads: int, kv_heads: int, head_dim: int, sliding_window: int | None) -> ModelConfig:
     return ModelConfig(
-        arch="qwen2", vocab_size=16, hidden_size=heads * head_dim, intermediate_size=16, num_layers=1,
-        num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, rms_norm_eps=1e-6,
-        rope=RopeConfig(rope_type="default", theta=10000.0), max_position_embeddings=4096, context_length=4096,
-        tie_word_embeddings=False, attention_bias=False, qk_norm=False, eos_token_ids=(0,), bos_token_id=None,
-        pad_token_id=None, sliding_window=sliding_window,
-    )  # fmt: skip
+        arch="qwen2",
+        vocab_size=16,
+        hidden_size=heads * head_dim,
+        intermediate_size=16,
+        num_layers=1,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=1e-6,
+        rope=RopeConfig(rope_type="default", theta=10000.0),
+        max_position_embeddings=4096,
+        context_length=4096,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        qk_norm=False,
+        eos_token_ids=(0,),
+        bos_token_id=None,
+        pad_token_id=None,
+        sliding_window=sliding_window,
+    )
 
 
 def make_inputs(case: AttnCase, dtype: torch.dtype = torch.float32) -> AttnInputs:
@@ -73,9 +87,15 @@ def run_attention(
     """[N, heads * hd] attention of the batch's tokens by one path (torch: prefills batched whatever the padding
     when `batch_prefills`, each by itself otherwise)."""
     plan = AttentionPlan(
-        inputs.batch, inputs.batch.positions, inputs.q.device, inputs.config.sliding_window, block_size, backend,
-        batch_prefills=batch_prefills, min_pad_fill=0.0,
-    )  # fmt: skip
+        inputs.batch,
+        inputs.batch.positions,
+        inputs.q.device,
+        inputs.config.sliding_window,
+        block_size,
+        backend,
+        batch_prefills=batch_prefills,
+        min_pad_fill=0.0,
+    )
     assert backend != "torch" or (plan.prefill_batch is not None) == (batch_prefills and len(plan.prefills) > 1)
     return attention(inputs.config, inputs.q, inputs.k_rows, inputs.v_rows, plan)
 

@@ -30,9 +30,10 @@ def make_pool(runner: LlamaForCausalLM, adapters: int = ADAPTERS) -> SlotPool:
 
 def fill_random(pool: SlotPool, runner: LlamaForCausalLM, index: int, *, seed: int, sha: str) -> None:
     generator = torch.Generator().manual_seed(seed)
-    weights = {module: (torch.randn(4, d_in, generator=generator) * 0.2,
-                        torch.randn(d_out, 4, generator=generator) * 0.2)
-               for module, (d_in, d_out) in runner.linear_shapes().items()}  # fmt: skip
+    weights = {
+        module: (torch.randn(4, d_in, generator=generator) * 0.2, torch.randn(d_out, 4, generator=generator) * 0.2)
+        for module, (d_in, d_out) in runner.linear_shapes().items()
+    }
     pool.fill(index, weights, rank=4, scaling=2.0, artifact_sha256=sha)
 
 
@@ -53,9 +54,17 @@ def engine(
     """An engine over a pool of num_blocks blocks (+ the max_len sequence's blocks the engine keeps out of it)."""
     score = -(-max_len // block_size)
     cache = KVCache(runner.config, num_blocks + score, block_size, CPU, torch.float32)
-    return Engine(runner, cache, pool.tensors, Scheduler(max_seqs=max_seqs, max_batch_tokens=4096),
-                  release=lambda slot: None, max_len=max_len, eos_token_ids=(), burst_wait=0.05,
-                  prefix_cache=prefix_cache)  # fmt: skip
+    return Engine(
+        runner,
+        cache,
+        pool.tensors,
+        Scheduler(max_seqs=max_seqs, max_batch_tokens=4096),
+        release=lambda slot: None,
+        max_len=max_len,
+        eos_token_ids=(),
+        burst_wait=0.05,
+        prefix_cache=prefix_cache,
+    )
 
 
 def run(engine: Engine, requests: list[list[Sequence]], *, cancel: str = "", stop: bool = True) -> list[int]:
@@ -84,8 +93,14 @@ def run(engine: Engine, requests: list[list[Sequence]], *, cancel: str = "", sto
             engine.submit(sequences, on_update)
         assert done.wait(120), "the sequences did not finish"
         # A request submitted after the abort finishes after it was handled (one inbox, in order).
-        probe = Sequence(seq_id=999, request_id="probe", sample_index=0, prompt=[5, 6, 7],
-                         params=SamplingParams(temperature=0.0, max_tokens=2), lora_slot=0)  # fmt: skip
+        probe = Sequence(
+            seq_id=999,
+            request_id="probe",
+            sample_index=0,
+            prompt=[5, 6, 7],
+            params=SamplingParams(temperature=0.0, max_tokens=2),
+            lora_slot=0,
+        )
         finished = threading.Event()
         engine.submit([probe], lambda update: finished.set() if update.finished else None)
         assert finished.wait(30)

@@ -31,10 +31,16 @@ def params(
 ) -> sampler_pb2.SamplingParams:
     """Greedy, 12 tokens unless told otherwise."""
     return sampler_pb2.SamplingParams(
-        temperature=temperature, max_tokens=max_tokens, seed=seed, top_p=top_p, top_k=top_k,
-        stop_token_ids=list(stop_token_ids), stop_strings=list(stop_strings), logprobs=logprobs,
+        temperature=temperature,
+        max_tokens=max_tokens,
+        seed=seed,
+        top_p=top_p,
+        top_k=top_k,
+        stop_token_ids=list(stop_token_ids),
+        stop_strings=list(stop_strings),
+        logprobs=logprobs,
         top_logprobs=top_logprobs,
-    )  # fmt: skip
+    )
 
 
 def request(
@@ -195,9 +201,13 @@ class PeftReference:
         """peft's greedy continuation, ending after an end-of-sequence token like the sampler's."""
         with torch.no_grad():
             out = model.generate(
-                torch.tensor([list(prompt)]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=max_tokens, do_sample=False, pad_token_id=self.eos, eos_token_id=self.eos,
-            )  # fmt: skip
+                torch.tensor([list(prompt)]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                pad_token_id=self.eos,
+                eos_token_id=self.eos,
+            )
         tokens: list[int] = out[0, len(prompt) :].tolist()
         return tokens[: tokens.index(self.eos) + 1] if self.eos in tokens else tokens
 

@@ -44,12 +44,15 @@ class Ledger:
     def to_json(self) -> str:
         from google.protobuf.json_format import MessageToDict
 
-        return json.dumps({
-            "batches": [MessageToDict(b) for b in self.batches],
-            "pending": [MessageToDict(b) for b in self.pending],
-            "tokens_trained": self.tokens_trained,
-            "datums_trained": self.datums_trained,
-        }, sort_keys=True)  # fmt: skip
+        return json.dumps(
+            {
+                "batches": [MessageToDict(b) for b in self.batches],
+                "pending": [MessageToDict(b) for b in self.pending],
+                "tokens_trained": self.tokens_trained,
+                "datums_trained": self.datums_trained,
+            },
+            sort_keys=True,
+        )
 
     @classmethod
     def from_json(cls, text: str) -> Ledger:
@@ -114,8 +117,7 @@ class AdapterState:
                 f"adapter weights do not match the config: missing {sorted(missing)[:3]}, extra {sorted(extra)[:3]}"
             )
         for name, weights in self.modules.items():  # every shape checked before anything is copied
-            for key, param in ((lora_a_key(name), weights.a),
-                               (lora_b_key(name), weights.b)):  # fmt: skip
+            for key, param in ((lora_a_key(name), weights.a), (lora_b_key(name), weights.b)):
                 if tensors[key].shape != param.shape:
                     raise ValueError(f"{key} has shape {list(tensors[key].shape)}, expected {list(param.shape)}")
         with torch.no_grad():

@@ -77,8 +77,9 @@ class QueueAdmission:
             raise ResourceExhausted(
                 f"tenant {tenant!r} has {held} requests queued or running on this trainer's compute thread, its "
                 f"limit (--max-queued-per-tenant {self.max_queued}): wait for some to finish before sending more",
-                reason="TOO_MANY_REQUESTS", tenant=tenant,
-            )  # fmt: skip
+                reason="TOO_MANY_REQUESTS",
+                tenant=tenant,
+            )
         self._held[tenant] += 1
         ticket = Ticket(functools.partial(self._give_back, tenant))
         token = _current.set(ticket)

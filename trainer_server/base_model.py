@@ -99,8 +99,10 @@ class BaseModel:
         self.dtype = dtype
         # safetensors only, as the sampler (sampler_server/model/weights.py): a pytorch_model.bin is a pickle.
         if not any(model_dir.glob("*.safetensors")):
-            raise InvalidArgument(f"{model_dir} has no *.safetensors weights (pickled weights are never loaded)",
-                                  reason="INVALID_MODEL_WEIGHTS")  # fmt: skip
+            raise InvalidArgument(
+                f"{model_dir} has no *.safetensors weights (pickled weights are never loaded)",
+                reason="INVALID_MODEL_WEIGHTS",
+            )
         self.model: Any = cast(
             Any, AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype, use_safetensors=True)
         )

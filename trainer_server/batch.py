@@ -47,19 +47,29 @@ def _values(
     if tensor.dtype == common_pb2.D_TYPE_INT64 or (tensor.int64_values and not tensor.float32_values):
         values = list(tensor.int64_values)
     elif integer and (tensor.dtype == common_pb2.D_TYPE_FLOAT32 or tensor.float32_values):
-        raise InvalidArgument(f"{field} must be int64 token ids, got float32 values", reason="INVALID_DATUM",
-                              field=field, datum=datum_index)  # fmt: skip
+        raise InvalidArgument(
+            f"{field} must be int64 token ids, got float32 values",
+            reason="INVALID_DATUM",
+            field=field,
+            datum=datum_index,
+        )
     else:
         values = list(tensor.float32_values)
     shape = list(tensor.shape)
     if shape and (len(shape) != 1 or shape[0] != len(values)):
-        raise InvalidArgument(f"{field}: shape {shape} does not match its {len(values)} values", reason="INVALID_DATUM",
-                              field=field, datum=datum_index)  # fmt: skip
+        raise InvalidArgument(
+            f"{field}: shape {shape} does not match its {len(values)} values",
+            reason="INVALID_DATUM",
+            field=field,
+            datum=datum_index,
+        )
     if len(values) != length:
         raise InvalidArgument(
             f"{field} has {len(values)} values but model_input has {length} tokens",
-            reason="INVALID_DATUM", field=field, datum=datum_index,
-        )  # fmt: skip
+            reason="INVALID_DATUM",
+            field=field,
+            datum=datum_index,
+        )
     if any(not math.isfinite(v) for v in values):
         raise InvalidArgument(f"{field} contains NaN or inf", reason="INVALID_DATUM", field=field, datum=datum_index)
     return values
@@ -90,31 +100,45 @@ def build_batch(
     for index, datum in enumerate(datums):
         tokens = tokens_of(datum.model_input)
         if not tokens:
-            raise InvalidArgument(f"datums[{index}].model_input is empty", reason="INVALID_DATUM",
-                                  field=f"datums[{index}].model_input", datum=index)  # fmt: skip
+            raise InvalidArgument(
+                f"datums[{index}].model_input is empty",
+                reason="INVALID_DATUM",
+                field=f"datums[{index}].model_input",
+                datum=index,
+            )
         longest = max(longest, len(tokens))
         if len(datums) * longest > max_batch_positions:  # refused as soon as it is known, before any tensor
             raise ResourceExhausted(
                 f"{len(datums)} datums padded to the longest (datums[{index}], {longest} tokens) make "
                 f"{len(datums) * longest} positions; the limit is {max_batch_positions} (--max-batch-positions): "
                 "send fewer or similar-length datums per request",
-                reason="BATCH_TOO_LARGE", field="datums", datum=index,
-            )  # fmt: skip
+                reason="BATCH_TOO_LARGE",
+                field="datums",
+                datum=index,
+            )
         if len(tokens) > max_positions:
             raise InvalidArgument(
                 f"datums[{index}] has {len(tokens)} tokens; the model's limit is {max_positions}",
-                reason="SEQUENCE_TOO_LONG", field=f"datums[{index}].model_input", datum=index,
-            )  # fmt: skip
+                reason="SEQUENCE_TOO_LONG",
+                field=f"datums[{index}].model_input",
+                datum=index,
+            )
         unknown = sorted(set(datum.loss_fn_inputs) - set(needed) - {"weights", "logprobs", "advantages"})
         if unknown:
-            raise InvalidArgument(f"datums[{index}].loss_fn_inputs has unknown keys {unknown}", reason="INVALID_DATUM",
-                                  field=f"datums[{index}].loss_fn_inputs", datum=index)  # fmt: skip
+            raise InvalidArgument(
+                f"datums[{index}].loss_fn_inputs has unknown keys {unknown}",
+                reason="INVALID_DATUM",
+                field=f"datums[{index}].loss_fn_inputs",
+                datum=index,
+            )
         for key in needed:
             if key not in datum.loss_fn_inputs:
                 raise InvalidArgument(
                     f"datums[{index}].loss_fn_inputs lacks {key!r}, required by {loss_fn}",
-                    reason="INVALID_DATUM", field=f"datums[{index}].loss_fn_inputs[{key!r}]", datum=index,
-                )  # fmt: skip
+                    reason="INVALID_DATUM",
+                    field=f"datums[{index}].loss_fn_inputs[{key!r}]",
+                    datum=index,
+                )
         datum_targets = [
             int(t)
             for t in _values(index, "target_tokens", datum.loss_fn_inputs["target_tokens"], len(tokens), integer=True)
@@ -124,8 +148,10 @@ def build_batch(
             if bad is not None:
                 raise InvalidArgument(
                     f"datums[{index}].{label} has token id {bad} outside the vocabulary [0, {vocab_size})",
-                    reason="TOKEN_OUT_OF_RANGE", field=f"datums[{index}].{label}", datum=index,
-                )  # fmt: skip
+                    reason="TOKEN_OUT_OF_RANGE",
+                    field=f"datums[{index}].{label}",
+                    datum=index,
+                )
         sequences.append(tokens)
         targets.extend(datum_targets)
         digest.update(repr((tokens, datum_targets)).encode())
@@ -190,12 +216,16 @@ def split_batch(batch: Batch, max_positions: int) -> list[Batch]:
     for first, end in groups:
         width = max(batch.lengths[first:end])
         start, stop = offsets[first], offsets[end]
-        parts.append(Batch(
-            input_ids=batch.input_ids[first:end, :width].contiguous(),
-            attention_mask=batch.attention_mask[first:end, :width].contiguous(),
-            lengths=batch.lengths[first:end], targets=batch.targets[start:stop].contiguous(),
-            inputs={key: value[start:stop].contiguous() for key, value in batch.inputs.items()}, digest=batch.digest,
-        ))  # fmt: skip
+        parts.append(
+            Batch(
+                input_ids=batch.input_ids[first:end, :width].contiguous(),
+                attention_mask=batch.attention_mask[first:end, :width].contiguous(),
+                lengths=batch.lengths[first:end],
+                targets=batch.targets[start:stop].contiguous(),
+                inputs={key: value[start:stop].contiguous() for key, value in batch.inputs.items()},
+                digest=batch.digest,
+            )
+        )
     return parts
 
 

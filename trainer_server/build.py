@@ -73,10 +73,16 @@ def build_trainer(config: TrainerConfig) -> BuiltTrainer:
     artifacts.cleanup_temp()
     with spinner(f"loading {model}"):
         device = pick_device(c.device)
-        base = BaseModel(model, device=device, dtype=pick_dtype(c.dtype, device), revision=c.revision,
-                         served_name=c.served_model_name)  # fmt: skip
-    trainer = Trainer(base, artifacts, max_resident=c.max_resident_adapters,
-                      spill_dir=c.spill_dir or store.parent / "trainer-spill")  # fmt: skip
+        base = BaseModel(
+            model,
+            device=device,
+            dtype=pick_dtype(c.dtype, device),
+            revision=c.revision,
+            served_name=c.served_model_name,
+        )
+    trainer = Trainer(
+        base, artifacts, max_resident=c.max_resident_adapters, spill_dir=c.spill_dir or store.parent / "trainer-spill"
+    )
     scheduler = AdapterScheduler()
     REGISTRY.register(TrainerCollector(trainer, scheduler))
     metadata = bearer_metadata(registry_token) or None
@@ -87,14 +93,20 @@ def build_trainer(config: TrainerConfig) -> BuiltTrainer:
         channel = registry_channel(registry, registry_ca)
         state["channel"] = channel
         scheduler.start()
-        servicer = TrainerServicer(trainer, scheduler, registry_pb2_grpc.RegistryServiceStub(channel),
-                                   registry_metadata=metadata, max_batch_tokens=c.max_batch_tokens,
-                                   max_batch_positions=c.max_batch_positions,
-                                   max_adapters_per_tenant=c.max_adapters_per_tenant,
-                                   micro_batch_positions=c.micro_batch_positions,
-                                   max_tenant_memory_mb=c.max_tenant_memory_mb,
-                                   max_queued_per_tenant=c.max_queued_per_tenant,
-                                   max_serving_rank=c.max_serving_rank, persist_state=c.persist_state)  # fmt: skip
+        servicer = TrainerServicer(
+            trainer,
+            scheduler,
+            registry_pb2_grpc.RegistryServiceStub(channel),
+            registry_metadata=metadata,
+            max_batch_tokens=c.max_batch_tokens,
+            max_batch_positions=c.max_batch_positions,
+            max_adapters_per_tenant=c.max_adapters_per_tenant,
+            micro_batch_positions=c.micro_batch_positions,
+            max_tenant_memory_mb=c.max_tenant_memory_mb,
+            max_queued_per_tenant=c.max_queued_per_tenant,
+            max_serving_rank=c.max_serving_rank,
+            persist_state=c.persist_state,
+        )
         trainer_pb2_grpc.add_TrainerServiceServicer_to_server(servicer, server)
 
     async def on_stop() -> None:

@@ -122,15 +122,29 @@ def serve(
         raise typer.BadParameter("must be at least 1", param_hint="--max-batch-positions")
     if max_serving_rank < 0:
         raise typer.BadParameter("must be at least 0 (0: no check)", param_hint="--max-serving-rank")
-    options = opt.server_options(host, port, metrics_port, tokens_file, insecure_public, tls_cert, tls_key, ready_file,
-                                 max_message_mb)  # fmt: skip
+    options = opt.server_options(
+        host, port, metrics_port, tokens_file, insecure_public, tls_cert, tls_key, ready_file, max_message_mb
+    )
     config = TrainerConfig(
-        model=model, revision=revision, served_model_name=served_model_name, registry=registry, store=store,
-        server=options, registry_token=registry_token, registry_ca=registry_ca, device=device,
+        model=model,
+        revision=revision,
+        served_model_name=served_model_name,
+        registry=registry,
+        store=store,
+        server=options,
+        registry_token=registry_token,
+        registry_ca=registry_ca,
+        device=device,
         dtype=cast("Literal['auto', 'float32', 'bfloat16']", dtype),
-        max_resident_adapters=max_resident_adapters, spill_dir=spill_dir, max_batch_tokens=max_batch_tokens,
-        max_batch_positions=max_batch_positions, max_adapters_per_tenant=max_adapters_per_tenant,
-        micro_batch_positions=micro_batch_positions, max_tenant_memory_mb=max_tenant_memory_mb,
-        max_queued_per_tenant=max_queued_per_tenant, max_serving_rank=max_serving_rank, persist_state=persist_state,
-    )  # fmt: skip
+        max_resident_adapters=max_resident_adapters,
+        spill_dir=spill_dir,
+        max_batch_tokens=max_batch_tokens,
+        max_batch_positions=max_batch_positions,
+        max_adapters_per_tenant=max_adapters_per_tenant,
+        micro_batch_positions=micro_batch_positions,
+        max_tenant_memory_mb=max_tenant_memory_mb,
+        max_queued_per_tenant=max_queued_per_tenant,
+        max_serving_rank=max_serving_rank,
+        persist_state=persist_state,
+    )
     serve_trainer(config)

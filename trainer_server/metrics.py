@@ -37,15 +37,20 @@ class TrainerCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         adapters = list(self.trainer.adapters.values())  # one C-level copy: safe against concurrent inserts
-        count = GaugeMetricFamily("opentinker_trainer_adapters", "Adapters held, by residency on the device",
-                                  labels=["residency"])  # fmt: skip
+        count = GaugeMetricFamily(
+            "opentinker_trainer_adapters", "Adapters held, by residency on the device", labels=["residency"]
+        )
         count.add_metric(["resident"], sum(1 for a in adapters if a.resident))
         count.add_metric(["offloaded"], sum(1 for a in adapters if not a.resident))
         yield count
-        yield GaugeMetricFamily("opentinker_trainer_lora_parameters", "LoRA parameters of all adapters held",
-                                value=sum(a.num_parameters for a in adapters))  # fmt: skip
-        jobs = GaugeMetricFamily("opentinker_trainer_jobs", "Requests on the compute thread or waiting for it",
-                                 labels=["state"])  # fmt: skip
+        yield GaugeMetricFamily(
+            "opentinker_trainer_lora_parameters",
+            "LoRA parameters of all adapters held",
+            value=sum(a.num_parameters for a in adapters),
+        )
+        jobs = GaugeMetricFamily(
+            "opentinker_trainer_jobs", "Requests on the compute thread or waiting for it", labels=["state"]
+        )
         jobs.add_metric(["running"], self.scheduler.running)
         jobs.add_metric(["queued"], self.scheduler.queued)
         yield jobs

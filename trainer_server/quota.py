@@ -79,16 +79,18 @@ class TenantQuota:
             raise ResourceExhausted(
                 f"tenant {tenant!r} holds {count} adapters in this trainer, its quota "
                 f"(--max-adapters-per-tenant {self.max_adapters}): delete one (DeleteAdapter) first",
-                reason="TENANT_QUOTA", tenant=tenant,
-            )  # fmt: skip
+                reason="TENANT_QUOTA",
+                tenant=tenant,
+            )
         held, requested = self.held_bytes(tenant, adapters), lora_bytes(num_parameters)
         if self.max_memory_mb > 0 and held + requested > self.max_memory_mb * MiB:
             raise ResourceExhausted(
                 f"tenant {tenant!r} holds {held / MiB:.1f} MiB of LoRA weights, gradients and AdamW moments in "
                 f"this trainer and this adapter needs {requested / MiB:.1f} MiB more, over its quota "
                 f"(--max-tenant-memory-mb {self.max_memory_mb}): delete adapters or use a lower rank",
-                reason="TENANT_QUOTA", tenant=tenant,
-            )  # fmt: skip
+                reason="TENANT_QUOTA",
+                tenant=tenant,
+            )
         creation = _Creation(tenant, name, num_parameters)
         self._creating.append(creation)
         try:

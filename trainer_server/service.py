@@ -48,11 +48,19 @@ Context = Any  # grpc.aio.ServicerContext; untyped in the generated stubs
 
 def adapter_message(state: AdapterState) -> trainer_pb2.TrainingAdapter:
     message = trainer_pb2.TrainingAdapter(
-        name=state.name, lora_config=state.lora, adam_params=state.adam, seed=state.seed, step=state.step,
-        tokens_trained=state.ledger.tokens_trained, datums_trained=state.ledger.datums_trained,
-        pending_batches=len(state.ledger.pending), last_snapshot_version=state.last_snapshot_version,
-        num_parameters=state.num_parameters, resident=state.resident, parent_adapter=state.parent_adapter,
-    )  # fmt: skip
+        name=state.name,
+        lora_config=state.lora,
+        adam_params=state.adam,
+        seed=state.seed,
+        step=state.step,
+        tokens_trained=state.ledger.tokens_trained,
+        datums_trained=state.ledger.datums_trained,
+        pending_batches=len(state.ledger.pending),
+        last_snapshot_version=state.last_snapshot_version,
+        num_parameters=state.num_parameters,
+        resident=state.resident,
+        parent_adapter=state.parent_adapter,
+    )
     message.create_time.FromSeconds(int(state.create_time))
     return message
 
@@ -184,8 +192,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         plan = StartPlan()
         # Before the registry record exists: a snapshot or state that does not fit creates nothing.
         if request.init_from:
-            plan = StartPlan(snapshot=await self._fitting_version(request.init_from, request.lora_config),
-                             how="init_from")  # fmt: skip
+            plan = StartPlan(
+                snapshot=await self._fitting_version(request.init_from, request.lora_config), how="init_from"
+            )
         if request.resume_state:
             await asyncio.to_thread(self.trainer.check_state, request.resume_state, request.lora_config, principal)
             plan = StartPlan(snapshot=plan.snapshot, state_id=request.resume_state, how=plan.how)
@@ -208,8 +217,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
                 self.registry.GetAdapter(registry_pb2.GetAdapterRequest(name=name), metadata=self.metadata)
             )
             if existing.adapter.base_model_digest and existing.adapter.base_model_digest != base_digest:
-                raise FailedPrecondition(f"adapter {name!r} was trained on another base model",
-                                         reason="BASE_MODEL_MISMATCH") from None  # fmt: skip
+                raise FailedPrecondition(
+                    f"adapter {name!r} was trained on another base model", reason="BASE_MODEL_MISMATCH"
+                ) from None
             if plan.snapshot is None and not plan.state_id and not request.fresh:
                 plan = await self._attach_plan(name, request.lora_config, principal)
         state = await self.scheduler.run(
@@ -298,11 +308,20 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
 
     def _batch(self, datums: Iterable[common_pb2.Datum], loss_fn: str, config: dict[str, float]) -> Any:
         base = self.trainer.base
-        batch = build_batch(list(datums), loss_fn, vocab_size=base.vocab_size, max_positions=base.max_positions,
-                            pad_id=self.trainer.pad_id, max_batch_positions=self.max_batch_positions)  # fmt: skip
+        batch = build_batch(
+            list(datums),
+            loss_fn,
+            vocab_size=base.vocab_size,
+            max_positions=base.max_positions,
+            pad_id=self.trainer.pad_id,
+            max_batch_positions=self.max_batch_positions,
+        )
         if batch.num_tokens > self.max_batch_tokens:
-            raise ResourceExhausted(f"batch has {batch.num_tokens} tokens; the limit is {self.max_batch_tokens}",
-                                    reason="BATCH_TOO_LARGE", field="datums")  # fmt: skip
+            raise ResourceExhausted(
+                f"batch has {batch.num_tokens} tokens; the limit is {self.max_batch_tokens}",
+                reason="BATCH_TOO_LARGE",
+                field="datums",
+            )
         return batch
 
     @queued
@@ -382,12 +401,16 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             # In the same lane job as the snapshot: the state is exactly the version's weights, plus optimizer.
             saved = self.trainer.save_state(name, "snapshot", owner=owner) if self.persist_state else None
             lineage = registry_pb2.Lineage(
-                parent_version=state.last_snapshot_version, trainer_step=state.step,
-                tokens_trained=state.ledger.tokens_trained, datums_trained=state.ledger.datums_trained,
-                batches=list(state.ledger.batches), metrics=dict(request.metrics),
-                base_model_digest=self.trainer.base.digest, parent_adapter=state.parent_adapter,
+                parent_version=state.last_snapshot_version,
+                trainer_step=state.step,
+                tokens_trained=state.ledger.tokens_trained,
+                datums_trained=state.ledger.datums_trained,
+                batches=list(state.ledger.batches),
+                metrics=dict(request.metrics),
+                base_model_digest=self.trainer.base.digest,
+                parent_adapter=state.parent_adapter,
                 state_id=saved.uri if saved is not None else "",
-            )  # fmt: skip
+            )
             return ref, lineage
 
         written = asyncio.Event()
@@ -398,10 +421,16 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
                 written.set()
                 fault_point("save_snapshot/before_publish")
                 publish = registry_pb2.PublishVersionRequest(
-                    adapter=name, artifact_uri=ref.uri, artifact_sha256=ref.sha256,
-                    artifact_size_bytes=ref.size_bytes, lora_config=self.trainer.get(name).lora, lineage=lineage,
-                    aliases=aliases, skip_latest=request.skip_latest, request_id=request.request_id,
-                )  # fmt: skip
+                    adapter=name,
+                    artifact_uri=ref.uri,
+                    artifact_sha256=ref.sha256,
+                    artifact_size_bytes=ref.size_bytes,
+                    lora_config=self.trainer.get(name).lora,
+                    lineage=lineage,
+                    aliases=aliases,
+                    skip_latest=request.skip_latest,
+                    request_id=request.request_id,
+                )
                 try:
                     response = await registry_call(self.registry.PublishVersion(publish, metadata=self.metadata))
                 except NotFound as exc:

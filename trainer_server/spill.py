@@ -59,8 +59,9 @@ def write_spill(directory: Path, name: str, offloaded: Offloaded) -> str:
     tensors: dict[str, torch.Tensor] = {}
     scalars: dict[str, dict[str, float | int | bool]] = {}
     key_order: dict[str, list[str]] = {}
-    for index, (param, grad, moments) in enumerate(zip(offloaded.params, offloaded.grads, offloaded.moments,
-                                                       strict=True)):  # fmt: skip
+    for index, (param, grad, moments) in enumerate(
+        zip(offloaded.params, offloaded.grads, offloaded.moments, strict=True)
+    ):
         tensors[f"param.{index}"] = param.contiguous()
         if grad is not None:
             tensors[f"grad.{index}"] = grad.contiguous()
@@ -75,9 +76,12 @@ def write_spill(directory: Path, name: str, offloaded: Offloaded) -> str:
             else:  # nothing AdamW keeps; refusing beats writing what could not be read back
                 raise TypeError(f"AdamW state {key!r} of parameter {index} is a {type(value).__name__}")
     meta: dict[str, Any] = {
-        "format": SPILL_FORMAT, "adapter": name, "params": len(offloaded.params), "optimizer": key_order,
+        "format": SPILL_FORMAT,
+        "adapter": name,
+        "params": len(offloaded.params),
+        "optimizer": key_order,
         "scalars": scalars,
-    }  # fmt: skip
+    }
     meta["sha256"] = _digest(meta, tensors)
     data = save_safetensors(tensors, metadata={META_KEY: json.dumps(meta, sort_keys=True)})
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -97,22 +101,35 @@ def read_spill(directory: Path, name: str, expected_digest: str) -> Offloaded:
         data = path.read_bytes()
     except FileNotFoundError:
         log.warning("spill file %s of offloaded adapter %r is gone", path, name)
-        raise DataLoss(f"adapter {name!r} is offloaded and its spill file is gone", reason="SPILL_MISSING",
-                       adapter=name) from None  # fmt: skip
+        raise DataLoss(
+            f"adapter {name!r} is offloaded and its spill file is gone", reason="SPILL_MISSING", adapter=name
+        ) from None
     meta, tensors = _parse(data, path, name)
     if meta["adapter"] != name:
         # The other adapter may be another tenant's: its name goes to the server log, not to the client.
         log.warning("spill file %s of adapter %r holds adapter %r's state: refused", path, name, meta["adapter"])
-        raise DataLoss(f"the spill file of adapter {name!r} holds another adapter's state: refused",
-                       reason="SPILL_MISMATCH", adapter=name)  # fmt: skip
+        raise DataLoss(
+            f"the spill file of adapter {name!r} holds another adapter's state: refused",
+            reason="SPILL_MISMATCH",
+            adapter=name,
+        )
     recorded = meta.pop("sha256")
     if _digest(meta, tensors) != recorded:
         raise _corrupt(path, name, "its content does not match the digest it records")
     if recorded != expected_digest:
-        log.warning("spill file %s of adapter %r has digest %s, this trainer wrote %s: refused", path, name, recorded,
-                    expected_digest)  # fmt: skip
-        raise DataLoss(f"the spill file of adapter {name!r} is not the one this trainer wrote for it (an older or "
-                       "replaced file): refused", reason="SPILL_MISMATCH", adapter=name)  # fmt: skip
+        log.warning(
+            "spill file %s of adapter %r has digest %s, this trainer wrote %s: refused",
+            path,
+            name,
+            recorded,
+            expected_digest,
+        )
+        raise DataLoss(
+            f"the spill file of adapter {name!r} is not the one this trainer wrote for it (an older or "
+            "replaced file): refused",
+            reason="SPILL_MISMATCH",
+            adapter=name,
+        )
     count = meta["params"]
     moments: list[Moments | None] = [None] * count
     for index, keys in meta["optimizer"].items():
@@ -154,8 +171,12 @@ def _parse(data: bytes, path: Path, name: str) -> tuple[dict[str, Any], dict[str
 
 def _well_formed(meta: Any) -> bool:
     """Enough to name the adapter and check the digests; past the digest check the layout is write_spill's own."""
-    return (isinstance(meta, dict) and meta.get("format") == SPILL_FORMAT and isinstance(meta.get("adapter"), str)
-            and isinstance(meta.get("sha256"), str))  # fmt: skip
+    return (
+        isinstance(meta, dict)
+        and meta.get("format") == SPILL_FORMAT
+        and isinstance(meta.get("adapter"), str)
+        and isinstance(meta.get("sha256"), str)
+    )
 
 
 def _digest(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> str:

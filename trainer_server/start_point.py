@@ -33,8 +33,9 @@ def check_start(request: trainer_pb2.TrainerServiceCreateAdapterRequest) -> None
     """INVALID_ARGUMENT CONFLICTING_START for fresh together with another start point."""
     if request.fresh and (request.init_from or request.resume_state):
         other = "init_from" if request.init_from else "resume_state"
-        raise InvalidArgument(f"fresh=true and {other} name two start points: pass one", reason="CONFLICTING_START",
-                              field="fresh")  # fmt: skip
+        raise InvalidArgument(
+            f"fresh=true and {other} name two start points: pass one", reason="CONFLICTING_START", field="fresh"
+        )
 
 
 def check_serving_rank(rank: int, max_serving_rank: int) -> None:
@@ -43,8 +44,9 @@ def check_serving_rank(rank: int, max_serving_rank: int) -> None:
         raise InvalidArgument(
             f"lora_config.rank {rank} is above the rank samplers serve ({max_serving_rank}, this trainer's "
             "--max-serving-rank, which should match the samplers' --max-rank): raise both to train it",
-            reason="RANK_NOT_SERVABLE", field="lora_config.rank",
-        )  # fmt: skip
+            reason="RANK_NOT_SERVABLE",
+            field="lora_config.rank",
+        )
 
 
 def started_from(plan: StartPlan, seed: int, step: int) -> trainer_pb2.StartedFrom:
@@ -52,9 +54,12 @@ def started_from(plan: StartPlan, seed: int, step: int) -> trainer_pb2.StartedFr
     if plan.at_version is not None:
         v = plan.at_version
         return trainer_pb2.StartedFrom(
-            kind=trainer_pb2.START_KIND_STATE, adapter=v.adapter, version=v.version, state_id=plan.state_id,
+            kind=trainer_pb2.START_KIND_STATE,
+            adapter=v.adapter,
+            version=v.version,
+            state_id=plan.state_id,
             description=f"state saved with {v.adapter}@{v.version} ({plan.how}): weights, optimizer, step {step}",
-        )  # fmt: skip
+        )
     if plan.state_id:
         description = f"state {plan.state_id}: weights, optimizer, step {step}"
         return trainer_pb2.StartedFrom(
@@ -64,7 +69,9 @@ def started_from(plan: StartPlan, seed: int, step: int) -> trainer_pb2.StartedFr
         v = plan.snapshot
         note = f"; {plan.note}" if plan.note else ""
         return trainer_pb2.StartedFrom(
-            kind=trainer_pb2.START_KIND_VERSION, adapter=v.adapter, version=v.version,
+            kind=trainer_pb2.START_KIND_VERSION,
+            adapter=v.adapter,
+            version=v.version,
             description=f"weights of {v.adapter}@{v.version} ({plan.how}), optimizer fresh{note}",
-        )  # fmt: skip
+        )
     return trainer_pb2.StartedFrom(kind=trainer_pb2.START_KIND_FRESH, description=f"fresh weights (seed {seed})")

@@ -74,5 +74,8 @@ def check_weights(state: AdapterState, what: str) -> None:
     try:
         check_lora_magnitudes(lora_tensors(state), lora_scaling_of(state))
     except LoraMagnitudeError as exc:
-        raise FailedPrecondition(f"{what}: the weights of adapter {state.name!r} are out of range: {exc}",
-                                 reason="WEIGHTS_OUT_OF_RANGE", adapter=state.name) from None  # fmt: skip
+        raise FailedPrecondition(
+            f"{what}: the weights of adapter {state.name!r} are out of range: {exc}",
+            reason="WEIGHTS_OUT_OF_RANGE",
+            adapter=state.name,
+        ) from None

@@ -68,17 +68,24 @@ class GradientMark:
 
 def check_lora(lora: common_pb2.LoraConfig) -> None:
     if lora.rank <= 0 or lora.rank > MAX_RANK:
-        raise InvalidArgument(f"lora_config.rank must be in 1..{MAX_RANK}, got {lora.rank}",
-                              reason="INVALID_LORA_CONFIG", field="lora_config.rank")  # fmt: skip
+        raise InvalidArgument(
+            f"lora_config.rank must be in 1..{MAX_RANK}, got {lora.rank}",
+            reason="INVALID_LORA_CONFIG",
+            field="lora_config.rank",
+        )
     if not math.isfinite(lora.alpha) or lora.alpha < 0:
         raise InvalidArgument("lora_config.alpha must be >= 0", reason="INVALID_LORA_CONFIG", field="lora_config.alpha")
     scaling = alpha_or_rank(lora.alpha, lora.rank) / lora.rank
     if scaling > MAX_LORA_SCALING:
-        raise InvalidArgument(f"lora_config.alpha / rank = {scaling:g} is beyond the limit of {MAX_LORA_SCALING:g}",
-                              reason="INVALID_LORA_CONFIG", field="lora_config.alpha")  # fmt: skip
+        raise InvalidArgument(
+            f"lora_config.alpha / rank = {scaling:g} is beyond the limit of {MAX_LORA_SCALING:g}",
+            reason="INVALID_LORA_CONFIG",
+            field="lora_config.alpha",
+        )
     if not 0 <= lora.dropout < 1:
-        raise InvalidArgument("lora_config.dropout must be in [0, 1)", reason="INVALID_LORA_CONFIG",
-                              field="lora_config.dropout")  # fmt: skip
+        raise InvalidArgument(
+            "lora_config.dropout must be in [0, 1)", reason="INVALID_LORA_CONFIG", field="lora_config.dropout"
+        )
 
 
 def lora_or_default(lora: common_pb2.LoraConfig) -> common_pb2.LoraConfig:
@@ -91,14 +98,21 @@ def lora_or_default(lora: common_pb2.LoraConfig) -> common_pb2.LoraConfig:
 
 def check_adam(adam: common_pb2.AdamParams) -> None:
     checks = {
-        "learning_rate": adam.learning_rate >= 0, "beta1": 0 <= adam.beta1 < 1, "beta2": 0 <= adam.beta2 < 1,
-        "eps": adam.eps >= 0, "weight_decay": adam.weight_decay >= 0, "grad_clip_norm": adam.grad_clip_norm >= 0,
-    }  # fmt: skip
+        "learning_rate": adam.learning_rate >= 0,
+        "beta1": 0 <= adam.beta1 < 1,
+        "beta2": 0 <= adam.beta2 < 1,
+        "eps": adam.eps >= 0,
+        "weight_decay": adam.weight_decay >= 0,
+        "grad_clip_norm": adam.grad_clip_norm >= 0,
+    }
     for name, ok in checks.items():
         value = getattr(adam, name)
         if not ok or not math.isfinite(value):
-            raise InvalidArgument(f"adam_params.{name} = {value} is out of range", reason="INVALID_ADAM_PARAMS",
-                                  field=f"adam_params.{name}")  # fmt: skip
+            raise InvalidArgument(
+                f"adam_params.{name} = {value} is out of range",
+                reason="INVALID_ADAM_PARAMS",
+                field=f"adam_params.{name}",
+            )
 
 
 class Trainer:
@@ -202,10 +216,14 @@ class Trainer:
         state = self._use(name)
         state.ledger.pending.append(
             registry_pb2.BatchRecord(
-                digest=batch.digest, trace_ids=trace_ids, step=state.step + 1, num_datums=len(batch.lengths),
-                num_tokens=batch.num_tokens, loss_fn=loss_fn,
+                digest=batch.digest,
+                trace_ids=trace_ids,
+                step=state.step + 1,
+                num_datums=len(batch.lengths),
+                num_tokens=batch.num_tokens,
+                loss_fn=loss_fn,
             )
-        )  # fmt: skip
+        )
         state.ledger.pending[-1].time.GetCurrentTime()
 
     def gradient_mark(self, name: str) -> GradientMark:
@@ -241,16 +259,21 @@ class Trainer:
         if not state.ledger.pending or not state.has_gradients():
             raise FailedPrecondition(
                 f"no gradients accumulated for {name!r} since its last optim_step: call forward_backward first",
-                reason="NO_GRADIENTS", adapter=name,
-            )  # fmt: skip
+                reason="NO_GRADIENTS",
+                adapter=name,
+            )
         mark = mark_step(state)  # before clipping, which scales the gradients in place
         grads = [p.grad for p in state.params if p.grad is not None]
         grad_norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
         if params.grad_clip_norm > 0:
             torch.nn.utils.clip_grad_norm_(state.params, params.grad_clip_norm)
         for group in state.optimizer.param_groups:
-            group.update(lr=params.learning_rate, betas=(params.beta1, params.beta2), eps=params.eps,
-                         weight_decay=params.weight_decay)  # fmt: skip
+            group.update(
+                lr=params.learning_rate,
+                betas=(params.beta1, params.beta2),
+                eps=params.eps,
+                weight_decay=params.weight_decay,
+            )
         what = f"OptimStep (learning_rate {params.learning_rate:g}) was undone"
         try:
             try:
@@ -258,8 +281,9 @@ class Trainer:
             except RuntimeError as exc:  # e.g. "value cannot be converted to type float without overflow"
                 if "overflow" not in str(exc):
                     raise
-                raise FailedPrecondition(f"{what}: the update overflows ({exc})", reason="WEIGHTS_OUT_OF_RANGE",
-                                         adapter=name) from None  # fmt: skip
+                raise FailedPrecondition(
+                    f"{what}: the update overflows ({exc})", reason="WEIGHTS_OUT_OF_RANGE", adapter=name
+                ) from None
             check_weights(state, what)
         except BaseException:
             undo_step(state, mark)  # weights, gradients, moments and hyperparameters as before the call
@@ -321,8 +345,9 @@ class Trainer:
         try:
             state.load_peft_state_dict(load_safetensors((directory / WEIGHTS_FILE).read_bytes()))
         except ValueError as exc:
-            raise FailedPrecondition(f"snapshot {uri} does not fit adapter {name!r}: {exc}",
-                                     reason="INCOMPATIBLE_SNAPSHOT") from None  # fmt: skip
+            raise FailedPrecondition(
+                f"snapshot {uri} does not fit adapter {name!r}: {exc}", reason="INCOMPATIBLE_SNAPSHOT"
+            ) from None
 
     def reset_to_snapshot(self, name: str, uri: str, *, keep_optimizer: bool) -> AdapterState:
         """Loads a published snapshot's weights into the live adapter: its gradients and pending batches go (they
@@ -340,12 +365,18 @@ class Trainer:
         """owner: the tenant the state belongs to (ownership.py), recorded for LoadState's check."""
         state = self._use(name)
         meta = {
-            "format": STATE_FORMAT, "adapter": name, "owner": owner, "label": label,
+            "format": STATE_FORMAT,
+            "adapter": name,
+            "owner": owner,
+            "label": label,
             "base_model_digest": self.base.digest,
-            "lora": MessageToDict(state.lora), "adam": MessageToDict(state.adam), "seed": state.seed,
-            "step": state.step, "last_snapshot_version": state.last_snapshot_version,
+            "lora": MessageToDict(state.lora),
+            "adam": MessageToDict(state.adam),
+            "seed": state.seed,
+            "step": state.step,
+            "last_snapshot_version": state.last_snapshot_version,
             "ledger": json.loads(state.ledger.to_json()),
-        }  # fmt: skip
+        }
         grads = {f"{i}": p.grad.detach().cpu() for i, p in enumerate(state.params) if p.grad is not None}
         files = {
             "state.json": (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode(),
@@ -417,8 +448,9 @@ class Trainer:
         device = self.base.device
         for index, param in enumerate(state.params):
             param.grad = grads[str(index)].to(device) if str(index) in grads else None
-        state.optimizer.load_state_dict(torch.load(io.BytesIO((directory / "optimizer.pt").read_bytes()),
-                                                   map_location=device, weights_only=True))  # fmt: skip
+        state.optimizer.load_state_dict(
+            torch.load(io.BytesIO((directory / "optimizer.pt").read_bytes()), map_location=device, weights_only=True)
+        )
         state.generator.set_state(torch.load(io.BytesIO((directory / "rng.pt").read_bytes()), weights_only=True))
         state.adam = ParseDict(meta["adam"], common_pb2.AdamParams())
         state.step = int(meta["step"])

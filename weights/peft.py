@@ -91,8 +91,9 @@ def check_lora_magnitudes(tensors: Mapping[str, _Tensor], scaling: float) -> Non
             raise LoraMagnitudeError(f"{key} holds non-finite values (inf or NaN)")
         largest = float(tensor.abs().max().item())
         if largest > MAX_LORA_WEIGHT:
-            raise LoraMagnitudeError(f"{key} holds a weight of magnitude {largest:.3g}, beyond the limit of "
-                                     f"{MAX_LORA_WEIGHT:g}")  # fmt: skip
+            raise LoraMagnitudeError(
+                f"{key} holds a weight of magnitude {largest:.3g}, beyond the limit of {MAX_LORA_WEIGHT:g}"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,8 +116,11 @@ def parse_peft_config(config: object) -> PeftConfig:
         raise PeftFormatError(f"{CONFIG_FILE} must hold a JSON object")
     if config.get("peft_type", "LORA") != "LORA":
         raise PeftFormatError(f"peft_type {config.get('peft_type')!r} is not supported (only LORA)")
-    for flag, what in (("use_dora", "DoRA"), ("fan_in_fan_out", "fan_in_fan_out (Conv1D) layouts"),
-                       ("lora_bias", "LoRA bias terms")):  # fmt: skip
+    for flag, what in (
+        ("use_dora", "DoRA"),
+        ("fan_in_fan_out", "fan_in_fan_out (Conv1D) layouts"),
+        ("lora_bias", "LoRA bias terms"),
+    ):
         if config.get(flag):
             raise PeftFormatError(f"{what} is not supported ({flag}: true)")
     for key in ("rank_pattern", "alpha_pattern"):
@@ -137,9 +141,14 @@ def parse_peft_config(config: object) -> PeftConfig:
         raise PeftFormatError(f"lora_dropout {dropout!r} must be in [0, 1)")
     targets = config.get("target_modules")
     target_list = [str(t) for t in targets] if isinstance(targets, list) else []
-    return PeftConfig(rank=rank, alpha=float(alpha), dropout=float(dropout), use_rslora=bool(config.get("use_rslora")),
-                      target_modules=tuple(target_list),
-                      base_model_name_or_path=str(config.get("base_model_name_or_path") or ""))  # fmt: skip
+    return PeftConfig(
+        rank=rank,
+        alpha=float(alpha),
+        dropout=float(dropout),
+        use_rslora=bool(config.get("use_rslora")),
+        target_modules=tuple(target_list),
+        base_model_name_or_path=str(config.get("base_model_name_or_path") or ""),
+    )
 
 
 def read_peft_config(path: Path) -> PeftConfig:
@@ -160,20 +169,26 @@ def lora_modules(shapes: Mapping[str, Sequence[int]], config: PeftConfig) -> dic
         if key.endswith(".lora_B.weight") and key.replace(".lora_B.", ".lora_A.") in shapes:
             continue
         if key == FULL_UNEMBED_KEY:
-            raise PeftFormatError(f"{WEIGHTS_FILE}: {key} is a full copy of lm_head (peft saves one with a LoRA on "
-                                  "lm_head): re-save the adapter with save_pretrained(..., "
-                                  "save_embedding_layers=False), or import it with --base-model, which leaves out "
-                                  "a copy equal to the base model's")  # fmt: skip
+            raise PeftFormatError(
+                f"{WEIGHTS_FILE}: {key} is a full copy of lm_head (peft saves one with a LoRA on "
+                "lm_head): re-save the adapter with save_pretrained(..., "
+                "save_embedding_layers=False), or import it with --base-model, which leaves out "
+                "a copy equal to the base model's"
+            )
         if not key.startswith(PEFT_PREFIX) or not key.endswith(".lora_A.weight"):
-            raise PeftFormatError(f"{WEIGHTS_FILE}: unexpected tensor {key!r} (only "
-                                  f"'{PEFT_PREFIX}<module>.lora_A.weight' / '.lora_B.weight' pairs)")  # fmt: skip
+            raise PeftFormatError(
+                f"{WEIGHTS_FILE}: unexpected tensor {key!r} (only "
+                f"'{PEFT_PREFIX}<module>.lora_A.weight' / '.lora_B.weight' pairs)"
+            )
         module = key.removeprefix(PEFT_PREFIX).removesuffix(".lora_A.weight")
         b_shape = shapes.get(lora_b_key(module))
         if b_shape is None:
             raise PeftFormatError(f"{WEIGHTS_FILE}: {module} has lora_A but no lora_B")
         if len(shape) != 2 or len(b_shape) != 2 or shape[0] != config.rank or b_shape[1] != config.rank:
-            raise PeftFormatError(f"{WEIGHTS_FILE}: {module} has lora_A {list(shape)} / lora_B {list(b_shape)}, "
-                                  f"which does not match rank r={config.rank}")  # fmt: skip
+            raise PeftFormatError(
+                f"{WEIGHTS_FILE}: {module} has lora_A {list(shape)} / lora_B {list(b_shape)}, "
+                f"which does not match rank r={config.rank}"
+            )
         leaf = module.rsplit(".", 1)[-1]
         if leaf not in LORA_TARGETS:
             raise PeftFormatError(f"targets {module!r}; only {', '.join(sorted(LORA_TARGETS))} can be served")

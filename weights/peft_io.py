@@ -57,8 +57,9 @@ class PeftAdapter:
     def lora_config(self) -> common_pb2.LoraConfig:
         # rsLoRA scales by alpha / sqrt(r); the registry's config (alpha / r) is descriptive only, the artifact's
         # adapter_config.json is what the sampler and trainer read.
-        return common_pb2.LoraConfig(rank=self.rank, alpha=self.alpha, dropout=self.dropout,
-                                     target_modules=self.target_modules)  # fmt: skip
+        return common_pb2.LoraConfig(
+            rank=self.rank, alpha=self.alpha, dropout=self.dropout, target_modules=self.target_modules
+        )
 
 
 def _fail(directory: Path, why: str) -> PeftFolderError:
@@ -107,8 +108,11 @@ def _read_weights(directory: Path, scaling: float) -> dict[str, list[int]]:
     scaling beyond the one magnitude rule (`check_lora_magnitudes`: finite, |w| <= 1e4, scaling <= 1024)."""
     path = directory / WEIGHTS_FILE
     if not path.is_file():
-        hint = " (adapter_model.bin found: re-save it with safe_serialization=True)" if (
-            directory / "adapter_model.bin").exists() else ""  # fmt: skip
+        hint = (
+            " (adapter_model.bin found: re-save it with safe_serialization=True)"
+            if (directory / "adapter_model.bin").exists()
+            else ""
+        )
         raise _fail(directory, f"missing {WEIGHTS_FILE}{hint}")
     shapes: dict[str, list[int]] = {}
     try:
@@ -117,8 +121,11 @@ def _read_weights(directory: Path, scaling: float) -> dict[str, list[int]]:
             for key in handle.keys():  # noqa: SIM118 -- safe_open handles are not iterable
                 piece = handle.get_slice(key)
                 if piece.get_dtype() not in FLOAT_DTYPES:
-                    raise _fail(directory, f"{WEIGHTS_FILE}: {key} has dtype {piece.get_dtype()} "
-                                f"(LoRA weights must be one of {', '.join(FLOAT_DTYPES)})")  # fmt: skip
+                    raise _fail(
+                        directory,
+                        f"{WEIGHTS_FILE}: {key} has dtype {piece.get_dtype()} "
+                        f"(LoRA weights must be one of {', '.join(FLOAT_DTYPES)})",
+                    )
                 shapes[key] = list(piece.get_shape())
                 check_lora_magnitudes({key: handle.get_tensor(key)}, scaling)
     except LoraMagnitudeError as exc:
@@ -178,8 +185,11 @@ def inspect_peft_folder(directory: Path, base_model: Path | None = None) -> Peft
     dropped: tuple[str, ...] = ()
     if FULL_UNEMBED_KEY in shapes and base_model is not None:
         if not _is_base_unembed(directory, base_model):
-            raise _fail(directory, f"{WEIGHTS_FILE}: {FULL_UNEMBED_KEY} differs from base model {base_model}'s "
-                        "lm_head: a trained or resized output layer is full weights, which none serves")  # fmt: skip
+            raise _fail(
+                directory,
+                f"{WEIGHTS_FILE}: {FULL_UNEMBED_KEY} differs from base model {base_model}'s "
+                "lm_head: a trained or resized output layer is full weights, which none serves",
+            )
         del shapes[FULL_UNEMBED_KEY]
         dropped = (FULL_UNEMBED_KEY,)
         notes.append(f"left out {FULL_UNEMBED_KEY}: peft's copy of the base model's lm_head (equal to it)")
@@ -193,8 +203,11 @@ def inspect_peft_folder(directory: Path, base_model: Path | None = None) -> Peft
             if module not in base_shapes:
                 raise _fail(directory, f"targets {module!r}, which base model {base_model} does not have")
             if base_shapes[module] != (d_in, d_out):
-                raise _fail(directory, f"{module} maps {d_in} -> {d_out} features but base model {base_model} "
-                            f"has {base_shapes[module][0]} -> {base_shapes[module][1]}")  # fmt: skip
+                raise _fail(
+                    directory,
+                    f"{module} maps {d_in} -> {d_out} features but base model {base_model} "
+                    f"has {base_shapes[module][0]} -> {base_shapes[module][1]}",
+                )
         digest, checked = model_digest(base_model), str(base_model)
     else:
         notes.append("base model not checked (pass --base-model DIR)")
@@ -202,10 +215,20 @@ def inspect_peft_folder(directory: Path, base_model: Path | None = None) -> Peft
     with (directory / WEIGHTS_FILE).open("rb") as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):
             sha.update(block)
-    return PeftAdapter(directory=directory, rank=config.rank, alpha=config.alpha, dropout=config.dropout,
-                       use_rslora=config.use_rslora,
-                       modules=modules, base_model_name_or_path=named_base, weights_sha256=sha.hexdigest(),
-                       base_model_digest=digest, base_model_checked=checked, notes=notes, dropped=dropped)  # fmt: skip
+    return PeftAdapter(
+        directory=directory,
+        rank=config.rank,
+        alpha=config.alpha,
+        dropout=config.dropout,
+        use_rslora=config.use_rslora,
+        modules=modules,
+        base_model_name_or_path=named_base,
+        weights_sha256=sha.hexdigest(),
+        base_model_digest=digest,
+        base_model_checked=checked,
+        notes=notes,
+        dropped=dropped,
+    )
 
 
 def write_import_files(adapter: PeftAdapter, out_dir: Path) -> None:

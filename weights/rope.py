@@ -54,8 +54,9 @@ def _number(block: JsonDict, key: str, default: float | None, where: str) -> flo
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise InvalidArgument(f"config.json {where}.{key} must be a finite number, got {value!r}",
-                              reason="INVALID_MODEL_CONFIG")  # fmt: skip
+        raise InvalidArgument(
+            f"config.json {where}.{key} must be a finite number, got {value!r}", reason="INVALID_MODEL_CONFIG"
+        )
     return float(value)
 
 
@@ -105,26 +106,32 @@ def parse_rope(raw: JsonDict, model_type: str, max_position_embeddings: int) -> 
         factor = max_position_embeddings / original
     assert factor is not None
     if factor <= 0 or (rope_type in ("linear", "dynamic", "llama3") and factor < 1):
-        raise InvalidArgument(f"config.json {where}.factor must be at least 1, got {factor}",
-                              reason="INVALID_MODEL_CONFIG")  # fmt: skip
+        raise InvalidArgument(
+            f"config.json {where}.factor must be at least 1, got {factor}", reason="INVALID_MODEL_CONFIG"
+        )
     if rope_type in ("linear", "dynamic"):
         return RopeConfig(str(rope_type), theta, factor, int(original))
     if rope_type == "llama3":
         low, high = _required(block, "low_freq_factor", where), _required(block, "high_freq_factor", where)
         if high <= low:
-            raise InvalidArgument(f"config.json {where}: high_freq_factor {high} must exceed low_freq_factor {low}",
-                                  reason="INVALID_MODEL_CONFIG")  # fmt: skip
+            raise InvalidArgument(
+                f"config.json {where}: high_freq_factor {high} must exceed low_freq_factor {low}",
+                reason="INVALID_MODEL_CONFIG",
+            )
         return RopeConfig("llama3", theta, factor, int(original), low_freq_factor=low, high_freq_factor=high)
     truncate = block.get("truncate", True)
     return RopeConfig(
-        "yarn", theta, factor, int(original),
+        "yarn",
+        theta,
+        factor,
+        int(original),
         beta_fast=_number(block, "beta_fast", None, where) or 32.0,
         beta_slow=_number(block, "beta_slow", None, where) or 1.0,
         attention_factor=_number(block, "attention_factor", None, where),
         mscale=_number(block, "mscale", None, where),
         mscale_all_dim=_number(block, "mscale_all_dim", None, where),
         truncate=truncate is not False,
-    )  # fmt: skip
+    )
 
 
 def _default_inv_freq(theta: float, head_dim: int) -> torch.Tensor:

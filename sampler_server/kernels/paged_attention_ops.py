@@ -61,9 +61,14 @@ class PagedAttentionMeta:
         tables = on_device[: s * host.shape[1]].view(s, host.shape[1])
         q_start, q_len, context = on_device[s * host.shape[1] :].view(3, s)
         return PagedAttentionMeta(
-            tables=tables, q_start=q_start, q_len=q_len, context=context, max_q_len=max(new_lens),
-            block_size=block_size, window=NO_WINDOW if sliding_window is None else sliding_window,
-        )  # fmt: skip
+            tables=tables,
+            q_start=q_start,
+            q_len=q_len,
+            context=context,
+            max_q_len=max(new_lens),
+            block_size=block_size,
+            window=NO_WINDOW if sliding_window is None else sliding_window,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,11 +108,32 @@ def paged_attention(
     s = meta.q_len.shape[0]
     grid = (s, heads, -(-meta.max_q_len // config.block_m))
     _load_kernel().paged_attention_kernel[grid](
-        q, k_rows, v_rows, out, meta.tables, meta.q_start, meta.q_len, meta.context,
-        1.0 / math.sqrt(head_dim), meta.block_size, meta.window, head_dim,
-        q.stride(0), q.stride(1), k_rows.stride(0), k_rows.stride(1), v_rows.stride(0), v_rows.stride(1),
-        out.stride(0), out.stride(1), meta.tables.stride(0),
-        GROUP=heads // kv_heads, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=block_d,
-        USE_DOT=config.use_dot, num_warps=config.num_warps,
-    )  # fmt: skip
+        q,
+        k_rows,
+        v_rows,
+        out,
+        meta.tables,
+        meta.q_start,
+        meta.q_len,
+        meta.context,
+        1.0 / math.sqrt(head_dim),
+        meta.block_size,
+        meta.window,
+        head_dim,
+        q.stride(0),
+        q.stride(1),
+        k_rows.stride(0),
+        k_rows.stride(1),
+        v_rows.stride(0),
+        v_rows.stride(1),
+        out.stride(0),
+        out.stride(1),
+        meta.tables.stride(0),
+        GROUP=heads // kv_heads,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_D=block_d,
+        USE_DOT=config.use_dot,
+        num_warps=config.num_warps,
+    )
     return out

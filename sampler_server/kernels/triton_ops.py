@@ -93,12 +93,27 @@ def lora_shrink(
     use_dot = min(config.block_m, config.block_r, config.block_k) >= 16
     grid = (_cdiv(n, config.block_m), _cdiv(max_rank, config.block_r), num_slots - 1)
     _load_kernels().lora_shrink_kernel[grid](
-        x, a, h, meta.sorted_rows, meta.counts, meta.offsets,
-        d_in, max_rank,
-        x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2), h.stride(0), h.stride(1),
-        BLOCK_M=config.block_m, BLOCK_R=config.block_r, BLOCK_K=config.block_k, USE_DOT=use_dot,
+        x,
+        a,
+        h,
+        meta.sorted_rows,
+        meta.counts,
+        meta.offsets,
+        d_in,
+        max_rank,
+        x.stride(0),
+        x.stride(1),
+        a.stride(0),
+        a.stride(1),
+        a.stride(2),
+        h.stride(0),
+        h.stride(1),
+        BLOCK_M=config.block_m,
+        BLOCK_R=config.block_r,
+        BLOCK_K=config.block_k,
+        USE_DOT=use_dot,
         num_warps=config.num_warps,
-    )  # fmt: skip
+    )
     return h
 
 
@@ -117,12 +132,28 @@ def lora_expand(
     use_dot = min(config.block_m, config.block_r, config.block_n) >= 16
     grid = (_cdiv(n, config.block_m), _cdiv(d_out, config.block_n), num_slots - 1)
     _load_kernels().lora_expand_kernel[grid](
-        h, b, scaling, y, meta.sorted_rows, meta.counts, meta.offsets,
-        d_out, max_rank,
-        h.stride(0), h.stride(1), b.stride(0), b.stride(1), b.stride(2), y.stride(0), y.stride(1),
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_R=config.block_r, USE_DOT=use_dot,
+        h,
+        b,
+        scaling,
+        y,
+        meta.sorted_rows,
+        meta.counts,
+        meta.offsets,
+        d_out,
+        max_rank,
+        h.stride(0),
+        h.stride(1),
+        b.stride(0),
+        b.stride(1),
+        b.stride(2),
+        y.stride(0),
+        y.stride(1),
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_R=config.block_r,
+        USE_DOT=use_dot,
         num_warps=config.num_warps,
-    )  # fmt: skip
+    )
 
 
 def add_lora_triton(

@@ -88,8 +88,10 @@ def check_batch(batch: ForwardBatch, cache: KVCache) -> None:
     written: set[int] = set()
     for table, length, context in zip(batch.block_tables, batch.new_lens, batch.context_lens, strict=True):
         if not 1 <= length <= context <= len(table) * size:
-            raise ValueError(f"need 1 <= new_len {length} <= context_len {context} <= the block table's "
-                             f"{len(table)} x {size} positions")  # fmt: skip
+            raise ValueError(
+                f"need 1 <= new_len {length} <= context_len {context} <= the block table's "
+                f"{len(table)} x {size} positions"
+            )
         if any(not 0 <= block < cache.num_blocks for block in table):
             raise ValueError(f"a block of {table} is outside [0, {cache.num_blocks})")
         targets = set(table[(context - length) // size : (context - 1) // size + 1])

@@ -107,10 +107,15 @@ class LlamaForCausalLM:
 
         def packed_layer(layer: LayerWeights) -> LayerWeights:
             return dataclasses.replace(
-                layer, q_proj=packed(layer.q_proj), k_proj=packed(layer.k_proj), v_proj=packed(layer.v_proj),
-                o_proj=packed(layer.o_proj), gate_proj=packed(layer.gate_proj), up_proj=packed(layer.up_proj),
+                layer,
+                q_proj=packed(layer.q_proj),
+                k_proj=packed(layer.k_proj),
+                v_proj=packed(layer.v_proj),
+                o_proj=packed(layer.o_proj),
+                gate_proj=packed(layer.gate_proj),
+                up_proj=packed(layer.up_proj),
                 down_proj=packed(layer.down_proj),
-            )  # fmt: skip
+            )
 
         self.layers = [packed_layer(layer) for layer in self.layers]
         self.lm_head = pack_onednn(self.lm_head)

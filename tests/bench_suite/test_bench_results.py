@@ -52,9 +52,17 @@ def test_record_merges_figures_by_name_and_judges_targets(tmp_path: Path) -> Non
 
 @pytest.mark.parametrize(
     ("value", "target", "comparison", "met"),
-    [(0.95, 0.95, ">=", True), (0.9499, 0.95, ">=", False), (1.10, 1.10, "<=", True), (1.2, 1.10, "<=", False),
-     (0.0, 0.0, "<=", True), (1.0, 0.0, "<=", False), (5.0, None, ">=", None), (math.inf, 1.0, ">=", False)],
-)  # fmt: skip
+    [
+        (0.95, 0.95, ">=", True),
+        (0.9499, 0.95, ">=", False),
+        (1.10, 1.10, "<=", True),
+        (1.2, 1.10, "<=", False),
+        (0.0, 0.0, "<=", True),
+        (1.0, 0.0, "<=", False),
+        (5.0, None, ">=", None),
+        (math.inf, 1.0, ">=", False),
+    ],
+)
 def test_met_logic(value: float, target: float | None, comparison: results.Comparison, met: bool | None) -> None:
     assert results.is_met(value, target, comparison) is met
 
@@ -74,10 +82,16 @@ def test_a_benchmark_process_records_into_the_shared_file(tmp_path: Path) -> Non
     env = {"OPENTINKER_BENCH_RESULTS": str(path), "PATH": "/usr/bin:/bin"}
     subprocess.run([sys.executable, str(script)], env=env, check=True, timeout=60)
     (figure,) = results.figures(path)
-    assert figure == results.Figure("P4 reload latency p50", 12.5, "ms", 50, "<=", True, {"reloads": 3},
-                                    "fake_bench.py", figure.recorded_at)  # fmt: skip
-    printed = subprocess.run([sys.executable, str(ROOT / "bench" / "results.py"), str(path)], check=True,
-                             capture_output=True, text=True, timeout=60).stdout  # fmt: skip
+    assert figure == results.Figure(
+        "P4 reload latency p50", 12.5, "ms", 50, "<=", True, {"reloads": 3}, "fake_bench.py", figure.recorded_at
+    )
+    printed = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "results.py"), str(path)],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
     assert "P4 reload latency p50" in printed and "12.5 ms" in printed and "1/1 targets met" in printed
 
 
@@ -95,11 +109,15 @@ def test_workload_shapes_match_the_sampler_model(tiny_model: Path) -> None:
     from opentinker.sampler_server.model.llama import LlamaForCausalLM
 
     config = json.loads((tiny_model / "config.json").read_text())
-    spec = workload.ModelSpec(arch="qwen2", vocab_size=config["vocab_size"], hidden_size=config["hidden_size"],
-                              intermediate_size=config["intermediate_size"],
-                              num_hidden_layers=config["num_hidden_layers"],
-                              num_attention_heads=config["num_attention_heads"],
-                              num_key_value_heads=config["num_key_value_heads"])  # fmt: skip
+    spec = workload.ModelSpec(
+        arch="qwen2",
+        vocab_size=config["vocab_size"],
+        hidden_size=config["hidden_size"],
+        intermediate_size=config["intermediate_size"],
+        num_hidden_layers=config["num_hidden_layers"],
+        num_attention_heads=config["num_attention_heads"],
+        num_key_value_heads=config["num_key_value_heads"],
+    )
     runner = LlamaForCausalLM.from_pretrained(tiny_model, device=torch.device("cpu"), dtype=torch.float32)
     shapes = workload.linear_shapes(spec)
     served = runner.linear_shapes()

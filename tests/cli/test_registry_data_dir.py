@@ -58,8 +58,10 @@ def test_a_second_registry_on_the_same_data_dir_exits_2_and_the_first_keeps_its_
 
     assert result.returncode == 2
     line = one_line(result)
-    assert line == (f"opentinker registry: data dir {data_dir.resolve()} is in use by another registry "
-                    f"(pid {first.process.pid}); stop it or pass another --data-dir")  # fmt: skip
+    assert line == (
+        f"opentinker registry: data dir {data_dir.resolve()} is in use by another registry "
+        f"(pid {first.process.pid}); stop it or pass another --data-dir"
+    )
     # Nothing of the second one touched the data: same files, and the first serves what it had, and more.
     assert sorted(p.name for p in (data_dir / "redis").rglob("*")) == aof_before
     after = unique_name("dd-after")
@@ -71,8 +73,10 @@ def test_a_busy_port_is_found_before_the_lock_and_redis(first: ServerProcess, tm
     port = first.address.rsplit(":", 1)[1]
     result = serve("--port", port, "--data-dir", str(tmp_path / "second"))
     assert result.returncode == 2
-    assert one_line(result) == (f"opentinker registry: port {port} on 127.0.0.1 is in use; stop what holds it or "
-                                "pass another --port (0 picks a free one)")  # fmt: skip
+    assert one_line(result) == (
+        f"opentinker registry: port {port} on 127.0.0.1 is in use; stop what holds it or "
+        "pass another --port (0 picks a free one)"
+    )
     assert not (tmp_path / "second").exists()  # no lock file, no Redis started on it
 
 

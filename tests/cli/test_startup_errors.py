@@ -35,8 +35,19 @@ def busy_port() -> Iterator[int]:
 
 
 def server_args(server: str, model: str, tmp_path: Path, *extra: str) -> list[str]:
-    return [server, "serve", "--model", model, "--registry", "127.0.0.1:1", "--store", str(tmp_path / "store"),
-            "--device", "cpu", *extra]  # fmt: skip
+    return [
+        server,
+        "serve",
+        "--model",
+        model,
+        "--registry",
+        "127.0.0.1:1",
+        "--store",
+        str(tmp_path / "store"),
+        "--device",
+        "cpu",
+        *extra,
+    ]
 
 
 @pytest.mark.parametrize("server", ["trainer", "sampler"])
@@ -44,8 +55,9 @@ def test_a_missing_model_is_one_line_and_exit_2(server: str, tmp_path: Path) -> 
     missing = tmp_path / "no-such-model"
     result = run(*server_args(server, str(missing), tmp_path, "--port", "0"))
     assert result.returncode == 2
-    assert one_line(result) == (f"opentinker {server}: base model '{missing}' is neither a local directory nor a "
-                                "valid hub model id (--model)")  # fmt: skip
+    assert one_line(result) == (
+        f"opentinker {server}: base model '{missing}' is neither a local directory nor a valid hub model id (--model)"
+    )
 
 
 @pytest.mark.parametrize("server", ["trainer", "sampler"])
@@ -65,8 +77,10 @@ def test_a_busy_port_is_found_before_the_model_loads(server: str, tmp_path: Path
     (model / "config.json").write_text(json.dumps({"model_type": "none"}))
     result = run(*server_args(server, str(model), tmp_path, "--port", str(busy_port)))
     assert result.returncode == 2
-    assert one_line(result) == (f"opentinker {server}: port {busy_port} on 127.0.0.1 is in use; stop what holds it "
-                                "or pass another --port (0 picks a free one)")  # fmt: skip
+    assert one_line(result) == (
+        f"opentinker {server}: port {busy_port} on 127.0.0.1 is in use; stop what holds it "
+        "or pass another --port (0 picks a free one)"
+    )
 
 
 def test_a_busy_metrics_port_names_its_flag(tmp_path: Path, busy_port: int) -> None:
@@ -85,13 +99,16 @@ def test_a_tenant_queue_beyond_the_sampler_queue_is_one_line(tiny_model: Path, t
     extra = ("--port", "0", "--max-waiting", "8", "--max-queued-per-tenant", "9")
     result = run(*server_args("sampler", str(tiny_model), tmp_path, *extra))
     assert result.returncode == 2
-    assert one_line(result) == ("opentinker sampler: invalid value for --max-queued-per-tenant: 9 is more than "
-                                "--max-waiting (8); 0 means no limit")  # fmt: skip
+    assert one_line(result) == (
+        "opentinker sampler: invalid value for --max-queued-per-tenant: 9 is more than "
+        "--max-waiting (8); 0 means no limit"
+    )
 
 
 def test_the_gateway_names_its_busy_port(busy_port: int) -> None:
-    result = run("gateway", "serve", "--trainer", "a:1", "--sampler", "b:1", "--registry", "c:1",
-                 "--port", str(busy_port))  # fmt: skip
+    result = run(
+        "gateway", "serve", "--trainer", "a:1", "--sampler", "b:1", "--registry", "c:1", "--port", str(busy_port)
+    )
     assert result.returncode == 2
     assert one_line(result).startswith(f"opentinker gateway: port {busy_port} on 127.0.0.1 is in use")
 
@@ -126,9 +143,20 @@ def test_up_names_the_server_that_failed_and_its_log(tiny_model: Path, tmp_path:
     """The registry of this stack finds its data dir held by another registry: `up` says which server failed,
     why (the server's own line) and where its log is; exit 2 as the server's."""
     data_dir = tmp_path / "shared"
-    holder = subprocess.Popen(opentinker_command("registry", "serve", "--port", "0", "--data-dir", str(data_dir),
-                                                 "--ready-file", str(tmp_path / "ready.json")),
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    holder = subprocess.Popen(
+        opentinker_command(
+            "registry",
+            "serve",
+            "--port",
+            "0",
+            "--data-dir",
+            str(data_dir),
+            "--ready-file",
+            str(tmp_path / "ready.json"),
+        ),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         ready = tmp_path / "ready.json"
         for _ in range(600):
@@ -137,8 +165,10 @@ def test_up_names_the_server_that_failed_and_its_log(tiny_model: Path, tmp_path:
             time.sleep(0.1)
         assert ready.exists(), "the first registry did not start"
         config = tmp_path / "stack.toml"
-        config.write_text(f'port = 0\nmodel = "{tiny_model}"\ndevice = "cpu"\n[registry]\ndata_dir = "{data_dir}"\n'
-                          '[up]\nservices = ["registry"]\n')  # fmt: skip
+        config.write_text(
+            f'port = 0\nmodel = "{tiny_model}"\ndevice = "cpu"\n[registry]\ndata_dir = "{data_dir}"\n'
+            '[up]\nservices = ["registry"]\n'
+        )
         result = run("up", "--config", str(config), "--workdir", str(tmp_path / "run"))
     finally:
         holder.terminate()
@@ -156,8 +186,13 @@ def test_up_refuses_tokens_it_cannot_provision_for_naming_the_fix(tiny_model: Pa
     config = tmp_path / "stack.toml"
     config.write_text(f'port = 0\nmodel = "{tiny_model}"\ndevice = "cpu"\n')
     env = {**os.environ, "OPENTINKER_TOKENS": "tok-a=team-a"}
-    result = subprocess.run(opentinker_command("up", "--config", str(config), "--workdir", str(tmp_path / "run")),
-                            capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
+    result = subprocess.run(
+        opentinker_command("up", "--config", str(config), "--workdir", str(tmp_path / "run")),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert result.returncode == 2
     assert one_line(result) == (
         "opentinker up: the registry takes tokens from OPENTINKER_TOKENS but no registry_token is set for the "

@@ -59,11 +59,17 @@ def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     tokens_file.write_text(json.dumps({"tokens": [{"token": t, "tenant": who} for who, t in TOKENS.items()]}))
     config = root / "stack.toml"
     # Tokens for every server and nothing else: no registry_token anywhere.
-    config.write_text(f'port = 0\nmodel = "{tiny_model}"\ndevice = "cpu"\ntokens_file = "{tokens_file}"\n'
-                      "[sampler]\nmax_slots = 4\nmax_seqs = 4\n")  # fmt: skip
+    config.write_text(
+        f'port = 0\nmodel = "{tiny_model}"\ndevice = "cpu"\ntokens_file = "{tokens_file}"\n'
+        "[sampler]\nmax_slots = 4\nmax_seqs = 4\n"
+    )
     workdir = root / "run"
-    process = subprocess.Popen(opentinker_command("up", "--config", str(config), "--workdir", str(workdir), "--json"),
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    process = subprocess.Popen(
+        opentinker_command("up", "--config", str(config), "--workdir", str(workdir), "--json"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert process.stdout is not None
     lines = lines_of(process.stdout)
     try:
@@ -83,8 +89,13 @@ def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 def test_up_with_only_a_tokens_file_works_end_to_end(stack: UpStack) -> None:
     s = stack.servers
-    with ServiceClient(trainer=s["trainer"]["address"], sampler=s["sampler"]["address"],
-                       registry=s["registry"]["address"], token=TOKENS["team-a"], timeout=120) as client:  # fmt: skip
+    with ServiceClient(
+        trainer=s["trainer"]["address"],
+        sampler=s["sampler"]["address"],
+        registry=s["registry"]["address"],
+        token=TOKENS["team-a"],
+        timeout=120,
+    ) as client:
         training = client.create_training_client("team-a/chat", LoraConfig(rank=4))
         version = training.save_snapshot()  # the trainer published through the registry with the service token
         assert (version.adapter, version.number) == ("team-a/chat", 1)
@@ -117,8 +128,9 @@ def test_status_json_of_the_up_stack_has_every_field(stack: UpStack) -> None:
     assert result.returncode == 0, result.stderr
     document = json.loads(result.stdout)
     servers = document["servers"]
-    assert {name: servers[name]["health"] for name in servers} == dict.fromkeys(("registry", "trainer", "sampler"),
-                                                                                "SERVING")  # fmt: skip
+    assert {name: servers[name]["health"] for name in servers} == dict.fromkeys(
+        ("registry", "trainer", "sampler"), "SERVING"
+    )
     adapters = {a["name"]: a for a in servers["registry"]["adapters"]}
     assert int(adapters["team-a/empty"]["version_count"]) == 0 and int(adapters["team-a/chat"]["version_count"]) >= 1
     assert adapters["team-a/empty"]["aliases"] == {} and adapters["team-a/empty"]["labels"] == {}
@@ -127,8 +139,14 @@ def test_status_json_of_the_up_stack_has_every_field(stack: UpStack) -> None:
         assert key in trained["team-a/chat"], (key, trained["team-a/chat"])
     assert servers["trainer"]["info"]["base_model"]["architecture"] == "qwen2"
     stats = servers["sampler"]["stats"]
-    for key in ("slots_used", "slots_total", "running_requests", "waiting_requests", "recent_reloads",
-                "reload_failures_total"):  # fmt: skip
+    for key in (
+        "slots_used",
+        "slots_total",
+        "running_requests",
+        "waiting_requests",
+        "recent_reloads",
+        "reload_failures_total",
+    ):
         assert key in stats, (key, stats)
     assert stats["slots_total"] == 4
 

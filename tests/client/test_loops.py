@@ -369,8 +369,10 @@ def test_train_rl_twins_make_the_same_calls(tmp_path: Path) -> None:
         m.num_datums == 4 for m in sync
     )  # advantage 0 dropped
     assert sync_service.log[0] == ("create_training_client", "t/a", RANK8, 4)
-    lines = [[{k: v for k, v in json.loads(line).items() if k != "seconds"} for line in p.read_text().splitlines()]
-             for p in (tmp_path / "sync.jsonl", tmp_path / "async.jsonl")]  # fmt: skip
+    lines = [
+        [{k: v for k, v in json.loads(line).items() if k != "seconds"} for line in p.read_text().splitlines()]
+        for p in (tmp_path / "sync.jsonl", tmp_path / "async.jsonl")
+    ]
     assert lines[0] == lines[1] and len(lines[0]) == 3
 
 

@@ -317,8 +317,11 @@ def test_upload_publish_download_round_trip(client: RegistryClient, tmp_path: Pa
     assert downloaded == info
     assert read_tree(target) == read_tree(source)
     assert sorted(read_tree(target)) == [
-        "adapter_config.json", "adapter_model.safetensors", "extra/notes.txt", "zz-empty",
-    ]  # fmt: skip
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "extra/notes.txt",
+        "zz-empty",
+    ]
 
 
 def test_download_verifies_each_file(tmp_path: Path) -> None:

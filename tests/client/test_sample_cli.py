@@ -42,8 +42,21 @@ def test_sample_reports_errors_without_a_traceback(sampler_server: ServerProcess
 
 def test_sample_penalties_change_a_greedy_completion(sampler_server: ServerProcess) -> None:
     plain = sample(sampler_server, "base", "hello", "--max-tokens", "12", "--temperature", "0")
-    penalized = sample(sampler_server, "base", "hello", "--max-tokens", "12", "--temperature", "0",
-                       "--frequency-penalty", "2", "--presence-penalty", "2", "--cache-salt", "mine")  # fmt: skip
+    penalized = sample(
+        sampler_server,
+        "base",
+        "hello",
+        "--max-tokens",
+        "12",
+        "--temperature",
+        "0",
+        "--frequency-penalty",
+        "2",
+        "--presence-penalty",
+        "2",
+        "--cache-salt",
+        "mine",
+    )
     assert plain.returncode == penalized.returncode == 0, (plain.stderr, penalized.stderr)
     # Greedy on a tiny random model repeats itself; a penalty of 2 per use forbids the repeats.
     assert penalized.stdout != plain.stdout
@@ -67,8 +80,9 @@ def test_sample_chat_renders_the_prompt_with_the_chat_template(sampler_server: S
     with SamplingClient(sampler_server.address, "base") as client:
         expected = client.sample(renderer.prompt_tokens(messages), params).sequences[0]
         plain = client.sample("hello", params).sequences[0]
-    done = sample(sampler_server, "base", "hello", "--chat", "--system", "be brief", "--max-tokens", "6",
-                  "--temperature", "0")  # fmt: skip
+    done = sample(
+        sampler_server, "base", "hello", "--chat", "--system", "be brief", "--max-tokens", "6", "--temperature", "0"
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout == renderer.tokenizer.decode(list(expected.tokens))
     assert expected.tokens != plain.tokens  # the template made a difference

@@ -17,8 +17,11 @@ from opentinker.v1 import sampler_pb2, sampler_pb2_grpc, trainer_pb2, trainer_pb
 def run_status(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "opentinker.cli.main", "status", *args],
-        capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"},
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "COLUMNS": "200"},
+    )
 
 
 def test_status_shows_the_stack(
@@ -32,8 +35,9 @@ def test_status_shows_the_stack(
     train_step(trainer, name, sft_batch(seed=77))
     trainer.SaveSnapshot(trainer_pb2.SaveSnapshotRequest(adapter=name))
     sampler.LoadAdapter(sampler_pb2.LoadAdapterRequest(reference=f"{name}@1"))
-    result = run_status("--registry", registry_server.address, "--trainer", trainer_server.address,
-                        "--sampler", sampler_server.address)  # fmt: skip
+    result = run_status(
+        "--registry", registry_server.address, "--trainer", trainer_server.address, "--sampler", sampler_server.address
+    )
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert out.count("SERVING") == 3

@@ -34,9 +34,16 @@ class Stack:
         return registry_store(self.registry)
 
     def start_trainer(self, label: str, *extra: str) -> ServerProcess:
-        return start_trainer(self.workdir / label, self.model, self.registry, "--tokens-file",
-                             str(self.workdir / "tokens.json"), "--registry-token", self.tokens["svc"],
-                             *extra)  # fmt: skip
+        return start_trainer(
+            self.workdir / label,
+            self.model,
+            self.registry,
+            "--tokens-file",
+            str(self.workdir / "tokens.json"),
+            "--registry-token",
+            self.tokens["svc"],
+            *extra,
+        )
 
     @contextmanager
     def client(self, trainer: ServerProcess, who: str) -> Iterator[ServiceClient]:
@@ -51,9 +58,16 @@ class Stack:
 
 def start_stack(workdir: Path, model: Path) -> Stack:
     tokens = {who: f"tok-{who}-{secrets.token_hex(8)}" for who in (*TENANTS, "svc")}
-    (workdir / "tokens.json").write_text(json.dumps({"tokens": [
-        {"token": token, "tenant": who, "role": "admin" if who == "svc" else "user"} for who, token in tokens.items()
-    ]}))  # fmt: skip
+    (workdir / "tokens.json").write_text(
+        json.dumps(
+            {
+                "tokens": [
+                    {"token": token, "tenant": who, "role": "admin" if who == "svc" else "user"}
+                    for who, token in tokens.items()
+                ]
+            }
+        )
+    )
     registry = start_registry(workdir / "registry", "--tokens-file", str(workdir / "tokens.json"))
     return Stack(workdir, model, registry, tokens)
 
@@ -67,8 +81,12 @@ def batch(seed: int, count: int = 2, length: int = 12) -> list[Datum]:
     out = []
     for index in range(count):
         tokens = random_tokens(seed * 100 + index, length)
-        out.append(Datum(model_input=ModelInput.from_ints(tokens[:-1]),
-                         loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (length - 1)}))  # fmt: skip
+        out.append(
+            Datum(
+                model_input=ModelInput.from_ints(tokens[:-1]),
+                loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (length - 1)},
+            )
+        )
     return out
 
 

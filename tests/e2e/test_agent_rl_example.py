@@ -19,8 +19,12 @@ def test_agent_rl_example_improves_its_mean_reward(tmp_path: Path) -> None:
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     result = subprocess.run(
         [sys.executable, str(EXAMPLE), "--run-dir", str(tmp_path / "run"), "--iterations", "10", "--json"],
-        capture_output=True, text=True, timeout=600, cwd=tmp_path, env={**os.environ, "PATH": path},
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env={**os.environ, "PATH": path},
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     assert [line["iteration"] for line in lines] == list(range(10)), result.stdout

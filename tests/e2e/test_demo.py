@@ -14,16 +14,25 @@ def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "demo_out"
     result = subprocess.run(
         [sys.executable, "-m", "opentinker.cli.main", "demo", "--workdir", str(tmp_path / "data"), "--out", str(out)],
-        capture_output=True, text=True, timeout=600, env={**os.environ, "COLUMNS": "200"},
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "COLUMNS": "200"},
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "demo finished" in result.stdout
     assert "what the adapters learned" in result.stdout and "rollback team-a/digits@latest" in result.stdout
     assert (out / "curves.png").stat().st_size > 10_000
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     adapters = {r["adapter"] for r in records}
-    assert adapters == {"team-a/digits", "team-b/short", "team-c/vowels", "team-d/chat", "team-e/speaker",
-                        "team-e/listener"}  # fmt: skip
+    assert adapters == {
+        "team-a/digits",
+        "team-b/short",
+        "team-c/vowels",
+        "team-d/chat",
+        "team-e/speaker",
+        "team-e/listener",
+    }
     # Every RL step sampled the version its previous step saved.
     for adapter in adapters - {"team-d/chat"}:
         steps = [r for r in records if r["adapter"] == adapter]

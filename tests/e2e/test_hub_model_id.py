@@ -103,8 +103,10 @@ def test_opentinker_up_with_a_hub_id_model(hub_home: Path, tiny_model: Path, tmp
     config.write_text(f'model = "{HUB_ID}"\nport = 0\ndevice = "cpu"\n[registry]\ndata_dir = "{tmp_path}/data"\n')
     up = subprocess.Popen(
         opentinker_command("up", "--config", str(config), "--workdir", str(tmp_path / "run"), "--json"),
-        stdout=subprocess.PIPE, text=True, cwd=tmp_path,  # no ./acme/tiny here: only the hub cache has it
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,  # no ./acme/tiny here: only the hub cache has it
+    )
     try:
         assert up.stdout is not None
         first = json.loads(up.stdout.readline() or "{}")

@@ -144,14 +144,18 @@ def test_trainer_commands_are_tenant_scoped(ops: Ops) -> None:
     shown = stack.cli("team-a", "trainer", "show", a_name, "--trainer", address, "--json")
     assert shown.returncode == 0, shown.stderr
     assert {k: json.loads(shown.stdout)[k] for k in ("name", "step", "last_snapshot_version")} == {
-        "name": a_name, "step": 2, "last_snapshot_version": 2}  # fmt: skip
+        "name": a_name,
+        "step": 2,
+        "last_snapshot_version": 2,
+    }
 
     reset = stack.cli("team-a", "trainer", "reset", a_name, "--to", "1", "--trainer", address)
     assert reset.returncode == 0, reset.stderr
     assert f"weights of {a_name}@1 loaded, optimizer fresh" in reset.stdout
     assert f"the next snapshot's parent is {a_name}@1" in reset.stdout
-    kept = stack.cli("team-a", "trainer", "reset", a_name, "--to", "@2", "--keep-optimizer", "--trainer", address,
-                     "--json")  # fmt: skip
+    kept = stack.cli(
+        "team-a", "trainer", "reset", a_name, "--to", "@2", "--keep-optimizer", "--trainer", address, "--json"
+    )
     assert kept.returncode == 0 and json.loads(kept.stdout)["optimizer_kept"] is True, kept.stderr
 
     saved = stack.cli("team-a", "trainer", "save-state", a_name, "--trainer", address, "--json")
@@ -193,8 +197,7 @@ def test_registry_rollback_says_the_trainer_moves_latest_again(ops: Ops) -> None
     with stack.client(ops.trainer, "team-a") as a:
         a.registry_client().set_alias(name, "stable", 3)
         a.registry_client().set_alias(name, "stable", 4)
-    quiet = stack.cli("team-a", "registry", "rollback", name, "--alias", "stable", "--registry",
-                      stack.registry.address)  # fmt: skip
+    quiet = stack.cli("team-a", "registry", "rollback", name, "--alias", "stable", "--registry", stack.registry.address)
     assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr
 
 
@@ -215,8 +218,11 @@ def test_serving_alias_makes_bare_names_follow_stable(ops: Ops) -> None:
     served = stack.cli("team-a", "registry", "alias", "serve", name, "stable", *registry, "--json")
     assert served.returncode == 0, served.stderr
     assert json.loads(served.stdout) | {"event_id": ""} == {
-        "previous_alias": "latest", "alias": "stable", "version": "1", "event_id": ""
-    }  # fmt: skip
+        "previous_alias": "latest",
+        "alias": "stable",
+        "version": "1",
+        "event_id": "",
+    }
     assert stack.cli("team-b", "registry", "alias", "serve", name, "latest", *registry).returncode == 1
     with stack.client(ops.trainer, "team-a") as a:
         assert a.registry_client().resolve(name).number == 1  # the SDK's default reference: stable

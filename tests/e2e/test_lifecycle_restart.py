@@ -71,7 +71,9 @@ def test_attach_after_restart_starts_from_the_latest_version(stack: Stack, how: 
             with pytest.raises(OpenTinkerError) as conflicting:
                 a.create_training_client(a_name, LORA, attach_existing=True, fresh=True, init_from=f"{a_name}@1")
             assert (conflicting.value.code, conflicting.value.reason) == (
-                grpc.StatusCode.INVALID_ARGUMENT, "CONFLICTING_START")  # fmt: skip
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "CONFLICTING_START",
+            )
 
             training = a.create_training_client(a_name, LORA, adam=ADAM, seed=SEED, attach_existing=True)
             started = training.started_from

@@ -67,8 +67,10 @@ def _max_diff(a: list[float] | tuple[float, ...], b: list[float] | tuple[float, 
 
 
 def _datum(tokens: list[int]) -> Datum:
-    return Datum(ModelInput.from_ints(tokens[:-1]),
-                 loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})  # fmt: skip
+    return Datum(
+        ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -236,16 +238,44 @@ def test_bfloat16_on_the_cpu_serves_and_trains_within_the_measured_drift(
 
 # Families outside the supported list, as their configs name them (scaled; no weight files at all).
 UNSUPPORTED = {
-    "gemma2": {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_size": 64,
-               "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 512, "intermediate_size": 128},
-    "phi3": {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "hidden_size": 64, "num_attention_heads": 4,
-             "num_hidden_layers": 2, "vocab_size": 512, "intermediate_size": 128,
-             "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}},
-    "qwen3_moe": {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 64,
-                  "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 512, "num_experts": 8},
-    "deepseek_v3": {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 64,
-                    "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 512, "n_routed_experts": 8},
-}  # fmt: skip
+    "gemma2": {
+        "architectures": ["Gemma2ForCausalLM"],
+        "model_type": "gemma2",
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 2,
+        "vocab_size": 512,
+        "intermediate_size": 128,
+    },
+    "phi3": {
+        "architectures": ["Phi3ForCausalLM"],
+        "model_type": "phi3",
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 2,
+        "vocab_size": 512,
+        "intermediate_size": 128,
+        "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8},
+    },
+    "qwen3_moe": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 2,
+        "vocab_size": 512,
+        "num_experts": 8,
+    },
+    "deepseek_v3": {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 2,
+        "vocab_size": 512,
+        "n_routed_experts": 8,
+    },
+}
 
 
 @pytest.mark.parametrize("family", list(UNSUPPORTED))
@@ -259,8 +289,20 @@ def test_an_unsupported_family_is_refused_by_every_server_in_one_line(family: st
     model.mkdir()
     (model / "config.json").write_text(json.dumps(UNSUPPORTED[family]))
     for server in ("trainer", "sampler"):
-        args = opentinker_command(server, "serve", "--model", str(model), "--registry", "127.0.0.1:1",
-                                  "--store", str(tmp_path / "store"), "--port", "0", "--device", "cpu")  # fmt: skip
+        args = opentinker_command(
+            server,
+            "serve",
+            "--model",
+            str(model),
+            "--registry",
+            "127.0.0.1:1",
+            "--store",
+            str(tmp_path / "store"),
+            "--port",
+            "0",
+            "--device",
+            "cpu",
+        )
         done = subprocess.run(args, capture_output=True, text=True, timeout=120)
         assert done.returncode == 2, (server, done.stderr)
         lines = done.stderr.strip().splitlines()
@@ -272,13 +314,21 @@ def test_an_unsupported_family_is_refused_by_every_server_in_one_line(family: st
 
     peft = tmp_path / "adapter"
     peft.mkdir()
-    (peft / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8,
-                                                        "target_modules": ["q_proj"]}))  # fmt: skip
+    (peft / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]})
+    )
     prefix = "base_model.model.model.layers.0.self_attn.q_proj"
-    save_file({f"{prefix}.lora_A.weight": torch.zeros(4, 64), f"{prefix}.lora_B.weight": torch.zeros(64, 4)},
-              str(peft / "adapter_model.safetensors"))  # fmt: skip
-    done = subprocess.run(opentinker_command("registry", "import", str(peft), "team/x", "--base-model", str(model),
-                                             "--registry", "127.0.0.1:1"), capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    save_file(
+        {f"{prefix}.lora_A.weight": torch.zeros(4, 64), f"{prefix}.lora_B.weight": torch.zeros(64, 4)},
+        str(peft / "adapter_model.safetensors"),
+    )
+    done = subprocess.run(
+        opentinker_command(
+            "registry", "import", str(peft), "team/x", "--base-model", str(model), "--registry", "127.0.0.1:1"
+        ),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
     assert f"model_type '{family}' is not a supported family" in done.stderr, done.stderr

@@ -24,9 +24,13 @@ def test_readme_shows_the_quickstart_file_as_it_is() -> None:
 def test_quickstart_trains_two_tenants_samples_the_saved_version_and_rolls_back(tmp_path: Path) -> None:
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     result = subprocess.run(
-        [sys.executable, str(QUICKSTART), str(tmp_path / "run")], capture_output=True, text=True, timeout=600,
-        cwd=tmp_path, env={**os.environ, "PATH": path},
-    )  # fmt: skip
+        [sys.executable, str(QUICKSTART), str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env={**os.environ, "PATH": path},
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     out = result.stdout
     saved = re.findall(r"saved (\S+)@(\d+) \(loss before the step ([\d.]+)\)", out)

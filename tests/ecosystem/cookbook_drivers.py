@@ -57,9 +57,12 @@ def sl(log_path: Path, renderer: str) -> None:
 def rl(log_path: Path, renderer: str, *, asynchronous: bool) -> None:
     groups, group_size = 2, 2
     builder = ArithmeticDatasetBuilder(
-        batch_size=groups, model_name_for_tokenizer=MODEL, renderer_name=renderer, n_batches=STEPS + 2,
+        batch_size=groups,
+        model_name_for_tokenizer=MODEL,
+        renderer_name=renderer,
+        n_batches=STEPS + 2,
         group_size=group_size,
-    )  # fmt: skip
+    )
     config = rl_train.Config(
         learning_rate=1e-4,
         dataset_builder=builder,

@@ -101,8 +101,10 @@ def _check_index() -> None:
     shutil.rmtree(probe, ignore_errors=True)
     result = subprocess.run(
         [sys.executable, "-m", "pip", "download", "--no-deps", "-d", str(probe), COOKBOOK],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     shutil.rmtree(probe, ignore_errors=True)
     if result.returncode == 0:
         return

@@ -79,13 +79,25 @@ def stack(python: Path, registry_server: ServerProcess, tmp_path_factory: pytest
             servers.append(start_trainer(root / "trainer", Path(MODEL), registry_server))
             servers.append(start_sampler(root / "sampler", Path(MODEL), registry_server, "--max-slots", "8"))
         trainer, sampler = servers
-        servers.append(ServerProcess(
-            opentinker_command(
-                "gateway", "serve", "--trainer", trainer.address, "--sampler", sampler.address,
-                "--registry", registry_server.address, "--keys-file", str(keys), "--port", "0",
-            ),
-            root / "gateway",
-        ))  # fmt: skip
+        servers.append(
+            ServerProcess(
+                opentinker_command(
+                    "gateway",
+                    "serve",
+                    "--trainer",
+                    trainer.address,
+                    "--sampler",
+                    sampler.address,
+                    "--registry",
+                    registry_server.address,
+                    "--keys-file",
+                    str(keys),
+                    "--port",
+                    "0",
+                ),
+                root / "gateway",
+            )
+        )
         with RegistryClient(registry_server.address) as registry:
             yield Stack(python, f"http://{servers[-1].address}", hf_home, registry, model_digest(model))
     finally:
@@ -97,14 +109,27 @@ def _run(stack: Stack, recipe: str, args: list[str], workdir: Path) -> None:
     """One recipe as a user runs it: the SDK finds the service and the key in its environment variables."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "TINKER_BASE_URL")}
     env.update(
-        TINKER_BASE_URL=stack.base_url, TINKER_API_KEY=_key(recipe), TINKER_TELEMETRY="0", HF_HOME=str(stack.hf_home),
-        HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", WANDB_MODE="disabled", PYTHONUNBUFFERED="1",
-    )  # fmt: skip
+        TINKER_BASE_URL=stack.base_url,
+        TINKER_API_KEY=_key(recipe),
+        TINKER_TELEMETRY="0",
+        HF_HOME=str(stack.hf_home),
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        WANDB_MODE="disabled",
+        PYTHONUNBUFFERED="1",
+    )
     workdir.mkdir(parents=True, exist_ok=True)
     log = workdir / "recipe.log"
     with log.open("wb") as out:
-        code = subprocess.run([str(stack.python), *args], cwd=workdir, env=env, stdout=out, stderr=subprocess.STDOUT,
-                              timeout=900, check=False).returncode  # fmt: skip
+        code = subprocess.run(
+            [str(stack.python), *args],
+            cwd=workdir,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            timeout=900,
+            check=False,
+        ).returncode
     tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
     assert code == 0, f"{recipe} exited {code}:\n{tail}"
 
@@ -142,9 +167,19 @@ def _cli(recipe_module: str, log_path: Path, *args: str) -> list[str]:
 
 def test_math_rl_recipe_cli_as_shipped(stack: Stack, tmp_path: Path) -> None:
     """`python -m tinker_cookbook.recipes.math_rl.train env=arithmetic`, with its default loss."""
-    args = _cli("tinker_cookbook.recipes.math_rl.train", tmp_path / "log", f"model_name={MODEL}", "env=arithmetic",
-                "group_size=2", "groups_per_batch=2", "max_tokens=5", "lora_rank=8", f"max_steps={STEPS}",
-                "eval_every=0", "save_every=1")  # fmt: skip
+    args = _cli(
+        "tinker_cookbook.recipes.math_rl.train",
+        tmp_path / "log",
+        f"model_name={MODEL}",
+        "env=arithmetic",
+        "group_size=2",
+        "groups_per_batch=2",
+        "max_tokens=5",
+        "lora_rank=8",
+        f"max_steps={STEPS}",
+        "eval_every=0",
+        "save_every=1",
+    )
     _run(stack, "math-rl", args, tmp_path)
     _check_lineage(stack, "math-rl")
 
@@ -158,8 +193,17 @@ def test_cookbook_training_main(stack: Stack, tmp_path: Path, mode: str) -> None
 
 
 def test_multiplayer_guess_number_recipe(stack: Stack, tmp_path: Path) -> None:
-    args = _cli("tinker_cookbook.recipes.multiplayer_rl.guess_number.train", tmp_path / "log", f"model_name={MODEL}",
-                "renderer_name=qwen3_instruct", "group_size=2", "batch_size=2", "max_tokens=8", f"max_steps={STEPS}",
-                "eval_every=0", "save_every=1")  # fmt: skip
+    args = _cli(
+        "tinker_cookbook.recipes.multiplayer_rl.guess_number.train",
+        tmp_path / "log",
+        f"model_name={MODEL}",
+        "renderer_name=qwen3_instruct",
+        "group_size=2",
+        "batch_size=2",
+        "max_tokens=8",
+        f"max_steps={STEPS}",
+        "eval_every=0",
+        "save_every=1",
+    )
     _run(stack, "guess-number", args, tmp_path)
     _check_lineage(stack, "guess-number")

@@ -63,9 +63,12 @@ def exported(metrics_address: str) -> dict[str, tuple[str, set[str]]]:
 
 @pytest.fixture(scope="module")
 def servers(
-    registry_server: ServerProcess, trainer_server: ServerProcess, sampler_server: ServerProcess,
-    trainer: Trainer, sampler: Sampler,
-) -> dict[str, ServerProcess]:  # fmt: skip
+    registry_server: ServerProcess,
+    trainer_server: ServerProcess,
+    sampler_server: ServerProcess,
+    trainer: Trainer,
+    sampler: Sampler,
+) -> dict[str, ServerProcess]:
     # Some traffic, so that labelled families have samples whose labels can be checked.
     create(trainer, seed=3)
     score(sampler, "base", random_tokens(5, 6))

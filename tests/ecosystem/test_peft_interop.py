@@ -55,8 +55,9 @@ def peft_adapter(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(7)
-    config = LoraConfig(r=4, lora_alpha=12, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"],
-                        task_type="CAUSAL_LM")  # fmt: skip
+    config = LoraConfig(
+        r=4, lora_alpha=12, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"], task_type="CAUSAL_LM"
+    )
     model = get_peft_model(base_model(tiny_model), config)
     model.train()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=5e-2)
@@ -90,10 +91,24 @@ def test_imported_peft_adapter_is_served_with_peft_logprobs(
     name = unique_name("imported")
     # As a user runs it: a real subprocess, JSON out.
     result = subprocess.run(
-        opentinker_command("registry", "import", str(directory), name, "--base-model", str(tiny_model),
-                           "--alias", "stable", "--registry", registry_server.address, "--json"),
-        capture_output=True, text=True, timeout=120, cwd=ROOT,
-    )  # fmt: skip
+        opentinker_command(
+            "registry",
+            "import",
+            str(directory),
+            name,
+            "--base-model",
+            str(tiny_model),
+            "--alias",
+            "stable",
+            "--registry",
+            registry_server.address,
+            "--json",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert result.returncode == 0, result.stderr
     version = json.loads(result.stdout)
     assert (version["adapter"], version["version"]) == (name, "1")
@@ -134,8 +149,9 @@ def test_trainer_snapshot_exports_as_a_peft_folder(
         train_step(trainer, name, sft_batch(seed=310 + step))
     version = snapshot(trainer, name)
     out = tmp_path / "peft"
-    result = registry_cli("export", name, str(out), "--base-model-name", str(tiny_model), "--json",
-                          "--registry", registry_server.address)  # fmt: skip
+    result = registry_cli(
+        "export", name, str(out), "--base-model-name", str(tiny_model), "--json", "--registry", registry_server.address
+    )
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)
     assert summary["version"] == str(version.version) and summary["artifact_sha256"] == version.artifact_sha256
@@ -244,8 +260,9 @@ def test_refused_import_changes_nothing(
     directory = _copy(peft_adapter[0], tmp_path / "adapter")
     _edit_config(directory, use_dora=True)
     name = unique_name("refused")
-    result = registry_cli("import", str(directory), name, "--base-model", str(tiny_model),
-                          "--registry", registry_server.address)  # fmt: skip
+    result = registry_cli(
+        "import", str(directory), name, "--base-model", str(tiny_model), "--registry", registry_server.address
+    )
     assert result.exit_code == 1 and "error: " in result.output and "DoRA" in result.output, result.output
     assert "Traceback" not in result.output
     with pytest.raises(grpc.RpcError) as error:
@@ -263,8 +280,9 @@ def test_refused_import_changes_nothing(
         if file.is_file():
             (other_base / file.name).write_bytes(file.read_bytes())
     (other_base / "config.json").write_text((tiny_model / "config.json").read_text().replace("{", '{"x": 1,', 1))
-    second = registry_cli("import", str(good), name, "--base-model", str(other_base),
-                          "--registry", registry_server.address)  # fmt: skip
+    second = registry_cli(
+        "import", str(good), name, "--base-model", str(other_base), "--registry", registry_server.address
+    )
     assert second.exit_code == 1 and "belongs to base model" in second.output, second.output
     versions = registry.ListVersions(registry_pb2.ListVersionsRequest(adapter=name)).versions
     assert [v.version for v in versions] == [1]

@@ -17,8 +17,12 @@ from opentinker.rpc.config import SHARED_KEYS, ServeCommand
 
 # Every OPENTINKER_* variable of the test process is dropped, so the machine's environment cannot leak in.
 SERVERS = ("registry", "trainer", "sampler", "gateway")
-REQUIRED = {"registry": [], "trainer": ["--model", "m", "--store", "s"], "sampler": ["--model", "m", "--store", "s"],
-            "gateway": ["--trainer", "t:1", "--sampler", "s:1", "--registry", "r:1"]}  # fmt: skip
+REQUIRED = {
+    "registry": [],
+    "trainer": ["--model", "m", "--store", "s"],
+    "sampler": ["--model", "m", "--store", "s"],
+    "gateway": ["--trainer", "t:1", "--sampler", "s:1", "--registry", "r:1"],
+}
 CONFIG = """\
 log_level = "DEBUG"        # shared: every server
 max-message-mb = 16        # shared, dash spelling
@@ -111,9 +115,14 @@ def test_command_line_beats_env_beats_file_beats_default(server: str, config_fil
 
 
 def test_env_scheme_is_per_server_and_precise_name_wins(config_file: Path) -> None:
-    env = {"OPENTINKER_SAMPLER_MAX_SLOTS": "5", "OPENTINKER_TRAINER_MAX_SLOTS": "9",
-           "OPENTINKER_SAMPLER_INSECURE_PUBLIC": "false", "OPENTINKER_SAMPLER_FOLLOW": "x y",
-           "OPENTINKER_REGISTRY": "legacy:1", "OPENTINKER_SAMPLER_REGISTRY": "precise:2"}  # fmt: skip
+    env = {
+        "OPENTINKER_SAMPLER_MAX_SLOTS": "5",
+        "OPENTINKER_TRAINER_MAX_SLOTS": "9",
+        "OPENTINKER_SAMPLER_INSECURE_PUBLIC": "false",
+        "OPENTINKER_SAMPLER_FOLLOW": "x y",
+        "OPENTINKER_REGISTRY": "legacy:1",
+        "OPENTINKER_SAMPLER_REGISTRY": "precise:2",
+    }
     got = resolved("sampler", "--config", str(config_file), env=env)
     assert got["values"]["max_slots"] == 5
     assert got["values"]["insecure_public"] is False  # env beats the file's true
@@ -217,8 +226,11 @@ def test_gateway_flags_come_from_its_section_shared_keys_and_env(config_file: Pa
     with pytest.MonkeyPatch.context() as patch:
         for key in [k for k in os.environ if k.startswith("OPENTINKER_")]:
             patch.delenv(key)
-        older = runner.invoke(app, ["gateway", "serve", "--trainer", "t:1", "--registry", "r:1", "--print-config"],
-                              env={"OPENTINKER_SAMPLER": "legacy:2"})  # fmt: skip
+        older = runner.invoke(
+            app,
+            ["gateway", "serve", "--trainer", "t:1", "--registry", "r:1", "--print-config"],
+            env={"OPENTINKER_SAMPLER": "legacy:2"},
+        )
     assert older.exit_code == 0, older.output
     assert json.loads(older.stdout)["values"]["sampler"] == "legacy:2"  # the older variable still works
 

@@ -55,9 +55,11 @@ max_seqs = 4
 workdir = "{root / "run"}"
 """)
     process = subprocess.Popen(
-        opentinker_command("up", "--config", str(config), "--json"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        opentinker_command("up", "--config", str(config), "--json"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-    )  # fmt: skip
+    )
     assert process.stdout is not None
     lines = lines_of(process.stdout)
     try:
@@ -118,7 +120,12 @@ def test_up_serves_all_three_and_stops_cleanly_on_sigterm(stack: dict[str, Any])
 def test_up_refuses_a_bad_config(tmp_path: Path) -> None:
     config = tmp_path / "bad.toml"
     config.write_text("[up]\nservices = ['registry', 'gateway']\n")
-    result = subprocess.run(opentinker_command("up", "--config", str(config)), capture_output=True, text=True,
-                            timeout=60, env={**os.environ, "COLUMNS": "200"})  # fmt: skip
+    result = subprocess.run(
+        opentinker_command("up", "--config", str(config)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "COLUMNS": "200"},
+    )
     assert result.returncode == 2, result
     assert "services must be a non-empty list" in result.stderr.replace("│", " "), result.stderr

@@ -26,9 +26,20 @@ def start_gateway(
     keys = workdir / "keys.json"
     keys.write_text(json.dumps({"keys": [{"key": KEY_A, "tenant": "gw-a"}, {"key": KEY_B, "tenant": "gw-b"}]}))
     args = opentinker_command(
-        "gateway", "serve", "--trainer", trainer.address, "--sampler", sampler.address,
-        "--registry", registry.address, "--keys-file", str(keys), "--port", "0", *extra,
-    )  # fmt: skip
+        "gateway",
+        "serve",
+        "--trainer",
+        trainer.address,
+        "--sampler",
+        sampler.address,
+        "--registry",
+        registry.address,
+        "--keys-file",
+        str(keys),
+        "--port",
+        "0",
+        *extra,
+    )
     return ServerProcess(args, workdir)
 
 

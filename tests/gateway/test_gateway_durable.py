@@ -105,9 +105,21 @@ def test_gateway_refuses_to_start_when_its_redis_is_unreachable(tmp_path: Path) 
     keys = tmp_path / "keys.json"
     keys.write_text(json.dumps({"keys": [{"key": "tml-a", "tenant": "team-a"}]}))
     args = opentinker_command(
-        "gateway", "serve", "--trainer", "x:1", "--sampler", "x:2", "--registry", "x:3", "--keys-file", str(keys),
-        "--port", "0", "--redis-url", "redis://:pw@127.0.0.1:1/0",
-    )  # fmt: skip
+        "gateway",
+        "serve",
+        "--trainer",
+        "x:1",
+        "--sampler",
+        "x:2",
+        "--registry",
+        "x:3",
+        "--keys-file",
+        str(keys),
+        "--port",
+        "0",
+        "--redis-url",
+        "redis://:pw@127.0.0.1:1/0",
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith("OPENTINKER_GATEWAY")}
     done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 2, done.stderr

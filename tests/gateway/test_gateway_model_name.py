@@ -110,8 +110,9 @@ def test_the_sdk_loads_the_named_tokenizer_offline_from_the_cache(
         "print(json.dumps([tokenizer.name_or_path, tokenizer.encode('def add(a, b): return a + b')]))\n"
     )
     env = {**os.environ, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                            cwd=tmp_path, env=env, check=False)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env, check=False
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     from transformers import AutoTokenizer
 

@@ -34,10 +34,12 @@ def post(http: httpx.Client, route: str, body: object, key: str) -> httpx.Respon
 
 def asample(tiny_model: Path, seed: int, **extra: object) -> dict[str, object]:
     return {
-        "base_model": str(tiny_model), "num_samples": 1,
+        "base_model": str(tiny_model),
+        "num_samples": 1,
         "prompt": {"chunks": [{"type": "encoded_text", "tokens": PROMPT}]},
-        "sampling_params": {"max_tokens": 4, "temperature": 1.0, "seed": seed}, **extra,
-    }  # fmt: skip
+        "sampling_params": {"max_tokens": 4, "temperature": 1.0, "seed": seed},
+        **extra,
+    }
 
 
 def retrieve(http: httpx.Client, request_id: str, key: str) -> httpx.Response:

@@ -150,11 +150,15 @@ def test_bad_requests_fail_precisely(gateway: ServerProcess, tiny_model: Path) -
     # the provenance claims recorded[1]'s tokens for recorded[0]'s completion
     other = recorded[1]
     swapped = datum_of(recorded[0], 1.0).with_provenance(
-        model_input=[types.PromptProvenanceSpan(sequence_id=other.sequence_id, length=len(PROMPT)),
-                     types.SampledProvenanceSpan(sequence_id=other.sequence_id, length=len(other.tokens) - 1)],
-        loss_fn_inputs=[types.PromptProvenanceSpan(sequence_id=other.sequence_id, offset=1, length=len(PROMPT) - 1),
-                        types.SampledProvenanceSpan(sequence_id=other.sequence_id, length=len(other.tokens))],
-    )  # fmt: skip
+        model_input=[
+            types.PromptProvenanceSpan(sequence_id=other.sequence_id, length=len(PROMPT)),
+            types.SampledProvenanceSpan(sequence_id=other.sequence_id, length=len(other.tokens) - 1),
+        ],
+        loss_fn_inputs=[
+            types.PromptProvenanceSpan(sequence_id=other.sequence_id, offset=1, length=len(PROMPT) - 1),
+            types.SampledProvenanceSpan(sequence_id=other.sequence_id, length=len(other.tokens)),
+        ],
+    )
     if list(other.tokens) != list(recorded[0].tokens):
         assert "is not the recorded token its provenance names" in failure(fresh(), [swapped])
 

@@ -55,10 +55,42 @@ schemathesis.serializer.alias(openapi.PROTOBUF, "application/octet-stream")
 # place of some generated ones: a lone surrogate escape, digits str.isdigit() accepts and int() refuses, a version
 # suffix of them, control characters, JSON numbers past int64/float64, type confusion.
 NASTY: tuple[object, ...] = (
-    "\ud800", "x\udfff", "\u00b2", "gw-a/x@\u00b2", "x@\u0661", "x@0", "x@-1", "\x00", "", " ", "../..",
-    "tinker://", "tinker://x/weights/", "%s%n%x", "a" * 5000, "\U0001f600", "NaN", "-1", "1e400",
-    0, -1, 2**31, 2**63, 2**64, -(2**63) - 1, 10**400, 1e308, -0.0, 0.5, True, None, [], {}, [None], {"": None},
-)  # fmt: skip
+    "\ud800",
+    "x\udfff",
+    "\u00b2",
+    "gw-a/x@\u00b2",
+    "x@\u0661",
+    "x@0",
+    "x@-1",
+    "\x00",
+    "",
+    " ",
+    "../..",
+    "tinker://",
+    "tinker://x/weights/",
+    "%s%n%x",
+    "a" * 5000,
+    "\U0001f600",
+    "NaN",
+    "-1",
+    "1e400",
+    0,
+    -1,
+    2**31,
+    2**63,
+    2**64,
+    -(2**63) - 1,
+    10**400,
+    1e308,
+    -0.0,
+    0.5,
+    True,
+    None,
+    [],
+    {},
+    [None],
+    {"": None},
+)
 _DEPTH = 3  # how deep into a body values are swapped
 
 
@@ -68,8 +100,11 @@ def _url_safe(value: object) -> bool:
 
 NASTY_IN_QUERY = tuple(value for value in NASTY if _url_safe(value))  # UTF-8 text
 # A path parameter of "", ".." or holding "/" would send the request to another route (or none): not this one's test
-NASTY_IN_PATH = tuple(value for value in NASTY_IN_QUERY if isinstance(value, str) and value and "/" not in value
-                      and value.strip(".") != "")  # fmt: skip
+NASTY_IN_PATH = tuple(
+    value
+    for value in NASTY_IN_QUERY
+    if isinstance(value, str) and value and "/" not in value and value.strip(".") != ""
+)
 
 
 @dataclass(frozen=True)
@@ -167,24 +202,39 @@ def steer(gateway: ServerProcess) -> Steer:
     ).json()
     base = capabilities["supported_models"][0]["model_name"]
     session = _post(gateway, "/api/v1/create_session", {"sdk_version": "0.38.0"})["session_id"]
-    created = _post(gateway, "/api/v1/create_model", {"session_id": session, "model_seq_id": 0, "base_model": base,
-                                                      "lora_config": {"rank": 2}})  # fmt: skip
+    created = _post(
+        gateway,
+        "/api/v1/create_model",
+        {"session_id": session, "model_seq_id": 0, "base_model": base, "lora_config": {"rank": 2}},
+    )
     model = _finished(gateway, created["request_id"])["model_id"]
     sampler = _post(
-        gateway, "/api/v1/create_sampling_session", {"session_id": session, "sampling_session_seq_id": 0,
-                                                      "base_model": base},
-    )["sampling_session_id"]  # fmt: skip
+        gateway,
+        "/api/v1/create_sampling_session",
+        {"session_id": session, "sampling_session_seq_id": 0, "base_model": base},
+    )["sampling_session_id"]
     state = _post(gateway, "/api/v1/save_weights", {"model_id": model, "seq_id": 1, "path": "fuzz"})
     state_path = _finished(gateway, state["request_id"])["path"]
     weights = _post(gateway, "/api/v1/save_weights_for_sampler", {"model_id": model, "seq_id": 2, "path": "fuzz"})
     sampler_path = _finished(gateway, weights["request_id"])["path"]
     _episode(gateway, base, "fuzz-episode")
     ids: dict[str, object] = {
-        "session_id": session, "model_id": model, "run_id": model, "sampling_session_id": sampler,
-        "sampler_id": sampler, "base_model": base, "model": base, "path": state_path, "tinker_path": state_path,
-        "model_path": sampler_path, "segment": "weights", "name": "fuzz", "seq_id": 3, "model_seq_id": 1,
+        "session_id": session,
+        "model_id": model,
+        "run_id": model,
+        "sampling_session_id": sampler,
+        "sampler_id": sampler,
+        "base_model": base,
+        "model": base,
+        "path": state_path,
+        "tinker_path": state_path,
+        "model_path": sampler_path,
+        "segment": "weights",
+        "name": "fuzz",
+        "seq_id": 3,
+        "model_seq_id": 1,
         "episode_id": "fuzz-episode",
-    }  # fmt: skip
+    }
     return Steer(ids)
 
 
@@ -204,9 +254,17 @@ def test_the_gateway_serves_the_document(gateway: ServerProcess) -> None:
 FOUND: tuple[tuple[str, str, object, int], ...] = (
     # a lone surrogate escape reached protobuf or the tokenizer (UnicodeEncodeError): bodies.check_json
     ("POST", "/v1/completions", {"model": "{base}", "prompt": "\ud800", "max_tokens": 2}, 400),
-    ("POST", "/api/v1/asample", {"sampling_session_id": "{sampler}", "seq_id": 0,
-                                 "sampling_params": {"stop": "x\udfff"},
-                                 "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]}}, 400),
+    (
+        "POST",
+        "/api/v1/asample",
+        {
+            "sampling_session_id": "{sampler}",
+            "seq_id": 0,
+            "sampling_params": {"stop": "x\udfff"},
+            "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]},
+        },
+        400,
+    ),
     # "²".isdigit() holds and int("²") raises: episode_routes.list_episodes, openai_routes.reference
     ("GET", "/v1/episodes?limit=%C2%B2", None, 400),
     ("GET", "/v1/models/gw-a%2Fx@%C2%B2", None, 404),
@@ -216,7 +274,7 @@ FOUND: tuple[tuple[str, str, object, int], ...] = (
     ("POST", "/v1/episodes/{episode}/reward", {"reward": 10**400}, 400),
     # an unhashable role met a set lookup (TypeError): openai_requests.message
     ("POST", "/v1/chat/completions", {"model": "{base}", "messages": [{"role": [None], "content": "hi"}]}, 400),
-)  # fmt: skip
+)
 
 
 def _filled(value: object, names: dict[str, str]) -> Any:
@@ -236,8 +294,13 @@ def test_what_the_fuzzer_found_is_a_4xx(
     names = {"base": str(steer.ids["model"]), "sampler": str(steer.ids["sampler_id"]), "episode": "fuzz-found"}
     if "{episode}" in path:
         _episode(gateway, str(steer.ids["model"]), "fuzz-found")
-    answer = requests.request(method, f"{base_url(gateway)}{path.format(**names)}", json=_filled(body, names),
-                              headers={"X-API-Key": KEY_A}, timeout=TIMEOUT)  # fmt: skip
+    answer = requests.request(
+        method,
+        f"{base_url(gateway)}{path.format(**names)}",
+        json=_filled(body, names),
+        headers={"X-API-Key": KEY_A},
+        timeout=TIMEOUT,
+    )
     assert answer.status_code == status, answer.text
     assert not _LEAKS.search(answer.text), answer.text
 
@@ -245,8 +308,12 @@ def test_what_the_fuzzer_found_is_a_4xx(
 def test_a_compressed_json_body_is_a_400(gateway: ServerProcess) -> None:
     """The gateway does not decode Content-Encoding on JSON routes (only forward_backward's zstd): gzip bytes are
     not JSON."""
-    answer = requests.post(f"{base_url(gateway)}/api/v1/create_session", data=gzip.compress(b"{}"), timeout=TIMEOUT,
-                           headers={"X-API-Key": KEY_A, "Content-Encoding": "gzip"})  # fmt: skip
+    answer = requests.post(
+        f"{base_url(gateway)}/api/v1/create_session",
+        data=gzip.compress(b"{}"),
+        timeout=TIMEOUT,
+        headers={"X-API-Key": KEY_A, "Content-Encoding": "gzip"},
+    )
     assert answer.status_code == 400, answer.text
     assert answer.json()["error"] == "MALFORMED_JSON"
 
@@ -291,8 +358,13 @@ def test_every_route_answers_fuzzed_requests_without_a_5xx(gateway: ServerProces
             operation.as_strategy(GenerationMode.POSITIVE), operation.as_strategy(GenerationMode.NEGATIVE)
         )
 
-        @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True,
-                  database=None)  # fmt: skip
+        @settings(
+            max_examples=EXAMPLES,
+            deadline=None,
+            suppress_health_check=list(HealthCheck),
+            derandomize=True,
+            database=None,
+        )
         @given(case=cases, auth=st.sampled_from(AUTH), data=st.data())
         def fuzz(case: Any, auth: str, data: st.DataObject) -> None:
             steer.apply(case, data)
@@ -310,5 +382,7 @@ def test_every_route_answers_fuzzed_requests_without_a_5xx(gateway: ServerProces
     for (_label, status), n in STATUSES.items():
         by_status[status] += n
     slowest = ", ".join(f"{label} {t:.1f} s" for label, t in sorted(seconds.items(), key=lambda kv: -kv[1])[:3])
-    print(f"fuzzed {sum(by_status.values())} requests over {len(operations)} routes: {sorted(by_status.items())}; "
-          f"slowest: {slowest}")  # fmt: skip
+    print(
+        f"fuzzed {sum(by_status.values())} requests over {len(operations)} routes: {sorted(by_status.items())}; "
+        f"slowest: {slowest}"
+    )

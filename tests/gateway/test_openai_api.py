@@ -128,9 +128,14 @@ def test_chat_completion_is_the_samplers_exact_tokens(
     registry_server: ServerProcess,
 ) -> None:
     reply = client_a.chat.completions.create(
-        model=f"{AGENT}@latest", messages=MESSAGES, max_tokens=12, seed=7, logprobs=True, top_logprobs=2,
+        model=f"{AGENT}@latest",
+        messages=MESSAGES,
+        max_tokens=12,
+        seed=7,
+        logprobs=True,
+        top_logprobs=2,
         extra_body={"return_token_ids": True},
-    )  # fmt: skip
+    )
     assert reply.model == f"{AGENT}@{versions[AGENT]}" and reply.object == "chat.completion"
     prompt = extra(reply, "prompt_token_ids")
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
@@ -265,8 +270,14 @@ def test_top_logprobs_are_the_models_alternatives(
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     model = reference.model(None)
     base_id = next(iter(client_a.models.list())).id
-    chat: dict[str, Any] = {"model": base_id, "messages": MESSAGES, "max_tokens": 10, "temperature": 0.0,
-                            "logprobs": True, "extra_body": {"return_token_ids": True}}  # fmt: skip
+    chat: dict[str, Any] = {
+        "model": base_id,
+        "messages": MESSAGES,
+        "max_tokens": 10,
+        "temperature": 0.0,
+        "logprobs": True,
+        "extra_body": {"return_token_ids": True},
+    }
     reply = client_a.chat.completions.create(**chat, top_logprobs=5)
     prompt, tokens = extra(reply, "prompt_token_ids"), extra(reply.choices[0], "token_ids")
     content = reply.choices[0].logprobs.content
@@ -292,8 +303,13 @@ def test_top_logprobs_are_the_models_alternatives(
     assert [e.logprob for e in plain_content] == pytest.approx([e.logprob for e in content], abs=1e-5)
 
     # Completions: logprobs=k, each position a {token: logprob} dict (the chosen one included), streamed and not.
-    text: dict[str, Any] = {"model": base_id, "prompt": prompt, "max_tokens": 10, "temperature": 0.0,
-                            "extra_body": {"return_token_ids": True}}  # fmt: skip
+    text: dict[str, Any] = {
+        "model": base_id,
+        "prompt": prompt,
+        "max_tokens": 10,
+        "temperature": 0.0,
+        "extra_body": {"return_token_ids": True},
+    }
     legacy = client_a.completions.create(**text, logprobs=3)
     assert extra(legacy.choices[0], "token_ids") == tokens
     tops = legacy.choices[0].logprobs.top_logprobs
@@ -301,8 +317,9 @@ def test_top_logprobs_are_the_models_alternatives(
     assert tops is not None and [list(t) for t in tops] == [list(t) for t in oracle]
     assert [v for t in tops for v in t.values()] == pytest.approx([v for t in oracle for v in t.values()], abs=1e-4)
     chunks_text = list(client_a.completions.create(**text, logprobs=3, stream=True))
-    streamed_tops = [t for c in chunks_text if c.choices and c.choices[0].logprobs
-                     for t in c.choices[0].logprobs.top_logprobs or []]  # fmt: skip
+    streamed_tops = [
+        t for c in chunks_text if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.top_logprobs or []
+    ]
     assert [list(t) for t in streamed_tops] == [list(t) for t in tops]
     zero = client_a.completions.create(**text, logprobs=0)
     assert zero.choices[0].logprobs is not None and zero.choices[0].logprobs.top_logprobs is None
@@ -328,8 +345,14 @@ def test_a_batch_mixing_top_logprobs_gives_each_what_it_asked(
     }
 
     def body(name: str) -> dict[str, Any]:
-        return {"model": base_id, "max_tokens": 8, "temperature": 0.0, "logprobs": True,
-                "extra_body": {"return_token_ids": True}, **asks[name]}  # fmt: skip
+        return {
+            "model": base_id,
+            "max_tokens": 8,
+            "temperature": 0.0,
+            "logprobs": True,
+            "extra_body": {"return_token_ids": True},
+            **asks[name],
+        }
 
     alone = {name: client_a.chat.completions.create(**body(name)) for name in asks}
 
@@ -372,18 +395,25 @@ def test_other_tenants_models_wrong_keys_and_bad_bodies(
         assert denied.value.code == "invalid_api_key"
 
     bad: list[dict[str, object]] = [
-        {"messages": "hello"}, {"messages": []}, {"messages": [{"role": "robot", "content": "x"}]},
-        {"temperature": "hot"}, {"n": 0}, {"max_tokens": -1}, {"stop": [1, 2]}, {"top_logprobs": 3},
+        {"messages": "hello"},
+        {"messages": []},
+        {"messages": [{"role": "robot", "content": "x"}]},
+        {"temperature": "hot"},
+        {"n": 0},
+        {"max_tokens": -1},
+        {"stop": [1, 2]},
+        {"top_logprobs": 3},
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
         {"metadata": {"episode_id": "no spaces allowed"}},
-    ]  # fmt: skip
+    ]
     for fields in bad:
         body = {"model": AGENT, "messages": MESSAGES, "max_tokens": 2, **fields}
         with pytest.raises(openai.BadRequestError) as refused:
             client_a.post("/chat/completions", body=body, cast_to=httpx.Response)
         assert refused.value.type == "invalid_request_error", fields
-    raw = httpx.post(f"{base_url(gateway)}/v1/chat/completions", content=b"{not json",
-                     headers={"Authorization": f"Bearer {KEY_A}"})  # fmt: skip
+    raw = httpx.post(
+        f"{base_url(gateway)}/v1/chat/completions", content=b"{not json", headers={"Authorization": f"Bearer {KEY_A}"}
+    )
     assert raw.status_code == 400 and set(json.loads(raw.text)["error"]) == {"message", "type", "param", "code"}
     with pytest.raises(openai.BadRequestError):
         client_a.chat.completions.create(
@@ -403,8 +433,13 @@ def test_penalties_change_greedy_output_as_the_samplers_do(
     base_id = next(iter(client_a.models.list())).id
     for i in range(40):
         messages = [{"role": "user", "content": f"Say {i} again."}]
-        chat: dict[str, Any] = {"model": base_id, "messages": messages, "max_tokens": 16, "temperature": 0.0,
-                                "extra_body": {"return_token_ids": True}}  # fmt: skip
+        chat: dict[str, Any] = {
+            "model": base_id,
+            "messages": messages,
+            "max_tokens": 16,
+            "temperature": 0.0,
+            "extra_body": {"return_token_ids": True},
+        }
         plain = client_a.chat.completions.create(**chat)
         tokens = extra(plain.choices[0], "token_ids")
         repeated = [t for t in set(tokens) if tokens.count(t) >= 2]
@@ -427,8 +462,15 @@ def test_penalties_change_greedy_output_as_the_samplers_do(
     streamed = client_a.chat.completions.create(**chat, presence_penalty=2.0, stream=True)
     assert [t for c in streamed if c.choices for t in extra(c.choices[0], "token_ids")] == penalized
     # Completions, with a frequency penalty (n > 1: each choice counts its own output, so greedy ones agree).
-    text = client_a.completions.create(model=base_id, prompt=prompt, max_tokens=16, temperature=0.0, n=2,
-                                       frequency_penalty=1.5, extra_body={"return_token_ids": True})  # fmt: skip
+    text = client_a.completions.create(
+        model=base_id,
+        prompt=prompt,
+        max_tokens=16,
+        temperature=0.0,
+        n=2,
+        frequency_penalty=1.5,
+        extra_body={"return_token_ids": True},
+    )
     assert [extra(c, "token_ids") for c in text.choices] == [direct(frequency_penalty=1.5)] * 2
     assert direct(frequency_penalty=1.5) != tokens
 
@@ -464,8 +506,11 @@ def test_what_cannot_be_honoured_is_refused_naming_the_parameter(
         assert caught.value.param == param, (fields, caught.value)
     assert sampler.stats().tokens_generated == before
     # What is honoured is served: text, auto, none.
-    for fields in ({"response_format": {"type": "text"}}, {"tools": tools, "tool_choice": "auto"},
-                   {"tools": tools, "tool_choice": "none"}):  # fmt: skip
+    for fields in (
+        {"response_format": {"type": "text"}},
+        {"tools": tools, "tool_choice": "auto"},
+        {"tools": tools, "tool_choice": "none"},
+    ):
         ok = client_a.chat.completions.create(model=base_id, messages=MESSAGES, max_tokens=2, **fields)
         assert ok.choices[0].message.role == "assistant"
 

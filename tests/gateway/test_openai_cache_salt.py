@@ -59,8 +59,9 @@ def test_cache_salt_splits_one_tenants_prefix_cache(
 
     def chat(cache_salt: str | None) -> None:
         extra_body: dict[str, Any] = {} if cache_salt is None else {"cache_salt": cache_salt}
-        client.chat.completions.create(model=base, messages=messages, max_tokens=2, temperature=0.0,
-                                       extra_body=extra_body)  # fmt: skip
+        client.chat.completions.create(
+            model=base, messages=messages, max_tokens=2, temperature=0.0, extra_body=extra_body
+        )
 
     assert found(sampler, lambda: chat(f"{salt}-a")) == 0
     assert found(sampler, lambda: chat(f"{salt}-b")) == 0  # another salt: none of salt a's blocks
@@ -70,8 +71,9 @@ def test_cache_salt_splits_one_tenants_prefix_cache(
 
     async def streamed() -> None:
         async with async_openai_client(gateway, KEY_A) as aclient:
-            stream = await aclient.chat.completions.create(model=base, messages=messages, max_tokens=2, stream=True,
-                                                           extra_body={"cache_salt": f"{salt}-b"})  # fmt: skip
+            stream = await aclient.chat.completions.create(
+                model=base, messages=messages, max_tokens=2, stream=True, extra_body={"cache_salt": f"{salt}-b"}
+            )
             async for _ in stream:
                 pass
 
@@ -80,8 +82,9 @@ def test_cache_salt_splits_one_tenants_prefix_cache(
     tokens = [(29 * i + 3) % 400 + 5 for i in range(2 * block + 3)]  # two full blocks and a bit
 
     def complete(cache_salt: str) -> None:
-        client.completions.create(model=base, prompt=tokens, max_tokens=2, temperature=0.0,
-                                  extra_body={"cache_salt": cache_salt})  # fmt: skip
+        client.completions.create(
+            model=base, prompt=tokens, max_tokens=2, temperature=0.0, extra_body={"cache_salt": cache_salt}
+        )
 
     assert found(sampler, lambda: complete(f"{salt}-a")) == 0
     assert found(sampler, lambda: complete(f"{salt}-b")) == 0
@@ -95,8 +98,9 @@ def test_a_bad_cache_salt_is_a_400_naming_it(client: openai.OpenAI, sampler: Sam
     bad: list[object] = [7, True, ["a"], {"salt": "a"}, "", "é" * 129]  # 129 characters, 258 UTF-8 bytes
     for salt in bad:
         with pytest.raises(openai.BadRequestError) as chat:
-            client.chat.completions.create(model=base, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
-                                           extra_body={"cache_salt": salt})  # fmt: skip
+            client.chat.completions.create(
+                model=base, messages=[{"role": "user", "content": "Hi"}], max_tokens=2, extra_body={"cache_salt": salt}
+            )
         with pytest.raises(openai.BadRequestError) as completion:
             client.completions.create(model=base, prompt="Hi", max_tokens=2, extra_body={"cache_salt": salt})
         for refused in (chat.value, completion.value):

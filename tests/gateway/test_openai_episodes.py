@@ -100,9 +100,13 @@ def play_exact(client: openai.OpenAI, episode_id: str) -> list[tuple[list[int], 
     for observation in OBSERVATIONS:
         prompt = context + observation
         answer = client.completions.create(
-            model=f"{AGENT}@latest", prompt=prompt, max_tokens=5, temperature=0.0,
-            extra_headers={HEADER: episode_id}, extra_body={"return_token_ids": True},
-        )  # fmt: skip
+            model=f"{AGENT}@latest",
+            prompt=prompt,
+            max_tokens=5,
+            temperature=0.0,
+            extra_headers={HEADER: episode_id},
+            extra_body={"return_token_ids": True},
+        )
         choice = answer.choices[0]
         tokens = list(extra(choice, "token_ids"))  # type: ignore[call-overload]
         assert list(extra(choice, "prompt_token_ids")) == prompt  # type: ignore[call-overload]
@@ -133,15 +137,21 @@ def test_rerendered_history_starts_a_new_segment_async(gateways: Gateways, train
         async with openai.AsyncOpenAI(base_url=f"{gateways.url}/v1", api_key=KEY_A, max_retries=0) as client:
             messages: list[dict[str, str]] = [{"role": "user", "content": "Guess a number."}]
             first = await client.chat.completions.create(
-                model=AGENT, messages=messages, max_tokens=4, temperature=0.0,  # type: ignore[arg-type]
+                model=AGENT,
+                messages=messages,  # type: ignore[arg-type]
+                max_tokens=4,
+                temperature=0.0,
                 extra_body={"metadata": {"episode_id": "rerender-1"}},
-            )  # fmt: skip
+            )
             # The runtime edits its own earlier answer: the next prompt no longer extends the last one.
             messages += [{"role": "assistant", "content": "EDITED"}, {"role": "user", "content": "Again."}]
             await client.chat.completions.create(
-                model=AGENT, messages=messages, max_tokens=4, temperature=0.0,  # type: ignore[arg-type]
+                model=AGENT,
+                messages=messages,  # type: ignore[arg-type]
+                max_tokens=4,
+                temperature=0.0,
                 extra_headers={HEADER: "rerender-1"},
-            )  # fmt: skip
+            )
             assert first.model == f"{AGENT}@1"
 
     asyncio.run(play())

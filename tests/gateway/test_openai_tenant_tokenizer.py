@@ -55,9 +55,11 @@ def test_a_tenant_flooding_the_tokenizer_is_refused_and_another_is_served(gatewa
             async def flood(worker: int) -> None:  # sends again as soon as answered, until gw-b is done
                 while not stop.is_set():
                     try:
-                        outcomes.append(await noisy.chat.completions.create(
-                            model=base, messages=_long_messages(worker), max_tokens=1
-                        ))  # fmt: skip
+                        outcomes.append(
+                            await noisy.chat.completions.create(
+                                model=base, messages=_long_messages(worker), max_tokens=1
+                            )
+                        )
                     except openai.APIError as exc:
                         outcomes.append(exc)
                         if isinstance(exc, openai.RateLimitError):
@@ -67,9 +69,14 @@ def test_a_tenant_flooding_the_tokenizer_is_refused_and_another_is_served(gatewa
             await asyncio.wait_for(refused.wait(), 120)  # gw-a's queue is full now
             answers: list[Any] = []
             for i in range(3):  # gw-b's own requests, during the flood: renders and logprob pieces, an encode
-                answers.append(await quiet.chat.completions.create(
-                    model=base, messages=[{"role": "user", "content": f"hello {i}"}], max_tokens=2, logprobs=True,
-                ))  # fmt: skip
+                answers.append(
+                    await quiet.chat.completions.create(
+                        model=base,
+                        messages=[{"role": "user", "content": f"hello {i}"}],
+                        max_tokens=2,
+                        logprobs=True,
+                    )
+                )
             answers.append(await quiet.completions.create(model=base, prompt="one two", max_tokens=2))
             stop.set()
             await asyncio.gather(*floods)
@@ -80,7 +87,8 @@ def test_a_tenant_flooding_the_tokenizer_is_refused_and_another_is_served(gatewa
     assert limited and all(r.code == "rate_limit_exceeded" for r in limited)
     # gw-a's admitted renders are answered too: too many tokens for the context (the sampler's 400), never a 5xx.
     others = [r for r in flooded if not isinstance(r, openai.RateLimitError)]
-    assert others and all(isinstance(r, openai.BadRequestError) and r.code == "context_length_exceeded"
-                          for r in others), others  # fmt: skip
+    assert others and all(
+        isinstance(r, openai.BadRequestError) and r.code == "context_length_exceeded" for r in others
+    ), others
     assert [a.object for a in answers] == ["chat.completion"] * 3 + ["text_completion"]
     assert all(a.usage.completion_tokens >= 1 for a in answers)

@@ -45,21 +45,38 @@ def test_chat_bodies_are_checked_into_template_messages() -> None:
         "model": "agent",
         "messages": [
             {"role": "developer", "content": [{"type": "text", "text": "be "}, {"type": "text", "text": "terse"}]},
-            {"role": "assistant", "content": None, "tool_calls": [
-                {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+                ],
+            },
             {"role": "tool", "tool_call_id": "call_1", "content": "2"},
         ],
-        "stop": "END", "seed": -1, "n": 2, "unknown_field": {"ignored": True},
-    }  # fmt: skip
+        "stop": "END",
+        "seed": -1,
+        "n": 2,
+        "unknown_field": {"ignored": True},
+    }
     parsed = chat_request(body, max_num_samples=8)
     system, assistant, tool = parsed.messages
     assert system == {"role": "system", "content": "be terse"}
-    assert assistant["tool_calls"] == [{"type": "function", "function": {"name": "f", "arguments": {"x": 1}},
-                                        "id": "call_1"}]  # fmt: skip
+    assert assistant["tool_calls"] == [
+        {"type": "function", "function": {"name": "f", "arguments": {"x": 1}}, "id": "call_1"}
+    ]
     assert tool["tool_call_id"] == "call_1"
     assert parsed.options.stop == ("END",) and parsed.options.seed == 2**64 - 1 and parsed.options.n == 2
-    for bad in ({"n": 9}, {"temperature": 3}, {"top_p": 0}, {"stream_options": 1}, {"tools": [{"type": "x"}]},
-                {"tool_choice": "sometimes"}, {"logprobs": "yes"}, {"max_tokens": 0}):  # fmt: skip
+    for bad in (
+        {"n": 9},
+        {"temperature": 3},
+        {"top_p": 0},
+        {"stream_options": 1},
+        {"tools": [{"type": "x"}]},
+        {"tool_choice": "sometimes"},
+        {"logprobs": "yes"},
+        {"max_tokens": 0},
+    ):
         with pytest.raises(OpenAIError) as caught:
             chat_request({**body, **bad}, max_num_samples=8)
         assert caught.value.status == 400 and caught.value.param is not None
@@ -118,9 +135,12 @@ def test_what_cannot_be_honoured_is_refused_naming_the_parameter() -> None:
     text = {"model": "m", "prompt": "hi"}
     # accepted: what is honoured, or what asks for nothing
     accepted: list[dict[str, object]] = [
-        {"response_format": {"type": "text"}}, {"response_format": None}, {"tool_choice": "auto"},
-        {"tool_choice": "none"}, {"logit_bias": {}},
-    ]  # fmt: skip
+        {"response_format": {"type": "text"}},
+        {"response_format": None},
+        {"tool_choice": "auto"},
+        {"tool_choice": "none"},
+        {"logit_bias": {}},
+    ]
     for fine in accepted:
         chat_request({**chat, **fine}, 8)
     assert chat_request({**chat, "tool_choice": "auto"}, 8).tool_choice == "auto"

@@ -33,10 +33,11 @@ def test_committed_code_matches_fresh_generation(tmp_path: Path) -> None:
     fresh = sorted((tmp_path / "opentinker" / "v1").iterdir())
     assert fresh, "protoc generated nothing"
     stale = [
-        f.name for f in fresh
+        f.name
+        for f in fresh
         if not (PROTO_DIR / "opentinker" / "v1" / f.name).exists()
         or (PROTO_DIR / "opentinker" / "v1" / f.name).read_bytes() != f.read_bytes()
-    ]  # fmt: skip
+    ]
     assert not stale, f"generated code is stale, run `make protos`: {stale}"
 
 

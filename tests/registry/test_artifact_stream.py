@@ -56,11 +56,19 @@ def test_chunks_split_into_files_in_order_with_empty_files_passed() -> None:
     data = b"".join(FILES.values())
     sink = receive(declared(FILES), [data[:1], b"", data[1:5], data[5:]])
     assert sink.events == [
-        ("start", "a.json"), ("write", b"{"), ("write", b"}"), ("end", "a.json"),
-        ("start", "empty"), ("end", "empty"),
-        ("start", "m/weights.bin"), ("write", b"www"), ("write", b"w" * 7), ("end", "m/weights.bin"),
-        ("start", "z-empty"), ("end", "z-empty"),
-    ]  # fmt: skip
+        ("start", "a.json"),
+        ("write", b"{"),
+        ("write", b"}"),
+        ("end", "a.json"),
+        ("start", "empty"),
+        ("end", "empty"),
+        ("start", "m/weights.bin"),
+        ("write", b"www"),
+        ("write", b"w" * 7),
+        ("end", "m/weights.bin"),
+        ("start", "z-empty"),
+        ("end", "z-empty"),
+    ]
 
 
 @pytest.mark.parametrize(

@@ -26,8 +26,16 @@ def wire(message: Message) -> dict[str, Any]:
 def test_records_print_as_the_wire_replies(registry_server: ServerProcess, registry: Stub) -> None:
     name = unique_name("json")
     with RegistryClient(registry_server.address) as client:
-        created = client.create_adapter(name, rank=8, alpha=0.1, dropout=0.05, target_modules=["q_proj"],
-                                        labels={"team": "rl"}, description="d", base_model_digest="abc")  # fmt: skip
+        created = client.create_adapter(
+            name,
+            rank=8,
+            alpha=0.1,
+            dropout=0.05,
+            target_modules=["q_proj"],
+            labels={"team": "rl"},
+            description="d",
+            base_model_digest="abc",
+        )
         raw_adapter = registry.GetAdapter(registry_pb2.GetAdapterRequest(name=name)).adapter
         assert out.created_json(created) == wire(
             registry_pb2.CreateAdapterResponse(adapter=raw_adapter, event_id=created.event_id)
@@ -60,8 +68,12 @@ def test_records_print_as_the_wire_replies(registry_server: ServerProcess, regis
         moved = client.set_alias(name, "canary", 2)
         assert out.alias_set_json(moved) == {"previous_version": "0", "version": "2", "event_id": moved.event_id}
         back = client.rollback(name)
-        assert out.rollback_json(back) == {"alias": "latest", "from_version": "3", "to_version": "2",
-                                           "event_id": back.event_id}  # fmt: skip
+        assert out.rollback_json(back) == {
+            "alias": "latest",
+            "from_version": "3",
+            "to_version": "2",
+            "event_id": back.event_id,
+        }
         removed = client.delete_alias_move(name, "canary")
         assert out.alias_rm_json(removed) == {"previous_version": "2", "event_id": removed.event_id}
 

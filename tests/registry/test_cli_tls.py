@@ -42,8 +42,14 @@ def tls_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TlsRegist
 def opentinker(*args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OPENTINKER_")}
     env["COLUMNS"] = "200"
-    return subprocess.run([sys.executable, "-m", "opentinker.cli.main", *args], capture_output=True, text=True,
-                          timeout=60, env=env, cwd=ROOT)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "opentinker.cli.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        cwd=ROOT,
+    )
 
 
 def one_clean_line(result: subprocess.CompletedProcess[str], code: str) -> str:
@@ -73,8 +79,13 @@ def test_admin_commands_over_tls_with_a_token(tls_registry: TlsRegistry) -> None
 
     # The environment names the certificate and the token as well as the flags do.
     env = {**os.environ, "OPENTINKER_CA_CERT": cert, "OPENTINKER_TOKEN": token, "COLUMNS": "200"}
-    table = subprocess.run([sys.executable, "-m", "opentinker.cli.main", "registry", "adapters", "--prefix", name,
-                            "--registry", address], capture_output=True, text=True, timeout=60, env=env)  # fmt: skip
+    table = subprocess.run(
+        [sys.executable, "-m", "opentinker.cli.main", "registry", "adapters", "--prefix", name, "--registry", address],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
     assert table.returncode == 0 and name in table.stdout, table.stderr
 
     status = opentinker("status", "--registry", address, "--ca-cert", cert, "--token", token)
@@ -97,6 +108,7 @@ def test_a_wrong_token_fails_naming_the_problem(tls_registry: TlsRegistry) -> No
 
 
 def test_a_missing_certificate_file_is_a_usage_error(tls_registry: TlsRegistry, tmp_path: Path) -> None:
-    result = opentinker("registry", "adapters", "--registry", tls_registry.server.address,
-                        "--ca-cert", str(tmp_path / "nope.pem"))  # fmt: skip
+    result = opentinker(
+        "registry", "adapters", "--registry", tls_registry.server.address, "--ca-cert", str(tmp_path / "nope.pem")
+    )
     assert result.returncode == 2 and "--ca-cert" in result.stderr and "Traceback" not in result.stderr

@@ -118,8 +118,12 @@ def test_versions_show_and_lineage_print_metrics_targets_and_what_is_hidden(cli:
     traces = [f"trace-{i}" for i in range(6)]
     metrics = {"loss:sum": 12.5, "weights:sum": 5.0}
     publish(registry, name)
-    publish(registry, name, parent=1, lineage=registry_pb2.Lineage(
-        metrics=metrics, batches=[registry_pb2.BatchRecord(digest="d", trace_ids=traces)]))  # fmt: skip
+    publish(
+        registry,
+        name,
+        parent=1,
+        lineage=registry_pb2.Lineage(metrics=metrics, batches=[registry_pb2.BatchRecord(digest="d", trace_ids=traces)]),
+    )
 
     table = ok(cli("versions", name, "--limit", "1"))
     assert "loss:sum=12.5" in table and "weights:sum=5" in table

@@ -67,14 +67,28 @@ class Registry:
 def registry(tmp_path: Path) -> Iterator[Registry]:
     tokens = {who: f"tok-{who}-{secrets.token_hex(8)}" for who in (*TENANTS, "ops")}
     tokens_file = tmp_path / "tokens.json"
-    tokens_file.write_text(json.dumps({"tokens": [
-        {"token": t, "tenant": who, "role": "admin" if who == "ops" else "user"} for who, t in tokens.items()
-    ]}))  # fmt: skip
+    tokens_file.write_text(
+        json.dumps(
+            {
+                "tokens": [
+                    {"token": t, "tenant": who, "role": "admin" if who == "ops" else "user"}
+                    for who, t in tokens.items()
+                ]
+            }
+        )
+    )
     redis_server = EmbeddedRedis(tmp_path / "redis", appendonly=False).start()
     server = start_registry(
-        tmp_path / "registry", "--redis-url", redis_server.url, "--tokens-file", str(tokens_file),
-        "--tenant-storage-quota-mb", str(QUOTA >> 20), "--upload-grace-s", str(GRACE_S),
-    )  # fmt: skip
+        tmp_path / "registry",
+        "--redis-url",
+        redis_server.url,
+        "--tokens-file",
+        str(tokens_file),
+        "--tenant-storage-quota-mb",
+        str(QUOTA >> 20),
+        "--upload-grace-s",
+        str(GRACE_S),
+    )
     channel = grpc.insecure_channel(server.address)
     try:
         yield Registry(server, redis_server.url, channel, tokens)

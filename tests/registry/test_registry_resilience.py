@@ -97,10 +97,14 @@ def test_empty_and_malformed_fields_get_precise_codes_and_server_stays_up(
         (registry.SetAlias, registry_pb2.SetAliasRequest(adapter="x", alias="7", version=1), "INVALID_ALIAS"),
         (registry.GetLineage, registry_pb2.GetLineageRequest(reference="x@"), "INVALID_REFERENCE"),
         (registry.ListAdapters, registry_pb2.ListAdaptersRequest(page_size=5000), "INVALID_PAGE_SIZE"),
-        (registry.CreateAdapter, registry_pb2.CreateAdapterRequest(
-            name=unique_name(), lora_config={"rank": 4, "target_modules": ["q proj"]}),
-         "INVALID_LORA_CONFIG"),
-    ]  # fmt: skip
+        (
+            registry.CreateAdapter,
+            registry_pb2.CreateAdapterRequest(
+                name=unique_name(), lora_config={"rank": 4, "target_modules": ["q proj"]}
+            ),
+            "INVALID_LORA_CONFIG",
+        ),
+    ]
     for method, request, reason in calls:
         assert_status(rpc_error(method, request), grpc.StatusCode.INVALID_ARGUMENT, reason)
     health = health_pb2_grpc.HealthStub(registry_channel).Check(health_pb2.HealthCheckRequest())
@@ -201,10 +205,17 @@ def test_redis_restart_publish_unavailable_then_recovers(tmp_path: Path) -> None
 def secured_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     workdir = tmp_path_factory.mktemp("secured-registry")
     tokens = workdir / "tokens.json"
-    tokens.write_text(json.dumps({"tokens": [
-        {"token": "tok-a", "tenant": "team-a"}, {"token": "tok-b", "tenant": "team-b"},
-        {"token": "tok-admin", "tenant": "ops", "role": "admin"},
-    ]}))  # fmt: skip
+    tokens.write_text(
+        json.dumps(
+            {
+                "tokens": [
+                    {"token": "tok-a", "tenant": "team-a"},
+                    {"token": "tok-b", "tenant": "team-b"},
+                    {"token": "tok-admin", "tenant": "ops", "role": "admin"},
+                ]
+            }
+        )
+    )
     server = start_registry(workdir, "--tokens-file", str(tokens))
     yield server
     assert server.terminate() == 0

@@ -227,13 +227,22 @@ def test_serving_alias_is_what_a_bare_name_resolves_to(registry: Stub) -> None:
     assert bare() == 2
     # Refused: an alias the adapter lacks, a bad alias, an unknown adapter; each changes nothing.
     for request, code, reason in (
-        (registry_pb2.SetServingAliasRequest(adapter=name, alias="canary"), grpc.StatusCode.NOT_FOUND,
-         "ALIAS_NOT_FOUND"),
-        (registry_pb2.SetServingAliasRequest(adapter=name, alias="7"), grpc.StatusCode.INVALID_ARGUMENT,
-         "INVALID_ALIAS"),
-        (registry_pb2.SetServingAliasRequest(adapter=unique_name(), alias="stable"), grpc.StatusCode.NOT_FOUND,
-         "ADAPTER_NOT_FOUND"),
-    ):  # fmt: skip
+        (
+            registry_pb2.SetServingAliasRequest(adapter=name, alias="canary"),
+            grpc.StatusCode.NOT_FOUND,
+            "ALIAS_NOT_FOUND",
+        ),
+        (
+            registry_pb2.SetServingAliasRequest(adapter=name, alias="7"),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "INVALID_ALIAS",
+        ),
+        (
+            registry_pb2.SetServingAliasRequest(adapter=unique_name(), alias="stable"),
+            grpc.StatusCode.NOT_FOUND,
+            "ADAPTER_NOT_FOUND",
+        ),
+    ):
         assert_status(rpc_error(registry.SetServingAlias, request), code, reason)
     assert bare() == 2 and registry.GetAdapter(registry_pb2.GetAdapterRequest(name=name)).adapter.serving_alias == ""
     moved = registry.SetServingAlias(registry_pb2.SetServingAliasRequest(adapter=name, alias="stable"))
@@ -256,9 +265,13 @@ def test_serving_alias_is_what_a_bare_name_resolves_to(registry: Stub) -> None:
     events = [next(stream).event for _ in range(6)]
     stream.cancel()
     assert [(registry_pb2.EventType.Name(e.type).removeprefix("EVENT_TYPE_"), e.serving_alias) for e in events] == [
-        ("VERSION_PUBLISHED", ""), ("VERSION_PUBLISHED", ""), ("SERVING_ALIAS_SET", "stable"),
-        ("VERSION_PUBLISHED", "stable"), ("ALIAS_SET", "stable"), ("ALIAS_SET", "stable"),
-    ]  # fmt: skip
+        ("VERSION_PUBLISHED", ""),
+        ("VERSION_PUBLISHED", ""),
+        ("SERVING_ALIAS_SET", "stable"),
+        ("VERSION_PUBLISHED", "stable"),
+        ("ALIAS_SET", "stable"),
+        ("ALIAS_SET", "stable"),
+    ]
     assert (events[2].alias, events[2].version, events[2].actor) == ("stable", 1, "local")
     watch = registry.WatchEvents(registry_pb2.WatchEventsRequest(adapters=[name], send_snapshot=True))
     snapshot = next(watch).reconcile
@@ -282,9 +295,12 @@ def test_lineage_chain_with_batches(registry: Stub) -> None:
     for step in range(3):
         batch = registry_pb2.BatchRecord(digest=f"d{step}", trace_ids=[f"trace-{step}"], step=step + 1, num_tokens=10)
         lineage = registry_pb2.Lineage(
-            parent_version=parent, trainer_step=step + 1, tokens_trained=10 * (step + 1), batches=[batch],
+            parent_version=parent,
+            trainer_step=step + 1,
+            tokens_trained=10 * (step + 1),
+            batches=[batch],
             metrics={"loss:mean": 1.0 / (step + 1)},
-        )  # fmt: skip
+        )
         uri = upload(registry, artifact_files(step))
         response = registry.PublishVersion(
             registry_pb2.PublishVersionRequest(adapter=name, artifact_uri=uri, lineage=lineage)
@@ -358,8 +374,10 @@ def test_watch_resumes_from_event_id_with_absolute_state(registry: Stub) -> None
     events = [next(stream).event for _ in range(3)]
     stream.cancel()
     assert [registry_pb2.EventType.Name(e.type) for e in events] == [
-        "EVENT_TYPE_VERSION_PUBLISHED", "EVENT_TYPE_VERSION_PUBLISHED", "EVENT_TYPE_ALIAS_SET",
-    ]  # fmt: skip
+        "EVENT_TYPE_VERSION_PUBLISHED",
+        "EVENT_TYPE_VERSION_PUBLISHED",
+        "EVENT_TYPE_ALIAS_SET",
+    ]
     assert events[0].event_id == first.event_id
     assert dict(events[0].aliases) == {"latest": 1}
     assert dict(events[1].aliases) == {"latest": 2, "stable": 2}

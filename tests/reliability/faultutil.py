@@ -285,16 +285,40 @@ class ForkedServer:
 
 def trainer_argv(model: Path, registry: str, store: Path, workdir: Path, *extra: str) -> list[str]:
     return [
-        "trainer", "serve", "--model", str(model), "--registry", registry, "--store", str(store),
-        "--port", "0", "--device", "cpu", "--spill-dir", str(workdir / "spill"), *extra,
-    ]  # fmt: skip
+        "trainer",
+        "serve",
+        "--model",
+        str(model),
+        "--registry",
+        registry,
+        "--store",
+        str(store),
+        "--port",
+        "0",
+        "--device",
+        "cpu",
+        "--spill-dir",
+        str(workdir / "spill"),
+        *extra,
+    ]
 
 
 def sampler_argv(model: Path, registry: str, store: Path, *extra: str) -> list[str]:
     return [
-        "sampler", "serve", "--model", str(model), "--registry", registry, "--store", str(store),
-        "--port", "0", "--device", "cpu", *extra,
-    ]  # fmt: skip
+        "sampler",
+        "serve",
+        "--model",
+        str(model),
+        "--registry",
+        registry,
+        "--store",
+        str(store),
+        "--port",
+        "0",
+        "--device",
+        "cpu",
+        *extra,
+    ]
 
 
 def fork_trainer(
@@ -329,9 +353,13 @@ def lora_files(model: Path, seed: int, rank: int = 4, scale: float = 0.5) -> dic
             tensors[f"{key}.lora_A.weight"] = torch.randn(rank, hidden, generator=generator) * scale
             tensors[f"{key}.lora_B.weight"] = torch.randn(d_out, rank, generator=generator) * scale
     adapter_config = {
-        "peft_type": "LORA", "r": rank, "lora_alpha": float(rank), "target_modules": sorted(outs),
-        "task_type": "CAUSAL_LM", "seed": seed,
-    }  # fmt: skip
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": float(rank),
+        "target_modules": sorted(outs),
+        "task_type": "CAUSAL_LM",
+        "seed": seed,
+    }
     return {
         "adapter_config.json": json.dumps(adapter_config, sort_keys=True).encode(),
         "adapter_model.safetensors": save_safetensors(tensors),
@@ -350,9 +378,12 @@ def publish_lora(
 ) -> registry_pb2.Version:
     uri = upload(stub, lora_files(model, seed), timeout=timeout)
     request = registry_pb2.PublishVersionRequest(
-        adapter=name, artifact_uri=uri, skip_latest=skip_latest, request_id=request_id,
+        adapter=name,
+        artifact_uri=uri,
+        skip_latest=skip_latest,
+        request_id=request_id,
         lora_config=common_pb2.LoraConfig(rank=4, alpha=4.0, target_modules=["q_proj", "v_proj"]),
-    )  # fmt: skip
+    )
     response: registry_pb2.PublishVersionResponse = stub.PublishVersion(request, timeout=timeout)
     return response.version
 
@@ -440,9 +471,11 @@ def publish_burst(
                 if request_id not in me.uris:  # an acknowledged upload is committed and survives restarts
                     me.uris[request_id] = upload(stub, lora_files(model, seed=1000 * me.index + n), timeout=30)
                 request = registry_pb2.PublishVersionRequest(
-                    adapter=name, artifact_uri=me.uris[request_id], request_id=request_id,
+                    adapter=name,
+                    artifact_uri=me.uris[request_id],
+                    request_id=request_id,
                     lora_config=common_pb2.LoraConfig(rank=4, alpha=4.0, target_modules=["q_proj", "v_proj"]),
-                )  # fmt: skip
+                )
                 me.acked[request_id] = stub.PublishVersion(request, timeout=30).version
                 break
             except grpc.RpcError as error:

@@ -71,10 +71,21 @@ def stack(
     keys = workdir / "keys.json"
     keys.write_text(json.dumps({"keys": [{"key": KEY, "tenant": TENANT}]}))
     args = opentinker_command(
-        "gateway", "serve", "--trainer", servers["trainer"].address, "--sampler", servers["sampler"].address,
-        "--registry", servers["registry"].address, "--keys-file", str(keys), "--port", "0",
-        "--redis-url", f"{redis_server.url.rstrip('/')}/1",
-    )  # fmt: skip
+        "gateway",
+        "serve",
+        "--trainer",
+        servers["trainer"].address,
+        "--sampler",
+        servers["sampler"].address,
+        "--registry",
+        servers["registry"].address,
+        "--keys-file",
+        str(keys),
+        "--port",
+        "0",
+        "--redis-url",
+        f"{redis_server.url.rstrip('/')}/1",
+    )
     gateway = ServerProcess(args, workdir / "gateway")
     channels = [grpc.insecure_channel(servers[name].address) for name in ("registry", "trainer", "sampler")]
     http = httpx.Client(base_url=f"http://{gateway.address}", timeout=60, headers={"X-API-Key": KEY})
@@ -84,10 +95,17 @@ def stack(
         create_adapter(registry, adapter)
         publish_lora(registry, tiny_model, adapter, seed=1)
         yield Stack(
-            redis_server, servers, gateway, registry, trainer_pb2_grpc.TrainerServiceStub(channels[1]),
-            sampler_pb2_grpc.SamplerServiceStub(channels[2]), http, registry_store(servers["registry"]),
-            workdir, adapter,
-        )  # fmt: skip
+            redis_server,
+            servers,
+            gateway,
+            registry,
+            trainer_pb2_grpc.TrainerServiceStub(channels[1]),
+            sampler_pb2_grpc.SamplerServiceStub(channels[2]),
+            http,
+            registry_store(servers["registry"]),
+            workdir,
+            adapter,
+        )
     finally:
         http.close()
         for channel in channels:
@@ -131,9 +149,10 @@ def check_rpc(error: OpenTinkerError, stack: Stack, server: str, code: grpc.Stat
 
 def sample(stack: Stack, model: str, request_id: str | None = None) -> OpenTinkerError:
     request = sampler_pb2.SampleRequest(
-        model=model, prompt=model_input([1, 2, 3]),
+        model=model,
+        prompt=model_input([1, 2, 3]),
         sampling_params=sampler_pb2.SamplingParams(max_tokens=2),
-    )  # fmt: skip
+    )
     metadata = (("x-request-id", request_id),) if request_id else None
     return rpc_failure(lambda: stack.sampler.Sample(request, timeout=60, metadata=metadata))
 
@@ -166,8 +185,9 @@ def test_a_file_missing_from_the_store(stack: Stack, tiny_model: Path) -> None:
     check_rpc(error, stack, "registry", grpc.StatusCode.DATA_LOSS, "DIGEST_MISMATCH")
     reference = f"{stack.adapter}@{version.version}"
     # The caller's own request id is kept: it names the call in the sampler's log.
-    request_id = check_rpc(sample(stack, reference, CLIENT_ID), stack, "sampler", grpc.StatusCode.DATA_LOSS,
-                           "DIGEST_MISMATCH")  # fmt: skip
+    request_id = check_rpc(
+        sample(stack, reference, CLIENT_ID), stack, "sampler", grpc.StatusCode.DATA_LOSS, "DIGEST_MISMATCH"
+    )
     assert request_id == CLIENT_ID
     trainer_error = rpc_failure(
         lambda: stack.trainer.CreateAdapter(

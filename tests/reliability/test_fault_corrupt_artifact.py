@@ -82,8 +82,9 @@ def test_corrupt_artifact_is_data_loss_and_never_replaces_the_served_version(sta
     sample = request(exact, prompt(2), params(max_tokens=2))
     assert_status(rpc_error(lambda: list(stack.sampler.Sample(sample))), grpc.StatusCode.DATA_LOSS, "DIGEST_MISMATCH")
     download = registry_pb2.DownloadArtifactRequest(artifact_uri=bad.artifact_uri)
-    assert_status(rpc_error(lambda: list(stack.registry.DownloadArtifact(download))), grpc.StatusCode.DATA_LOSS,
-                  "DIGEST_MISMATCH")  # fmt: skip
+    assert_status(
+        rpc_error(lambda: list(stack.registry.DownloadArtifact(download))), grpc.StatusCode.DATA_LOSS, "DIGEST_MISMATCH"
+    )
 
     before = metric(scrape(stack.server.metrics_address), FAILURES, code="DATA_LOSS", reason="DIGEST_MISMATCH")
     stack.registry.SetAlias(registry_pb2.SetAliasRequest(adapter=stack.name, alias="latest", version=bad.version))
@@ -97,6 +98,9 @@ def test_corrupt_artifact_is_data_loss_and_never_replaces_the_served_version(sta
 
     assert wait_for(failure_recorded), stats(stack.sampler)
     assert served_latest(stack) == good.version  # the alias moved in the registry; the sampler kept the good one
-    loaded = {a.version.version: a for a in stack.sampler.ListLoaded(sampler_pb2.ListLoadedRequest()).adapters
-              if a.version.adapter == stack.name}  # fmt: skip
+    loaded = {
+        a.version.version: a
+        for a in stack.sampler.ListLoaded(sampler_pb2.ListLoadedRequest()).adapters
+        if a.version.adapter == stack.name
+    }
     assert bad.version not in loaded and "latest" in loaded[good.version].serving_aliases

@@ -55,8 +55,9 @@ def stack(
     servers: list[ForkedServer] = []
     try:
         # One part per request (no micro-batching): the blocking job below must hold the compute thread whole.
-        servers.append(fork_trainer(workdir / "trainer", tiny_model, registry_server, "--micro-batch-positions",
-                                    str(1 << 17)))  # fmt: skip
+        servers.append(
+            fork_trainer(workdir / "trainer", tiny_model, registry_server, "--micro-batch-positions", str(1 << 17))
+        )
         servers.append(fork_sampler(workdir / "sampler", tiny_model, registry_server))
         with grpc.insecure_channel(servers[0].address) as t, grpc.insecure_channel(servers[1].address) as s:
             yield Stack(

@@ -117,8 +117,9 @@ def outcome(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         watch_thread = threading.Thread(target=watch, args=(registry, name, watcher, stop))
         watch_thread.start()
         publishers = [Publisher(i + 1) for i in range(PUBLISHERS)]
-        threads = [threading.Thread(target=publish_burst, args=(registry, tiny_model, name, p, PUBLISHES))
-                   for p in publishers]  # fmt: skip
+        threads = [
+            threading.Thread(target=publish_burst, args=(registry, tiny_model, name, p, PUBLISHES)) for p in publishers
+        ]
         for thread in threads:
             thread.start()
         kills = 0

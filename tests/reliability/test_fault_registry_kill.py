@@ -55,8 +55,9 @@ def outcome(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         name = unique_name("gkill")
         create_adapter(stub, name)
         publishers = [Publisher(i + 1) for i in range(CLIENTS)]
-        threads = [threading.Thread(target=publish_burst, args=(stub, tiny_model, name, p, PUBLISHES))
-                   for p in publishers]  # fmt: skip
+        threads = [
+            threading.Thread(target=publish_burst, args=(stub, tiny_model, name, p, PUBLISHES)) for p in publishers
+        ]
         for thread in threads:
             thread.start()
         kills: list[int] = []

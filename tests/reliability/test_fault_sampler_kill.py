@@ -38,8 +38,9 @@ class Stack:
 
 
 def start(stack: Stack, tag: str) -> ForkedServer:
-    return fork_sampler(stack.workdir / tag, stack.model, stack.registry_server, "--follow", stack.name,
-                        "--max-slots", "4")  # fmt: skip
+    return fork_sampler(
+        stack.workdir / tag, stack.model, stack.registry_server, "--follow", stack.name, "--max-slots", "4"
+    )
 
 
 def serving(sampler: sampler_pb2_grpc.SamplerServiceStub, name: str) -> dict[str, int]:
@@ -87,8 +88,9 @@ def test_killed_sampler_ends_every_stream_with_unavailable_and_restart_serves_cu
         started = threading.Barrier(len(outcomes) + 1, timeout=60)
 
         def stream(outcome: Outcome) -> None:
-            call = sampler.Sample(request(f"{stack.name}@latest", prompt, params(max_tokens=STREAM_TOKENS)),
-                                  timeout=120)  # fmt: skip
+            call = sampler.Sample(
+                request(f"{stack.name}@latest", prompt, params(max_tokens=STREAM_TOKENS)), timeout=120
+            )
             try:
                 for _ in call:
                     outcome.messages += 1

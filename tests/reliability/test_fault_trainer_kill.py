@@ -36,12 +36,20 @@ SNAPSHOT_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 def _store_points(scope: str, files: tuple[str, ...]) -> list[str]:
     writes = [f"{scope}/file_written:{name}" for name in files]  # commit_files writes in path order
-    return [f"{scope}/temp_created", *writes, f"{scope}/manifest_written", f"{scope}/before_rename",
-            f"{scope}/after_rename"]  # fmt: skip
+    return [
+        f"{scope}/temp_created",
+        *writes,
+        f"{scope}/manifest_written",
+        f"{scope}/before_rename",
+        f"{scope}/after_rename",
+    ]
 
 
-SNAPSHOT_POINTS = [*_store_points("save_snapshot", SNAPSHOT_FILES), "save_snapshot/before_publish",
-                   "save_snapshot/after_publish"]  # fmt: skip
+SNAPSHOT_POINTS = [
+    *_store_points("save_snapshot", SNAPSHOT_FILES),
+    "save_snapshot/before_publish",
+    "save_snapshot/after_publish",
+]
 STATE_POINTS = [*_store_points("save_state", STATE_FILES), "save_state/before_reply"]
 # Killed at these, the writer leaves its temp directory behind (before the rename into sha256/).
 LEAVES_TEMP = {
@@ -90,8 +98,9 @@ def resume(stub: trainer_pb2_grpc.TrainerServiceStub, campaign: Campaign, *, ver
     if campaign.last is None:
         create(stub, campaign.name, seed=SEED, config=CONFIG, attach_existing=True)
         return
-    adapter = create(stub, campaign.name, seed=SEED, config=CONFIG, attach_existing=True,
-                     resume_state=campaign.last.state_id)  # fmt: skip
+    adapter = create(
+        stub, campaign.name, seed=SEED, config=CONFIG, attach_existing=True, resume_state=campaign.last.state_id
+    )
     assert adapter.step == campaign.last.step
     if not verify:
         return  # this trainer is armed to die inside SaveState: the next one checks
@@ -153,8 +162,9 @@ def kill_at_random(campaign: Campaign, delay: float, workdir: Path, model: Path)
         stopped.wait(delay)
         exit_code = trainer.kill()
         worker.join(30)
-    campaign.kills.append(Kill(f"random@{delay:.2f}s", exit_code, codes[0] if codes else None,
-                               temp_dirs(campaign.store)))  # fmt: skip
+    campaign.kills.append(
+        Kill(f"random@{delay:.2f}s", exit_code, codes[0] if codes else None, temp_dirs(campaign.store))
+    )
 
 
 @pytest.fixture(scope="module")
@@ -184,8 +194,10 @@ def test_trainer_died_at_every_fault_point(campaign: Campaign, figure: Callable[
     for kill in named:
         assert kill.client_code == grpc.StatusCode.UNAVAILABLE, kill  # the client learns, it does not hang
     assert len(campaign.kills) >= 20
-    figure("trainer SIGKILLs inside SaveSnapshot/SaveState (fault points + random)",
-           f"{len(named)} + {len(campaign.kills) - len(named)}")  # fmt: skip
+    figure(
+        "trainer SIGKILLs inside SaveSnapshot/SaveState (fault points + random)",
+        f"{len(named)} + {len(campaign.kills) - len(named)}",
+    )
 
 
 def test_registry_references_only_complete_loadable_artifacts(campaign: Campaign) -> None:
@@ -217,8 +229,9 @@ def test_last_completed_state_resumes_bitwise(campaign: Campaign) -> None:
     assert campaign.resumed_identical and all(campaign.resumed_identical), campaign.resumed_identical
     with grpc.insecure_channel(campaign.final.address) as channel:
         trainer = trainer_pb2_grpc.TrainerServiceStub(channel)
-        resumed = create(trainer, campaign.name, seed=SEED, config=CONFIG, attach_existing=True,
-                         resume_state=campaign.last.state_id)  # fmt: skip
+        resumed = create(
+            trainer, campaign.name, seed=SEED, config=CONFIG, attach_existing=True, resume_state=campaign.last.state_id
+        )
         assert resumed.step == campaign.last.step
         assert save_state(trainer, campaign.name, LABEL) == campaign.last.state_id
         # An uninterrupted adapter trained on the same batches ends bitwise where the killed chain ended.

@@ -28,47 +28,112 @@ KEY_A, KEY_B = "tml-fuzz-team-a", "tml-fuzz-team-b"
 MiB = 1 << 20
 MAX_BODY = 4 * MiB
 POST_ROUTES = (
-    "client/config", "client/dynamic_config", "create_session", "session_heartbeat", "sessions/{session}/finish",
-    "retrieve_future", "cancel_future", "telemetry", "create_model", "get_info", "forward_backward", "optim_step",
-    "save_weights", "save_weights_for_sampler", "load_weights", "create_sampling_session", "asample",
-)  # fmt: skip
+    "client/config",
+    "client/dynamic_config",
+    "create_session",
+    "session_heartbeat",
+    "sessions/{session}/finish",
+    "retrieve_future",
+    "cancel_future",
+    "telemetry",
+    "create_model",
+    "get_info",
+    "forward_backward",
+    "optim_step",
+    "save_weights",
+    "save_weights_for_sampler",
+    "load_weights",
+    "create_sampling_session",
+    "asample",
+)
 GET_ROUTES = ("healthz", "get_server_capabilities", "samplers/{sampler}")
 ONE_CHECKPOINT = "training_runs/{run}/checkpoints/{segment}/{name}"
 # The RestClient's routes and their methods (GET and DELETE without a body).
 REST_ROUTES = {
-    "training_runs": ("GET",), "training_runs/{run}": ("GET",), "training_runs/{run}/checkpoints": ("GET",),
-    "checkpoints": ("GET",), ONE_CHECKPOINT: ("GET", "DELETE"), f"{ONE_CHECKPOINT}/ttl": ("PUT",),
-    f"{ONE_CHECKPOINT}/publish": ("POST", "DELETE"), "weights_info": ("POST",),
-}  # fmt: skip
-QUERIES = ["", "?limit=5", "?limit=0", "?limit=-1", "?limit=99999999999999999999", "?offset=3&limit=2",
-           "?access_scope=accessible", "?access_scope=x", "?limit=abc", "?offset=-4"]  # fmt: skip
+    "training_runs": ("GET",),
+    "training_runs/{run}": ("GET",),
+    "training_runs/{run}/checkpoints": ("GET",),
+    "checkpoints": ("GET",),
+    ONE_CHECKPOINT: ("GET", "DELETE"),
+    f"{ONE_CHECKPOINT}/ttl": ("PUT",),
+    f"{ONE_CHECKPOINT}/publish": ("POST", "DELETE"),
+    "weights_info": ("POST",),
+}
+QUERIES = [
+    "",
+    "?limit=5",
+    "?limit=0",
+    "?limit=-1",
+    "?limit=99999999999999999999",
+    "?offset=3&limit=2",
+    "?access_scope=accessible",
+    "?access_scope=x",
+    "?limit=abc",
+    "?offset=-4",
+]
 EXAMPLES = {route: 40 for route in (*POST_ROUTES, *GET_ROUTES, *REST_ROUTES)} | {
-    "forward_backward": 80, "asample": 70, "create_model": 50, "healthz": 10, "client/dynamic_config": 15,
-    "telemetry": 15, "get_server_capabilities": 10,
-}  # fmt: skip
+    "forward_backward": 80,
+    "asample": 70,
+    "create_model": 50,
+    "healthz": 10,
+    "client/dynamic_config": 15,
+    "telemetry": 15,
+    "get_server_capabilities": 10,
+}
 # The OpenAI-compatible surface (/v1): its routes and methods; errors in OpenAI's JSON instead of the tinker one.
 V1_ROUTES = {
-    "models": ("GET",), "models/{model}": ("GET",), "chat/completions": ("POST",), "completions": ("POST",),
-    "episodes": ("GET",), "episodes/{episode}": ("GET", "DELETE"), "episodes/{episode}/reward": ("POST",),
-}  # fmt: skip
+    "models": ("GET",),
+    "models/{model}": ("GET",),
+    "chat/completions": ("POST",),
+    "completions": ("POST",),
+    "episodes": ("GET",),
+    "episodes/{episode}": ("GET", "DELETE"),
+    "episodes/{episode}/reward": ("POST",),
+}
 V1_EXAMPLES = {route: 30 for route in V1_ROUTES} | {"chat/completions": 60, "completions": 50}
 V1_TEMPLATES: dict[str, dict[str, object]] = {
     "chat/completions": {
-        "model": "base", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 1.0,
-        "seed": 5, "stop": ["x"], "return_token_ids": True, "metadata": {"episode_id": "fuzz-1"}, "stream": False,
+        "model": "base",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 3,
+        "temperature": 1.0,
+        "seed": 5,
+        "stop": ["x"],
+        "return_token_ids": True,
+        "metadata": {"episode_id": "fuzz-1"},
+        "stream": False,
     },
     "completions": {"model": "base", "prompt": [1, 2, 3], "max_tokens": 3, "n": 2, "logprobs": 1, "stream": True},
     "episodes/{episode}/reward": {"reward": 1.0, "turn": 0},
-}  # fmt: skip
+}
 COUNTS: Counter[str] = Counter()
 STATUSES: Counter[int] = Counter()
 
 HUGE_INTS = [2**31, 2**32, 2**53 + 1, 2**63, 2**64, 2**70, 10**30, -(2**63) - 1, -(2**70), -1, 0, 1, 64, 65, 10**7]
 FLOATS = [1e12, 1e20, 1e39, 1e300, -1e300, 0.5, -0.0, 1e-320, 3.4e38, 2.5]
 STRINGS = [
-    "", " ", "\n", "a\nb", "\x00", "\x1b[2J", "\u2028", "é", "\U0001f600", "../x", "tinker://", "tinker://x/weights/y",
-    "base", "0.38.0", "cross_entropy", "adamw", "snapshot", "x" * 5000, "%s%n", "null", "NaN",
-]  # fmt: skip
+    "",
+    " ",
+    "\n",
+    "a\nb",
+    "\x00",
+    "\x1b[2J",
+    "\u2028",
+    "é",
+    "\U0001f600",
+    "../x",
+    "tinker://",
+    "tinker://x/weights/y",
+    "base",
+    "0.38.0",
+    "cross_entropy",
+    "adamw",
+    "snapshot",
+    "x" * 5000,
+    "%s%n",
+    "null",
+    "NaN",
+]
 
 
 @dataclass
@@ -109,10 +174,23 @@ def fuzz(
     keys = workdir / "keys.json"
     keys.write_text(json.dumps({"keys": [{"key": KEY_A, "tenant": "fuzz-a"}, {"key": KEY_B, "tenant": "fuzz-b"}]}))
     args = opentinker_command(
-        "gateway", "serve", "--trainer", stack["trainer"].address, "--sampler", stack["sampler"].address,
-        "--registry", stack["registry"].address, "--keys-file", str(keys), "--port", "0",
-        "--poll-seconds", "1", "--max-body-bytes", str(MAX_BODY),
-    )  # fmt: skip
+        "gateway",
+        "serve",
+        "--trainer",
+        stack["trainer"].address,
+        "--sampler",
+        stack["sampler"].address,
+        "--registry",
+        stack["registry"].address,
+        "--keys-file",
+        str(keys),
+        "--port",
+        "0",
+        "--poll-seconds",
+        "1",
+        "--max-body-bytes",
+        str(MAX_BODY),
+    )
     server = ServerProcess(args, workdir)
     with httpx.Client(base_url=f"http://{server.address}", timeout=60) as http:
         session = _post(http, "create_session", {"tags": [], "sdk_version": "0.38.0", "user_metadata": None})
@@ -127,10 +205,13 @@ def fuzz(
         sampler = _post(http, "create_sampling_session", sampler_body).json()["sampling_session_id"]
         _post(http, "save_weights", {"model_id": model_id, "seq_id": 3, "path": "doomed"})  # fuzzed DELETEs may hit it
         known = {
-            "session": session_id, "model": model_id, "sampler": sampler, "request": created["request_id"],
+            "session": session_id,
+            "model": model_id,
+            "sampler": sampler,
+            "request": created["request_id"],
             "state": str(_result(http, state["request_id"])["path"]),
             "weights": str(_result(http, weights["request_id"])["path"]),
-        }  # fmt: skip
+        }
         prompt = {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]}
         params = {"max_tokens": 3, "temperature": 1.0, "top_k": -1, "top_p": 1.0, "seed": 5, "stop": None}
         templates: dict[str, object] = {
@@ -145,8 +226,14 @@ def fuzz(
             "create_model": {**model_body, "model_seq_id": 1, "optimizer_config": {"type": "adamw"}},
             "get_info": {"model_id": model_id},
             "optim_step": {"model_id": model_id, "seq_id": 4, "adam_params": {"learning_rate": 1e-3, "beta1": 0.9}},
-            "save_weights": {"model_id": model_id, "seq_id": 4, "path": "s2", "overwrite": False, "ttl_seconds": 3600,
-                             "user_metadata": {"k": "v"}},
+            "save_weights": {
+                "model_id": model_id,
+                "seq_id": 4,
+                "path": "s2",
+                "overwrite": False,
+                "ttl_seconds": 3600,
+                "user_metadata": {"k": "v"},
+            },
             "save_weights_for_sampler": {"model_id": model_id, "seq_id": 4, "path": "w2", "ttl_seconds": 7200},
             f"{ONE_CHECKPOINT}/ttl": {"ttl_seconds": 7200},
             f"{ONE_CHECKPOINT}/publish": {},
@@ -154,10 +241,15 @@ def fuzz(
             "load_weights": {"session_id": session_id, "model_seq_id": 2, "path": known["state"], "optimizer": True},
             "create_sampling_session": {**sampler_body, "sampling_session_seq_id": 1},
             "asample": {
-                "sampling_session_id": sampler, "seq_id": 0, "num_samples": 2, "prompt": prompt,
-                "sampling_params": params, "prompt_logprobs": False, "topk_prompt_logprobs": 0,
+                "sampling_session_id": sampler,
+                "seq_id": 0,
+                "num_samples": 2,
+                "prompt": prompt,
+                "sampling_params": params,
+                "prompt_logprobs": False,
+                "topk_prompt_logprobs": 0,
             },
-        }  # fmt: skip
+        }
         yield Fuzz(server, http, known, templates)
     assert server.terminate() == 0, server.log()
 
@@ -171,9 +263,14 @@ def _strings(known: dict[str, str]) -> st.SearchStrategy[str]:
 
 def _json(known: dict[str, str]) -> st.SearchStrategy[object]:
     scalars = st.one_of(
-        st.none(), st.booleans(), st.sampled_from(HUGE_INTS), st.integers(-5, 100), st.sampled_from(FLOATS),
-        st.floats(allow_nan=False, allow_infinity=False), _strings(known),
-    )  # fmt: skip
+        st.none(),
+        st.booleans(),
+        st.sampled_from(HUGE_INTS),
+        st.integers(-5, 100),
+        st.sampled_from(FLOATS),
+        st.floats(allow_nan=False, allow_infinity=False),
+        _strings(known),
+    )
 
     def nest(children: st.SearchStrategy[object]) -> st.SearchStrategy[object]:
         return st.one_of(st.lists(children, max_size=3), st.dictionaries(st.text(max_size=8), children, max_size=3))
@@ -211,13 +308,24 @@ def raw_json(draw: st.DrawFn) -> bytes:
     return draw(
         st.sampled_from(
             [
-                b"", b"{", b"[]", b"null", b"1", b'"x"', b"\xff\xfe{}", b'{"a": NaN}', b'{"a": -Infinity}',
-                b"[" * 100_000 + b"]" * 100_000, b'{"a":' * 5000 + b"1" + b"}" * 5000, b"{" + b'"a":1,' * 10 + b"}",
-                b'{"num_samples": 1e400}', b'{"seq_id": 1' + b"0" * 5000 + b"}",
+                b"",
+                b"{",
+                b"[]",
+                b"null",
+                b"1",
+                b'"x"',
+                b"\xff\xfe{}",
+                b'{"a": NaN}',
+                b'{"a": -Infinity}',
+                b"[" * 100_000 + b"]" * 100_000,
+                b'{"a":' * 5000 + b"1" + b"}" * 5000,
+                b"{" + b'"a":1,' * 10 + b"}",
+                b'{"num_samples": 1e400}',
+                b'{"seq_id": 1' + b"0" * 5000 + b"}",
             ]
         )
         | st.binary(max_size=64)
-    )  # fmt: skip
+    )
 
 
 @st.composite
@@ -326,9 +434,13 @@ def _check(response: httpx.Response, what: str) -> None:
 
 def fuzz_settings(examples: int) -> settings:
     """Reproducible runs of ``examples`` cases; the servers' answers, not hypothesis' timing, are under test."""
-    return settings(max_examples=examples, deadline=None, database=None, derandomize=True,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                           HealthCheck.large_base_example])  # fmt: skip
+    return settings(
+        max_examples=examples,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example],
+    )
 
 
 def test_every_route_is_fuzzed(fuzz: Fuzz) -> None:
@@ -467,9 +579,28 @@ def test_forward_backward_conversion_fails_only_deliberately(message: tpb.Forwar
 
 
 @settings(max_examples=400, deadline=None, database=None, derandomize=True)
-@given(st.dictionaries(st.sampled_from(["max_tokens", "seed", "stop", "temperature", "top_k", "top_p", "rank",
-                                        "train_attn", "train_mlp", "learning_rate", "beta1", "eps"]),
-                       _json({"x": "base"}), max_size=5))  # fmt: skip
+@given(
+    st.dictionaries(
+        st.sampled_from(
+            [
+                "max_tokens",
+                "seed",
+                "stop",
+                "temperature",
+                "top_k",
+                "top_p",
+                "rank",
+                "train_attn",
+                "train_mlp",
+                "learning_rate",
+                "beta1",
+                "eps",
+            ]
+        ),
+        _json({"x": "base"}),
+        max_size=5,
+    )
+)
 def test_json_conversions_fail_only_deliberately(params: dict[str, object]) -> None:
     from opentinker.gateway import convert
     from opentinker.gateway.errors import GatewayError

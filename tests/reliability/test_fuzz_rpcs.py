@@ -39,44 +39,122 @@ SERVICES: dict[str, ServiceDescriptor] = {
 }
 # Random examples per RPC. Every RPC of the three services must be listed (test_every_rpc_is_fuzzed).
 EXAMPLES: dict[str, int] = {
-    "RegistryService/CreateAdapter": 55, "RegistryService/GetAdapter": 35, "RegistryService/ListAdapters": 35,
-    "RegistryService/DeleteAdapter": 35, "RegistryService/PublishVersion": 55, "RegistryService/GetVersion": 35,
-    "RegistryService/ListVersions": 35, "RegistryService/Resolve": 40, "RegistryService/SetAlias": 40,
-    "RegistryService/DeleteAlias": 35, "RegistryService/SetServingAlias": 35,
-    "RegistryService/Rollback": 40, "RegistryService/GetLineage": 35,
-    "RegistryService/WatchEvents": 10, "RegistryService/GarbageCollect": 30, "RegistryService/UploadArtifact": 55,
-    "RegistryService/DownloadArtifact": 35, "RegistryService/DeleteVersion": 30,
-    "TrainerService/GetTrainerInfo": 15, "TrainerService/CreateAdapter": 55, "TrainerService/GetAdapter": 30,
-    "TrainerService/ListAdapters": 20, "TrainerService/DeleteAdapter": 30, "TrainerService/ForwardBackward": 70,
-    "TrainerService/Forward": 55, "TrainerService/OptimStep": 40, "TrainerService/SaveSnapshot": 35,
-    "TrainerService/SaveState": 30, "TrainerService/LoadState": 35, "TrainerService/ResetAdapter": 35,
+    "RegistryService/CreateAdapter": 55,
+    "RegistryService/GetAdapter": 35,
+    "RegistryService/ListAdapters": 35,
+    "RegistryService/DeleteAdapter": 35,
+    "RegistryService/PublishVersion": 55,
+    "RegistryService/GetVersion": 35,
+    "RegistryService/ListVersions": 35,
+    "RegistryService/Resolve": 40,
+    "RegistryService/SetAlias": 40,
+    "RegistryService/DeleteAlias": 35,
+    "RegistryService/SetServingAlias": 35,
+    "RegistryService/Rollback": 40,
+    "RegistryService/GetLineage": 35,
+    "RegistryService/WatchEvents": 10,
+    "RegistryService/GarbageCollect": 30,
+    "RegistryService/UploadArtifact": 55,
+    "RegistryService/DownloadArtifact": 35,
+    "RegistryService/DeleteVersion": 30,
+    "TrainerService/GetTrainerInfo": 15,
+    "TrainerService/CreateAdapter": 55,
+    "TrainerService/GetAdapter": 30,
+    "TrainerService/ListAdapters": 20,
+    "TrainerService/DeleteAdapter": 30,
+    "TrainerService/ForwardBackward": 70,
+    "TrainerService/Forward": 55,
+    "TrainerService/OptimStep": 40,
+    "TrainerService/SaveSnapshot": 35,
+    "TrainerService/SaveState": 30,
+    "TrainerService/LoadState": 35,
+    "TrainerService/ResetAdapter": 35,
     "TrainerService/DeleteState": 30,
-    "SamplerService/GetSamplerInfo": 15, "SamplerService/Sample": 70, "SamplerService/ComputeLogprobs": 50,
-    "SamplerService/LoadAdapter": 40, "SamplerService/UnloadAdapter": 35, "SamplerService/ListLoaded": 15,
+    "SamplerService/GetSamplerInfo": 15,
+    "SamplerService/Sample": 70,
+    "SamplerService/ComputeLogprobs": 50,
+    "SamplerService/LoadAdapter": 40,
+    "SamplerService/UnloadAdapter": 35,
+    "SamplerService/ListLoaded": 15,
     "SamplerService/GetStats": 15,
-}  # fmt: skip
+}
 # Fuzzing never deletes the adapters the other examples aim at (deleting them is a valid call).
 DESTRUCTIVE = {
-    "RegistryService/DeleteAdapter", "TrainerService/DeleteAdapter", "RegistryService/DeleteVersion",
+    "RegistryService/DeleteAdapter",
+    "TrainerService/DeleteAdapter",
+    "RegistryService/DeleteVersion",
     "TrainerService/DeleteState",
-}  # fmt: skip
+}
 DELIBERATE = {
-    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ALREADY_EXISTS,
-    grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.RESOURCE_EXHAUSTED,
-    grpc.StatusCode.DATA_LOSS, grpc.StatusCode.OUT_OF_RANGE,
-}  # fmt: skip
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.ALREADY_EXISTS,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.DATA_LOSS,
+    grpc.StatusCode.OUT_OF_RANGE,
+}
 MIN_CASES = 1200
 KNOWN = "fuzz-known"
 VOCAB = 512
 BIG = 10 * 1024 * 1024
 
 ADVERSARIAL_STRINGS = [
-    "", " ", "a@", "@1", "a@-1", "a@0", "a@1.5", "a@\u00b2", "a@@1", "a@latest@1", "../x", "../../etc/passwd",
-    "/etc/passwd", "a/../b", "a/b/c", "./x", "x/", "/x", "a//b", "A", "a b", "a\x00b", "\u202e", "é", "\U0001f600",
-    "a" * 64, "a" * 65, "x" * 300, "base", "base@1", "*", "a/*", "0", "0-0", "-1", "1-", "99999999999999999999-0",
-    "18446744073709551616", "sha256:", "sha256:../x", "sha256:" + "0" * 64, "sha256:" + "g" * 64, "sha256:" + "a" * 63,
-    "0" * 64, "cross_entropy", "ppo", "no_such_loss", "latest", "stable", "q_proj", "all-linear", "NaN", "%s%n",
-]  # fmt: skip
+    "",
+    " ",
+    "a@",
+    "@1",
+    "a@-1",
+    "a@0",
+    "a@1.5",
+    "a@\u00b2",
+    "a@@1",
+    "a@latest@1",
+    "../x",
+    "../../etc/passwd",
+    "/etc/passwd",
+    "a/../b",
+    "a/b/c",
+    "./x",
+    "x/",
+    "/x",
+    "a//b",
+    "A",
+    "a b",
+    "a\x00b",
+    "\u202e",
+    "é",
+    "\U0001f600",
+    "a" * 64,
+    "a" * 65,
+    "x" * 300,
+    "base",
+    "base@1",
+    "*",
+    "a/*",
+    "0",
+    "0-0",
+    "-1",
+    "1-",
+    "99999999999999999999-0",
+    "18446744073709551616",
+    "sha256:",
+    "sha256:../x",
+    "sha256:" + "0" * 64,
+    "sha256:" + "g" * 64,
+    "sha256:" + "a" * 63,
+    "0" * 64,
+    "cross_entropy",
+    "ppo",
+    "no_such_loss",
+    "latest",
+    "stable",
+    "q_proj",
+    "all-linear",
+    "NaN",
+    "%s%n",
+]
 INVALID_UTF8 = [b"\xff", b"\xfe\xfe", b"a\xc3", b"\xed\xa0\x80", b"\xc0\xaf", b"\xf8\x88\x80\x80\x80"]
 FLOATS = [math.nan, math.inf, -math.inf, -0.0, 0.0, -1.0, 1e-45, 3.4e38, 1e300, -1e300, 0.5, 1.0, 2.0]
 COUNTS: Counter[str] = Counter()
@@ -116,9 +194,11 @@ def method_of(rpc: str) -> tuple[str, MethodDescriptor]:
 # --- strategies from descriptors ---------------------------------------------------------------------------
 
 _INT_RANGES = {
-    FieldDescriptor.TYPE_INT64: (-(2**63), 2**63 - 1), FieldDescriptor.TYPE_INT32: (-(2**31), 2**31 - 1),
-    FieldDescriptor.TYPE_UINT64: (0, 2**64 - 1), FieldDescriptor.TYPE_UINT32: (0, 2**32 - 1),
-}  # fmt: skip
+    FieldDescriptor.TYPE_INT64: (-(2**63), 2**63 - 1),
+    FieldDescriptor.TYPE_INT32: (-(2**31), 2**31 - 1),
+    FieldDescriptor.TYPE_UINT64: (0, 2**64 - 1),
+    FieldDescriptor.TYPE_UINT32: (0, 2**32 - 1),
+}
 
 
 def _scalar(field: FieldDescriptor, known: Known) -> st.SearchStrategy[object]:
@@ -128,9 +208,12 @@ def _scalar(field: FieldDescriptor, known: Known) -> st.SearchStrategy[object]:
         # Known values weigh double: most fields valid, so that the checks further in are reached too.
         valid = st.sampled_from(known.strings(field.name))
         return st.one_of(
-            valid, valid, st.sampled_from(ADVERSARIAL_STRINGS), st.text(max_size=24),
+            valid,
+            valid,
+            st.sampled_from(ADVERSARIAL_STRINGS),
+            st.text(max_size=24),
             st.from_regex(r"[a-z0-9][a-z0-9._-]{0,8}(/[a-z0-9]{1,4})?(@([a-z]{1,6}|[0-9]{1,3}))?", fullmatch=True),
-        )  # fmt: skip
+        )
     if kind == FieldDescriptor.TYPE_BYTES:
         return st.binary(max_size=64)
     if kind == FieldDescriptor.TYPE_BOOL:
@@ -367,8 +450,9 @@ def assert_all_serving(fuzz: Fuzz) -> None:
 
 
 def _unary(channel: grpc.Channel, path: str, request: Message, response_type: type[Message]) -> Message:
-    method = channel.unary_unary(path, request_serializer=type(request).SerializeToString,
-                                 response_deserializer=response_type.FromString)  # fmt: skip
+    method = channel.unary_unary(
+        path, request_serializer=type(request).SerializeToString, response_deserializer=response_type.FromString
+    )
     response: Message = method(request, timeout=60)
     return response
 
@@ -385,25 +469,50 @@ def fuzz(start_stack: Callable[..., dict[str, ServerProcess]]) -> Iterator[Fuzz]
         trainer_pb2.TrainerServiceCreateAdapterRequest(name=KNOWN, lora_config=lora()),
         trainer_pb2.TrainerServiceCreateAdapterResponse,
     )
-    _unary(trainer, "/opentinker.v1.TrainerService/ForwardBackward",
-           trainer_pb2.ForwardBackwardRequest(adapter=KNOWN, datums=sft_batch(1), loss_fn="cross_entropy"),
-           trainer_pb2.ForwardBackwardResponse)  # fmt: skip
-    snapshot = _unary(trainer, "/opentinker.v1.TrainerService/SaveSnapshot",
-                      trainer_pb2.SaveSnapshotRequest(adapter=KNOWN), trainer_pb2.SaveSnapshotResponse)  # fmt: skip
-    saved = _unary(trainer, "/opentinker.v1.TrainerService/SaveState", trainer_pb2.SaveStateRequest(adapter=KNOWN),
-                   trainer_pb2.SaveStateResponse)  # fmt: skip
+    _unary(
+        trainer,
+        "/opentinker.v1.TrainerService/ForwardBackward",
+        trainer_pb2.ForwardBackwardRequest(adapter=KNOWN, datums=sft_batch(1), loss_fn="cross_entropy"),
+        trainer_pb2.ForwardBackwardResponse,
+    )
+    snapshot = _unary(
+        trainer,
+        "/opentinker.v1.TrainerService/SaveSnapshot",
+        trainer_pb2.SaveSnapshotRequest(adapter=KNOWN),
+        trainer_pb2.SaveSnapshotResponse,
+    )
+    saved = _unary(
+        trainer,
+        "/opentinker.v1.TrainerService/SaveState",
+        trainer_pb2.SaveStateRequest(adapter=KNOWN),
+        trainer_pb2.SaveStateResponse,
+    )
     assert isinstance(snapshot, trainer_pb2.SaveSnapshotResponse) and isinstance(saved, trainer_pb2.SaveStateResponse)
     uri, state_id = snapshot.version.artifact_uri, saved.state_id
     names = [KNOWN, "fuzz-other"]
     refs = [KNOWN, f"{KNOWN}@1", f"{KNOWN}@latest", f"{KNOWN}@stable", "base"]
-    known = Known({
-        "name": names, "adapter": names, "adapters": [*names, "fuzz-*"], "prefix": ["", "fuzz", KNOWN],
-        "reference": refs, "model": refs, "init_from": refs, "alias": ["latest", "stable"],
-        "aliases": ["latest", "stable"], "artifact_uri": [uri], "artifact_sha256": [uri.removeprefix("sha256:")],
-        "state_id": [state_id], "resume_state": [state_id], "after_event_id": ["", "0", snapshot.event_id],
-        "loss_fn": ["cross_entropy", "importance_sampling", "ppo", "cispo", "dro"], "target_modules": ["q_proj"],
-        "key": ["weights", "clip_low_threshold", "beta", "loss"], "path": ["adapter_config.json"],
-    })  # fmt: skip
+    known = Known(
+        {
+            "name": names,
+            "adapter": names,
+            "adapters": [*names, "fuzz-*"],
+            "prefix": ["", "fuzz", KNOWN],
+            "reference": refs,
+            "model": refs,
+            "init_from": refs,
+            "alias": ["latest", "stable"],
+            "aliases": ["latest", "stable"],
+            "artifact_uri": [uri],
+            "artifact_sha256": [uri.removeprefix("sha256:")],
+            "state_id": [state_id],
+            "resume_state": [state_id],
+            "after_event_id": ["", "0", snapshot.event_id],
+            "loss_fn": ["cross_entropy", "importance_sampling", "ppo", "cispo", "dro"],
+            "target_modules": ["q_proj"],
+            "key": ["weights", "clip_low_threshold", "beta", "loss"],
+            "path": ["adapter_config.json"],
+        }
+    )
     yield Fuzz(servers, channels, known, templates(uri, state_id))
     for channel in channels.values():
         channel.close()
@@ -463,8 +572,12 @@ def test_fuzzed_requests_get_deliberate_answers(fuzz: Fuzz, rpc: str) -> None:
     requests = wire(method.input_type, known, fuzz.templates.get(rpc))
     stream = st.lists(requests, min_size=1, max_size=5) if method.client_streaming else requests.map(lambda r: [r])
 
-    @settings(max_examples=EXAMPLES[rpc], deadline=None, database=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])  # fmt: skip
+    @settings(
+        max_examples=EXAMPLES[rpc],
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
     @given(stream)
     def run(messages: list[bytes]) -> None:
         check_case(fuzz, rpc, messages)

@@ -33,10 +33,19 @@ MiB = 1 << 20
 # Small bounds so that the abuse reaches them quickly (the defaults are in `opentinker gateway serve --help`).
 BODY_CAP, PENDING_CAP, TENANT_PENDING_CAP, WINDOW, PENDING_TTL, SESSION_TTL = 16 * MiB, 64 * MiB, 100 * MiB, 16, 10, 25
 GATEWAY_FLAGS = (
-    "--max-body-bytes", str(BODY_CAP), "--max-pending-bytes", str(PENDING_CAP), "--seq-window", str(WINDOW),
-    "--max-tenant-pending-bytes", str(TENANT_PENDING_CAP),
-    "--pending-ttl-seconds", str(PENDING_TTL), "--session-ttl-seconds", str(SESSION_TTL),
-)  # fmt: skip
+    "--max-body-bytes",
+    str(BODY_CAP),
+    "--max-pending-bytes",
+    str(PENDING_CAP),
+    "--seq-window",
+    str(WINDOW),
+    "--max-tenant-pending-bytes",
+    str(TENANT_PENDING_CAP),
+    "--pending-ttl-seconds",
+    str(PENDING_TTL),
+    "--session-ttl-seconds",
+    str(SESSION_TTL),
+)
 
 
 @dataclass
@@ -64,9 +73,20 @@ def gateway(
     keys = workdir / "keys.json"
     keys.write_text(json.dumps({"keys": [{"key": KEY_A, "tenant": "team-a"}, {"key": KEY_B, "tenant": "team-b"}]}))
     args = opentinker_command(
-        "gateway", "serve", "--trainer", stack["trainer"].address, "--sampler", stack["sampler"].address,
-        "--registry", stack["registry"].address, "--keys-file", str(keys), "--port", "0", *GATEWAY_FLAGS,
-    )  # fmt: skip
+        "gateway",
+        "serve",
+        "--trainer",
+        stack["trainer"].address,
+        "--sampler",
+        stack["sampler"].address,
+        "--registry",
+        stack["registry"].address,
+        "--keys-file",
+        str(keys),
+        "--port",
+        "0",
+        *GATEWAY_FLAGS,
+    )
     server = ServerProcess(args, workdir)
     url = f"http://{server.address}"
     with httpx.Client(base_url=url, timeout=120) as http:
@@ -163,9 +183,12 @@ def _session(gw: Gateway, key: str = KEY_A) -> str:
 def _sample_body(**changes: object) -> dict[str, object]:
     params = {"max_tokens": 4, "temperature": 1.0, "seed": 1, **changes.pop("params", {})}  # type: ignore[dict-item]
     return {
-        "base_model": "tiny-qwen2", "num_samples": 1,
-        "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]}, "sampling_params": params, **changes,
-    }  # fmt: skip
+        "base_model": "tiny-qwen2",
+        "num_samples": 1,
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]},
+        "sampling_params": params,
+        **changes,
+    }
 
 
 def _bad_requests(gw: Gateway, session: str) -> list[tuple[str, bytes | dict[str, object], int, str]]:
@@ -181,10 +204,18 @@ def _bad_requests(gw: Gateway, session: str) -> list[tuple[str, bytes | dict[str
         ("asample", _sample_body(params={"max_tokens": 1e12}), 400, "INVALID_FIELD"),
         ("asample", _sample_body(params={"max_tokens": 0}), 400, "INVALID_FIELD"),
         ("asample", _sample_body(params={"max_tokens": 2.5}), 400, "INVALID_FIELD"),
-        ("asample", json.dumps(_sample_body()).replace('"max_tokens": 4', '"max_tokens": Infinity').encode(),
-         400, "MALFORMED_JSON"),
-        ("asample", json.dumps(_sample_body()).replace('"temperature": 1.0', '"temperature": NaN').encode(),
-         400, "MALFORMED_JSON"),
+        (
+            "asample",
+            json.dumps(_sample_body()).replace('"max_tokens": 4', '"max_tokens": Infinity').encode(),
+            400,
+            "MALFORMED_JSON",
+        ),
+        (
+            "asample",
+            json.dumps(_sample_body()).replace('"temperature": 1.0', '"temperature": NaN').encode(),
+            400,
+            "MALFORMED_JSON",
+        ),
         ("asample", _sample_body(params={"top_k": 1e20}), 400, "INVALID_FIELD"),
         ("asample", _sample_body(params={"top_k": 2**40}), 400, "INVALID_FIELD"),
         ("asample", _sample_body(params={"top_p": 1.5}), 400, "INVALID_FIELD"),
@@ -194,8 +225,12 @@ def _bad_requests(gw: Gateway, session: str) -> list[tuple[str, bytes | dict[str
         ("asample", _sample_body(params={"seed": -1}), 400, "INVALID_FIELD"),
         ("asample", _sample_body(params={"stop": [2**40]}), 400, "INVALID_FIELD"),
         ("asample", _sample_body(params={"stop": ["x"] * 17}), 400, "INVALID_FIELD"),
-        ("asample", _sample_body(prompt={"chunks": [{"type": "encoded_text", "tokens": [2**63]}]}), 400,
-         "INVALID_FIELD"),
+        (
+            "asample",
+            _sample_body(prompt={"chunks": [{"type": "encoded_text", "tokens": [2**63]}]}),
+            400,
+            "INVALID_FIELD",
+        ),
         ("asample", _sample_body(topk_prompt_logprobs=2**70), 400, "INVALID_FIELD"),
         ("asample", deep, 400, "JSON_TOO_DEEP"),
         ("asample", ("{" + '"a":{' * 40 + "}" * 41).encode(), 400, "JSON_TOO_DEEP"),
@@ -211,7 +246,7 @@ def _bad_requests(gw: Gateway, session: str) -> list[tuple[str, bytes | dict[str
         ("optim_step", deep, 400, "JSON_TOO_DEEP"),
         ("create_session", deep, 400, "JSON_TOO_DEEP"),
         ("session_heartbeat", b"\xff\xfe{}", 400, "MALFORMED_JSON"),
-    ]  # fmt: skip
+    ]
     return rows
 
 
@@ -234,8 +269,11 @@ def _abuse_numbers(gw: Gateway) -> None:
     for seq in (0, -3, 2**64, "1"):
         refused(gw.post("optim_step", {"model_id": model_id, "seq_id": seq, "adam_params": {}}), 400, "INVALID_FIELD")
     refused(gw.post("save_weights", {"model_id": model_id, "seq_id": 1, "overwrite": "no"}), 400, "INVALID_FIELD")
-    refused(gw.post("load_weights", {"path": "tinker://x", "optimizer": 3, "model_id": model_id, "seq_id": 1}), 400,
-            "INVALID_FIELD")  # fmt: skip
+    refused(
+        gw.post("load_weights", {"path": "tinker://x", "optimizer": 3, "model_id": model_id, "seq_id": 1}),
+        400,
+        "INVALID_FIELD",
+    )
 
     # The same through the unmodified SDK: BadRequestError at once (the SDK does not retry it).
     service = tinker.ServiceClient(base_url=gw.url, api_key=KEY_A)
@@ -299,8 +337,10 @@ def _park(gw: Gateway) -> Parked:
     models = []
     for seq in (0, 1):
         lora = {"rank": 4, "seed": 3}
-        created = gw.post("create_model", {"session_id": session, "model_seq_id": seq, "base_model": "tiny-qwen2",
-                                           "lora_config": lora})  # fmt: skip
+        created = gw.post(
+            "create_model",
+            {"session_id": session, "model_seq_id": seq, "base_model": "tiny-qwen2", "lora_config": lora},
+        )
         models.append(str(result(gw, created.json()["request_id"])["model_id"]))
     accepted: list[str] = []
     counts: Counter[str] = Counter()
@@ -366,8 +406,11 @@ def _abuse_strings(gw: Gateway) -> None:
     refused(gw.post("create_session", {"tags": [], "sdk_version": "x" * 65}), 400, "INVALID_FIELD")
     refused(gw.post("create_session", {"tags": [], "sdk_version": 7}), 400, "INVALID_FIELD")
     refused(gw.post("create_session", {"tags": ["t" * 5000], "sdk_version": "0.38.0"}), 400, "STRING_TOO_LONG")
-    refused(gw.post("create_session", {"tags": [], "sdk_version": "0.38.0", "user_metadata": {"k" * 5000: 1}}), 400,
-            "STRING_TOO_LONG")  # fmt: skip
+    refused(
+        gw.post("create_session", {"tags": [], "sdk_version": "0.38.0", "user_metadata": {"k" * 5000: 1}}),
+        400,
+        "STRING_TOO_LONG",
+    )
     long = "m" * 5000
     for route, body in (
         ("create_model", {"session_id": session, "model_seq_id": 2, "base_model": long}),

@@ -67,16 +67,34 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
     workdir = tmp_path_factory.mktemp("noisy-registry")
     tokens = {who: f"tok-{who}-{secrets.token_hex(8)}" for who in ("team-a", "team-b", "ops")}
     tokens_file = workdir / "tokens.json"
-    tokens_file.write_text(json.dumps({"tokens": [
-        {"token": t, "tenant": who, "role": "admin" if who == "ops" else "user"} for who, t in tokens.items()
-    ]}))  # fmt: skip
+    tokens_file.write_text(
+        json.dumps(
+            {
+                "tokens": [
+                    {"token": t, "tenant": who, "role": "admin" if who == "ops" else "user"}
+                    for who, t in tokens.items()
+                ]
+            }
+        )
+    )
     redis_server = EmbeddedRedis(workdir / "redis", appendonly=False).start()
     server = start_registry(
-        workdir / "registry", "--redis-url", redis_server.url, "--tokens-file", str(tokens_file),
-        "--max-watches-per-tenant", str(MAX_WATCHES), "--max-artifact-files", str(MAX_FILES),
-        "--tenant-storage-quota-mb", str(QUOTA_MB), "--upload-grace-s", str(GRACE_S),
-        "--max-calls-per-tenant", str(MAX_CALLS),
-    )  # fmt: skip
+        workdir / "registry",
+        "--redis-url",
+        redis_server.url,
+        "--tokens-file",
+        str(tokens_file),
+        "--max-watches-per-tenant",
+        str(MAX_WATCHES),
+        "--max-artifact-files",
+        str(MAX_FILES),
+        "--tenant-storage-quota-mb",
+        str(QUOTA_MB),
+        "--upload-grace-s",
+        str(GRACE_S),
+        "--max-calls-per-tenant",
+        str(MAX_CALLS),
+    )
     channel = grpc.insecure_channel(server.address)
     try:
         yield Registry(server, redis_server.url, channel, tokens)
@@ -241,8 +259,11 @@ def admin_cli(registry: Registry, *args: str) -> subprocess.CompletedProcess[str
     env = {k: v for k, v in os.environ.items() if not k.startswith("OPENTINKER_")}
     return subprocess.run(
         opentinker_command("registry", *args, "--registry", registry.server.address, "--token", registry.tokens["ops"]),
-        capture_output=True, text=True, timeout=120, env={**env, "COLUMNS": "200"},
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**env, "COLUMNS": "200"},
+    )
 
 
 def test_case11_bounded_metadata_own_deletes_and_a_paged_admin_listing(registry: Registry, figure: Any) -> None:

@@ -89,12 +89,28 @@ def noisy(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     tokens_file = write_tokens(workdir / "tokens.json", {t: (who, roles.get(who, "user")) for who, t in tokens.items()})
     registry_server = start_registry(workdir / "registry", "--tokens-file", str(tokens_file))
     sampler_server = start_sampler(
-        workdir / "sampler", tiny_model, registry_server, "--tokens-file", str(tokens_file),
-        "--registry-token", tokens["svc"], "--follow", "team-a/*", "--max-slots", "4",
-    )  # fmt: skip
+        workdir / "sampler",
+        tiny_model,
+        registry_server,
+        "--tokens-file",
+        str(tokens_file),
+        "--registry-token",
+        tokens["svc"],
+        "--follow",
+        "team-a/*",
+        "--max-slots",
+        "4",
+    )
     with grpc.insecure_channel(registry_server.address) as reg, grpc.insecure_channel(sampler_server.address) as smp:
-        noisy = Noisy(tiny_model, registry_server, sampler_server, tokens, registry_pb2_grpc.RegistryServiceStub(reg),
-                      sampler_pb2_grpc.SamplerServiceStub(smp), [])  # fmt: skip
+        noisy = Noisy(
+            tiny_model,
+            registry_server,
+            sampler_server,
+            tokens,
+            registry_pb2_grpc.RegistryServiceStub(reg),
+            sampler_pb2_grpc.SamplerServiceStub(smp),
+            [],
+        )
         for tenant in ("team-a", "team-b"):
             create = registry_pb2.CreateAdapterRequest(
                 name=f"{tenant}/policy", lora_config=common_pb2.LoraConfig(rank=4)
@@ -152,9 +168,11 @@ def test_an_exploding_adapter_fails_only_its_own_requests(noisy: Noisy, figure: 
     listed = noisy.sampler.ListLoaded(sampler_pb2.ListLoadedRequest(), metadata=noisy.md("ops"), timeout=60).adapters
     assert [a.active_requests for a in listed if a.version.adapter == name] == [0]  # every pin ended
     memory_after = noisy.memory()
-    figure("noisy case 1 (exploding adapter): team-a errors, team-b errors, sampler PSS before -> after (MiB)",
-           f"{len(errors)} FAILED_PRECONDITION NON_FINITE_OUTPUT, {len(team_b_errors)}, "
-           f"{memory_before / MiB:.0f} -> {memory_after / MiB:.0f}")  # fmt: skip
+    figure(
+        "noisy case 1 (exploding adapter): team-a errors, team-b errors, sampler PSS before -> after (MiB)",
+        f"{len(errors)} FAILED_PRECONDITION NON_FINITE_OUTPUT, {len(team_b_errors)}, "
+        f"{memory_before / MiB:.0f} -> {memory_after / MiB:.0f}",
+    )
     assert memory_after - memory_before < MEMORY_BOUND, (memory_before / MiB, memory_after / MiB)
 
 
@@ -178,8 +196,13 @@ def test_a_version_beyond_the_magnitude_rule_is_refused_and_the_alias_keeps_the_
 
         def failure_recorded() -> bool:
             stats = noisy.sampler.GetStats(sampler_pb2.GetStatsRequest(), metadata=noisy.md("team-a"), timeout=60)
-            return any(r.adapter == name and r.to_version == bad.version and not r.ok
-                       and r.error.startswith("FAILED_PRECONDITION") for r in stats.recent_reloads)  # fmt: skip
+            return any(
+                r.adapter == name
+                and r.to_version == bad.version
+                and not r.ok
+                and r.error.startswith("FAILED_PRECONDITION")
+                for r in stats.recent_reloads
+            )
 
         assert wait_for(failure_recorded)
         return bad
@@ -234,9 +257,11 @@ def test_huge_prompt_text_is_refused_before_tokenizing_and_blocks_no_one(
     assert generated == 4
     assert_team_b_unharmed(noisy, outputs, team_b_errors)
     memory_after = noisy.memory()
-    figure("noisy case 6 (10 MiB prompt_text): team-a refusals, team-b errors, sampler PSS before -> after (MiB)",
-           f"{len(refused)} + {len(tokenized)} PROMPT_TOO_LONG, {len(team_b_errors)}, "
-           f"{memory_before / MiB:.0f} -> {memory_after / MiB:.0f}")  # fmt: skip
+    figure(
+        "noisy case 6 (10 MiB prompt_text): team-a refusals, team-b errors, sampler PSS before -> after (MiB)",
+        f"{len(refused)} + {len(tokenized)} PROMPT_TOO_LONG, {len(team_b_errors)}, "
+        f"{memory_before / MiB:.0f} -> {memory_after / MiB:.0f}",
+    )
     assert memory_after - memory_before < HUGE_REQUEST_MEMORY_BOUND, (memory_before / MiB, memory_after / MiB)
 
 
@@ -256,8 +281,11 @@ def test_streams_full_of_stop_strings_leave_team_b_its_outputs(
 
     def stream(i: int) -> list[tuple[list[int], str]]:
         sampling = params(temperature=1.0, seed=500 + i, max_tokens=96, stop_strings=stops)
-        result = collect(noisy.sampler.Sample(request("base", prompt(60 + i), sampling, num_samples=4),
-                                              metadata=noisy.md("team-a"), timeout=120))  # fmt: skip
+        result = collect(
+            noisy.sampler.Sample(
+                request("base", prompt(60 + i), sampling, num_samples=4), metadata=noisy.md("team-a"), timeout=120
+            )
+        )
         return [(s.tokens, s.text) for s in result.samples.values()]
 
     def abuse() -> list[tuple[list[int], str]]:
@@ -272,8 +300,10 @@ def test_streams_full_of_stop_strings_leave_team_b_its_outputs(
     stray = sum(text.count("\ufffd") for _, text in samples)
     assert_team_b_unharmed(noisy, outputs, team_b_errors)
     total = sum(len(tokens) for tokens, _ in samples)
-    figure("noisy detokenization: team-a samples / tokens, U+FFFD in their text, team-b errors",
-           f"{len(samples)} / {total}, {stray}, {len(team_b_errors)}")  # fmt: skip
+    figure(
+        "noisy detokenization: team-a samples / tokens, U+FFFD in their text, team-b errors",
+        f"{len(samples)} / {total}, {stray}, {len(team_b_errors)}",
+    )
 
 
 # --- case 14: GetStats --------------------------------------------------------------------------------------

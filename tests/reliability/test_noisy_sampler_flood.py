@@ -114,10 +114,20 @@ def flood(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     tokens_file = write_tokens(workdir / "tokens.json", {t: (who, roles.get(who, "user")) for who, t in tokens.items()})
     registry_server = start_registry(workdir / "registry", "--tokens-file", str(tokens_file))
     sampler_server = start_sampler(
-        workdir / "sampler", tiny_model, registry_server, "--tokens-file", str(tokens_file),
-        "--registry-token", tokens["svc"], "--max-slots", "4", "--max-seqs", str(MAX_SEQS),
-        "--max-waiting", str(MAX_WAITING),
-    )  # fmt: skip
+        workdir / "sampler",
+        tiny_model,
+        registry_server,
+        "--tokens-file",
+        str(tokens_file),
+        "--registry-token",
+        tokens["svc"],
+        "--max-slots",
+        "4",
+        "--max-seqs",
+        str(MAX_SEQS),
+        "--max-waiting",
+        str(MAX_WAITING),
+    )
     with grpc.insecure_channel(registry_server.address) as reg, grpc.insecure_channel(sampler_server.address) as smp:
         flood = Flood(sampler_server, tokens, sampler_pb2_grpc.SamplerServiceStub(smp))
         registry = registry_pb2_grpc.RegistryServiceStub(reg)
@@ -156,8 +166,9 @@ def test_a_flood_of_long_requests_leaves_team_b_its_share_of_the_batch(
         refused = []
         for _ in range(REFUSED):  # beyond the queue cap: refused at once, nothing queued
             req = request("base", tokens, params(max_tokens=LONG))
-            refused.append(rpc_error(lambda r=req: list(flood.sampler.Sample(r, metadata=flood.md("team-a"),
-                                                                               timeout=60))))  # fmt: skip
+            refused.append(
+                rpc_error(lambda r=req: list(flood.sampler.Sample(r, metadata=flood.md("team-a"), timeout=60)))
+            )
         for error in refused:
             metadata = assert_status(error, grpc.StatusCode.RESOURCE_EXHAUSTED, "TENANT_QUEUE_FULL")
             assert "--max-queued-per-tenant" in str(error.details()) and metadata["tenant"] == "team-a"
@@ -184,8 +195,10 @@ def test_a_flood_of_long_requests_leaves_team_b_its_share_of_the_batch(
     assert wait_for(lambda: flood.stats("ops").running_requests == flood.stats("ops").waiting_requests == 0)
     assert set(streams.errors) <= {grpc.StatusCode.CANCELLED}
     memory_after = tree_memory(flood.sampler_server.process.pid)
-    figure("noisy sampler batch share (4 slots, team-a 3): team-a accepted / refused, team-a unfinished when team-b "
-           "done, team-b errors, sampler PSS before -> after (MiB)",
-           f"{len(streams.calls)} / {len(refused)} TENANT_QUEUE_FULL, {unfinished} of {len(streams.calls)}, "
-           f"{len(team_b_errors)}, {memory_before / MiB:.0f} -> {memory_after / MiB:.0f}")  # fmt: skip
+    figure(
+        "noisy sampler batch share (4 slots, team-a 3): team-a accepted / refused, team-a unfinished when team-b "
+        "done, team-b errors, sampler PSS before -> after (MiB)",
+        f"{len(streams.calls)} / {len(refused)} TENANT_QUEUE_FULL, {unfinished} of {len(streams.calls)}, "
+        f"{len(team_b_errors)}, {memory_before / MiB:.0f} -> {memory_after / MiB:.0f}",
+    )
     assert memory_after - memory_before < MEMORY_BOUND, (memory_before / MiB, memory_after / MiB)

@@ -70,17 +70,25 @@ def tenants(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     tokens_file = write_tokens(workdir / "tokens.json", {t: (who, roles.get(who, "user")) for who, t in tokens.items()})
     registry_server = start_registry(workdir / "registry", "--tokens-file", str(tokens_file))
     sampler_server = start_sampler(
-        workdir / "sampler", tiny_model, registry_server, "--tokens-file", str(tokens_file),
-        "--registry-token", tokens["svc"], "--max-slots", str(SLOTS),
-    )  # fmt: skip
+        workdir / "sampler",
+        tiny_model,
+        registry_server,
+        "--tokens-file",
+        str(tokens_file),
+        "--registry-token",
+        tokens["svc"],
+        "--max-slots",
+        str(SLOTS),
+    )
     with grpc.insecure_channel(registry_server.address) as reg, grpc.insecure_channel(sampler_server.address) as smp:
         registry = registry_pb2_grpc.RegistryServiceStub(reg)
         artifacts: dict[str, str] = {}
         for who, seed in (("team-a", 1), ("team-b", 2)):
             metadata = [("authorization", f"Bearer {tokens[who]}")]
             artifacts[who] = upload(registry, lora_files(tiny_model, seed=seed), metadata=metadata, timeout=60)
-        yield Tenants(registry_server, sampler_server, tokens, registry, sampler_pb2_grpc.SamplerServiceStub(smp),
-                      artifacts)  # fmt: skip
+        yield Tenants(
+            registry_server, sampler_server, tokens, registry, sampler_pb2_grpc.SamplerServiceStub(smp), artifacts
+        )
     for server in (sampler_server, registry_server):
         assert server.terminate() == 0, server.log()
 
@@ -131,8 +139,11 @@ def test_one_tenants_pins_leave_the_other_tenant_slots_to_load_and_serve(tenants
     # team-b's new adapter still loads, pinned, and serves its requests.
     fresh = tenants.adapter("team-b", "team-b/fresh")
     assert tenants.load("team-b", fresh).pinned
-    result = collect(tenants.sampler.Sample(request("team-b/fresh", prompt(7), params(max_tokens=8)),
-                                            metadata=tenants.md("team-b"), timeout=120))  # fmt: skip
+    result = collect(
+        tenants.sampler.Sample(
+            request("team-b/fresh", prompt(7), params(max_tokens=8)), metadata=tenants.md("team-b"), timeout=120
+        )
+    )
     assert result.only.tokens and set(result.versions) == {("team-b/fresh", 1)}
     mine = tenants.loaded("team-b")
     assert list(mine) == [fresh] and mine[fresh].pinned  # team-b sees its own adapter only

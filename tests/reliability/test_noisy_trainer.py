@@ -51,15 +51,33 @@ def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     tokens = {who: f"tok-{who}-{secrets.token_hex(8)}" for who in (*TENANTS, ADMIN, "svc")}
     roles = {ADMIN: "admin", "svc": "admin"}
     tokens_file = workdir / "tokens.json"
-    tokens_file.write_text(json.dumps({"tokens": [
-        {"token": token, "tenant": who, "role": roles.get(who, "user")} for who, token in tokens.items()
-    ]}))  # fmt: skip
+    tokens_file.write_text(
+        json.dumps(
+            {
+                "tokens": [
+                    {"token": token, "tenant": who, "role": roles.get(who, "user")} for who, token in tokens.items()
+                ]
+            }
+        )
+    )
     registry = start_registry(workdir / "registry", "--tokens-file", str(tokens_file))
     try:
         # --max-serving-rank 0: case 11 creates rank-512 adapters for their memory, never to serve them.
-        trainer = start_trainer(workdir / "trainer", tiny_model, registry, "--tokens-file", str(tokens_file),
-                                "--registry-token", tokens["svc"], "--max-adapters-per-tenant", str(QUOTA),
-                                "--micro-batch-positions", str(MICRO), "--max-serving-rank", "0")  # fmt: skip
+        trainer = start_trainer(
+            workdir / "trainer",
+            tiny_model,
+            registry,
+            "--tokens-file",
+            str(tokens_file),
+            "--registry-token",
+            tokens["svc"],
+            "--max-adapters-per-tenant",
+            str(QUOTA),
+            "--micro-batch-positions",
+            str(MICRO),
+            "--max-serving-rank",
+            "0",
+        )
     except BaseException:
         registry.terminate()
         raise
@@ -177,8 +195,9 @@ def test_resume_into_another_adapter_through_the_sdk(stack: Stack) -> None:
         source.forward_backward(datums)
         source.optim_step()
         assert source.save_snapshot().number == 1
-        resumed = client.create_training_client(fresh("team-a"), LoraConfig(rank=4),
-                                                resume_state=source.save_state().state_id)  # fmt: skip
+        resumed = client.create_training_client(
+            fresh("team-a"), LoraConfig(rank=4), resume_state=source.save_state().state_id
+        )
         resumed.forward_backward(datums)
         assert resumed.optim_step().step == 2
         first, second = resumed.save_snapshot(), resumed.save_snapshot()
@@ -223,11 +242,15 @@ def test_states_and_versions_of_another_tenant_are_unreachable(stack: Stack, alo
     def abuse() -> dict[str, tuple[Refusal, Refusal]]:
         return {
             "LoadState": (refusal(load(stolen), stolen), refusal(load(nowhere), nowhere)),
-            "resume_state": (refusal(lambda: a.create(fresh("team-a"), resume_state=stolen), stolen),
-                             refusal(lambda: a.create(fresh("team-a"), resume_state=nowhere), nowhere)),
-            "init_from": (refusal(lambda: a.create(fresh("team-a"), init_from=f"{victim}@1"), victim),
-                          refusal(lambda: a.create(fresh("team-a"), init_from="team-b/no-such@1"), "team-b/no-such")),
-        }  # fmt: skip
+            "resume_state": (
+                refusal(lambda: a.create(fresh("team-a"), resume_state=stolen), stolen),
+                refusal(lambda: a.create(fresh("team-a"), resume_state=nowhere), nowhere),
+            ),
+            "init_from": (
+                refusal(lambda: a.create(fresh("team-a"), init_from=f"{victim}@1"), victim),
+                refusal(lambda: a.create(fresh("team-a"), init_from="team-b/no-such@1"), "team-b/no-such"),
+            ),
+        }
 
     answers = beside(stack["team-b"], abuse, alone)
     for what, (theirs, missing) in answers.items():
@@ -318,8 +341,10 @@ def test_adapter_quota_and_memory_after_delete(
         a.delete(name)
     a.create(fresh("team-a"))  # a place is free again
     memory_after = memory_mib(stack.trainer)
-    figure("case 11 trainer PSS before / with the quota's adapters / after deleting them (MiB)",
-           f"{memory_before:.0f} / {memory_full:.0f} / {memory_after:.0f} ({len(made)} rank-512 adapters)")  # fmt: skip
+    figure(
+        "case 11 trainer PSS before / with the quota's adapters / after deleting them (MiB)",
+        f"{memory_before:.0f} / {memory_full:.0f} / {memory_after:.0f} ({len(made)} rank-512 adapters)",
+    )
     assert memory_full > memory_before + len(made) * 8  # the adapters did take memory ...
     assert memory_after <= memory_before + MEMORY_BOUND_MIB  # ... and gave it back
 
@@ -374,6 +399,9 @@ def test_big_request_runs_in_micro_batches(
     assert_same(saved[0].optimizer, saved[1].optimizer)
     assert len(saved[0].meta["ledger"]["batches"]) == 1  # one request, one batch in the ledger
     memory_after = memory_mib(stack.trainer)
-    figure("case 3 micro-batches", f"{len(LENGTHS)} datums, {len(LENGTHS) * max(LENGTHS)} padded positions -> "
-           f"{len(groups)} parts of <= {MICRO}; PSS {memory_before:.0f} -> {memory_after:.0f} MiB")  # fmt: skip
+    figure(
+        "case 3 micro-batches",
+        f"{len(LENGTHS)} datums, {len(LENGTHS) * max(LENGTHS)} padded positions -> "
+        f"{len(groups)} parts of <= {MICRO}; PSS {memory_before:.0f} -> {memory_after:.0f} MiB",
+    )
     assert memory_after <= memory_before + MEMORY_BOUND_MIB

@@ -49,15 +49,34 @@ def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     workdir = tmp_path_factory.mktemp("noisy-trainer-fair")
     tokens = {who: f"tok-{who}-{secrets.token_hex(8)}" for who in (*TENANTS, "svc")}
     tokens_file = workdir / "tokens.json"
-    tokens_file.write_text(json.dumps({"tokens": [
-        {"token": token, "tenant": who, "role": "admin" if who == "svc" else "user"} for who, token in tokens.items()
-    ]}))  # fmt: skip
+    tokens_file.write_text(
+        json.dumps(
+            {
+                "tokens": [
+                    {"token": token, "tenant": who, "role": "admin" if who == "svc" else "user"}
+                    for who, token in tokens.items()
+                ]
+            }
+        )
+    )
     registry = start_registry(workdir / "registry", "--tokens-file", str(tokens_file))
     try:
         # --max-serving-rank 0: rank-512 and rank-1024 adapters are created for their memory, never to be served.
-        trainer = start_trainer(workdir / "trainer", tiny_model, registry, "--tokens-file", str(tokens_file),
-                                "--registry-token", tokens["svc"], "--max-queued-per-tenant", str(MAX_QUEUED),
-                                "--max-tenant-memory-mb", str(MAX_MEMORY_MB), "--max-serving-rank", "0")  # fmt: skip
+        trainer = start_trainer(
+            workdir / "trainer",
+            tiny_model,
+            registry,
+            "--tokens-file",
+            str(tokens_file),
+            "--registry-token",
+            tokens["svc"],
+            "--max-queued-per-tenant",
+            str(MAX_QUEUED),
+            "--max-tenant-memory-mb",
+            str(MAX_MEMORY_MB),
+            "--max-serving-rank",
+            "0",
+        )
     except BaseException:
         registry.terminate()
         raise
@@ -133,8 +152,11 @@ def test_queue_flood_from_many_adapters_is_bounded_per_tenant(
     for name in names[:2]:
         a.forward_backward(name, sft_batch(300))
         a.optim_step(name)
-    figure("fair share: team-a's flood at once", f"{len(answers)} sent from {FLOOD_ADAPTERS} adapters, "
-           f"{len(accepted)} run, {len(refused)} refused TOO_MANY_REQUESTS (limit {MAX_QUEUED})")  # fmt: skip
+    figure(
+        "fair share: team-a's flood at once",
+        f"{len(answers)} sent from {FLOOD_ADAPTERS} adapters, "
+        f"{len(accepted)} run, {len(refused)} refused TOO_MANY_REQUESTS (limit {MAX_QUEUED})",
+    )
 
 
 # --- LoRA memory: team-a's adapters hold at most --max-tenant-memory-mb, weighed before anything is allocated -----
@@ -187,6 +209,9 @@ def test_memory_quota_refuses_before_allocating(
     b.create(fresh("team-b"), rank=512)  # another tenant's quota is its own
     a.delete(made[0])
     a.create(fresh("team-a"), rank=512)  # deleting gives the quota back
-    figure("memory quota: team-a's rank-512 adapters", f"{len(made)} of 16 MiB created ({held:.0f} of "
-           f"{MAX_MEMORY_MB} MiB held), then refused; PSS around 4 refused rank-1024 creations "
-           f"{memory_before:.0f} -> {memory_after:.0f} MiB")  # fmt: skip
+    figure(
+        "memory quota: team-a's rank-512 adapters",
+        f"{len(made)} of 16 MiB created ({held:.0f} of "
+        f"{MAX_MEMORY_MB} MiB held), then refused; PSS around 4 refused rank-1024 creations "
+        f"{memory_before:.0f} -> {memory_after:.0f} MiB",
+    )

@@ -19,8 +19,20 @@ PUBLIC = "0.0.0.0"  # every interface: not loopback
 def serve_args(component: str, workdir: Path, model: Path, registry: str) -> list[str]:
     if component == "registry":
         return opentinker_command("registry", "serve", "--data-dir", str(workdir), "--port", "0")
-    return opentinker_command(component, "serve", "--model", str(model), "--registry", registry, "--store",
-                              str(workdir / "store"), "--device", "cpu", "--port", "0")  # fmt: skip
+    return opentinker_command(
+        component,
+        "serve",
+        "--model",
+        str(model),
+        "--registry",
+        registry,
+        "--store",
+        str(workdir / "store"),
+        "--device",
+        "cpu",
+        "--port",
+        "0",
+    )
 
 
 def without_tokens() -> dict[str, str]:
@@ -73,8 +85,13 @@ def test_insecure_public_allows_it(tiny_model: Path, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "::1"])
 def test_loopback_needs_no_flag(tmp_path: Path, host: str) -> None:
-    args = [*opentinker_command("registry", "serve", "--data-dir", str(tmp_path), "--port", "0"), "--host", host,
-            "--metrics-port", "-1"]  # fmt: skip
+    args = [
+        *opentinker_command("registry", "serve", "--data-dir", str(tmp_path), "--port", "0"),
+        "--host",
+        host,
+        "--metrics-port",
+        "-1",
+    ]
     try:
         server = ServerProcess(args, tmp_path, timeout=60, env=without_tokens())
     except RuntimeError as error:

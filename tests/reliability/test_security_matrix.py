@@ -74,9 +74,15 @@ def secured(
     tokens = {who: f"tok-{who}-{secrets.token_hex(12)}" for who in (*TENANTS, ADMIN, "svc")}
     roles = {ADMIN: "admin", "svc": "admin"}
     tokens_file = workdir / "tokens.json"
-    tokens_file.write_text(json.dumps({"tokens": [
-        {"token": token, "tenant": who, "role": roles.get(who, "user")} for who, token in tokens.items()
-    ]}))  # fmt: skip
+    tokens_file.write_text(
+        json.dumps(
+            {
+                "tokens": [
+                    {"token": token, "tenant": who, "role": roles.get(who, "user")} for who, token in tokens.items()
+                ]
+            }
+        )
+    )
     # DEBUG logging: the strictest setting for "tokens never appear in logs".
     common = ("--tokens-file", str(tokens_file), "--tls-cert", str(cert), "--tls-key", str(key), "--log-level", "DEBUG")
     to_registry = ("--registry-token", tokens["svc"], "--registry-ca", str(cert))
@@ -176,45 +182,105 @@ def _delete_version(c: Client, r: Resource, s: Secured) -> None:
 
 # (service, operation, admin only)
 OPERATIONS: dict[str, tuple[Operation, bool]] = {
-    "registry.GetAdapter": (lambda c, r, s: c.registry.GetAdapter(
-        registry_pb2.GetAdapterRequest(name=r.name), metadata=c.metadata), False),
-    "registry.ListVersions": (lambda c, r, s: c.registry.ListVersions(
-        registry_pb2.ListVersionsRequest(adapter=r.name), metadata=c.metadata), False),
-    "registry.GetVersion": (lambda c, r, s: c.registry.GetVersion(
-        registry_pb2.GetVersionRequest(adapter=r.name, version=1), metadata=c.metadata), False),
-    "registry.Resolve": (lambda c, r, s: c.registry.Resolve(
-        registry_pb2.ResolveRequest(reference=f"{r.name}@latest"), metadata=c.metadata), False),
-    "registry.GetLineage": (lambda c, r, s: c.registry.GetLineage(
-        registry_pb2.GetLineageRequest(reference=f"{r.name}@2"), metadata=c.metadata), False),
-    "registry.PublishVersion": (lambda c, r, s: c.registry.PublishVersion(registry_pb2.PublishVersionRequest(
-        adapter=r.name, artifact_uri=r.artifact_uri, skip_latest=True), metadata=c.metadata), False),
+    "registry.GetAdapter": (
+        lambda c, r, s: c.registry.GetAdapter(registry_pb2.GetAdapterRequest(name=r.name), metadata=c.metadata),
+        False,
+    ),
+    "registry.ListVersions": (
+        lambda c, r, s: c.registry.ListVersions(registry_pb2.ListVersionsRequest(adapter=r.name), metadata=c.metadata),
+        False,
+    ),
+    "registry.GetVersion": (
+        lambda c, r, s: c.registry.GetVersion(
+            registry_pb2.GetVersionRequest(adapter=r.name, version=1), metadata=c.metadata
+        ),
+        False,
+    ),
+    "registry.Resolve": (
+        lambda c, r, s: c.registry.Resolve(
+            registry_pb2.ResolveRequest(reference=f"{r.name}@latest"), metadata=c.metadata
+        ),
+        False,
+    ),
+    "registry.GetLineage": (
+        lambda c, r, s: c.registry.GetLineage(
+            registry_pb2.GetLineageRequest(reference=f"{r.name}@2"), metadata=c.metadata
+        ),
+        False,
+    ),
+    "registry.PublishVersion": (
+        lambda c, r, s: c.registry.PublishVersion(
+            registry_pb2.PublishVersionRequest(adapter=r.name, artifact_uri=r.artifact_uri, skip_latest=True),
+            metadata=c.metadata,
+        ),
+        False,
+    ),
     "registry.SetAlias+SetServingAlias+Rollback+DeleteAlias": (_registry_aliases, False),
-    "registry.DownloadArtifact": (lambda c, r, s: list(c.registry.DownloadArtifact(
-        registry_pb2.DownloadArtifactRequest(artifact_uri=r.artifact_uri), metadata=c.metadata)), False),
+    "registry.DownloadArtifact": (
+        lambda c, r, s: list(
+            c.registry.DownloadArtifact(
+                registry_pb2.DownloadArtifactRequest(artifact_uri=r.artifact_uri), metadata=c.metadata
+            )
+        ),
+        False,
+    ),
     "registry.CreateAdapter": (_registry_create, False),
     "registry.DeleteAdapter": (_registry_delete, False),
     "registry.DeleteVersion": (_delete_version, False),
-    "registry.GarbageCollect": (lambda c, r, s: c.registry.GarbageCollect(registry_pb2.GarbageCollectRequest(
-        adapter=r.name, dry_run=True), metadata=c.metadata), True),
-    "trainer.GetAdapter": (lambda c, r, s: c.trainer.GetAdapter(
-        trainer_pb2.TrainerServiceGetAdapterRequest(name=r.name), metadata=c.metadata), False),
+    "registry.GarbageCollect": (
+        lambda c, r, s: c.registry.GarbageCollect(
+            registry_pb2.GarbageCollectRequest(adapter=r.name, dry_run=True), metadata=c.metadata
+        ),
+        True,
+    ),
+    "trainer.GetAdapter": (
+        lambda c, r, s: c.trainer.GetAdapter(
+            trainer_pb2.TrainerServiceGetAdapterRequest(name=r.name), metadata=c.metadata
+        ),
+        False,
+    ),
     "trainer.ForwardBackward+OptimStep": (lambda c, r, s: train_step(c, r.name), False),
-    "trainer.Forward": (lambda c, r, s: c.trainer.Forward(trainer_pb2.ForwardRequest(
-        adapter=r.name, datums=sft_batch(4), loss_fn="cross_entropy"), metadata=c.metadata), False),
-    "trainer.SaveSnapshot": (lambda c, r, s: c.trainer.SaveSnapshot(trainer_pb2.SaveSnapshotRequest(
-        adapter=r.name, skip_latest=True), metadata=c.metadata), False),
-    "trainer.SaveState": (lambda c, r, s: c.trainer.SaveState(
-        trainer_pb2.SaveStateRequest(adapter=r.name), metadata=c.metadata), False),
-    "trainer.LoadState": (lambda c, r, s: c.trainer.LoadState(
-        trainer_pb2.LoadStateRequest(adapter=r.name, state_id=r.state_id), metadata=c.metadata), False),
+    "trainer.Forward": (
+        lambda c, r, s: c.trainer.Forward(
+            trainer_pb2.ForwardRequest(adapter=r.name, datums=sft_batch(4), loss_fn="cross_entropy"),
+            metadata=c.metadata,
+        ),
+        False,
+    ),
+    "trainer.SaveSnapshot": (
+        lambda c, r, s: c.trainer.SaveSnapshot(
+            trainer_pb2.SaveSnapshotRequest(adapter=r.name, skip_latest=True), metadata=c.metadata
+        ),
+        False,
+    ),
+    "trainer.SaveState": (
+        lambda c, r, s: c.trainer.SaveState(trainer_pb2.SaveStateRequest(adapter=r.name), metadata=c.metadata),
+        False,
+    ),
+    "trainer.LoadState": (
+        lambda c, r, s: c.trainer.LoadState(
+            trainer_pb2.LoadStateRequest(adapter=r.name, state_id=r.state_id), metadata=c.metadata
+        ),
+        False,
+    ),
     "trainer.CreateAdapter(init_from)+DeleteAdapter": (_trainer_create_delete, False),
-    "trainer.ResetAdapter": (lambda c, r, s: c.trainer.ResetAdapter(
-        trainer_pb2.ResetAdapterRequest(adapter=r.name, reference=f"{r.name}@1"), metadata=c.metadata), False),
+    "trainer.ResetAdapter": (
+        lambda c, r, s: c.trainer.ResetAdapter(
+            trainer_pb2.ResetAdapterRequest(adapter=r.name, reference=f"{r.name}@1"), metadata=c.metadata
+        ),
+        False,
+    ),
     "sampler.Sample": (_sample, False),
-    "sampler.ComputeLogprobs": (lambda c, r, s: c.sampler.ComputeLogprobs(sampler_pb2.ComputeLogprobsRequest(
-        model=f"{r.name}@2", inputs=[model_input([1, 2, 3])]), metadata=c.metadata, timeout=60), False),
+    "sampler.ComputeLogprobs": (
+        lambda c, r, s: c.sampler.ComputeLogprobs(
+            sampler_pb2.ComputeLogprobsRequest(model=f"{r.name}@2", inputs=[model_input([1, 2, 3])]),
+            metadata=c.metadata,
+            timeout=60,
+        ),
+        False,
+    ),
     "sampler.LoadAdapter+UnloadAdapter": (_load_unload, False),
-}  # fmt: skip
+}
 PRINCIPALS = (*TENANTS, ADMIN)
 MATRIX = [(who, op, owner) for who in PRINCIPALS for op in OPERATIONS for owner in TENANTS]
 
@@ -236,15 +302,26 @@ def test_listings_show_only_own_adapters(secured: Secured) -> None:
     for who in PRINCIPALS:
         c = secured.client(who)
         seen = {
-            "registry": {a.name for a in c.registry.ListAdapters(
-                registry_pb2.ListAdaptersRequest(page_size=1000), metadata=c.metadata).adapters},
-            "trainer": {a.name for a in c.trainer.ListAdapters(
-                trainer_pb2.TrainerServiceListAdaptersRequest(), metadata=c.metadata).adapters},
-            "sampler": {a.version.adapter for a in c.sampler.ListLoaded(
-                sampler_pb2.ListLoadedRequest(), metadata=c.metadata).adapters},
-        }  # fmt: skip
-        watch = c.registry.WatchEvents(registry_pb2.WatchEventsRequest(after_event_id="0", send_snapshot=True),
-                                       metadata=c.metadata, timeout=30)  # fmt: skip
+            "registry": {
+                a.name
+                for a in c.registry.ListAdapters(
+                    registry_pb2.ListAdaptersRequest(page_size=1000), metadata=c.metadata
+                ).adapters
+            },
+            "trainer": {
+                a.name
+                for a in c.trainer.ListAdapters(
+                    trainer_pb2.TrainerServiceListAdaptersRequest(), metadata=c.metadata
+                ).adapters
+            },
+            "sampler": {
+                a.version.adapter
+                for a in c.sampler.ListLoaded(sampler_pb2.ListLoadedRequest(), metadata=c.metadata).adapters
+            },
+        }
+        watch = c.registry.WatchEvents(
+            registry_pb2.WatchEventsRequest(after_event_id="0", send_snapshot=True), metadata=c.metadata, timeout=30
+        )
         seen["events"] = {a.adapter for a in next(watch).reconcile.adapters}
         watch.cancel()
         for listing, names in seen.items():
@@ -300,10 +377,11 @@ def all_rpcs() -> list[tuple[str, str]]:
 @pytest.mark.parametrize("credential", ["missing", "unknown", "not-bearer", "empty-bearer"])
 def test_every_rpc_needs_a_valid_token(secured: Secured, credential: str) -> None:
     metadata: tuple[tuple[str, str | bytes], ...] | None = {
-        "missing": None, "unknown": (("authorization", "Bearer tok-nobody"),),
+        "missing": None,
+        "unknown": (("authorization", "Bearer tok-nobody"),),
         "empty-bearer": (("authorization", "Bearer "),),
         "not-bearer": (("authorization", f"Basic {secured.tokens['team-a']}"),),
-    }[credential]  # fmt: skip
+    }[credential]
     for label, path in all_rpcs():
         channel = secured.channels[label]
         try:
@@ -360,5 +438,8 @@ def test_tokens_never_appear_in_logs(secured: Secured, figure: Callable[[str, ob
     for label, text in logs.items():
         for who, token in secured.tokens.items():
             assert token not in text, f"{who}'s token appears in the {label} log"
-    figure("security matrix (tenant x operation x resource)", f"{len(PRINCIPALS)} x {len(OPERATIONS)} x {len(TENANTS)}"
-           f" = {len(MATRIX)} cells, + {len(all_rpcs())} RPCs x 4 bad credentials")  # fmt: skip
+    figure(
+        "security matrix (tenant x operation x resource)",
+        f"{len(PRINCIPALS)} x {len(OPERATIONS)} x {len(TENANTS)}"
+        f" = {len(MATRIX)} cells, + {len(all_rpcs())} RPCs x 4 bad credentials",
+    )

@@ -25,11 +25,17 @@ def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]
     tokens = workdir / "tokens.json"
     import hashlib
 
-    tokens.write_text(json.dumps({"tokens": [
-        {"token": "tok-a", "tenant": "team-a", "role": "user"},
-        {"token": "tok-b", "tenant": "team-b"},
-        {"token_sha256": hashlib.sha256(b"tok-admin").hexdigest(), "tenant": "ops", "role": "admin"},
-    ]}))  # fmt: skip
+    tokens.write_text(
+        json.dumps(
+            {
+                "tokens": [
+                    {"token": "tok-a", "tenant": "team-a", "role": "user"},
+                    {"token": "tok-b", "tenant": "team-b"},
+                    {"token_sha256": hashlib.sha256(b"tok-admin").hexdigest(), "tenant": "ops", "role": "admin"},
+                ]
+            }
+        )
+    )
     server = ServerProcess([sys.executable, TOY, "--tokens-file", str(tokens)], workdir, timeout=30)
     yield server
     server.kill()

@@ -65,9 +65,19 @@ def test_startup_checks_the_name_before_the_model_loads(tiny_model: Path) -> Non
 @pytest.mark.parametrize("server", ["trainer", "sampler"])
 def test_serve_refuses_a_bad_name_in_one_line_exit_2(server: str, tiny_model: Path, tmp_path: Path) -> None:
     args = opentinker_command(
-        server, "serve", "--model", str(tiny_model), "--registry", "127.0.0.1:1", "--store", str(tmp_path / "store"),
-        "--port", "0", "--served-model-name", "a b",
-    )  # fmt: skip
+        server,
+        "serve",
+        "--model",
+        str(tiny_model),
+        "--registry",
+        "127.0.0.1:1",
+        "--store",
+        str(tmp_path / "store"),
+        "--port",
+        "0",
+        "--served-model-name",
+        "a b",
+    )
     result = subprocess.run(args, capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 2, result.stderr
     (line,) = result.stderr.strip().splitlines()

@@ -96,10 +96,12 @@ def test_metrics_endpoint_counts_rpcs(registry_stub: registry_pb2_grpc.RegistryS
     assert toy.metrics_address is not None
     body = urllib.request.urlopen(f"http://{toy.metrics_address}/metrics", timeout=10).read().decode()
     line = next(
-        l for l in body.splitlines()
+        l
+        for l in body.splitlines()
         if l.startswith("opentinker_rpc_requests_total{")
-        and 'method="/opentinker.v1.RegistryService/GetAdapter"' in l and 'code="NOT_FOUND"' in l
-    )  # fmt: skip
+        and 'method="/opentinker.v1.RegistryService/GetAdapter"' in l
+        and 'code="NOT_FOUND"' in l
+    )
     assert float(line.rsplit(" ", 1)[1]) >= 1
 
 

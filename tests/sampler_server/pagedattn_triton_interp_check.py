@@ -45,20 +45,24 @@ def main() -> None:
         )
         for config_name, config in CONFIGS.items():
             out = paged_attention(inputs.q, inputs.k_rows, inputs.v_rows, meta, config).flatten(1)
-            results.append({
-                "name": f"{case.name}/{config_name}",
-                "err_vs_torch": (out - torch_path).abs().max().item(),
-                "err_vs_oracle": (out - oracle).abs().max().item(),
-                "finite": bool(out.isfinite().all()),
-            })  # fmt: skip
+            results.append(
+                {
+                    "name": f"{case.name}/{config_name}",
+                    "err_vs_torch": (out - torch_path).abs().max().item(),
+                    "err_vs_oracle": (out - oracle).abs().max().item(),
+                    "finite": bool(out.isfinite().all()),
+                }
+            )
         # The plan's own dispatch (backend "triton" on a CPU cache), with the GPU's default block sizes.
         planned = run_attention(inputs, "triton", block_size=case.block_size)
-        results.append({
-            "name": f"{case.name}/plan_default",
-            "err_vs_torch": (planned - torch_path).abs().max().item(),
-            "err_vs_oracle": (planned - oracle).abs().max().item(),
-            "finite": bool(planned.isfinite().all()),
-        })  # fmt: skip
+        results.append(
+            {
+                "name": f"{case.name}/plan_default",
+                "err_vs_torch": (planned - torch_path).abs().max().item(),
+                "err_vs_oracle": (planned - oracle).abs().max().item(),
+                "finite": bool(planned.isfinite().all()),
+            }
+        )
     print(json.dumps(results))
 
 

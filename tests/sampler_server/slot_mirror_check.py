@@ -36,8 +36,17 @@ CPU = torch.device("cpu")
 def build(release: object, on_iteration: object, slots: SlotTensors) -> Engine:
     runner = LlamaForCausalLM.from_pretrained(MODEL, device=CPU, dtype=torch.float32)
     cache = KVCache(runner.config, 4 * (MAX_LEN // BLOCK_SIZE), BLOCK_SIZE, CPU, torch.float32)
-    return Engine(runner, cache, slots, Scheduler(max_seqs=2, max_batch_tokens=256), release=release,  # type: ignore[arg-type]
-                  max_len=MAX_LEN, eos_token_ids=(), kernel="segments", on_iteration=on_iteration)  # type: ignore[arg-type]  # fmt: skip
+    return Engine(
+        runner,
+        cache,
+        slots,
+        Scheduler(max_seqs=2, max_batch_tokens=256),
+        release=release,  # type: ignore[arg-type]
+        max_len=MAX_LEN,
+        eos_token_ids=(),
+        kernel="segments",
+        on_iteration=on_iteration,  # type: ignore[arg-type]
+    )
 
 
 def generate(engine: EngineAPI, slot: int, name: str) -> tuple[list[int], list[float]]:
@@ -54,8 +63,20 @@ def generate(engine: EngineAPI, slot: int, name: str) -> tuple[list[int], list[f
 
     pool.acquire(slot)  # the request's pin, which the engine releases
     params = SamplingParams(temperature=1.0, max_tokens=12, logprobs=True)
-    engine.submit([Sequence(seq_id=0, request_id=name, sample_index=0, prompt=[3, 1, 4, 1, 5, 9, 2, 6],
-                            params=params, lora_slot=slot, seed=5)], on_update)  # fmt: skip
+    engine.submit(
+        [
+            Sequence(
+                seq_id=0,
+                request_id=name,
+                sample_index=0,
+                prompt=[3, 1, 4, 1, 5, 9, 2, 6],
+                params=params,
+                lora_slot=slot,
+                seed=5,
+            )
+        ],
+        on_update,
+    )
     assert done.wait(60), "no tokens"
     return tokens, logprobs
 
@@ -67,15 +88,16 @@ def score(engine: EngineAPI, slot: int) -> list[float]:
 
 def version(seed: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(seed)
-    return {m: (torch.randn(RANK, d_in, generator=gen) * 0.3, torch.randn(d_out, RANK, generator=gen) * 0.3)
-            for m, (d_in, d_out) in shapes.items()}  # fmt: skip
+    return {
+        m: (torch.randn(RANK, d_in, generator=gen) * 0.3, torch.randn(d_out, RANK, generator=gen) * 0.3)
+        for m, (d_in, d_out) in shapes.items()
+    }
 
 
 config = load_config(MODEL)
 shapes = linear_shapes(config)
 pool = SlotPool(shapes, max_slots=2, max_rank=RANK, device=CPU, shared=True)
-process = EngineProcess(build, pool, max_len=MAX_LEN, max_seqs=2, max_batch_tokens=256, device=CPU,
-                        mirror_slots=True)  # fmt: skip
+process = EngineProcess(build, pool, max_len=MAX_LEN, max_seqs=2, max_batch_tokens=256, device=CPU, mirror_slots=True)
 process.wait_ready()
 process.start()
 local = build(pool.release, None, pool.tensors)  # reads the shared pool as the CPU engine process does

@@ -71,10 +71,10 @@ class MemoryRegistry:
     async def _resolve(self, reference: str) -> registry_pb2.ResolveResponse:
         name, _, suffix = reference.partition("@")
         number = int(suffix) if suffix else self.latest[name]
-        version = registry_pb2.Version(adapter=name, version=number, artifact_uri=self.uri,
-                                       artifact_sha256=self.sha256)  # fmt: skip
-        resolved = common_pb2.ResolvedVersion(adapter=name, version=number, reference=reference,
-                                              artifact_sha256=self.sha256)  # fmt: skip
+        version = registry_pb2.Version(adapter=name, version=number, artifact_uri=self.uri, artifact_sha256=self.sha256)
+        resolved = common_pb2.ResolvedVersion(
+            adapter=name, version=number, reference=reference, artifact_sha256=self.sha256
+        )
         return registry_pb2.ResolveResponse(version=version, resolved=resolved)
 
 
@@ -121,8 +121,9 @@ def make_loader(tmp_path: Path, pool: SlotPool, *, max_pins: int = 0) -> tuple[A
     store = ArtifactStore(tmp_path / "store")
     ref = store.commit_files(lora_files(seed=1))
     registry = MemoryRegistry(ref.uri, ref.sha256)
-    loader = AdapterLoader(pool, store, registry=cast(Any, registry), metadata=None, model_digest="",
-                           max_pinned_per_tenant=max_pins)  # fmt: skip
+    loader = AdapterLoader(
+        pool, store, registry=cast(Any, registry), metadata=None, model_digest="", max_pinned_per_tenant=max_pins
+    )
     return loader, registry
 
 
@@ -153,8 +154,9 @@ class Pins:
         self.pool = SlotPool(SHAPES, max_slots=slots, max_rank=8, device=CPU)
         self.loader, self.registry = make_loader(tmp_path, self.pool, max_pins=limit)
         engine = cast(Any, SimpleNamespace())  # LoadAdapter and UnloadAdapter never reach the engine
-        self.servicer = SamplerServicer(engine, self.loader, info=common_pb2.BaseModelInfo(), tokenizer=None,
-                                        max_waiting=1)  # fmt: skip
+        self.servicer = SamplerServicer(
+            engine, self.loader, info=common_pb2.BaseModelInfo(), tokenizer=None, max_waiting=1
+        )
 
     def publish(self, adapter: str) -> str:
         return f"{adapter}@{self.registry.publish(adapter)}"
@@ -314,8 +316,10 @@ def test_10000_publish_load_unload_cycles_keep_the_loader_maps_bounded(
             largest["loading"] = max(largest["loading"], len(loader._loading))
 
     asyncio.run(cycles())
-    print(f"after {CYCLES} cycles: largest _versions {largest['versions']}, _loading {largest['loading']}; "
-          f"now {len(loader._versions)}, {len(loader._loading)}; loads {loader.loads}")  # fmt: skip
+    print(
+        f"after {CYCLES} cycles: largest _versions {largest['versions']}, _loading {largest['loading']}; "
+        f"now {len(loader._versions)}, {len(loader._loading)}; loads {loader.loads}"
+    )
     assert loader.loads == CYCLES
     assert largest["versions"] <= VERSIONS_KEPT and largest["loading"] == 0
     # The version the alias serves kept its record: a bare name still resolves without the registry.

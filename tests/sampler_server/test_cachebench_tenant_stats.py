@@ -25,14 +25,16 @@ TEXT = prompt(8811, length=70)  # four full blocks and 6 tokens
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model: Path, registry_server: ServerProcess, tmp_path_factory: pytest.TempPathFactory
-           ) -> Iterator[ServerProcess]:  # fmt: skip
+def server(
+    tiny_model: Path, registry_server: ServerProcess, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
     workdir = tmp_path_factory.mktemp("cachebench-sampler")
     tokens = workdir / "tokens.json"
     entries = [{"token": t, "tenant": n, "role": "admin" if n == "admin" else "user"} for n, t in TOKENS.items()]
     tokens.write_text(json.dumps({"tokens": entries}))
-    proc = start_sampler(workdir, tiny_model, registry_server, "--num-blocks", "64", "--max-len", "256",
-                         "--tokens-file", str(tokens))  # fmt: skip
+    proc = start_sampler(
+        workdir, tiny_model, registry_server, "--num-blocks", "64", "--max-len", "256", "--tokens-file", str(tokens)
+    )
     yield proc
     assert proc.terminate() == 0, proc.log()
 
@@ -48,8 +50,9 @@ def auth(who: str) -> list[tuple[str, str]]:
 
 
 def sample(sampler: sampler_pb2_grpc.SamplerServiceStub, who: str, tokens: list[int], n: int = 1) -> list[int]:
-    messages = sampler.Sample(request("base", tokens, params(max_tokens=4), num_samples=n), metadata=auth(who),
-                              timeout=60)  # fmt: skip
+    messages = sampler.Sample(
+        request("base", tokens, params(max_tokens=4), num_samples=n), metadata=auth(who), timeout=60
+    )
     return [t for m in messages for t in m.tokens]
 
 
@@ -61,8 +64,11 @@ def own(sampler: sampler_pb2_grpc.SamplerServiceStub, who: str) -> tuple[int, in
 def run_status(address: str, who: str) -> str:
     result = subprocess.run(
         [sys.executable, "-m", "opentinker.cli.main", "status", "--sampler", address, "--token", TOKENS[who]],
-        capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"},
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "COLUMNS": "200"},
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout
 
@@ -93,8 +99,11 @@ def test_each_tenant_sees_its_own_prompt_tokens_by_source(
 
 def test_a_score_registers_blocks_the_next_turn_finds(sampler: sampler_pb2_grpc.SamplerServiceStub) -> None:
     turn = prompt(8812, length=50)  # a prompt and its completion: three full blocks and 2 tokens
-    scored = sampler.ComputeLogprobs(sampler_pb2.ComputeLogprobsRequest(model="base", inputs=[model_input(turn)]),
-                                     metadata=auth("team-a"), timeout=60)  # fmt: skip
+    scored = sampler.ComputeLogprobs(
+        sampler_pb2.ComputeLogprobsRequest(model="base", inputs=[model_input(turn)]),
+        metadata=auth("team-a"),
+        timeout=60,
+    )
     assert len(scored.results[0].logprobs) == len(turn) - 1
     before_a, before_b = own(sampler, "team-a"), own(sampler, "team-b")
     assert before_a[:2] == (64, 76)  # a score is no prompt: not counted

@@ -32,12 +32,22 @@ def workload() -> list[list[Sequence]]:
         tokens = [*SYSTEM, *body] if r % 3 == 1 else body
         slot, samples, seeded = r % (ADAPTERS + 1), 3 if r % 4 == 0 else 1, r % 2 == 0
         params = SamplingParams(temperature=1.0 if seeded else 0.0, max_tokens=8 + r % 3 * 4, logprobs=True)
-        requests.append([
-            Sequence(seq_id=10 * r + i, request_id=f"r{r}", sample_index=i, prompt=list(tokens), params=params,
-                     lora_slot=slot, cache_key=f"key-{slot}", want_prompt_logprobs=r % 5 == 2,
-                     seed=1000 * r + i if seeded else None)
-            for i in range(samples)
-        ])  # fmt: skip
+        requests.append(
+            [
+                Sequence(
+                    seq_id=10 * r + i,
+                    request_id=f"r{r}",
+                    sample_index=i,
+                    prompt=list(tokens),
+                    params=params,
+                    lora_slot=slot,
+                    cache_key=f"key-{slot}",
+                    want_prompt_logprobs=r % 5 == 2,
+                    seed=1000 * r + i if seeded else None,
+                )
+                for i in range(samples)
+            ]
+        )
     return requests
 
 
@@ -63,7 +73,7 @@ def test_chunked_prompts_give_the_whole_prompts_tokens_and_logprobs(
         for step in steps.steps
         if any(0 < chunk < lacked for _, _, chunk, lacked in step) and any(lacked == 1 for *_, lacked in step)
     ]
-    assert mixed  # decodes and prompt chunks in one step  # fmt: skip
+    assert mixed  # decodes and prompt chunks in one step
     assert all(sum(chunk for _, _, chunk, lacked in step if lacked > 1) <= 7 for step in steps.steps)
     assert engine.stats.prompt_tokens_cached > 0 and engine.stats.preemptions == 0
     assert len({tuple(seq.output) for seq in requests[0]}) == 3  # seeded samples that really differ
@@ -126,8 +136,10 @@ def test_samples_wait_for_their_leaders_last_chunk_and_go_back_with_it_when_it_i
     scheduler = Scheduler(max_seqs=8, max_batch_tokens=4096, prefill_chunk_tokens=4)
     scheduler.use_blocks(blocks)
     params = SamplingParams(temperature=0.0, max_tokens=4)
-    group = [Sequence(seq_id=i, request_id="g", sample_index=i, prompt=list(range(1, 15)), params=params,
-                      lora_slot=0) for i in range(3)]  # fmt: skip
+    group = [
+        Sequence(seq_id=i, request_id="g", sample_index=i, prompt=list(range(1, 15)), params=params, lora_slot=0)
+        for i in range(3)
+    ]
     for seq in group:
         scheduler.add(seq)
     batch = scheduler.schedule()

@@ -25,8 +25,14 @@ pytestmark = pytest.mark.skipif(not onednn_packing_works(), reason="this torch b
 def logits(runner: LlamaForCausalLM, tokens: list[int]) -> torch.Tensor:
     cache = KVCache(runner.config, 1, 64, CPU, torch.float32)
     n = len(tokens)
-    batch = ForwardBatch(tokens=torch.tensor(tokens), positions=torch.arange(n), block_tables=[[0]], new_lens=[n],
-                         context_lens=[n], logits_indices=torch.arange(n))  # fmt: skip
+    batch = ForwardBatch(
+        tokens=torch.tensor(tokens),
+        positions=torch.arange(n),
+        block_tables=[[0]],
+        new_lens=[n],
+        context_lens=[n],
+        logits_indices=torch.arange(n),
+    )
     return runner.forward(batch, cache)
 
 

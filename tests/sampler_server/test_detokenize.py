@@ -102,8 +102,9 @@ def test_a_stop_string_ends_the_sample_at_the_token_completing_it(tokenizer: Any
     stream = StreamText(tokenizer, ("STOP",))
     texts, updates = [], []
     for start in range(0, len(ids), chunk):
-        update = SequenceUpdate("r", 0, ids[start : start + chunk], [-0.5] * len(ids[start : start + chunk]),
-                                finished=False)  # fmt: skip
+        update = SequenceUpdate(
+            "r", 0, ids[start : start + chunk], [-0.5] * len(ids[start : start + chunk]), finished=False
+        )
         update, text = with_text(update, stream)
         texts.append(text)
         updates.append(update)
@@ -120,8 +121,9 @@ def test_a_stop_string_ends_the_sample_at_the_token_completing_it(tokenizer: Any
 
 def test_a_stop_token_that_also_completes_a_stop_string_stays_a_stop_token(tokenizer: Any) -> None:
     ids = tokenizer.encode("say END", add_special_tokens=False)
-    update = SequenceUpdate("r", 0, ids, [-0.1] * len(ids), finished=True,
-                            stop_reason=sampler_pb2.STOP_REASON_STOP_TOKEN)  # fmt: skip
+    update = SequenceUpdate(
+        "r", 0, ids, [-0.1] * len(ids), finished=True, stop_reason=sampler_pb2.STOP_REASON_STOP_TOKEN
+    )
     cut, text = with_text(update, StreamText(tokenizer, ("END",)))
     assert cut.stop_reason == sampler_pb2.STOP_REASON_STOP_TOKEN and cut.tokens == ids and text == "say END"
 
@@ -129,9 +131,15 @@ def test_a_stop_token_that_also_completes_a_stop_string_stays_a_stop_token(token
 def test_the_engine_frees_a_sample_the_server_finished(tiny_model: Path) -> None:
     runner = LlamaForCausalLM.from_pretrained(tiny_model, device=CPU, dtype=torch.float32)
     pool = SlotPool(runner.linear_shapes(), max_slots=1, max_rank=4, device=CPU)
-    engine = Engine(runner, KVCache(runner.config, 16, 16, CPU, torch.float32), pool.tensors,
-                    Scheduler(max_seqs=4, max_batch_tokens=256), release=pool.release, max_len=64,
-                    eos_token_ids=())  # fmt: skip
+    engine = Engine(
+        runner,
+        KVCache(runner.config, 16, 16, CPU, torch.float32),
+        pool.tensors,
+        Scheduler(max_seqs=4, max_batch_tokens=256),
+        release=pool.release,
+        max_len=64,
+        eos_token_ids=(),
+    )
     assert not hasattr(engine, "tokenizer")  # token ids only
     got: list[SequenceUpdate] = []
     params = SamplingParams(temperature=0.0, max_tokens=20)

@@ -52,8 +52,9 @@ def adapter(trainer: Trainer) -> str:
 def in_process_server(
     tiny_model: Path, registry_server: ServerProcess, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
-    server = start_sampler(tmp_path_factory.mktemp("in-process"), tiny_model, registry_server, "--max-slots", "2",
-                           "--no-engine-process")  # fmt: skip
+    server = start_sampler(
+        tmp_path_factory.mktemp("in-process"), tiny_model, registry_server, "--max-slots", "2", "--no-engine-process"
+    )
     yield server
     assert server.terminate() == 0, server.log()
 
@@ -70,8 +71,13 @@ def test_the_engine_process_serves_what_an_in_process_engine_serves(
             tokens = prompt(4, length=20)
             assert max_diff(score(local, model, tokens)[0], score(sampler, model, tokens)[0]) < 1e-5
         # Seeded sampling: the engine process makes each sample's generator from the seed the server drew.
-        seeded = request(adapter, prompt(5), params(max_tokens=10, temperature=1.0, seed=11, logprobs=True),
-                         num_samples=3, prompt_logprobs=True)  # fmt: skip
+        seeded = request(
+            adapter,
+            prompt(5),
+            params(max_tokens=10, temperature=1.0, seed=11, logprobs=True),
+            num_samples=3,
+            prompt_logprobs=True,
+        )
         ours, theirs = collect(sampler.Sample(seeded)), collect(local.Sample(seeded))
         assert sorted(ours.samples) == sorted(theirs.samples) == [0, 1, 2]
         assert [ours.samples[i].tokens for i in range(3)] == [theirs.samples[i].tokens for i in range(3)]
@@ -147,8 +153,11 @@ def test_a_stop_string_met_in_the_server_ends_the_sample_in_the_engine_process(
     def text(n: int) -> str:
         return str(tokenizer.decode(tokens[:n], skip_special_tokens=True))
 
-    k = next(k for k in range(2, 11) if (added := text(k + 1)[len(text(k)) :]).strip() and added not in text(k)
-             and "\ufffd" not in text(k + 1))  # fmt: skip
+    k = next(
+        k
+        for k in range(2, 11)
+        if (added := text(k + 1)[len(text(k)) :]).strip() and added not in text(k) and "\ufffd" not in text(k + 1)
+    )
     stop = text(k + 1)[len(text(k)) :]
     before = stats(sampler).tokens_generated
     long = request("base", p, params(max_tokens=1500, stop_strings=[stop]), num_samples=2)

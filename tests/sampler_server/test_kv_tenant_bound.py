@@ -24,9 +24,16 @@ _ids = itertools.count(1)
 
 
 def seq(tenant: str, length: int, max_tokens: int = 8, *, key: str = "") -> Sequence:
-    return Sequence(seq_id=next(_ids), request_id=f"{tenant}-{next(_ids)}", sample_index=0, prompt=prompt(length, 3),
-                    params=SamplingParams(temperature=0.0, max_tokens=max_tokens), lora_slot=0, tenant=tenant,
-                    cache_key=key)  # fmt: skip
+    return Sequence(
+        seq_id=next(_ids),
+        request_id=f"{tenant}-{next(_ids)}",
+        sample_index=0,
+        prompt=prompt(length, 3),
+        params=SamplingParams(temperature=0.0, max_tokens=max_tokens),
+        lora_slot=0,
+        tenant=tenant,
+        cache_key=key,
+    )
 
 
 def scheduler(num_blocks: int, *, bound: int, chunk: int = 0) -> tuple[RecordingScheduler, BlockManager]:
@@ -105,16 +112,41 @@ def test_an_exhausted_pool_preempts_the_tenant_most_over_its_share_not_the_newes
 
 def team_b() -> list[list[Sequence]]:
     params = SamplingParams(temperature=1.0, max_tokens=10, logprobs=True)
-    return [[Sequence(seq_id=100 + i, request_id=f"b{i}", sample_index=0, prompt=prompt(20, 50 + i), params=params,
-                      lora_slot=1, tenant="team-b", seed=7 + i)] for i in range(3)]  # fmt: skip
+    return [
+        [
+            Sequence(
+                seq_id=100 + i,
+                request_id=f"b{i}",
+                sample_index=0,
+                prompt=prompt(20, 50 + i),
+                params=params,
+                lora_slot=1,
+                tenant="team-b",
+                seed=7 + i,
+            )
+        ]
+        for i in range(3)
+    ]
 
 
 def flood_and_b(runner: LlamaForCausalLM, pool: SlotPool, bound: int) -> tuple[list[list[Sequence]], int, list[str]]:
     """team-a's 6 long prompts (3 blocks each, growing to 5); at team-a's first token, team-b's 3 requests
     (2 blocks each) arrive. Returns team-b's requests, the most blocks team-a held, and who was preempted."""
     params = SamplingParams(temperature=0.0, max_tokens=40)
-    flood = [[Sequence(seq_id=i, request_id=f"a{i}", sample_index=0, prompt=prompt(40, i), params=params,
-                       lora_slot=2, tenant="team-a")] for i in range(6)]  # fmt: skip
+    flood = [
+        [
+            Sequence(
+                seq_id=i,
+                request_id=f"a{i}",
+                sample_index=0,
+                prompt=prompt(40, i),
+                params=params,
+                lora_slot=2,
+                tenant="team-a",
+            )
+        ]
+        for i in range(6)
+    ]
     theirs = team_b()
     engine, sched = chunked_engine(runner, pool, num_blocks=12, chunk=16, max_len=96, tenant_blocks=bound)
     done, left, most, sent = threading.Event(), [9], [0], [False]

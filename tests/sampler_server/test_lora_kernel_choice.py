@@ -52,8 +52,16 @@ def kernel_used(monkeypatch: pytest.MonkeyPatch, flag: Backend, device: str) -> 
     pool = SlotPool(SHAPES, max_slots=2, max_rank=2, device=torch.device("cpu"))
     pool.tensors.scaling[1], pool.tensors.ranks[1] = 1.0, 2
     cache = types.SimpleNamespace(device=torch.device(device), num_blocks=2, block_size=8)
-    engine = Engine(cast(Any, None), cast(Any, cache), pool.tensors, Scheduler(max_seqs=1, max_batch_tokens=8),
-                    release=pool.release, max_len=8, eos_token_ids=(), kernel=flag)  # fmt: skip
+    engine = Engine(
+        cast(Any, None),
+        cast(Any, cache),
+        pool.tensors,
+        Scheduler(max_seqs=1, max_batch_tokens=8),
+        release=pool.release,
+        max_len=8,
+        eos_token_ids=(),
+        kernel=flag,
+    )
     calls: list[str] = []
 
     def recorder(name: str) -> Any:

@@ -53,8 +53,11 @@ def test_runs_merge_consecutive_slots_with_equal_rows() -> None:
     runs = plan_runs(plan_segments(token_slots, ranks, scaling.tolist()), scaling)
     # slots 1, 2 (one row each) | 3, 4 (two rows each) | 5 alone (one row, after two-row slots) | 1, 2 again
     assert [(r.first, r.count, r.start, r.rows, r.rank) for r in runs] == [
-        (1, 2, 1, 1, 8), (3, 2, 3, 2, 4), (5, 1, 7, 1, 4), (1, 2, 8, 1, 8)
-    ]  # fmt: skip
+        (1, 2, 1, 1, 8),
+        (3, 2, 3, 2, 4),
+        (5, 1, 7, 1, 4),
+        (1, 2, 8, 1, 8),
+    ]
     assert runs[2].scales is None and runs[2].scale == 3.0
     assert runs[1].scales is not None and runs[1].scales.flatten().tolist() == [0.5, 1.5]
 

@@ -56,8 +56,9 @@ def test_the_scaled_copy_keeps_the_published_keys(models: dict[str, Path], famil
     assert "rope_parameters" not in config
     shape = load_config(models[family])
     generation = FAMILIES[family][2]
-    assert len(shape.eos_token_ids) == (len(generation["eos_token_id"]) if isinstance(generation.get(
-        "eos_token_id"), list) else 1)  # fmt: skip
+    assert len(shape.eos_token_ids) == (
+        len(generation["eos_token_id"]) if isinstance(generation.get("eos_token_id"), list) else 1
+    )
     original = shape.rope.original_max_position_embeddings
     assert original == 0 or original < LENGTH  # the test positions pass the pretrained length
     assert shape.context_length >= LENGTH + 32
@@ -123,19 +124,40 @@ def test_inverse_frequencies_equal_transformers_for_every_variant() -> None:
     variants: list[dict[str, Any]] = [
         {"rope_type": "linear", "factor": 4.0},
         {"rope_type": "dynamic", "factor": 2.0},
-        {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-         "original_max_position_embeddings": 512},
+        {
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 512,
+        },
         {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024},
-        {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 1024, "mscale": 1.0,
-         "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1},
-        {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 1024, "attention_factor": 0.9,
-         "truncate": False},
-    ]  # fmt: skip
+        {
+            "rope_type": "yarn",
+            "factor": 40.0,
+            "original_max_position_embeddings": 1024,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.707,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
+        {
+            "rope_type": "yarn",
+            "factor": 8.0,
+            "original_max_position_embeddings": 1024,
+            "attention_factor": 0.9,
+            "truncate": False,
+        },
+    ]
     from opentinker.weights.rope import parse_rope
 
     for variant in variants:
-        config = LlamaConfig(hidden_size=head_dim * 4, num_attention_heads=4, max_position_embeddings=max_positions,
-                             rope_parameters={**variant, "rope_theta": 10000.0})  # fmt: skip
+        config = LlamaConfig(
+            hidden_size=head_dim * 4,
+            num_attention_heads=4,
+            max_position_embeddings=max_positions,
+            rope_parameters={**variant, "rope_theta": 10000.0},
+        )
         for seq_len in (None, 9000) if variant["rope_type"] == "dynamic" else (None,):
             expected, expected_scale = ROPE_INIT_FUNCTIONS[variant["rope_type"]](config, CPU, seq_len=seq_len)
             rope: RopeConfig = parse_rope({"rope_scaling": variant, "rope_theta": 10000.0}, "llama", max_positions)

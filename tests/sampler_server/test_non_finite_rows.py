@@ -48,8 +48,9 @@ def test_sample_draws_the_finite_rows_as_if_alone_and_reports_the_others() -> No
 def local(
     tiny_model: Path, registry_server: ServerProcess, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[sampler_pb2_grpc.SamplerServiceStub]:
-    server = start_sampler(tmp_path_factory.mktemp("non-finite"), tiny_model, registry_server, "--max-slots", "2",
-                           "--no-engine-process")  # fmt: skip
+    server = start_sampler(
+        tmp_path_factory.mktemp("non-finite"), tiny_model, registry_server, "--max-slots", "2", "--no-engine-process"
+    )
     with grpc.insecure_channel(server.address) as channel:
         yield sampler_pb2_grpc.SamplerServiceStub(channel)
     assert server.terminate() == 0, server.log()

@@ -59,8 +59,9 @@ def test_a_mixed_batch_of_the_tiny_model_gives_each_sequences_logits_alone(tiny_
     def fresh_cache() -> KVCache:
         cache = KVCache(model.config, 8, 16, torch.device("cpu"), torch.float32)
         for i, cached in prefix.items():
-            model.forward(ForwardBatch.build([prompts[i][:cached]], [0], block_tables=[tables[i]], all_logits=False),
-                          cache)  # fmt: skip
+            model.forward(
+                ForwardBatch.build([prompts[i][:cached]], [0], block_tables=[tables[i]], all_logits=False), cache
+            )
         return cache
 
     chunks = [prompt[prefix.get(i, 0) :] for i, prompt in enumerate(prompts)]
@@ -70,8 +71,9 @@ def test_a_mixed_batch_of_the_tiny_model_gives_each_sequences_logits_alone(tiny_
     together = model.forward(ForwardBatch.build(chunks, starts, block_tables=tables, all_logits=True), fresh_cache())
     alone, cache = [], fresh_cache()
     for i, chunk in enumerate(chunks):
-        alone.append(model.forward(ForwardBatch.build([chunk], [starts[i]], block_tables=[tables[i]],
-                                                      all_logits=True), cache))  # fmt: skip
+        alone.append(
+            model.forward(ForwardBatch.build([chunk], [starts[i]], block_tables=[tables[i]], all_logits=True), cache)
+        )
     assert together.shape[0] == sum(len(chunk) for chunk in chunks)
     assert (together - torch.cat(alone)).abs().max().item() <= 1e-4  # logits of magnitude ~10
 
@@ -97,9 +99,12 @@ def test_the_triton_kernel_refuses_cpu_tensors_without_the_interpreter(monkeypat
 def test_the_triton_kernel_under_the_interpreter_equals_the_torch_path() -> None:
     script = Path(__file__).with_name("pagedattn_triton_interp_check.py")
     proc = subprocess.run(
-        [sys.executable, str(script)], env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
+        [sys.executable, str(script)],
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
         timeout=240,
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(results) == 3 * len(CASES)
@@ -112,8 +117,14 @@ def test_the_triton_kernel_under_the_interpreter_equals_the_torch_path() -> None
 @pytest.mark.skipif(not (torch.cuda.is_available() and TRITON_AVAILABLE), reason="needs a CUDA device and triton")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_the_triton_kernel_on_cuda_equals_the_torch_path(dtype: torch.dtype) -> None:
-    case = AttnCase("cuda", ((1, 300), (64, 64), (40, 200), (1, 17), (130, 130), (1, 1)), heads=8, kv_heads=2,
-                    head_dim=64, block_size=16)  # fmt: skip
+    case = AttnCase(
+        "cuda",
+        ((1, 300), (64, 64), (40, 200), (1, 17), (130, 130), (1, 1)),
+        heads=8,
+        kv_heads=2,
+        head_dim=64,
+        block_size=16,
+    )
     inputs = make_inputs(case, dtype)
     cuda = make_inputs(case, dtype)
     moved = type(cuda)(cuda.config, cuda.q.cuda(), cuda.k_rows.cuda(), cuda.v_rows.cuda(), cuda.batch)
@@ -136,12 +147,16 @@ def test_stale_nan_rows_of_freed_blocks_never_reach_another_sequence(tiny_model:
         for layer in range(model.config.num_layers):
             cache.k[layer].fill_(fill)
             cache.v[layer].fill_(fill)
-        prefill = model.forward(ForwardBatch.build(prompts[:2], [0, 0], block_tables=tables[:2], all_logits=False),
-                                cache)  # fmt: skip
-        decode = model.forward(ForwardBatch.build([[7], [8]], [len(p) for p in prompts[:2]], block_tables=tables[:2],
-                                                  all_logits=False), cache)  # fmt: skip
-        step = ForwardBatch.build([[9], prompts[2]], [len(prompts[0]) + 1, 0], block_tables=[tables[0], tables[2]],
-                                  all_logits=False)  # fmt: skip
+        prefill = model.forward(
+            ForwardBatch.build(prompts[:2], [0, 0], block_tables=tables[:2], all_logits=False), cache
+        )
+        decode = model.forward(
+            ForwardBatch.build([[7], [8]], [len(p) for p in prompts[:2]], block_tables=tables[:2], all_logits=False),
+            cache,
+        )
+        step = ForwardBatch.build(
+            [[9], prompts[2]], [len(prompts[0]) + 1, 0], block_tables=[tables[0], tables[2]], all_logits=False
+        )
         mixed = model.forward(step, cache)
         return torch.cat([prefill, decode, mixed])
 

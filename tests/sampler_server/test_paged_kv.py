@@ -22,11 +22,21 @@ def workload() -> list[list[Sequence]]:
         length, slot, samples = 5 + 9 * r % 37, r % (ADAPTERS + 1), 4 if r % 3 == 0 else 1
         seeded = r % 2 == 0
         params = SamplingParams(temperature=1.0 if seeded else 0.0, max_tokens=10 + r % 4 * 5, logprobs=True)
-        requests.append([
-            Sequence(seq_id=10 * r + i, request_id=f"r{r}", sample_index=i, prompt=prompt(length, r), params=params,
-                     lora_slot=slot, want_prompt_logprobs=r % 4 == 1, seed=1000 * r + i if seeded else None)
-            for i in range(samples)
-        ])  # fmt: skip
+        requests.append(
+            [
+                Sequence(
+                    seq_id=10 * r + i,
+                    request_id=f"r{r}",
+                    sample_index=i,
+                    prompt=prompt(length, r),
+                    params=params,
+                    lora_slot=slot,
+                    want_prompt_logprobs=r % 4 == 1,
+                    seed=1000 * r + i if seeded else None,
+                )
+                for i in range(samples)
+            ]
+        )
     return requests
 
 
@@ -72,8 +82,10 @@ def test_memory_follows_the_tokens_held(runner: LlamaForCausalLM, pool: SlotPool
     # The same KV bytes as 2 slots of 64 positions hold 8 short sequences at once in blocks of 16.
     def short() -> list[list[Sequence]]:
         params = SamplingParams(temperature=0.0, max_tokens=4)
-        return [[Sequence(seq_id=i, request_id=f"s{i}", sample_index=0, prompt=prompt(8, i), params=params,
-                          lora_slot=0)] for i in range(8)]  # fmt: skip
+        return [
+            [Sequence(seq_id=i, request_id=f"s{i}", sample_index=0, prompt=prompt(8, i), params=params, lora_slot=0)]
+            for i in range(8)
+        ]
 
     slots = engine(runner, pool, block_size=MAX_LEN, num_blocks=2)
     paged = engine(runner, pool, block_size=16, num_blocks=8)
@@ -86,14 +98,30 @@ def test_the_samples_of_a_request_share_their_prompt_blocks(runner: LlamaForCaus
     # 40 prompt tokens: 2 full blocks and a partial one, held once by 4 samples; each but the last to write takes
     # its own copy of the partial block (copy-on-write): 3 + 3 blocks, where a copy per sample took 4 x 3.
     params = SamplingParams(temperature=1.0, max_tokens=4, logprobs=True)
-    group = [Sequence(seq_id=i, request_id="g", sample_index=i, prompt=prompt(40, 5), params=params, lora_slot=1,
-                      seed=70 + i) for i in range(4)]  # fmt: skip
+    group = [
+        Sequence(
+            seq_id=i, request_id="g", sample_index=i, prompt=prompt(40, 5), params=params, lora_slot=1, seed=70 + i
+        )
+        for i in range(4)
+    ]
     paged = engine(runner, pool, block_size=16, num_blocks=32)
     assert run(paged, [group])[1] == 6
     assert paged.stats.prompt_tokens_computed == 40 + 3  # + run()'s 3-token probe
     assert paged.stats.prompt_tokens_shared == 3 * 40
-    alone = [[Sequence(seq_id=i, request_id=f"a{i}", sample_index=i, prompt=prompt(40, 5), params=params,
-                       lora_slot=1, seed=70 + i)] for i in range(4)]  # fmt: skip
+    alone = [
+        [
+            Sequence(
+                seq_id=i,
+                request_id=f"a{i}",
+                sample_index=i,
+                prompt=prompt(40, 5),
+                params=params,
+                lora_slot=1,
+                seed=70 + i,
+            )
+        ]
+        for i in range(4)
+    ]
     run(engine(runner, pool, block_size=MAX_LEN, num_blocks=8), alone)
     assert len({tuple(seq.output) for seq in group}) > 1
     for together, [by_itself] in zip(group, alone, strict=True):

@@ -34,16 +34,35 @@ T = TypeVar("T")
 
 
 def engine(runner: LlamaForCausalLM, pool: SlotPool, *, num_blocks: int, prefix_cache: bool = True) -> Engine:
-    return paged_engine(runner, pool, block_size=16, num_blocks=num_blocks, prefix_cache=prefix_cache,
-                        max_len=MAX_LEN)  # fmt: skip
+    return paged_engine(runner, pool, block_size=16, num_blocks=num_blocks, prefix_cache=prefix_cache, max_len=MAX_LEN)
 
 
-def ask(request_id: str, tokens: list[int], *, slot: int = 0, key: str = "k", seed: int | None = None,
-        samples: int = 1, max_tokens: int = 8, prompt_logprobs: bool = False) -> list[Sequence]:  # fmt: skip
+def ask(
+    request_id: str,
+    tokens: list[int],
+    *,
+    slot: int = 0,
+    key: str = "k",
+    seed: int | None = None,
+    samples: int = 1,
+    max_tokens: int = 8,
+    prompt_logprobs: bool = False,
+) -> list[Sequence]:
     params = SamplingParams(temperature=0.0 if seed is None else 1.0, max_tokens=max_tokens, logprobs=True)
-    return [Sequence(seq_id=i, request_id=request_id, sample_index=i, prompt=list(tokens), params=params,
-                     lora_slot=slot, cache_key=key, seed=None if seed is None else seed + i,
-                     want_prompt_logprobs=prompt_logprobs) for i in range(samples)]  # fmt: skip
+    return [
+        Sequence(
+            seq_id=i,
+            request_id=request_id,
+            sample_index=i,
+            prompt=list(tokens),
+            params=params,
+            lora_slot=slot,
+            cache_key=key,
+            seed=None if seed is None else seed + i,
+            want_prompt_logprobs=prompt_logprobs,
+        )
+        for i in range(samples)
+    ]
 
 
 def conversation(engine: Engine, *, slot: int = 0, key: str = "k") -> list[list[Sequence]]:
@@ -111,14 +130,16 @@ def test_each_version_gets_its_own_kv(runner: LlamaForCausalLM) -> None:
 
 def test_two_tenants_on_the_base_model_share_nothing_by_default(runner: LlamaForCausalLM, pool: SlotPool) -> None:
     def key(tenant: str, *, share: bool) -> str:
-        fake = types.SimpleNamespace(info=types.SimpleNamespace(model_digest="base-digest"), pool=pool,
-                                     share_base_prefix_cache=share)  # fmt: skip
+        fake = types.SimpleNamespace(
+            info=types.SimpleNamespace(model_digest="base-digest"), pool=pool, share_base_prefix_cache=share
+        )
         return SamplerServicer._cache_key(cast(Any, fake), 0, tenant)
 
     assert key("team-a", share=False) != key("team-b", share=False)
     assert key("team-a", share=True) == key("team-b", share=True)
-    fake = types.SimpleNamespace(info=types.SimpleNamespace(model_digest="base-digest"), pool=pool,
-                                 share_base_prefix_cache=False)  # fmt: skip
+    fake = types.SimpleNamespace(
+        info=types.SimpleNamespace(model_digest="base-digest"), pool=pool, share_base_prefix_cache=False
+    )
     assert SamplerServicer._cache_key(cast(Any, fake), 1, "team-a") == "lora:base-digest:sha-0:tenant:paged"
 
     on = engine(runner, pool, num_blocks=32)
@@ -137,8 +158,10 @@ def test_two_tenants_on_the_base_model_share_nothing_by_default(runner: LlamaFor
 
 def test_a_small_pool_evicts_idle_blocks_lru_and_keeps_outputs(runner: LlamaForCausalLM, pool: SlotPool) -> None:
     def requests() -> list[list[Sequence]]:
-        return [ask(f"e{i}", SYSTEM + prompt(4 + i, i), slot=i % 3, key=f"k{i % 3}", samples=1 + i % 2, seed=i)
-                for i in range(8)]  # fmt: skip
+        return [
+            ask(f"e{i}", SYSTEM + prompt(4 + i, i), slot=i % 3, key=f"k{i % 3}", samples=1 + i % 2, seed=i)
+            for i in range(8)
+        ]
 
     tiny = engine(runner, pool, num_blocks=8)  # one 128-token sequence; each of these takes 4 blocks
     ours = requests()
@@ -157,8 +180,9 @@ def test_byte_identical_adapters_of_two_tenants_share_no_blocks(runner: LlamaFor
     shared = SlotPool(runner.linear_shapes(), max_slots=3, max_rank=4, device=CPU)
     for name in ("team-a/imported", "team-b/imported", "team-a/copy"):
         fill_random(shared, runner, shared.reserve((name, 1)), seed=3, sha="sha-public")
-    fake = types.SimpleNamespace(info=types.SimpleNamespace(model_digest="base-digest"), pool=shared,
-                                 share_base_prefix_cache=True)  # fmt: skip
+    fake = types.SimpleNamespace(
+        info=types.SimpleNamespace(model_digest="base-digest"), pool=shared, share_base_prefix_cache=True
+    )
 
     def key(slot: int, caller: str) -> str:
         return SamplerServicer._cache_key(cast(Any, fake), slot, caller)
@@ -187,8 +211,9 @@ class OneVersion:
     async def resolve(self, reference: str) -> Resolved:
         if reference == "base":
             return BASE_RESOLVED
-        message = common_pb2.ResolvedVersion(adapter="paged/a0", version=1, reference=reference,
-                                             artifact_sha256="sha-0")  # fmt: skip
+        message = common_pb2.ResolvedVersion(
+            adapter="paged/a0", version=1, reference=reference, artifact_sha256="sha-0"
+        )
         return Resolved(("paged/a0", 1), message, None)
 
     async def acquire(self, resolved: Resolved, count: int = 1) -> int:
@@ -233,8 +258,9 @@ def test_requests_of_one_tenant_with_different_cache_salts_share_no_blocks(
         """The prompt tokens one Sample found in the prefix cache."""
         before = on.scheduler.prompt_tokens_cached
         greedy = sampler_pb2.SamplingParams(temperature=0.0, max_tokens=4)
-        request = sampler_pb2.SampleRequest(model=model, prompt=model_input(tokens), sampling_params=greedy,
-                                            cache_salt=salt)  # fmt: skip
+        request = sampler_pb2.SampleRequest(
+            model=model, prompt=model_input(tokens), sampling_params=greedy, cache_salt=salt
+        )
 
         async def sample() -> list[sampler_pb2.SampleResponse]:
             return [message async for message in servicer.Sample(request, None)]
@@ -252,8 +278,7 @@ def test_requests_of_one_tenant_with_different_cache_salts_share_no_blocks(
             assert found(model, "") == 32  # no salt twice shares as before
             assert found(model, "é" * 128) == 0  # 256 UTF-8 bytes: the most a salt may have
         scored = [*SYSTEM, 7, 8, 9]
-        logprobs = sampler_pb2.ComputeLogprobsRequest(model="paged/a0@1", inputs=[model_input(scored)],
-                                                      cache_salt="c")  # fmt: skip
+        logprobs = sampler_pb2.ComputeLogprobsRequest(model="paged/a0@1", inputs=[model_input(scored)], cache_salt="c")
         assert len(as_tenant(servicer.ComputeLogprobs(logprobs, None)).results[0].logprobs) == len(scored) - 1
         assert found("paged/a0@1", "d", scored) == 0  # another salt cannot find the score's blocks
         assert found("paged/a0@1", "c", scored) == 32  # its own salt does

@@ -21,8 +21,9 @@ LONG = prompt(941, length=70)  # four full blocks and a bit
 
 @pytest.fixture
 def samplers(tiny_model: Path, registry_server: ServerProcess, tmp_path: Path) -> Iterator[tuple[Sampler, Sampler]]:
-    on = start_sampler(tmp_path / "on", tiny_model, registry_server, "--max-slots", "4", "--num-blocks", "64",
-                       "--max-len", "256")  # fmt: skip
+    on = start_sampler(
+        tmp_path / "on", tiny_model, registry_server, "--max-slots", "4", "--num-blocks", "64", "--max-len", "256"
+    )
     off = start_sampler(tmp_path / "off", tiny_model, registry_server, "--max-slots", "4", "--no-prefix-cache")
     try:
         with grpc.insecure_channel(on.address) as a, grpc.insecure_channel(off.address) as b:

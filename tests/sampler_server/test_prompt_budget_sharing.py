@@ -15,8 +15,15 @@ _ids = itertools.count(1)
 
 
 def sequence(tenant: str, name: str, prompt_len: int) -> Sequence:
-    return Sequence(seq_id=next(_ids), request_id=name, sample_index=0, prompt=list(range(1, prompt_len + 1)),
-                    params=PARAMS, lora_slot=0, tenant=tenant)  # fmt: skip
+    return Sequence(
+        seq_id=next(_ids),
+        request_id=name,
+        sample_index=0,
+        prompt=list(range(1, prompt_len + 1)),
+        params=PARAMS,
+        lora_slot=0,
+        tenant=tenant,
+    )
 
 
 def step(scheduler: Scheduler) -> dict[str, int]:

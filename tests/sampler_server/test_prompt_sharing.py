@@ -32,16 +32,32 @@ def runner(tiny_model: Path) -> LlamaForCausalLM:
 def sequence(request_id: str, index: int, seed: int, *, prompt: list[int] = PROMPT) -> Sequence:
     generator = torch.Generator().manual_seed(seed)
     params = SamplingParams(temperature=1.0, max_tokens=10, logprobs=True)
-    return Sequence(seq_id=seed, request_id=request_id, sample_index=index, prompt=list(prompt), params=params,
-                    lora_slot=0, want_prompt_logprobs=True, generator=generator)  # fmt: skip
+    return Sequence(
+        seq_id=seed,
+        request_id=request_id,
+        sample_index=index,
+        prompt=list(prompt),
+        params=params,
+        lora_slot=0,
+        want_prompt_logprobs=True,
+        generator=generator,
+    )
 
 
 def run_engine(runner: LlamaForCausalLM, requests: list[list[Sequence]]) -> Engine:
     """Submits the requests to a fresh engine and waits until every sequence finished."""
     cache = KVCache(runner.config, 17, 64, CPU, torch.float32)
     pool = SlotPool(runner.linear_shapes(), max_slots=1, max_rank=4, device=CPU)
-    engine = Engine(runner, cache, pool.tensors, Scheduler(max_seqs=16, max_batch_tokens=4096), release=pool.release,
-                    max_len=64, eos_token_ids=(), burst_wait=0.05)  # fmt: skip
+    engine = Engine(
+        runner,
+        cache,
+        pool.tensors,
+        Scheduler(max_seqs=16, max_batch_tokens=4096),
+        release=pool.release,
+        max_len=64,
+        eos_token_ids=(),
+        burst_wait=0.05,
+    )
     left = sum(map(len, requests))
     done, lock = threading.Event(), threading.Lock()
 
@@ -116,8 +132,9 @@ def test_a_sample_call_with_n_samples_prefills_its_prompt_once(sampler_server: S
         return {source: float(value) for source, value in re.findall(pattern, body, re.MULTILINE)}
 
     before = prompt_tokens()
-    result = run(sampler, request("base", prompt(3, length=30), params(temperature=1.0, max_tokens=4, seed=1),
-                                  num_samples=4))  # fmt: skip
+    result = run(
+        sampler, request("base", prompt(3, length=30), params(temperature=1.0, max_tokens=4, seed=1), num_samples=4)
+    )
     after = prompt_tokens()
     assert sorted(result.samples) == [0, 1, 2, 3]
     assert (after["computed"] - before["computed"], after["shared"] - before["shared"]) == (30, 90)

@@ -303,8 +303,11 @@ OUT_OF_RANGE: dict[str, dict[str, bytes]] = {
     ),
     "lora_alpha 1e38": _artifact({**LORA_CONFIG, "lora_alpha": 1e38}, _lora_tensors(4, {Q0: (64, 64)})),
 }
-REASONS = {**dict.fromkeys(UNUSABLE, "INCOMPATIBLE_ADAPTER"), **dict.fromkeys(OUT_OF_RANGE, "ADAPTER_OUT_OF_RANGE"),
-           "other base model": "INCOMPATIBLE_ADAPTER"}  # fmt: skip
+REASONS = {
+    **dict.fromkeys(UNUSABLE, "INCOMPATIBLE_ADAPTER"),
+    **dict.fromkeys(OUT_OF_RANGE, "ADAPTER_OUT_OF_RANGE"),
+    "other base model": "INCOMPATIBLE_ADAPTER",
+}
 
 
 def publish_files(
@@ -503,8 +506,9 @@ class Bearer(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor
 
     def _with_token(self, details: grpc.ClientCallDetails) -> _Details:
         metadata = [*(details.metadata or ()), self.header]
-        return _Details(details.method, details.timeout, metadata, details.credentials, details.wait_for_ready,
-                        details.compression)  # fmt: skip
+        return _Details(
+            details.method, details.timeout, metadata, details.credentials, details.wait_for_ready, details.compression
+        )
 
     def intercept_unary_unary(self, continuation, details, request):
         return continuation(self._with_token(details), request)
@@ -522,9 +526,18 @@ def small_server(
     entries = [{"token": t, "tenant": n, "role": "admin" if n == "admin" else "user"} for n, t in TOKENS.items()]
     tokens.write_text(json.dumps({"tokens": entries}))
     server = start_sampler(
-        workdir, tiny_model, registry_server,
-        "--max-waiting", "2", "--max-seqs", "1", "--max-slots", "2", "--tokens-file", str(tokens),
-    )  # fmt: skip
+        workdir,
+        tiny_model,
+        registry_server,
+        "--max-waiting",
+        "2",
+        "--max-seqs",
+        "1",
+        "--max-slots",
+        "2",
+        "--tokens-file",
+        str(tokens),
+    )
     yield server
     assert server.terminate() == 0, server.log()
 

@@ -17,8 +17,13 @@ from opentinker.sampler_server.engine import Engine
 def config(tiny_model: Path, tmp_path: Path, **overrides: object) -> SamplerConfig:
     values: dict[str, object] = {"max_slots": 2, "max_seqs": 2, "engine_process": False, "kernel": "reference"}
     values.update(overrides)
-    return SamplerConfig(model=str(tiny_model), registry="127.0.0.1:1", store=tmp_path / "store",
-                         server=ServerOptions(port=0), **values)  # type: ignore[arg-type]  # fmt: skip
+    return SamplerConfig(
+        model=str(tiny_model),
+        registry="127.0.0.1:1",
+        store=tmp_path / "store",
+        server=ServerOptions(port=0),
+        **values,  # type: ignore[arg-type]
+    )
 
 
 def test_build_in_process(tiny_model: Path, tmp_path: Path) -> None:

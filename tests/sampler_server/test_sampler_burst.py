@@ -58,8 +58,10 @@ def submit_spread(engine: Engine, count: int, gap: float) -> tuple[float, thread
     params = SamplingParams(temperature=0.0, max_tokens=2)
     first = time.monotonic()
     for i in range(count):
-        engine.submit([Sequence(seq_id=i, request_id=f"r{i}", sample_index=0, prompt=[1, 2, 3], params=params,
-                                lora_slot=0)], on_update)  # fmt: skip
+        engine.submit(
+            [Sequence(seq_id=i, request_id=f"r{i}", sample_index=0, prompt=[1, 2, 3], params=params, lora_slot=0)],
+            on_update,
+        )
         time.sleep(gap)
     return first, done
 
@@ -70,8 +72,16 @@ def run_burst(
     scheduler = RecordingScheduler()
     cache = KVCache(runner.config, 65, 32, CPU, torch.float32)
     pool = SlotPool(runner.linear_shapes(), max_slots=1, max_rank=4, device=CPU)
-    engine = Engine(runner, cache, pool.tensors, scheduler, release=pool.release, max_len=32, eos_token_ids=(),
-                    burst_wait=burst_wait)  # fmt: skip
+    engine = Engine(
+        runner,
+        cache,
+        pool.tensors,
+        scheduler,
+        release=pool.release,
+        max_len=32,
+        eos_token_ids=(),
+        burst_wait=burst_wait,
+    )
     engine.start()
     try:
         first, done = submit_spread(engine, count, gap)
@@ -118,8 +128,10 @@ def test_mailbox_delivers_a_batch_with_one_wakeup_in_order() -> None:
 
         loop.call_soon_threadsafe = counting  # type: ignore[method-assign,assignment]
         queues: list[asyncio.Queue[SequenceUpdate]] = [asyncio.Queue(), asyncio.Queue()]
-        seqs = [Sequence(seq_id=i, request_id=f"r{i}", sample_index=0, prompt=[1], params=SamplingParams(),
-                         lora_slot=0) for i in range(2)]  # fmt: skip
+        seqs = [
+            Sequence(seq_id=i, request_id=f"r{i}", sample_index=0, prompt=[1], params=SamplingParams(), lora_slot=0)
+            for i in range(2)
+        ]
 
         def engine_step() -> None:  # while the loop is busy (blocked here), a step's updates pile up
             for token in range(50):

@@ -173,9 +173,10 @@ def test_stop_conditions(sampler: Sampler, peft_ref: PeftReference) -> None:
         return str(tokenizer.decode(tokens[:n], skip_special_tokens=True))
 
     k = next(
-        k for k in range(2, 11)
+        k
+        for k in range(2, 11)
         if (added := text(k + 1)[len(text(k)) :]).strip() and "\ufffd" not in text(k + 1) and added not in text(k)
-    )  # fmt: skip
+    )
     stop = text(k + 1)[len(text(k)) :]
     stopped = run(sampler, request("base", p, params(max_tokens=12, stop_strings=[stop]))).only
     assert stopped.stop_reason == sampler_pb2.STOP_REASON_STOP_STRING

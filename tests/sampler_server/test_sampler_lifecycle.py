@@ -62,8 +62,15 @@ def runner(tiny_model: Path) -> LlamaForCausalLM:
 def make_engine(runner: LlamaForCausalLM, pool: SlotPool) -> Engine:
     cache = KVCache(runner.config, 3, 64, CPU, torch.float32)
     scheduler = Scheduler(max_seqs=2, max_batch_tokens=256)
-    return Engine(runner, cache, pool.tensors, scheduler, release=pool.release, max_len=64,
-                  eos_token_ids=runner.config.eos_token_ids)  # fmt: skip
+    return Engine(
+        runner,
+        cache,
+        pool.tensors,
+        scheduler,
+        release=pool.release,
+        max_len=64,
+        eos_token_ids=runner.config.eos_token_ids,
+    )
 
 
 def test_cancelled_score_releases_its_slot(runner: LlamaForCausalLM) -> None:

@@ -10,8 +10,9 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=8)
 
 
 def sequence(request: str) -> Sequence:
-    return Sequence(seq_id=hash(request) & 0xFFFF, request_id=request, sample_index=0, prompt=[1, 2, 3],
-                    params=PARAMS, lora_slot=0)  # fmt: skip
+    return Sequence(
+        seq_id=hash(request) & 0xFFFF, request_id=request, sample_index=0, prompt=[1, 2, 3], params=PARAMS, lora_slot=0
+    )
 
 
 def test_a_flood_of_new_requests_leaves_running_sequences_a_decode_every_other_step() -> None:

@@ -23,8 +23,18 @@ _ids = itertools.count(1)
 
 
 def request(tenant: str, name: str, samples: int = 1, prompt_len: int = 3) -> list[Sequence]:
-    return [Sequence(seq_id=next(_ids), request_id=name, sample_index=i, prompt=list(range(1, prompt_len + 1)),
-                     params=PARAMS, lora_slot=0, tenant=tenant) for i in range(samples)]  # fmt: skip
+    return [
+        Sequence(
+            seq_id=next(_ids),
+            request_id=name,
+            sample_index=i,
+            prompt=list(range(1, prompt_len + 1)),
+            params=PARAMS,
+            lora_slot=0,
+            tenant=tenant,
+        )
+        for i in range(samples)
+    ]
 
 
 def add(scheduler: Scheduler, *requests: list[Sequence]) -> None:

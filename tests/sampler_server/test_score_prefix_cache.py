@@ -19,14 +19,22 @@ TURN = prompt(50, 17) + prompt(21, 4)  # a prompt and a completion: four full bl
 
 
 def engine(runner: LlamaForCausalLM, pool: SlotPool, *, prefix_cache: bool = True, num_blocks: int = 32) -> Engine:
-    return paged_engine(runner, pool, block_size=16, num_blocks=num_blocks, prefix_cache=prefix_cache,
-                        max_len=MAX_LEN)  # fmt: skip
+    return paged_engine(runner, pool, block_size=16, num_blocks=num_blocks, prefix_cache=prefix_cache, max_len=MAX_LEN)
 
 
 def ask(request_id: str, tokens: list[int], *, slot: int, key: str) -> list[Sequence]:
     params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=True)
-    return [Sequence(seq_id=0, request_id=request_id, sample_index=0, prompt=list(tokens), params=params,
-                     lora_slot=slot, cache_key=key)]  # fmt: skip
+    return [
+        Sequence(
+            seq_id=0,
+            request_id=request_id,
+            sample_index=0,
+            prompt=list(tokens),
+            params=params,
+            lora_slot=slot,
+            cache_key=key,
+        )
+    ]
 
 
 def score(engine: Engine, tokens: list[int], *, slot: int, key: str) -> list[float]:

@@ -32,10 +32,19 @@ def runner(tiny_model: Path) -> LlamaForCausalLM:
 def engine(runner: LlamaForCausalLM, *, chunk: int = 0, max_seqs: int = 4, per_tenant: int = 0) -> Engine:
     pool = SlotPool(runner.linear_shapes(), max_slots=1, max_rank=4, device=CPU)
     cache = KVCache(runner.config, 64, 16, CPU, torch.float32)
-    scheduler = Scheduler(max_seqs=max_seqs, max_batch_tokens=512, max_seqs_per_tenant=per_tenant,
-                          prefill_chunk_tokens=chunk)  # fmt: skip
-    return Engine(runner, cache, pool.tensors, scheduler, release=lambda slot: None, max_len=MAX_LEN,
-                  eos_token_ids=(), burst_wait=0.05)  # fmt: skip
+    scheduler = Scheduler(
+        max_seqs=max_seqs, max_batch_tokens=512, max_seqs_per_tenant=per_tenant, prefill_chunk_tokens=chunk
+    )
+    return Engine(
+        runner,
+        cache,
+        pool.tensors,
+        scheduler,
+        release=lambda slot: None,
+        max_len=MAX_LEN,
+        eos_token_ids=(),
+        burst_wait=0.05,
+    )
 
 
 def test_a_long_score_is_chunked_like_a_prompt_with_the_same_logprobs(runner: LlamaForCausalLM) -> None:
@@ -71,8 +80,20 @@ def test_a_flood_of_scores_leaves_another_tenant_its_share_of_the_batch(runner: 
             finished.set()
 
     params = SamplingParams(temperature=0.0, max_tokens=4)
-    e.submit([Sequence(seq_id=1, request_id="b", sample_index=0, prompt=prompt(12, 7), params=params, lora_slot=0,
-                       tenant="team-b")], on_update)  # fmt: skip
+    e.submit(
+        [
+            Sequence(
+                seq_id=1,
+                request_id="b",
+                sample_index=0,
+                prompt=prompt(12, 7),
+                params=params,
+                lora_slot=0,
+                tenant="team-b",
+            )
+        ],
+        on_update,
+    )
     e.start()  # everything is in the inbox already: one burst
     try:
         assert finished.wait(120)

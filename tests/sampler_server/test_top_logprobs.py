@@ -97,9 +97,12 @@ def test_a_batch_mixing_k_gives_each_row_what_it_asked(sampler: Sampler, referen
     prompts = [prompt(80 + i, length=6 + i) for i in range(len(asks))]
 
     def sampling(k: int, seed: int) -> sampler_pb2.SampleRequest:
-        return request("base", prompts[asks.index(k)],
-                       params(temperature=1.0, seed=seed, max_tokens=8, logprobs=True, top_logprobs=k),
-                       num_samples=2)  # fmt: skip
+        return request(
+            "base",
+            prompts[asks.index(k)],
+            params(temperature=1.0, seed=seed, max_tokens=8, logprobs=True, top_logprobs=k),
+            num_samples=2,
+        )
 
     def sample_k(k: int) -> Result:
         return collect(sampler.Sample(sampling(k, 40 + k), timeout=60))

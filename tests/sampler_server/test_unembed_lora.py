@@ -35,8 +35,10 @@ def tokens_of(seed: int, length: int) -> list[int]:
 
 
 def datum(tokens: list[int]) -> Datum:
-    return Datum(ModelInput.from_ints(tokens[:-1]),
-                 loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})  # fmt: skip
+    return Datum(
+        ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
+    )
 
 
 def hf(model_dir: Path, adapter: Path | None = None) -> Any:
@@ -127,8 +129,11 @@ def test_trainer_sampler_and_peft_agree(
     assert tensors[LM_A].shape == (4, config.hidden_size) and tensors[LM_B].shape == (config.vocab_size, 4)
     assert tensors[LM_B].abs().max().item() > 0  # trained: B started at zero
     leaves = {key.split(".lora_")[0].rsplit(".", 1)[-1] for key in tensors}
-    assert leaves == ({"lm_head"} if targets == ("lm_head",) else {"lm_head", "q_proj", "k_proj", "v_proj", "o_proj",
-                                                                    "gate_proj", "up_proj", "down_proj"})  # fmt: skip
+    assert leaves == (
+        {"lm_head"}
+        if targets == ("lm_head",)
+        else {"lm_head", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    )
     assert not any("embed_tokens" in key for key in tensors)  # tied or not, the input embedding is not trained
     adapter_config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
     assert "lm_head" in adapter_config["target_modules"]

@@ -62,8 +62,15 @@ def peft_folder(
     directory.mkdir()
     tensors = {key(m): t.contiguous() for m, (a, b) in weights.items() for key, t in ((lora_a_key, a), (lora_b_key, b))}
     save_file(tensors, directory / "adapter_model.safetensors")
-    config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(leaves),
-              "base_model_name_or_path": str(model_dir), "task_type": "CAUSAL_LM", "lora_dropout": 0.0}  # fmt: skip
+    config = {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": alpha,
+        "target_modules": list(leaves),
+        "base_model_name_or_path": str(model_dir),
+        "task_type": "CAUSAL_LM",
+        "lora_dropout": 0.0,
+    }
     (directory / "adapter_config.json").write_text(json.dumps(config))
     return directory
 
@@ -96,8 +103,16 @@ def test_mixed_batch_rows_equal_peft(model_dir: Path, tmp_path: Path, kernel: Ke
         folders[slot] = peft_folder(tmp_path / f"adapter-{slot}", model_dir, slot, weights)
     assert pool.tensors.unembed.tolist() == [0, 1, 0, 1]  # the versions with a LoRA on lm_head
     cache = KVCache(model.config, 4, 32, CPU, torch.float32)
-    engine = Engine(model, cache, pool.tensors, Scheduler(max_seqs=4, max_batch_tokens=64), release=pool.release,
-                    max_len=32, eos_token_ids=(), kernel=kernel)  # fmt: skip
+    engine = Engine(
+        model,
+        cache,
+        pool.tensors,
+        Scheduler(max_seqs=4, max_batch_tokens=64),
+        release=pool.release,
+        max_len=32,
+        eos_token_ids=(),
+        kernel=kernel,
+    )
     prompts = [[3 + (7 * s + 11 * i) % 400 for i in range(5 + s)] for s in range(4)]  # slot s: prompt s
     batch = ForwardBatch.build(prompts, [0] * 4, kv_slots=[0, 1, 2, 3], all_logits=all_logits)
     token_slots = [s for s, p in enumerate(prompts) for _ in p]
@@ -139,8 +154,16 @@ def test_a_tied_model_serves_lm_head_lora_and_keeps_its_embedding(tmp_path: Path
     weights = adapter_weights(model.linear_shapes(), 3)
     pool.fill(pool.reserve(("tied", 1)), weights, rank=8, scaling=2.0, artifact_sha256="")
     cache = KVCache(model.config, 2, 16, CPU, torch.float32)
-    engine = Engine(model, cache, pool.tensors, Scheduler(max_seqs=1, max_batch_tokens=16), release=pool.release,
-                    max_len=16, eos_token_ids=(), kernel="segments")  # fmt: skip
+    engine = Engine(
+        model,
+        cache,
+        pool.tensors,
+        Scheduler(max_seqs=1, max_batch_tokens=16),
+        release=pool.release,
+        max_len=16,
+        eos_token_ids=(),
+        kernel="segments",
+    )
     batch = ForwardBatch.build([[4, 5, 6]], [0], kv_slots=[0], all_logits=True)
     with_lora = model.forward(batch, cache, engine._lora_hook([1, 1, 1], [1, 1, 1]))
     assert torch.equal(model.embed, before)
@@ -160,8 +183,13 @@ def test_versions_without_lm_head_skip_the_vocabulary_wide_delta(
     pool = SlotPool(shapes, max_slots=2, max_rank=8, device=CPU)
     for slot in (1, 2):  # slot 1: lm_head among its targets; slot 2: none
         rank, alpha, _ = ADAPTERS[slot]
-        pool.fill(pool.reserve(("skip", slot)), adapter_weights(shapes, slot), rank=rank, scaling=alpha / rank,
-                  artifact_sha256="")  # fmt: skip
+        pool.fill(
+            pool.reserve(("skip", slot)),
+            adapter_weights(shapes, slot),
+            rank=rank,
+            scaling=alpha / rank,
+            artifact_sha256="",
+        )
     calls: list[tuple[str, int]] = []  # (module, rows it got)
     from opentinker.sampler_server.kernels import add_lora as real_add
     from opentinker.sampler_server.kernels.segments import add_lora_runs as real_runs
@@ -179,8 +207,16 @@ def test_versions_without_lm_head_skip_the_vocabulary_wide_delta(
     monkeypatch.setattr(engine_module, "add_lora_runs", runs_spy)
     monkeypatch.setattr(engine_module, "add_lora", add_spy)
     cache = KVCache(model.config, 2, 16, CPU, torch.float32)
-    engine = Engine(model, cache, pool.tensors, Scheduler(max_seqs=2, max_batch_tokens=32), release=pool.release,
-                    max_len=16, eos_token_ids=(), kernel=kernel)  # fmt: skip
+    engine = Engine(
+        model,
+        cache,
+        pool.tensors,
+        Scheduler(max_seqs=2, max_batch_tokens=32),
+        release=pool.release,
+        max_len=16,
+        eos_token_ids=(),
+        kernel=kernel,
+    )
     batch = ForwardBatch.build([[4, 5, 6]], [0], kv_slots=[0], all_logits=True)
     model.forward(batch, cache, engine._lora_hook([2, 2, 2], [2, 2, 2]))
     assert calls and not [c for c in calls if c[0] == "lm_head" and c[1] > 0]

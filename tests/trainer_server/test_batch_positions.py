@@ -15,8 +15,9 @@ def padded(short: int, long: int = 2049) -> list[common_pb2.Datum]:
 
 
 def build(datums: list[common_pb2.Datum], limit: int = DEFAULT_MAX_BATCH_POSITIONS) -> Batch:
-    return build_batch(datums, "cross_entropy", vocab_size=4096, max_positions=4096, pad_id=0,
-                       max_batch_positions=limit)  # fmt: skip
+    return build_batch(
+        datums, "cross_entropy", vocab_size=4096, max_positions=4096, pad_id=0, max_batch_positions=limit
+    )
 
 
 def test_a_batch_at_the_limit_is_built() -> None:
@@ -25,8 +26,9 @@ def test_a_batch_at_the_limit_is_built() -> None:
     assert tuple(batch.input_ids.shape) == (64, 2048)
 
 
-@pytest.mark.parametrize(("short", "limit"), [(64, DEFAULT_MAX_BATCH_POSITIONS), (4095, DEFAULT_MAX_BATCH_POSITIONS),
-                                              (3, 4 * 2048 - 1)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("short", "limit"), [(64, DEFAULT_MAX_BATCH_POSITIONS), (4095, DEFAULT_MAX_BATCH_POSITIONS), (3, 4 * 2048 - 1)]
+)
 def test_padding_beyond_the_limit_is_refused(short: int, limit: int) -> None:
     with pytest.raises(ResourceExhausted) as caught:
         build(padded(short), limit)

@@ -18,8 +18,15 @@ from opentinker.trainer_server.build import TrainerConfig, build_trainer
 
 
 def test_build_trainer(tiny_model: Path, tmp_path: Path) -> None:
-    built = build_trainer(TrainerConfig(model=str(tiny_model), registry="127.0.0.1:1", store=tmp_path / "store",
-                                        server=ServerOptions(port=0), device="cpu"))  # fmt: skip
+    built = build_trainer(
+        TrainerConfig(
+            model=str(tiny_model),
+            registry="127.0.0.1:1",
+            store=tmp_path / "store",
+            server=ServerOptions(port=0),
+            device="cpu",
+        )
+    )
     assert [b.name for b in built.bindings] == ["opentinker.v1.TrainerService"]
     assert (tmp_path / "store").is_dir()
     asyncio.run(built.on_stop())

@@ -24,9 +24,19 @@ def remote_trainer(
 ) -> Iterator[ServerProcess]:
     workdir = tmp_path_factory.mktemp("remote-trainer")
     args = opentinker_command(
-        "trainer", "serve", "--model", str(tiny_model), "--registry", registry_server.address,
-        "--store", str(workdir / "own-store"), "--port", "0", "--device", "cpu",
-    )  # fmt: skip
+        "trainer",
+        "serve",
+        "--model",
+        str(tiny_model),
+        "--registry",
+        registry_server.address,
+        "--store",
+        str(workdir / "own-store"),
+        "--port",
+        "0",
+        "--device",
+        "cpu",
+    )
     server = ServerProcess(args, workdir, timeout=120)
     yield server
     assert server.terminate() == 0

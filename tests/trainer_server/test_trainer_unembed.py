@@ -54,8 +54,14 @@ def test_a_training_step_on_a_tied_model_leaves_the_embedding_alone(tied_model: 
     before = embedding.detach().clone()
     shapes = base.module_shapes()
     config = common_pb2.LoraConfig(rank=4, alpha=8.0, target_modules=["lm_head"])
-    state = new_adapter("t", config, common_pb2.AdamParams(learning_rate=5e-2, beta1=0.9, beta2=0.95, eps=1e-8), 1,
-                        {"lm_head": shapes["lm_head"]}, base.device)  # fmt: skip
+    state = new_adapter(
+        "t",
+        config,
+        common_pb2.AdamParams(learning_rate=5e-2, beta1=0.9, beta2=0.95, eps=1e-8),
+        1,
+        {"lm_head": shapes["lm_head"]},
+        base.device,
+    )
     tokens = torch.tensor([[5, 17, 40, 99, 230, 7, 61, 3]])
     with base.activate(state.modules, training=True):
         loss = base.model(input_ids=tokens, labels=tokens).loss
