@@ -4,35 +4,24 @@ running registry through the SDK's RegistryClient (plaintext, or TLS with --ca-c
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterator
-from contextlib import closing, contextmanager
+from collections.abc import Callable
+from contextlib import closing
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.table import Table
 
 from opentinker.cli import registry_json as out
-from opentinker.cli.console import table_console
-from opentinker.cli.failure import reported
 from opentinker.cli.options import DEFAULT_REGISTRY, AsJson, CaCert, RegistryAddr, Token
+from opentinker.cli.registry_connect import connect, console
+from opentinker.cli.registry_import import export_adapter, import_adapter
 from opentinker.cli.rollback_notice import rollback_notice
-from opentinker.client import Reconcile, RegistryClient, Version
+from opentinker.client import Reconcile, Version
 from opentinker.weights.names import LATEST
 
-console = table_console()  # piped: wide enough that no column is cut
 TRACES_SHOWN = 4  # trace ids per version in the lineage table
 alias_app = typer.Typer(no_args_is_help=True, help="Move, remove or serve aliases.")
-
-
-@contextmanager
-def connect(address: str, token: str | None, ca_cert: Path | None) -> Iterator[RegistryClient]:
-    """The registry's client for the block; a failed call in it prints `error: CODE: message [REASON]` and
-    exits 1 (no traceback)."""
-    # No deadline, as before: an admin call (gc, a long watch) takes as long as it takes.
-    with RegistryClient(address, token, timeout=None, ca_cert=ca_cert) as client, reported(ca_cert):
-        yield client
 
 
 def when(moment: datetime) -> str:
@@ -335,8 +324,6 @@ def delete(name: str, registry: RegistryAddr = DEFAULT_REGISTRY, token: Token = 
 
 def add_admin_commands(registry_app: typer.Typer) -> None:
     """Adds the admin commands to the `registry` group (next to `serve`), in the order `--help` lists them."""
-    from opentinker.cli.registry_import import export_adapter, import_adapter
-
     commands: list[tuple[str, Callable[..., None]]] = [
         ("create", create),
         ("adapters", adapters),

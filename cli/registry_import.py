@@ -18,7 +18,7 @@ import typer
 from opentinker.cli import registry_json as out
 from opentinker.cli.failure import fail
 from opentinker.cli.options import DEFAULT_REGISTRY, AsJson, CaCert, RegistryAddr, Token
-from opentinker.cli.registry_admin import connect, console
+from opentinker.cli.registry_connect import connect, console
 from opentinker.client import BatchRecord, Lineage, LoraConfig, OpenTinkerError, RegistryClient, Version
 from opentinker.rpc.progress import spinner
 from opentinker.weights.peft_io import (

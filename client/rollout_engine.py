@@ -11,15 +11,12 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
 
+from opentinker.client.environments import MultiAgentEnv
 from opentinker.client.sampling_client import SamplingClient
 from opentinker.client.sansio import Program, call, gather
 from opentinker.client.trajectory import SampledTrajectory, Transition
 from opentinker.client.types import SampledSequence, SamplingParams
-
-if TYPE_CHECKING:
-    from opentinker.client.envs import MultiAgentEnv
 
 __all__ = ["EpisodeRecord", "play"]
 
