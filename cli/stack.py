@@ -29,7 +29,8 @@ from opentinker.cli.up_auth import StackAuth, needs_service_token, provision, re
 from opentinker.rpc.config import SERVER_SECTIONS, UP_SECTION, ConfigError, read_config, resolve_value
 from opentinker.rpc.dir_lock import DirLock, DirLocked
 from opentinker.rpc.progress import spinner
-from opentinker.rpc.startup import StartupError, check_model
+from opentinker.rpc.startup import StartupError
+from opentinker.weights.model_check import check_model
 
 STARTUP_SECONDS = {"registry": 60.0, "trainer": 300.0, "sampler": 300.0}
 LOCK_NAME = "up"

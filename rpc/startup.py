@@ -1,6 +1,6 @@
 """How every server fails to start: one line on stderr (which server, what, what to do), exit 2 for a
-configuration error, the traceback only at `--log-level debug`. And the checks that run first, before anything
-slow or stateful starts: the ports are free, the model exists."""
+configuration error, the traceback only at `--log-level debug`. And the check that runs first, before anything
+slow or stateful starts: the ports are free (the model's is weights/model_check.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import logging
 import socket
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import typer
 
@@ -47,31 +46,6 @@ def check_port(host: str, port: int, flag: str) -> None:
 def check_ports(host: str, port: int, metrics_port: int) -> None:
     check_port(host, port, "--port")
     check_port(host, metrics_port, "--metrics-port")
-
-
-def check_model(model: str, revision: str | None = None, served_name: str | None = None) -> Path:
-    """The model's directory, or StartupError naming --model: found before the slow load, not as a hub OSError.
-    Its config.json is read and checked too (an unsupported family is refused before any weight is read), and
-    the public name it will be served under (--served-model-name, weights/served_name.py)."""
-    from opentinker.weights.base_model import resolve_model_dir
-    from opentinker.weights.model_config import load_config
-    from opentinker.weights.served_name import served_model_name
-
-    try:
-        model_dir = resolve_model_dir(model, revision)
-    except ServiceError as exc:
-        raise StartupError(f"{exc.message} (--model)") from None
-    if not (model_dir / "config.json").is_file():
-        raise StartupError(f"--model {model}: {model_dir} has no config.json; pass a Hugging Face model directory")
-    try:
-        load_config(model_dir)
-    except ServiceError as exc:
-        raise StartupError(f"--model {model}: {exc.message}") from None
-    try:
-        served_model_name(model, served_name, model_dir)
-    except ServiceError as exc:
-        raise StartupError(exc.message) from None
-    return model_dir
 
 
 def fail(component: str, message: str, code: int = CONFIG_ERROR_EXIT) -> None:

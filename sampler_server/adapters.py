@@ -20,10 +20,11 @@ from safetensors.torch import load_file
 from opentinker.rpc.auth import require_access
 from opentinker.rpc.errors import FailedPrecondition, ResourceExhausted
 from opentinker.rpc.memory import release_freed_memory
-from opentinker.rpc.registry_link import Metadata, fetch_artifact, registry_call
+from opentinker.rpc.registry_link import Metadata, registry_call
 from opentinker.sampler_server.slot_pool import SlotPool, VersionKey
 from opentinker.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 from opentinker.weights.artifact_store import ArtifactStore
+from opentinker.weights.artifact_transfer import fetch_artifact
 from opentinker.weights.names import BASE, parse_reference
 from opentinker.weights.peft import (
     CONFIG_FILE,

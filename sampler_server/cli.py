@@ -175,9 +175,10 @@ def serve(
     # overhead +30 -> +16 ms at 0.5 ms, wall unchanged).
     sys.setswitchinterval(0.0005)
     from opentinker.rpc.server import configure_logging, exit_if_unsafe
-    from opentinker.rpc.startup import check_model, check_ports
+    from opentinker.rpc.startup import check_ports
     from opentinker.sampler_server.build import BadOption, CpuGemm, Dtype, SamplerConfig, serve_sampler
     from opentinker.sampler_server.kernels import Backend
+    from opentinker.weights.model_check import check_model
 
     configure_logging(log_level)
     # Refuse an unsafe exposure before loading the model, not after.

@@ -99,8 +99,9 @@ def serve(
 
     limit_malloc_arenas()  # first, before torch and gRPC start their threads: freed adapters can be trimmed
     from opentinker.rpc.server import configure_logging, exit_if_unsafe
-    from opentinker.rpc.startup import check_model, check_ports
+    from opentinker.rpc.startup import check_ports
     from opentinker.trainer_server.build import TrainerConfig, serve_trainer
+    from opentinker.weights.model_check import check_model
 
     configure_logging(log_level)
     # Refuse an unsafe exposure before loading the model, not after.

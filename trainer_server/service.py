@@ -18,7 +18,7 @@ from opentinker.rpc.errors import (
     ResourceExhausted,
 )
 from opentinker.rpc.faults import fault_point
-from opentinker.rpc.registry_link import fetch_artifact, push_artifact, registry_call
+from opentinker.rpc.registry_link import registry_call
 from opentinker.trainer_server.adapter import AdapterState
 from opentinker.trainer_server.admission import DEFAULT_MAX_QUEUED_PER_TENANT, QueueAdmission, queued
 from opentinker.trainer_server.batch import DEFAULT_MAX_BATCH_POSITIONS, build_batch, split_batch
@@ -41,6 +41,7 @@ from opentinker.trainer_server.start_point import (
 )
 from opentinker.trainer_server.trainer import GradientMark, StepOutput, Trainer, check_adam, check_lora
 from opentinker.v1 import common_pb2, registry_pb2, registry_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+from opentinker.weights.artifact_transfer import fetch_artifact, push_artifact
 from opentinker.weights.names import check_adapter_name, parse_reference
 
 Context = Any  # grpc.aio.ServicerContext; untyped in the generated stubs

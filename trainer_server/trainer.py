@@ -1,9 +1,10 @@
 """The trainer's compute core: many adapters on one frozen base. Synchronous; the scheduler runs every
 call on one compute thread, so at most one adapter's weights are routed into the base model at a time.
 
-Path of a training step: build_batch (validation, service) -> forward_backward (this file: activate the
-adapter's LoRA weights, run the base model, gather target logprobs, loss, backward into the adapter's own
-parameters) -> optim_step (AdamW over the adapter's explicit parameter list, then clear its gradients).
+Path of a training step: build_batch (validation, service) -> accumulate per micro-batch (this file: activate
+the adapter's LoRA weights, run the base model, gather target logprobs, loss, backward into the adapter's own
+parameters), record_batch into the ledger -> optim_step (AdamW over the adapter's explicit parameter list,
+then clear its gradients).
 """
 
 from __future__ import annotations
@@ -189,13 +190,6 @@ class Trainer:
             out.append(values[start : start + length])
             start += length
         return out
-
-    def forward_backward(
-        self, name: str, batch: Batch, loss_fn: str, config: dict[str, float], trace_ids: list[str]
-    ) -> StepOutput:
-        output = self.accumulate(name, batch, loss_fn, config)
-        self.record_batch(name, batch, loss_fn, trace_ids)
-        return output
 
     def accumulate(self, name: str, batch: Batch, loss_fn: str, config: dict[str, float]) -> StepOutput:
         """Forward and backward of one (micro-)batch: adds its gradients to the adapter's; no ledger entry."""

@@ -15,11 +15,11 @@ import pytest
 
 from opentinker.registry.service import RegistryServicer
 from opentinker.rpc.errors import DataLoss, InvalidArgument
-from opentinker.rpc.registry_link import fetch_artifact
 from opentinker.v1 import registry_pb2
 from opentinker.weights.artifact_manifest import ArtifactFile
 from opentinker.weights.artifact_store import ArtifactStore
 from opentinker.weights.artifact_stream import ArtifactReceiver, StreamViolation, chunked
+from opentinker.weights.artifact_transfer import fetch_artifact
 
 FILES = {"a.json": b"{}", "empty": b"", "m/weights.bin": b"w" * 10, "z-empty": b""}
 

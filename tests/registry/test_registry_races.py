@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import random
 import secrets
 import threading
@@ -24,6 +23,7 @@ import pytest
 import redis
 from registryutil import artifact_files, create_adapter, upload_requests
 from serverproc import ServerProcess, registry_store, start_registry
+from tlsutil import write_tokens
 
 from opentinker.registry.embedded_redis import EmbeddedRedis
 from opentinker.rpc.errors import ServiceError, error_info
@@ -66,17 +66,8 @@ class Registry:
 @pytest.fixture
 def registry(tmp_path: Path) -> Iterator[Registry]:
     tokens = {who: f"tok-{who}-{secrets.token_hex(8)}" for who in (*TENANTS, "ops")}
-    tokens_file = tmp_path / "tokens.json"
-    tokens_file.write_text(
-        json.dumps(
-            {
-                "tokens": [
-                    {"token": t, "tenant": who, "role": "admin" if who == "ops" else "user"}
-                    for who, t in tokens.items()
-                ]
-            }
-        )
-    )
+    roles = {who: "admin" if who == "ops" else "user" for who in tokens}
+    tokens_file = write_tokens(tmp_path / "tokens.json", {t: (who, roles[who]) for who, t in tokens.items()})
     redis_server = EmbeddedRedis(tmp_path / "redis", appendonly=False).start()
     server = start_registry(
         tmp_path / "registry",

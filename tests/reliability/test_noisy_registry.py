@@ -22,6 +22,7 @@ import pytest
 import redis
 from registryutil import artifact_files, create_adapter, publish, unique_name, upload, upload_requests
 from serverproc import ServerProcess, opentinker_command, registry_store, start_registry
+from tlsutil import write_tokens
 
 from opentinker.cli.launch import tree_memory
 from opentinker.registry.embedded_redis import EmbeddedRedis
@@ -66,17 +67,8 @@ class Registry:
 def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
     workdir = tmp_path_factory.mktemp("noisy-registry")
     tokens = {who: f"tok-{who}-{secrets.token_hex(8)}" for who in ("team-a", "team-b", "ops")}
-    tokens_file = workdir / "tokens.json"
-    tokens_file.write_text(
-        json.dumps(
-            {
-                "tokens": [
-                    {"token": t, "tenant": who, "role": "admin" if who == "ops" else "user"}
-                    for who, t in tokens.items()
-                ]
-            }
-        )
-    )
+    roles = {who: "admin" if who == "ops" else "user" for who in tokens}
+    tokens_file = write_tokens(workdir / "tokens.json", {t: (who, roles[who]) for who, t in tokens.items()})
     redis_server = EmbeddedRedis(workdir / "redis", appendonly=False).start()
     server = start_registry(
         workdir / "registry",

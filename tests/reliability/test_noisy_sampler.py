@@ -7,9 +7,8 @@ and the sampler's memory (PSS of its processes) after the abuse is within a stat
 from __future__ import annotations
 
 import concurrent.futures
-import secrets
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -18,12 +17,11 @@ from faultutil import lora_files, metric, scrape, wait_for
 from overflowutil import out_of_range_lora_files, overflowing_lora_files
 from registryutil import upload
 from samplerutil import Outputs, collect, params, prompt, request, seeded_samples
-from serverproc import ServerProcess, start_registry, start_sampler
-from tlsutil import write_tokens
+from tenantstack import TenantStack, tenant_stack
 from trainerutil import assert_status, model_input, rpc_error
 
 from opentinker.cli.launch import tree_memory
-from opentinker.v1 import common_pb2, registry_pb2, registry_pb2_grpc, sampler_pb2, sampler_pb2_grpc
+from opentinker.v1 import common_pb2, registry_pb2, sampler_pb2
 
 MiB = 2**20
 MEMORY_BOUND = 64 * MiB  # the sampler's PSS after an abuse, above its PSS before
@@ -35,17 +33,9 @@ NON_FINITE = "opentinker_sampler_non_finite_requests_total"
 
 
 @dataclass
-class Noisy:
-    model: Path
-    registry_server: ServerProcess
-    sampler_server: ServerProcess
-    tokens: dict[str, str]  # principal -> token
-    registry: registry_pb2_grpc.RegistryServiceStub
-    sampler: sampler_pb2_grpc.SamplerServiceStub
-    baseline: Outputs  # team-b's workload alone
-
-    def md(self, who: str) -> list[tuple[str, str]]:
-        return [("authorization", f"Bearer {self.tokens[who]}")]
+class Noisy(TenantStack):
+    model: Path = Path()
+    baseline: Outputs = field(default_factory=list)  # team-b's workload alone
 
     def publish(self, who: str, adapter: str, files: dict[str, bytes], *, alpha: float) -> registry_pb2.Version:
         """UploadArtifact + PublishVersion as `who` (moves the adapter's latest alias)."""
@@ -84,32 +74,9 @@ def during(noisy: Noisy, abuse: Callable[[], object]) -> tuple[object, list[Outp
 @pytest.fixture(scope="module")
 def noisy(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Noisy]:
     workdir = tmp_path_factory.mktemp("noisy-sampler")
-    tokens = {who: f"tok-{who}-{secrets.token_hex(8)}" for who in ("team-a", "team-b", "ops", "svc")}
-    roles = {"ops": "admin", "svc": "admin"}
-    tokens_file = write_tokens(workdir / "tokens.json", {t: (who, roles.get(who, "user")) for who, t in tokens.items()})
-    registry_server = start_registry(workdir / "registry", "--tokens-file", str(tokens_file))
-    sampler_server = start_sampler(
-        workdir / "sampler",
-        tiny_model,
-        registry_server,
-        "--tokens-file",
-        str(tokens_file),
-        "--registry-token",
-        tokens["svc"],
-        "--follow",
-        "team-a/*",
-        "--max-slots",
-        "4",
-    )
-    with grpc.insecure_channel(registry_server.address) as reg, grpc.insecure_channel(sampler_server.address) as smp:
+    with tenant_stack(workdir, tiny_model, "--follow", "team-a/*", "--max-slots", "4") as stack:
         noisy = Noisy(
-            tiny_model,
-            registry_server,
-            sampler_server,
-            tokens,
-            registry_pb2_grpc.RegistryServiceStub(reg),
-            sampler_pb2_grpc.SamplerServiceStub(smp),
-            [],
+            stack.registry_server, stack.sampler_server, stack.tokens, stack.registry, stack.sampler, model=tiny_model
         )
         for tenant in ("team-a", "team-b"):
             create = registry_pb2.CreateAdapterRequest(
@@ -120,8 +87,6 @@ def noisy(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         noisy.baseline = workload(noisy)
         assert noisy.baseline == workload(noisy)  # seeded: the same outputs every run
         yield noisy
-    for server in (sampler_server, registry_server):
-        assert server.terminate() == 0, server.log()
 
 
 def assert_team_b_unharmed(noisy: Noisy, outputs: list[Outputs], errors: list[BaseException]) -> None:

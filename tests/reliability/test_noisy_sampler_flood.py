@@ -6,7 +6,6 @@ and sampler with its engine process, the CPU default)."""
 
 from __future__ import annotations
 
-import secrets
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -18,12 +17,11 @@ import pytest
 from faultutil import lora_files, wait_for
 from registryutil import upload
 from samplerutil import Outputs, collect, params, request, seeded_samples
-from serverproc import ServerProcess, start_registry, start_sampler
-from tlsutil import write_tokens
+from tenantstack import TenantStack, tenant_stack
 from trainerutil import assert_status, random_tokens, rpc_error
 
 from opentinker.cli.launch import tree_memory
-from opentinker.v1 import common_pb2, registry_pb2, registry_pb2_grpc, sampler_pb2, sampler_pb2_grpc
+from opentinker.v1 import common_pb2, registry_pb2, sampler_pb2
 
 MiB = 2**20
 MEMORY_BOUND = 64 * MiB  # the sampler's PSS after the flood, above its PSS before
@@ -36,14 +34,8 @@ LONG = 1000  # tokens of each of team-a's requests: far longer than all of team-
 
 
 @dataclass
-class Flood:
-    sampler_server: ServerProcess
-    tokens: dict[str, str]  # principal -> token
-    sampler: sampler_pb2_grpc.SamplerServiceStub
+class Flood(TenantStack):
     baseline: Outputs = field(default_factory=list)  # team-b's workload alone
-
-    def md(self, who: str) -> list[tuple[str, str]]:
-        return [("authorization", f"Bearer {self.tokens[who]}")]
 
     def stats(self, who: str) -> sampler_pb2.GetStatsResponse:
         response: sampler_pb2.GetStatsResponse = self.sampler.GetStats(
@@ -109,28 +101,10 @@ class Streams:
 @pytest.fixture(scope="module")
 def flood(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Flood]:
     workdir = tmp_path_factory.mktemp("noisy-sampler-flood")
-    tokens = {who: f"tok-{who}-{secrets.token_hex(8)}" for who in ("team-a", "team-b", "ops", "svc")}
-    roles = {"ops": "admin", "svc": "admin"}
-    tokens_file = write_tokens(workdir / "tokens.json", {t: (who, roles.get(who, "user")) for who, t in tokens.items()})
-    registry_server = start_registry(workdir / "registry", "--tokens-file", str(tokens_file))
-    sampler_server = start_sampler(
-        workdir / "sampler",
-        tiny_model,
-        registry_server,
-        "--tokens-file",
-        str(tokens_file),
-        "--registry-token",
-        tokens["svc"],
-        "--max-slots",
-        "4",
-        "--max-seqs",
-        str(MAX_SEQS),
-        "--max-waiting",
-        str(MAX_WAITING),
-    )
-    with grpc.insecure_channel(registry_server.address) as reg, grpc.insecure_channel(sampler_server.address) as smp:
-        flood = Flood(sampler_server, tokens, sampler_pb2_grpc.SamplerServiceStub(smp))
-        registry = registry_pb2_grpc.RegistryServiceStub(reg)
+    sizes = ("--max-slots", "4", "--max-seqs", str(MAX_SEQS), "--max-waiting", str(MAX_WAITING))
+    with tenant_stack(workdir, tiny_model, *sizes) as stack:
+        flood = Flood(stack.registry_server, stack.sampler_server, stack.tokens, stack.registry, stack.sampler)
+        registry = flood.registry
         create = registry_pb2.CreateAdapterRequest(name="team-b/policy", lora_config=common_pb2.LoraConfig(rank=4))
         registry.CreateAdapter(create, metadata=flood.md("team-b"), timeout=60)
         uri = upload(registry, lora_files(tiny_model, seed=5), metadata=flood.md("team-b"), timeout=60)
@@ -141,8 +115,6 @@ def flood(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         flood.baseline = workload(flood)
         assert flood.baseline == workload(flood)  # seeded: the same outputs every run
         yield flood
-    for server in (sampler_server, registry_server):
-        assert server.terminate() == 0, server.log()
 
 
 def test_a_flood_of_long_requests_leaves_team_b_its_share_of_the_batch(

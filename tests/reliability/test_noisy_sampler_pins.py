@@ -6,9 +6,8 @@ still loads, pinned, and serves."""
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -16,27 +15,18 @@ import pytest
 from faultutil import lora_files
 from registryutil import upload
 from samplerutil import collect, params, prompt, request
-from serverproc import ServerProcess, start_registry, start_sampler
-from tlsutil import write_tokens
+from tenantstack import TenantStack, tenant_stack
 from trainerutil import assert_status, rpc_error
 
-from opentinker.v1 import common_pb2, registry_pb2, registry_pb2_grpc, sampler_pb2, sampler_pb2_grpc
+from opentinker.v1 import common_pb2, registry_pb2, sampler_pb2
 
 SLOTS = 16
 LIMIT = 2  # --max-pinned-per-tenant's default at --max-slots 16
 
 
 @dataclass
-class Tenants:
-    registry_server: ServerProcess
-    sampler_server: ServerProcess
-    tokens: dict[str, str]  # principal -> token
-    registry: registry_pb2_grpc.RegistryServiceStub
-    sampler: sampler_pb2_grpc.SamplerServiceStub
-    artifacts: dict[str, str]  # tenant -> the artifact its adapters publish
-
-    def md(self, who: str) -> list[tuple[str, str]]:
-        return [("authorization", f"Bearer {self.tokens[who]}")]
+class Tenants(TenantStack):
+    artifacts: dict[str, str] = field(default_factory=dict)  # tenant -> the artifact its adapters publish
 
     def adapter(self, who: str, name: str) -> str:
         """A new adapter of `who` with one version: its exact reference (one version per adapter, so that no alias
@@ -65,32 +55,14 @@ class Tenants:
 @pytest.fixture(scope="module")
 def tenants(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tenants]:
     workdir = tmp_path_factory.mktemp("noisy-pins")
-    tokens = {who: f"tok-{who}-{secrets.token_hex(8)}" for who in ("team-a", "team-b", "ops", "svc")}
-    roles = {"ops": "admin", "svc": "admin"}
-    tokens_file = write_tokens(workdir / "tokens.json", {t: (who, roles.get(who, "user")) for who, t in tokens.items()})
-    registry_server = start_registry(workdir / "registry", "--tokens-file", str(tokens_file))
-    sampler_server = start_sampler(
-        workdir / "sampler",
-        tiny_model,
-        registry_server,
-        "--tokens-file",
-        str(tokens_file),
-        "--registry-token",
-        tokens["svc"],
-        "--max-slots",
-        str(SLOTS),
-    )
-    with grpc.insecure_channel(registry_server.address) as reg, grpc.insecure_channel(sampler_server.address) as smp:
-        registry = registry_pb2_grpc.RegistryServiceStub(reg)
-        artifacts: dict[str, str] = {}
-        for who, seed in (("team-a", 1), ("team-b", 2)):
-            metadata = [("authorization", f"Bearer {tokens[who]}")]
-            artifacts[who] = upload(registry, lora_files(tiny_model, seed=seed), metadata=metadata, timeout=60)
+    with tenant_stack(workdir, tiny_model, "--max-slots", str(SLOTS)) as stack:
+        artifacts = {
+            who: upload(stack.registry, lora_files(tiny_model, seed=seed), metadata=stack.md(who), timeout=60)
+            for who, seed in (("team-a", 1), ("team-b", 2))
+        }
         yield Tenants(
-            registry_server, sampler_server, tokens, registry, sampler_pb2_grpc.SamplerServiceStub(smp), artifacts
+            stack.registry_server, stack.sampler_server, stack.tokens, stack.registry, stack.sampler, artifacts
         )
-    for server in (sampler_server, registry_server):
-        assert server.terminate() == 0, server.log()
 
 
 def test_one_tenants_pins_leave_the_other_tenant_slots_to_load_and_serve(tenants: Tenants) -> None:

@@ -54,39 +54,56 @@ def test_fifo_per_adapter_and_round_robin_across_adapters() -> None:
     assert order.index("b0") < order.index("a3") and order.index("c0") < order.index("a3")
 
 
-def test_one_compute_thread_and_errors_reach_their_caller() -> None:
+def test_jobs_parts_and_undos_all_run_on_the_one_compute_thread_and_errors_reach_their_caller() -> None:
+    """Every adapter's work, a request in parts, the undo of a failed part: all on the scheduler's one compute
+    thread (the base model routes one adapter's LoRA weights at a time, so two jobs at once would mix them),
+    none on the event loop's thread, none overlapping."""
+    ran: list[tuple[int, str]] = []  # (thread id, what ran) in order
     active = 0
     peak = 0
     lock = threading.Lock()
+
+    def mark(what: str) -> None:
+        ran.append((threading.get_ident(), what))
 
     def work() -> int:
         nonlocal active, peak
         with lock:
             active += 1
             peak = max(peak, active)
-        time.sleep(0.01)
+        mark("work")
+        time.sleep(0.002)  # long enough for a second thread, if there were one, to overlap
         with lock:
             active -= 1
         return 1
 
     def fail() -> int:
+        mark("fail")
         raise ValueError("bad batch")
 
-    async def main() -> list[object]:
+    def undo(done: list[int]) -> None:
+        mark(f"undo {len(done)}")
+
+    async def main() -> tuple[list[object], int]:
         scheduler = AdapterScheduler()
         scheduler.start()
         results = await asyncio.gather(
             *(scheduler.run(name, work) for name in ("a", "b", "c", "d") for _ in range(3)),
+            scheduler.run_parts("p", [work, work, fail], undo=undo),
             scheduler.run("e", fail),
             return_exceptions=True,
         )
         await scheduler.stop()
-        return list(results)
+        return list(results), threading.get_ident()
 
-    results = run(main())
-    assert isinstance(results, list)
-    assert results[:-1] == [1] * 12
-    assert isinstance(results[-1], ValueError)
+    outcome = run(main())
+    assert isinstance(outcome, tuple)
+    results, loop_thread = outcome
+    assert results[:12] == [1] * 12
+    assert isinstance(results[12], ValueError) and isinstance(results[13], ValueError)
+    assert sorted(what for _, what in ran) == sorted(["work"] * 14 + ["fail", "fail", "undo 2"])
+    threads = {thread for thread, _ in ran}
+    assert len(threads) == 1 and loop_thread not in threads, threads
     assert peak == 1
 
 
