@@ -34,7 +34,7 @@ NON_FINITE = "opentinker_sampler_non_finite_requests_total"
 
 @dataclass
 class Noisy(TenantStack):
-    model: Path = Path()
+    model: Path
     baseline: Outputs = field(default_factory=list)  # team-b's workload alone
 
     def publish(self, who: str, adapter: str, files: dict[str, bytes], *, alpha: float) -> registry_pb2.Version:

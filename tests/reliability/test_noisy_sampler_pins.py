@@ -7,7 +7,7 @@ still loads, pinned, and serves."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -26,7 +26,7 @@ LIMIT = 2  # --max-pinned-per-tenant's default at --max-slots 16
 
 @dataclass
 class Tenants(TenantStack):
-    artifacts: dict[str, str] = field(default_factory=dict)  # tenant -> the artifact its adapters publish
+    artifacts: dict[str, str]  # tenant -> the artifact its adapters publish
 
     def adapter(self, who: str, name: str) -> str:
         """A new adapter of `who` with one version: its exact reference (one version per adapter, so that no alias
