@@ -50,9 +50,12 @@ typecheck: $(STAMP) linktree
 imports: $(STAMP) linktree
 	cd build/typecheck && PYTHONPATH=. ../../$(BIN)/lint-imports ../../pyproject.toml --no-cache
 
+# Test modules run TEST_WORKERS-way parallel (pytest-xdist); a module's tests stay on one worker, in order,
+# sharing its server fixtures. TEST_WORKERS=0 runs them all in this process.
+TEST_WORKERS ?= 2
 test: $(STAMP) lint typecheck imports protos-check
 	@# The slowest 15 tests close every run, so growth is visible.
-	$(BIN)/python -m pytest tests --durations=15
+	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 demo: $(STAMP)
 	$(BIN)/opentinker demo

@@ -85,3 +85,19 @@ def sampler_server(
 def sampler(sampler_server: ServerProcess) -> Iterator[sampler_pb2_grpc.SamplerServiceStub]:
     with grpc.insecure_channel(sampler_server.address) as channel:
         yield sampler_pb2_grpc.SamplerServiceStub(channel)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The figures tests measured (`record_property`, e.g. the reliability suite's `figure`), at the end of the
+    run. Read from the test reports, so a run split over xdist workers prints them too."""
+    figures = [
+        (name, value)
+        for reports in terminalreporter.stats.values()
+        for report in reports
+        if isinstance(report, pytest.TestReport) and report.when == "call"
+        for name, value in report.user_properties
+    ]
+    if figures:
+        terminalreporter.section("measured figures")
+        for name, value in figures:
+            terminalreporter.write_line(f"{name}: {value}")
