@@ -20,12 +20,13 @@ from pathlib import Path
 
 import torch
 
-from opentinker.sampler_server.engine import Engine, SequenceUpdate
+from opentinker.sampler_server.engine import Engine
 from opentinker.sampler_server.model.kv_cache import KVCache
 from opentinker.sampler_server.model.llama import LlamaForCausalLM
 from opentinker.sampler_server.scheduler import Scheduler
 from opentinker.sampler_server.sequence import SamplingParams, Sequence
 from opentinker.sampler_server.slot_pool import SlotPool
+from opentinker.sampler_server.updates import SequenceUpdate
 
 STREAMS, STREAM_TOKENS, LONG_PROMPT, MAX_LEN, BLOCK = 4, 64, 1500, 2048, 16
 

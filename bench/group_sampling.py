@@ -28,9 +28,10 @@ from inprocess import build_engine, fill_slots
 from results import record
 from workload import FULL_SPEC, QUICK_SPEC, ModelSpec, linear_shapes, lora_weights, model_dir, prompts, spec_config
 
-from opentinker.sampler_server.engine import Engine, SequenceUpdate
+from opentinker.sampler_server.engine import Engine
 from opentinker.sampler_server.sequence import SamplingParams, Sequence
 from opentinker.sampler_server.slot_pool import SlotPool
+from opentinker.sampler_server.updates import SequenceUpdate
 
 
 @dataclass(frozen=True, slots=True)

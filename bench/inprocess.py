@@ -15,12 +15,13 @@ import torch
 from workload import ALPHA, RANK, Weights
 
 from opentinker.sampler_server.block_manager import BLOCK_SIZE
-from opentinker.sampler_server.engine import Engine, SequenceUpdate, UpdateCallback
+from opentinker.sampler_server.engine import Engine
 from opentinker.sampler_server.model.kv_cache import KVCache
 from opentinker.sampler_server.model.llama import LlamaForCausalLM
 from opentinker.sampler_server.scheduler import Scheduler
 from opentinker.sampler_server.sequence import SamplingParams, Sequence
 from opentinker.sampler_server.slot_pool import SlotPool
+from opentinker.sampler_server.updates import SequenceUpdate, UpdateCallback
 
 
 def build_engine(

@@ -28,11 +28,13 @@ import torch  # noqa: E402
 from trainerutil import random_tokens, sft_datum  # noqa: E402
 from workload import FULL_SPEC, QUICK_SPEC, RANK, model_dir  # noqa: E402
 
+from opentinker.trainer_server.adapter_config import LoraConfig  # noqa: E402
 from opentinker.trainer_server.base_model import BaseModel  # noqa: E402
 from opentinker.trainer_server.batch import Batch, build_batch, split_batch  # noqa: E402
 from opentinker.trainer_server.losses import resolve_config  # noqa: E402
 from opentinker.trainer_server.micro_batch import release_after  # noqa: E402
 from opentinker.trainer_server.trainer import Trainer  # noqa: E402
+from opentinker.trainer_server.wire import datums_of  # noqa: E402
 from opentinker.v1 import common_pb2  # noqa: E402
 from opentinker.weights.artifact_store import ArtifactStore  # noqa: E402
 
@@ -46,7 +48,7 @@ def batches(trainer: Trainer, rows: int) -> dict[str, Batch]:
 
     def build(datums: list[common_pb2.Datum]) -> Batch:
         return build_batch(
-            datums,
+            datums_of(datums),
             "cross_entropy",
             vocab_size=base.vocab_size,
             max_positions=base.max_positions,
@@ -90,7 +92,7 @@ def main() -> None:
     spec = QUICK_SPEC if args.quick else FULL_SPEC
     with tempfile.TemporaryDirectory() as tmp:
         trainer = Trainer(BaseModel(str(model_dir(spec)), device=args.device), ArtifactStore(Path(tmp)))
-        lora = common_pb2.LoraConfig(rank=RANK, alpha=2 * RANK)
+        lora = LoraConfig(rank=RANK, alpha=2 * RANK, dropout=0.0, target_modules=())
         trainer.create("bench/adapter", lora, None, 0)
         work = batches(trainer, args.rows)
         for batch in work.values():  # warm-up: allocator, kernels

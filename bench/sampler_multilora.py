@@ -47,12 +47,13 @@ from results import record
 
 from opentinker.client.tiny_model import TinyModelSpec, make_tiny_model
 from opentinker.sampler_server.block_manager import BLOCK_SIZE
-from opentinker.sampler_server.engine import Engine, SequenceUpdate
+from opentinker.sampler_server.engine import Engine
 from opentinker.sampler_server.model.kv_cache import KVCache
 from opentinker.sampler_server.model.llama import LlamaForCausalLM
 from opentinker.sampler_server.scheduler import Scheduler
 from opentinker.sampler_server.sequence import SamplingParams, Sequence
 from opentinker.sampler_server.slot_pool import SlotPool
+from opentinker.sampler_server.updates import SequenceUpdate
 from opentinker.weights.peft import lora_a_key, lora_b_key
 
 RANK = 16

@@ -2,6 +2,7 @@
 `SamplingClient` for sampling from them, `RegistryClient` for the adapter registry, their data types and
 the one error type."""
 
+from opentinker.client.datum import Datum, EncodedTextChunk, ModelInput, TensorData
 from opentinker.client.envs import (
     Env,
     EnvFactory,
@@ -55,37 +56,35 @@ from opentinker.client.registry_client import (
 )
 from opentinker.client.renderer import MaskMethod, RenderedConversation, Renderer, TrainOn
 from opentinker.client.sampling_client import SamplingClient
-from opentinker.client.service_client import ServiceClient
-from opentinker.client.training_client import TrainingClient
-from opentinker.client.trajectory import (
-    Trajectory,
-    Transition,
-    datums_for_group,
-    group_advantages,
-    trajectory_to_datums,
-)
-from opentinker.client.types import (
-    AdamParams,
-    Datum,
-    EncodedTextChunk,
-    ForwardBackwardOutput,
+from opentinker.client.sampling_types import (
     LoadedAdapter,
-    LoraConfig,
-    ModelInput,
-    OptimStepResult,
-    ResetResult,
     SampleChunk,
     SampledSequence,
     SampledVersion,
     SampleResult,
     SamplerStats,
     SamplingParams,
+    StopReason,
+)
+from opentinker.client.service_client import ServiceClient
+from opentinker.client.training_client import TrainingClient
+from opentinker.client.training_types import (
+    AdamParams,
+    ForwardBackwardOutput,
+    LoraConfig,
+    OptimStepResult,
+    ResetResult,
     SavedState,
     StartedFrom,
-    StopReason,
-    TensorData,
     TrainerInfo,
     TrainingAdapterInfo,
+)
+from opentinker.client.trajectory import (
+    Trajectory,
+    Transition,
+    datums_for_group,
+    group_advantages,
+    trajectory_to_datums,
 )
 
 __all__ = [

@@ -2,7 +2,7 @@
 
 Every type is a frozen, slotted dataclass holding tuples (and plain dicts for mappings, so that values
 pickle); helpers that "modify" one return a new object. torch is optional: it is imported only inside the
-methods that take or return tensors. Import them from `opentinker.client` or `opentinker.client.types`.
+methods that take or return tensors. Import them from `opentinker.client` or `opentinker.client.datum`.
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Final
 
+from opentinker.client.datum import Datum
 from opentinker.client.environments import (
     Env,
     EnvFactory,
@@ -43,9 +44,9 @@ from opentinker.client.environments import (
 )
 from opentinker.client.rollout_engine import play
 from opentinker.client.sampling_client import SamplingClient
+from opentinker.client.sampling_types import SamplingParams
 from opentinker.client.sansio import Program, run, run_async
 from opentinker.client.trajectory import SampledTrajectory, Trajectory, datums_for_group, group_advantages
-from opentinker.client.types import Datum, SamplingParams
 
 __all__ = [
     "POLICY_ROLE",

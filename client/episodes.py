@@ -25,10 +25,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from opentinker.client.datum import Datum
 from opentinker.client.registry_types import Version
 from opentinker.client.training_client import TrainingClient
+from opentinker.client.training_types import AdamParams, ForwardBackwardOutput
 from opentinker.client.trajectory import Trajectory, Transition, group_advantages, trajectory_to_datums
-from opentinker.client.types import AdamParams, Datum, ForwardBackwardOutput
 
 __all__ = [
     "Episode",

@@ -38,11 +38,12 @@ from rich.progress import Progress
 
 from opentinker.client.envs import DEFAULT_MAX_TURNS, EnvFactory, MultiAgentEnvFactory
 from opentinker.client.rl_loop import RLConfig, StepMetrics, multi_agent_rl, single_agent_rl
+from opentinker.client.sampling_types import SamplingParams
 from opentinker.client.sansio import run, run_async
 from opentinker.client.service_client import ServiceClient
 from opentinker.client.sft import SFTStepMetrics, train_sft
 from opentinker.client.training_client import TrainingClient
-from opentinker.client.types import AdamParams, LoraConfig, SamplingParams
+from opentinker.client.training_types import AdamParams, LoraConfig
 
 __all__ = [
     "SFTStepMetrics",

@@ -42,7 +42,7 @@ from opentinker.client.registry_wire import (
     reconcile_from_proto,
     version_from_proto,
 )
-from opentinker.client.types import LoraConfig
+from opentinker.client.training_types import LoraConfig
 from opentinker.client.wire import lora_config_to_proto
 from opentinker.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 from opentinker.weights.artifact_manifest import URI_PREFIX

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
-from opentinker.client.types import Datum, ModelInput
+from opentinker.client.datum import Datum, ModelInput
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -17,6 +17,7 @@ from typing import Any
 
 from rich.progress import Progress, TaskID
 
+from opentinker.client.datum import Datum
 from opentinker.client.envs import (
     Env,
     EnvFactory,
@@ -31,11 +32,12 @@ from opentinker.client.envs import (
 )
 from opentinker.client.progress import append_jsonl, progress_display
 from opentinker.client.registry_client import Version
+from opentinker.client.sampling_types import SamplingParams
 from opentinker.client.sansio import Program, call, gather
 from opentinker.client.service_client import ServiceClient
 from opentinker.client.training_client import TrainingClient
+from opentinker.client.training_types import AdamParams, ForwardBackwardOutput, LoraConfig
 from opentinker.client.trajectory import datums_for_group
-from opentinker.client.types import AdamParams, Datum, ForwardBackwardOutput, LoraConfig, SamplingParams
 
 __all__ = ["RLConfig", "StepMetrics", "multi_agent_rl", "single_agent_rl"]
 

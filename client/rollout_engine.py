@@ -14,9 +14,9 @@ from dataclasses import dataclass, field, replace
 
 from opentinker.client.environments import MultiAgentEnv
 from opentinker.client.sampling_client import SamplingClient
+from opentinker.client.sampling_types import SampledSequence, SamplingParams
 from opentinker.client.sansio import Program, call, gather
 from opentinker.client.trajectory import SampledTrajectory, Transition
-from opentinker.client.types import SampledSequence, SamplingParams
 
 __all__ = ["EpisodeRecord", "play"]
 

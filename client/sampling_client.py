@@ -36,10 +36,10 @@ import grpc.aio
 from google.protobuf.message import Message
 
 from opentinker.client.connection import Connection, checked, translated
+from opentinker.client.datum import ModelInput
 from opentinker.client.errors import OpenTinkerError
-from opentinker.client.types import (
+from opentinker.client.sampling_types import (
     LoadedAdapter,
-    ModelInput,
     SampleChunk,
     SampledSequence,
     SampleResult,

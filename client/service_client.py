@@ -24,7 +24,7 @@ from types import TracebackType
 from opentinker.client.registry_client import RegistryClient
 from opentinker.client.sampling_client import SamplerConnection, SamplingClient
 from opentinker.client.training_client import TrainerConnection, TrainingClient
-from opentinker.client.types import (
+from opentinker.client.training_types import (
     AdamParams,
     LoraConfig,
     ResetResult,

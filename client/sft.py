@@ -13,11 +13,12 @@ from typing import Any, cast
 
 from rich.progress import Progress
 
+from opentinker.client.datum import Datum
 from opentinker.client.progress import append_jsonl, progress_display
 from opentinker.client.renderer import Renderer, TrainOn
 from opentinker.client.service_client import ServiceClient
 from opentinker.client.training_client import TrainingClient
-from opentinker.client.types import AdamParams, Datum, LoraConfig
+from opentinker.client.training_types import AdamParams, LoraConfig
 
 __all__ = ["Conversation", "SFTStepMetrics", "train_sft"]
 

@@ -38,7 +38,7 @@ from typing import ClassVar, Final, TypeVar
 
 from opentinker.client.envs import MultiStepResult, StepResult
 from opentinker.client.renderer import Renderer
-from opentinker.client.types import SamplingParams
+from opentinker.client.sampling_types import SamplingParams
 
 __all__ = [
     "TINY_MODEL_SAMPLING",

@@ -27,11 +27,11 @@ from typing import TypeVar
 from google.protobuf.message import Message
 
 from opentinker.client.connection import Connection
+from opentinker.client.datum import Datum
 from opentinker.client.registry_types import Version
 from opentinker.client.registry_wire import version_from_proto as _version
-from opentinker.client.types import (
+from opentinker.client.training_types import (
     AdamParams,
-    Datum,
     ForwardBackwardOutput,
     OptimStepResult,
     ResetResult,

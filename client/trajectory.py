@@ -40,7 +40,8 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from opentinker.client.types import Datum, ModelInput, SampledSequence, SampledVersion, StopReason
+from opentinker.client.datum import Datum, ModelInput
+from opentinker.client.sampling_types import SampledSequence, SampledVersion, StopReason
 
 __all__ = [
     "SampledTrajectory",

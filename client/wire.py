@@ -1,4 +1,4 @@
-"""The SDK's wire conversion: the public records of `opentinker.client.types` to and from the
+"""The SDK's wire conversion: the public records of training_types, sampling_types and datum to and from the
 opentinker.v1 protobuf messages. Internal to the clients: no protobuf message appears in a public signature.
 """
 
@@ -8,23 +8,22 @@ from collections.abc import Iterable, Mapping
 from datetime import UTC
 from typing import Literal, cast
 
-from opentinker.client.types import (
-    ALL_LINEAR,
-    AdamParams,
-    Datum,
-    EncodedTextChunk,
-    ForwardBackwardOutput,
+from opentinker.client.datum import Datum, EncodedTextChunk, ModelInput, TensorData
+from opentinker.client.sampling_types import (
     LoadedAdapter,
-    LoraConfig,
-    ModelInput,
-    ResetResult,
     SampleChunk,
     SampledVersion,
     SamplerStats,
     SamplingParams,
-    StartedFrom,
     StopReason,
-    TensorData,
+)
+from opentinker.client.training_types import (
+    ALL_LINEAR,
+    AdamParams,
+    ForwardBackwardOutput,
+    LoraConfig,
+    ResetResult,
+    StartedFrom,
     TrainerInfo,
     TrainingAdapterInfo,
 )

@@ -15,14 +15,20 @@ object of the process with the GIL held (hundreds of ms on an 8 MiB body); it ru
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
 import gc
 import json
 import re
 import threading
 from collections.abc import Iterator
+from typing import TypeVar
+
+from aiohttp import web
 
 from opentinker.gateway.errors import GatewayError, bad_request
+from opentinker.gateway.state import gateway_of
 
 MAX_JSON_DEPTH = 32  # the SDK's bodies nest 4 levels (user_metadata aside)
 # A \uD800-\uDFFF escape: json.loads keeps a lone one as a str that no UTF-8 codec (protobuf, tokenizers) encodes.
@@ -146,3 +152,43 @@ def parse_json(raw: bytes, *, max_bytes: int, max_string: int, yielding: bool = 
     # A lone surrogate can only come from a \u escape: only then is each string's encoding checked.
     check_json(body, max_string=max_string, unicode=_SURROGATE_ESCAPE.search(raw) is not None)
     return body
+
+
+# A request's body
+
+Json = dict[str, object]
+_T = TypeVar("_T")
+JSON_INLINE_BYTES = 64 << 10  # smaller JSON bodies (all the SDK's but long prompts) are parsed on the event loop
+
+
+async def json_body(request: web.Request) -> Json:
+    """The body as a JSON object within the configured size, depth and string bounds (parse_json). A body
+    above ``JSON_INLINE_BYTES`` is parsed on a worker thread, two at a time, so that one tenant's big bodies
+    leave the event loop to every other request (the answers are the same either way; see this module's docstring
+    for what still holds the GIL)."""
+    gw = gateway_of(request)
+    raw = await request.read()
+    parse = functools.partial(
+        parse_json, raw, max_bytes=gw.config.max_json_bytes, max_string=gw.config.max_string_length
+    )
+    if len(raw) <= JSON_INLINE_BYTES or len(raw) > gw.config.max_json_bytes:
+        return parse()
+    async with gw.json_slots:
+        return await asyncio.to_thread(parse, yielding=True)
+
+
+def field_of(body: Json, name: str, kind: type[_T], *, required: bool = True) -> _T | None:
+    value = body.get(name)
+    if value is None:
+        if required:
+            raise bad_request(f"{name} is required", "MISSING_FIELD")
+        return None
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise bad_request(f"{name} must be {kind.__name__}, got {type(value).__name__}", "INVALID_FIELD")
+    return value
+
+
+def required(body: Json, name: str, kind: type[_T]) -> _T:
+    value = field_of(body, name, kind)
+    assert value is not None
+    return value

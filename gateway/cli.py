@@ -16,8 +16,8 @@ from opentinker.rpc.config import GATEWAY_SECTION, serve_command
 
 if TYPE_CHECKING:
     from opentinker.gateway.auth import KeyStore
+    from opentinker.gateway.config import GatewayConfig
     from opentinker.gateway.episodes import EpisodeLimits
-    from opentinker.gateway.state import GatewayConfig
 
 DEFAULT_PORT = 7073
 SWITCH_INTERVAL_S = 0.001
@@ -138,9 +138,9 @@ def serve(
 ) -> None:
     """Run the Tinker-compatible HTTP gateway (tinker SDK 0.38.0)."""
     from opentinker.gateway.auth import KeysFileError, KeyStore
+    from opentinker.gateway.config import GatewayConfig
     from opentinker.gateway.logsafe import configure
-    from opentinker.gateway.state import GatewayConfig
-    from opentinker.gateway.tool_calls import PARSER_CHOICES
+    from opentinker.gateway.openai.tool_calls import PARSER_CHOICES
     from opentinker.rpc.server import is_loopback
     from opentinker.rpc.startup import check_port, startup_errors
 
@@ -215,10 +215,12 @@ async def _run(
 
     from opentinker.gateway.app import create_app
     from opentinker.gateway.backend import Backends
-    from opentinker.gateway.chat_template import TokenizerHandle
-    from opentinker.gateway.durable import MemoryState, RedisState
     from opentinker.gateway.episodes import MemoryEpisodes, RedisEpisodes
+    from opentinker.gateway.openai.chat_template import TokenizerHandle
+    from opentinker.gateway.openai.state import OpenAIState
     from opentinker.gateway.state import Gateway
+    from opentinker.gateway.tinker.durable import MemoryState, RedisState
+    from opentinker.gateway.tinker.state import TinkerState
     from opentinker.rpc.server import write_ready_file
 
     # Big bodies are decoded and parsed on worker threads; when one runs Python code, the event loop waits for the
@@ -235,22 +237,17 @@ async def _run(
         if isinstance(durable, RedisState)
         else MemoryEpisodes(episode_limits)
     )
-    gateway = Gateway(
-        keys=keys,
-        backends=Backends(*addresses),
-        config=config,
-        durable=durable,
-        tokenizer=TokenizerHandle(tokenizer, config.max_tokenizer_jobs_per_tenant),
-        episodes=episodes,
-    )
-    gateway.restore(saved)
+    gateway = Gateway(keys=keys, backends=Backends(*addresses), config=config, episodes=episodes)
+    tinker = TinkerState(config, durable=durable)
+    tinker.restore(saved)
+    openai = OpenAIState(TokenizerHandle(tokenizer, config.max_tokenizer_jobs_per_tenant))
     if durable.durable:
         log.info(
             "gateway state in %s: %d sessions, %d training runs, %d checkpoint paths restored",
             durable.where,
-            len(gateway.sessions),
-            len(gateway.runs),
-            len(gateway.checkpoints),
+            len(tinker.sessions),
+            len(tinker.runs),
+            len(tinker.checkpoints),
         )
     else:
         log.warning(
@@ -259,7 +256,7 @@ async def _run(
             "(pass --redis-url to keep them)"
         )
     # forward_backward bodies are decompressed by the gateway itself (zstd, size-capped).
-    runner = web.AppRunner(create_app(gateway), access_log=None, auto_decompress=False)
+    runner = web.AppRunner(create_app(gateway, tinker, openai), access_log=None, auto_decompress=False)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from opentinker.gateway.bodies import json_body
 from opentinker.gateway.episodes import check_episode_id
 from opentinker.gateway.errors import bad_request
-from opentinker.gateway.state import gateway_of, json_body, principal_of
+from opentinker.gateway.state import gateway_of, principal_of
 
 MAX_LIST = 1000
 DEFAULT_LIST = 20

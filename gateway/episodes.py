@@ -10,9 +10,10 @@ starts a new one and counts as a mismatch (the runtime re-rendered or truncated 
 training datum: its tokens, a mask (1 on completion tokens), the sampler's logprobs (0 on prompt tokens).
 
 Stores: `MemoryEpisodes` (no ``--redis-url``: lost on a gateway restart) and `RedisEpisodes` (the gateway's own
-Redis connection, durable.py): per episode a list of turns (one RPUSH per turn inside a Lua script that checks the
-bounds first, so concurrent turns of one episode all land and a refused turn writes nothing), a hash of its token
-count and rewards, and per tenant a sorted set of episode ids by last write. Every write refreshes the retention TTL.
+Redis connection, tinker/durable.py): per episode a list of turns (one RPUSH per turn inside a Lua script that
+checks the bounds first, so concurrent turns of one episode all land and a refused turn writes nothing), a hash of
+its token count and rewards, and per tenant a sorted set of episode ids by last write. Every write refreshes the
+retention TTL.
 
 A request with an episode id must ask for one choice (n == 1): which of n choices continues the episode is the
 runtime's decision, which the gateway cannot see, so it refuses n > 1 rather than guess (400).
@@ -28,10 +29,10 @@ from dataclasses import asdict, dataclass, field
 
 import redis.asyncio as aioredis
 
-from opentinker.gateway.durable import PREFIX, _unavailable
 from opentinker.gateway.errors import GatewayError, bad_request, not_found
+from opentinker.gateway.state_store import PREFIX, unavailable
 
-EPISODE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # as openai_records.episode_id checks a request's
+EPISODE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # as openai/records.episode_id checks a request's
 DEFAULT_TTL_SECONDS = 7 * 86400.0
 DEFAULT_MAX_TURNS = 256
 DEFAULT_MAX_TOKENS = 1 << 20  # prompt + completion tokens stored per episode (prompts repeat each turn)
@@ -319,7 +320,7 @@ class RedisEpisodes(MemoryEpisodes):
         record = json.dumps(turn.to_json(), separators=(",", ":"))
         args: list[str | int] = [record, turn.num_tokens, limits.max_turns, limits.max_tokens, limits.max_episodes]
         args += [episode_id, repr(time.time()), repr(limits.ttl_seconds)]
-        async with _unavailable():
+        async with unavailable():
             index, held = await self._append(keys=self._keys(tenant, episode_id), args=args)
         if index == -1:
             raise _too_many_turns(limits)
@@ -331,7 +332,7 @@ class RedisEpisodes(MemoryEpisodes):
 
     async def get(self, tenant: str, episode_id: str) -> Episode:
         turns_key, meta_key, _ = self._keys(tenant, episode_id)
-        async with _unavailable(), self._redis.pipeline(transaction=True) as pipe:
+        async with unavailable(), self._redis.pipeline(transaction=True) as pipe:
             pipe.lrange(turns_key, 0, -1)
             pipe.hgetall(meta_key)
             raw_turns, meta = await pipe.execute()
@@ -344,7 +345,7 @@ class RedisEpisodes(MemoryEpisodes):
     async def reward(self, tenant: str, episode_id: str, body: dict[str, object]) -> Episode:
         episode = await self.get(tenant, episode_id)
         key, value = parse_reward(body, len(episode.turns))
-        async with _unavailable():
+        async with unavailable():
             done = await self._reward(
                 keys=self._keys(tenant, episode_id),
                 args=[key, repr(value), episode_id, repr(time.time()), repr(self.limits.ttl_seconds)],
@@ -356,7 +357,7 @@ class RedisEpisodes(MemoryEpisodes):
     async def recent(self, tenant: str, limit: int) -> list[tuple[str, float]]:
         index = self._keys(tenant, "")[2]
         oldest = time.time() - self.limits.ttl_seconds
-        async with _unavailable():
+        async with unavailable():
             found: list[tuple[str, float]] = await self._redis.zrevrangebyscore(  # type: ignore[assignment]
                 index, "+inf", oldest, start=0, num=limit, withscores=True
             )
@@ -364,7 +365,7 @@ class RedisEpisodes(MemoryEpisodes):
 
     async def delete(self, tenant: str, episode_id: str) -> None:
         turns_key, meta_key, index = self._keys(tenant, episode_id)
-        async with _unavailable(), self._redis.pipeline(transaction=True) as pipe:
+        async with unavailable(), self._redis.pipeline(transaction=True) as pipe:
             pipe.delete(turns_key)
             pipe.delete(meta_key)
             pipe.zrem(index, episode_id)

@@ -17,7 +17,8 @@ import logging
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
-from opentinker.registry.store import EventRecord, RegistryStore
+from opentinker.registry.event_store import EventRecord
+from opentinker.registry.store import RegistryStore
 from opentinker.rpc.errors import ServiceError
 
 log = logging.getLogger(__name__)

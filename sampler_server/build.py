@@ -113,15 +113,15 @@ def build_sampler(config: SamplerConfig) -> BuiltSampler:
     from opentinker.sampler_server.model.kv_cache import KVCache
     from opentinker.sampler_server.model.llama import LlamaForCausalLM
     from opentinker.sampler_server.model.weights import linear_shapes
-    from opentinker.sampler_server.scheduler import (
-        Scheduler,
+    from opentinker.sampler_server.scheduler import Scheduler
+    from opentinker.sampler_server.service import SamplerServicer
+    from opentinker.sampler_server.slot_pool import SlotPool, SlotTensors, default_tenant_pins
+    from opentinker.sampler_server.tenant_bounds import (
         default_mixed_prefill_tokens,
         default_tenant_blocks,
         default_tenant_queue,
         default_tenant_slots,
     )
-    from opentinker.sampler_server.service import SamplerServicer
-    from opentinker.sampler_server.slot_pool import SlotPool, SlotTensors, default_tenant_pins
     from opentinker.v1 import common_pb2, registry_pb2_grpc, sampler_pb2, sampler_pb2_grpc
     from opentinker.weights.artifact_store import ArtifactStore
     from opentinker.weights.base_model import model_digest, pick_device, pick_dtype, resolve_model_dir

@@ -6,9 +6,10 @@ from __future__ import annotations
 import concurrent.futures
 from typing import Protocol
 
-from opentinker.sampler_server.engine import EngineStats, UpdateCallback
+from opentinker.sampler_server.engine_stats import EngineStats
 from opentinker.sampler_server.kernels import Kernel
 from opentinker.sampler_server.sequence import Sequence
+from opentinker.sampler_server.updates import UpdateCallback
 
 
 class EngineAPI(Protocol):

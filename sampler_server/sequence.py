@@ -7,8 +7,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from opentinker.v1 import sampler_pb2
-
 GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
@@ -16,6 +14,16 @@ class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+
+class StopReason(enum.Enum):
+    """Why a sample ended; the service edge names it in the proto's terms (sample_request.py)."""
+
+    UNSPECIFIED = "unspecified"  # still running
+    STOP_TOKEN = "stop_token"  # it sampled one of its stop tokens or an end-of-sequence token
+    LENGTH = "length"  # max_tokens reached (a score: its input computed)
+    CONTEXT_LENGTH = "context_length"  # the context is full
+    STOP_STRING = "stop_string"  # its text met a stop string (the server's detokenizer saw it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +87,7 @@ class Sequence:
     output_top: list[TopLogprobs] = field(default_factory=list)  # one per output token when params.top_logprobs
     prompt_logprobs: list[float] | None = None
     prompt_logprobs_so_far: list[float] = field(default_factory=list)  # of the prompt chunks computed so far
-    stop_reason: int = sampler_pb2.STOP_REASON_UNSPECIFIED
+    stop_reason: StopReason = StopReason.UNSPECIFIED
     seed: int | None = None  # sampling seed of this sample (None: greedy); the engine makes its generator
     generator: torch.Generator | None = None
     emitted_tokens: int = 0  # tokens already sent to the client

@@ -6,7 +6,6 @@ scanning modules for requires_grad, so a step of one adapter cannot touch anothe
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -14,64 +13,18 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from opentinker.trainer_server.adapter_config import AdamParams, LoraConfig
 from opentinker.trainer_server.base_model import LoraWeights, ModuleShape
+from opentinker.trainer_server.ledger import Ledger
 from opentinker.trainer_server.spill import Offloaded
-from opentinker.v1 import common_pb2, registry_pb2
 from opentinker.weights.peft import lora_a_key, lora_b_key
-
-# Tinker's AdamParams defaults.
-DEFAULT_ADAM = common_pb2.AdamParams(learning_rate=1e-4, beta1=0.9, beta2=0.95, eps=1e-12)
-
-
-def adam_or_default(params: common_pb2.AdamParams | None) -> common_pb2.AdamParams:
-    filled = common_pb2.AdamParams()
-    filled.CopyFrom(DEFAULT_ADAM)
-    if params is not None:
-        for descriptor, value in params.ListFields():
-            setattr(filled, descriptor.name, value)
-    return filled
-
-
-@dataclass(slots=True)
-class Ledger:
-    """What the adapter was trained on: every batch since the last snapshot plus running totals."""
-
-    batches: list[registry_pb2.BatchRecord] = field(default_factory=list)
-    tokens_trained: int = 0
-    datums_trained: int = 0
-    pending: list[registry_pb2.BatchRecord] = field(default_factory=list)  # awaiting the next optim step
-
-    def to_json(self) -> str:
-        from google.protobuf.json_format import MessageToDict
-
-        return json.dumps(
-            {
-                "batches": [MessageToDict(b) for b in self.batches],
-                "pending": [MessageToDict(b) for b in self.pending],
-                "tokens_trained": self.tokens_trained,
-                "datums_trained": self.datums_trained,
-            },
-            sort_keys=True,
-        )
-
-    @classmethod
-    def from_json(cls, text: str) -> Ledger:
-        from google.protobuf.json_format import ParseDict
-
-        data = json.loads(text)
-        return cls(
-            batches=[ParseDict(b, registry_pb2.BatchRecord()) for b in data["batches"]],
-            pending=[ParseDict(b, registry_pb2.BatchRecord()) for b in data["pending"]],
-            tokens_trained=int(data["tokens_trained"]),
-            datums_trained=int(data["datums_trained"]),
-        )
 
 
 @dataclass(slots=True)
 class AdapterState:
     name: str
-    lora: common_pb2.LoraConfig
-    adam: common_pb2.AdamParams
+    lora: LoraConfig
+    adam: AdamParams
     seed: int
     modules: dict[str, LoraWeights]
     generator: torch.Generator
@@ -147,8 +100,8 @@ class AdapterState:
 
 def new_adapter(
     name: str,
-    lora: common_pb2.LoraConfig,
-    adam: common_pb2.AdamParams,
+    lora: LoraConfig,
+    adam: AdamParams,
     seed: int,
     shapes: dict[str, ModuleShape],
     device: torch.device,

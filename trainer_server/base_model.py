@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 from opentinker.rpc.errors import InvalidArgument
-from opentinker.v1 import common_pb2
 from opentinker.weights.base_model import (
     ATTN_MODULES,
     MLP_MODULES,
@@ -168,18 +167,3 @@ class BaseModel:
             for hook in self.hooks.values():
                 hook.active = None
                 hook.train(False)
-
-    def info(self) -> common_pb2.BaseModelInfo:
-        return common_pb2.BaseModelInfo(
-            model=self.model_path,
-            model_digest=self.digest,
-            architecture=str(self.config.model_type),
-            vocab_size=self.vocab_size,
-            hidden_size=int(self.config.hidden_size),
-            num_layers=int(self.config.num_hidden_layers),
-            max_position_embeddings=self.max_positions,
-            dtype=self.dtype,
-            device=str(self.device),
-            lora_target_modules=sorted({n.rsplit(".", 1)[-1] for n in self.hooks}),
-            served_name=self.served_name,
-        )

@@ -1,4 +1,4 @@
-"""Datums (protos) -> validated tensors. Every check runs before any compute, so a rejected request
+"""Datum records -> validated tensors. Every check runs before any compute, so a rejected request
 changes nothing; errors name the field and the datum index."""
 
 from __future__ import annotations
@@ -11,9 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from opentinker.rpc.errors import InvalidArgument, ResourceExhausted
-from opentinker.rpc.model_input import tokens_of
+from opentinker.trainer_server.datum import Datum, DType, TensorValues
 from opentinker.trainer_server.losses import default_input, input_error, optional_inputs, required_inputs
-from opentinker.v1 import common_pb2
 
 MAX_DATUMS = 4096
 # Padded positions (datums x longest datum) per request: the compute and memory a batch costs, whatever its real
@@ -40,13 +39,13 @@ class Batch:
 
 
 def _values(
-    datum_index: int, key: str, tensor: common_pb2.TensorData, length: int, *, integer: bool = False
+    datum_index: int, key: str, tensor: TensorValues, length: int, *, integer: bool = False
 ) -> list[float] | list[int]:
     field = f"datums[{datum_index}].loss_fn_inputs[{key!r}]"
     values: list[float] | list[int]
-    if tensor.dtype == common_pb2.D_TYPE_INT64 or (tensor.int64_values and not tensor.float32_values):
+    if tensor.dtype == DType.INT64 or (tensor.int64_values and not tensor.float32_values):
         values = list(tensor.int64_values)
-    elif integer and (tensor.dtype == common_pb2.D_TYPE_FLOAT32 or tensor.float32_values):
+    elif integer and (tensor.dtype == DType.FLOAT32 or tensor.float32_values):
         raise InvalidArgument(
             f"{field} must be int64 token ids, got float32 values",
             reason="INVALID_DATUM",
@@ -76,7 +75,7 @@ def _values(
 
 
 def build_batch(
-    datums: Sequence[common_pb2.Datum],
+    datums: Sequence[Datum],
     loss_fn: str,
     *,
     vocab_size: int,
@@ -98,7 +97,7 @@ def build_batch(
     digest = hashlib.sha256(loss_fn.encode())
     longest = 0
     for index, datum in enumerate(datums):
-        tokens = tokens_of(datum.model_input)
+        tokens = datum.tokens
         if not tokens:
             raise InvalidArgument(
                 f"datums[{index}].model_input is empty",

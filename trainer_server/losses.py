@@ -23,7 +23,7 @@ weighted by w >= 0), whatever their advantage, so a sampled token with A = 0 is 
 without weights gets w = [A != 0] (the trainer cannot tell a sampled token with A = 0 from a prompt position,
 whose q is no logprob). q must be the sampler's recorded logprobs, the log-softmax of its raw logits at
 temperature 1 (sampler_server/sampling.py); the gateway fills them from what it recorded when sampling ran
-with record_stability_info (gateway/stability.py), never from the client's copy. docs/components.md lists
+with record_stability_info (gateway/tinker/stability.py), never from the client's copy. docs/components.md lists
 what this estimator is biased by (temperature and filters, truncation, per-token ratios, the mask).
 
 Gradients w.r.t. p: cross_entropy -w; importance_sampling -A * r; ppo -A * r where the unclipped term is

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from opentinker.rpc.memory import release_freed_memory
 from opentinker.trainer_server.batch import Batch, active_tokens
-from opentinker.trainer_server.trainer import StepOutput
+from opentinker.trainer_server.forward_backward import StepOutput
 
 # Padded positions per micro-batch by default: a request beyond runs in parts, so the compute thread is never
 # held by one request for more than about this much work (a cookbook 64 x 2048 batch: 32 parts). 4096, not 16384:

@@ -6,6 +6,8 @@ import math
 
 import pytest
 
+from opentinker.client.datum import Datum
+from opentinker.client.sampling_types import SampledSequence, SampledVersion
 from opentinker.client.trajectory import (
     Trajectory,
     Transition,
@@ -13,7 +15,6 @@ from opentinker.client.trajectory import (
     group_advantages,
     trajectory_to_datums,
 )
-from opentinker.client.types import Datum, SampledSequence, SampledVersion
 
 LOSS_KEYS = {"target_tokens", "weights", "advantages", "logprobs"}
 

@@ -195,7 +195,7 @@ def test_engine_process_is_on_off_or_the_device_default() -> None:
 def test_gateway_prints_every_flag_with_the_defaults_of_its_config() -> None:
     import typer.main
 
-    from opentinker.gateway.state import GatewayConfig
+    from opentinker.gateway.config import GatewayConfig
 
     got = resolved("gateway")
     root: Any = typer.main.get_command(app)

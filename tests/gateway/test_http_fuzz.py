@@ -34,7 +34,7 @@ from schemathesis.specs.openapi.checks import (
 )
 from serverproc import ServerProcess
 
-from opentinker.gateway import openapi
+from opentinker.gateway import openapi, route_schema
 
 EXAMPLES = int(os.environ.get("OPENTINKER_FUZZ_EXAMPLES", "40"))
 TIMEOUT = 30.0  # seconds per request; the slowest (retrieve_future's long poll) answers within --poll-seconds
@@ -48,7 +48,7 @@ AUTH = ("key",) * 6 + ("bearer", "none")
 
 # forward_backward's body is a tinker protobuf: the fuzzer sends bytes (tests/reliability/test_fuzz_gateway.py
 # mutates valid messages).
-schemathesis.serializer.alias(openapi.PROTOBUF, "application/octet-stream")
+schemathesis.serializer.alias(route_schema.PROTOBUF, "application/octet-stream")
 
 
 # Values schemathesis does not make (its strings are valid UTF-8 text, its numbers fit the schema's type), put in

@@ -11,7 +11,7 @@ import pytest
 
 from opentinker.registry import event_hub
 from opentinker.registry.event_hub import EventHub, event_key
-from opentinker.registry.store import EventRecord
+from opentinker.registry.event_store import EventRecord
 from opentinker.rpc.errors import Unavailable
 from opentinker.v1 import registry_pb2
 

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 from serverproc import ServerProcess, start_registry, start_sampler, start_trainer
 
+_FIGURES: list[tuple[str, str]] = []
+
 
 @pytest.fixture(scope="module")
 def start_stack(
@@ -52,3 +54,21 @@ def figure(record_property: Callable[[str, object], None]) -> Callable[[str, obj
     """Records a measured figure in the test's report: junit properties, and the run's closing summary
     (tests/conftest.py prints every report's properties, so the figures also reach it from xdist workers)."""
     return record_property
+
+
+@pytest.fixture(scope="module")
+def module_figure() -> Callable[[str, object], None]:
+    """Records a figure in the run's closing summary from a module-scoped fixture (a module's totals, which no one
+    test's report holds). Printed by a run in one process; under xdist a worker's summary is not shown."""
+
+    def record(name: str, value: object) -> None:
+        _FIGURES.append((name, str(value)))
+
+    return record
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if _FIGURES:
+        terminalreporter.section("reliability figures")
+        for name, value in _FIGURES:
+            terminalreporter.write_line(f"{name}: {value}")

@@ -25,7 +25,7 @@ from registryutil import create_adapter, unique_name
 from serverproc import registry_store, start_registry
 
 from opentinker.registry.embedded_redis import EmbeddedRedis
-from opentinker.registry.store import EVENTS_KEY
+from opentinker.registry.store_base import EVENTS_KEY
 from opentinker.v1 import registry_pb2, registry_pb2_grpc, sampler_pb2, sampler_pb2_grpc
 from opentinker.weights.artifact_store import ArtifactStore
 

@@ -14,7 +14,7 @@ import json
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 import pytest
@@ -106,8 +106,6 @@ V1_TEMPLATES: dict[str, dict[str, object]] = {
     "completions": {"model": "base", "prompt": [1, 2, 3], "max_tokens": 3, "n": 2, "logprobs": 1, "stream": True},
     "episodes/{episode}/reward": {"reward": 1.0, "turn": 0},
 }
-COUNTS: Counter[str] = Counter()
-STATUSES: Counter[int] = Counter()
 
 HUGE_INTS = [2**31, 2**32, 2**53 + 1, 2**63, 2**64, 2**70, 10**30, -(2**63) - 1, -(2**70), -1, 0, 1, 64, 65, 10**7]
 FLOATS = [1e12, 1e20, 1e39, 1e300, -1e300, 0.5, -0.0, 1e-320, 3.4e38, 2.5]
@@ -142,6 +140,23 @@ class Fuzz:
     http: httpx.Client
     known: dict[str, str]  # session, model, sampler, state, weights, request
     templates: dict[str, object]
+
+
+@dataclass
+class Tally:
+    """The cases the fuzz tests of this module sent (by route) and the statuses they got: each test asserts on the
+    cases it sent itself; the module's totals go to the run's summary."""
+
+    counts: Counter[str] = field(default_factory=Counter)
+    statuses: Counter[int] = field(default_factory=Counter)
+
+
+@pytest.fixture(scope="module")
+def tally(module_figure: Callable[[str, object], None]) -> Iterator[Tally]:
+    cases = Tally()
+    yield cases
+    module_figure("gateway_fuzz_cases", sum(cases.counts.values()))
+    module_figure("gateway_fuzz_statuses", dict(sorted(cases.statuses.items())))
 
 
 def _post(http: httpx.Client, route: str, body: object, key: str = KEY_A) -> httpx.Response:
@@ -420,8 +435,8 @@ def request_of(draw: st.DrawFn, fuzz: Fuzz, route: str) -> tuple[str, str, bytes
 # --- checks -----------------------------------------------------------------------------------------------
 
 
-def _check(response: httpx.Response, what: str) -> None:
-    STATUSES[response.status_code] += 1
+def _check(response: httpx.Response, what: str, statuses: Counter[int]) -> None:
+    statuses[response.status_code] += 1
     assert response.status_code < 500, f"{what}: {response.status_code} {response.text[:300]}"
     if response.status_code >= 400:
         assert response.headers.get("x-should-retry") == "false", f"{what}: {response.headers}"
@@ -430,6 +445,15 @@ def _check(response: httpx.Response, what: str) -> None:
             f"{what}: {body}"
         )
         assert body["request_id"] == response.headers["x-request-id"], f"{what}: {body}"
+
+
+def _assert_fuzzed(tally: Tally, route: str, examples: int, statuses: Counter[int]) -> None:
+    """This test's own cases: at least half the examples asked for were sent, and none was answered 5xx."""
+    cases = sum(statuses.values())
+    tally.counts[route] += cases
+    tally.statuses.update(statuses)
+    assert cases >= examples // 2, f"{route}: {cases} cases of {examples}"
+    assert not any(status >= 500 for status in statuses), f"{route}: {dict(statuses)}"
 
 
 def fuzz_settings(examples: int) -> settings:
@@ -463,16 +487,18 @@ def test_every_route_is_fuzzed(fuzz: Fuzz) -> None:
 
 
 @pytest.mark.parametrize("route", sorted(EXAMPLES))
-def test_fuzzed_requests_get_deliberate_answers(fuzz: Fuzz, route: str) -> None:
+def test_fuzzed_requests_get_deliberate_answers(fuzz: Fuzz, tally: Tally, route: str) -> None:
+    statuses: Counter[int] = Counter()
+
     @fuzz_settings(EXAMPLES[route])
     @given(request_of(fuzz, route))
     def check(request: tuple[str, str, bytes, dict[str, str]]) -> None:
         method, path, body, headers = request
         response = fuzz.http.request(method, f"/api/v1/{path}", content=body or None, headers=headers)
-        COUNTS[route] += 1
-        _check(response, f"{method} {path} {body[:200]!r}")
+        _check(response, f"{method} {path} {body[:200]!r}", statuses)
 
     check()
+    _assert_fuzzed(tally, route, EXAMPLES[route], statuses)
 
 
 @st.composite
@@ -491,8 +517,8 @@ def v1_request_of(draw: st.DrawFn, fuzz: Fuzz, route: str) -> tuple[str, str, by
     return method, path, draw(json_body(V1_TEMPLATES[route], fuzz.known)), headers
 
 
-def _check_v1(response: httpx.Response, what: str) -> None:
-    STATUSES[response.status_code] += 1
+def _check_v1(response: httpx.Response, what: str, statuses: Counter[int]) -> None:
+    statuses[response.status_code] += 1
     assert response.status_code < 500, f"{what}: {response.status_code} {response.text[:300]}"
     if response.status_code >= 400:
         error = response.json()["error"]
@@ -500,30 +526,27 @@ def _check_v1(response: httpx.Response, what: str) -> None:
 
 
 @pytest.mark.parametrize("route", sorted(V1_ROUTES))
-def test_fuzzed_v1_requests_get_deliberate_answers(fuzz: Fuzz, route: str) -> None:
+def test_fuzzed_v1_requests_get_deliberate_answers(fuzz: Fuzz, tally: Tally, route: str) -> None:
+    statuses: Counter[int] = Counter()
+
     @fuzz_settings(V1_EXAMPLES[route])
     @given(v1_request_of(fuzz, route))
     def check(request: tuple[str, str, bytes, dict[str, str]]) -> None:
         method, path, body, headers = request
         response = fuzz.http.request(method, f"/v1/{path}", content=body or None, headers=headers)
-        COUNTS[f"v1/{route}"] += 1
-        _check_v1(response, f"{method} {path} {body[:200]!r}")
+        _check_v1(response, f"{method} {path} {body[:200]!r}", statuses)
 
     check()
+    _assert_fuzzed(tally, f"v1/{route}", V1_EXAMPLES[route], statuses)
 
 
-def test_gateway_stays_healthy_and_no_job_failed_internally(fuzz: Fuzz, figure: Callable[[str, object], None]) -> None:
+def test_gateway_stays_healthy_and_no_job_failed_internally(fuzz: Fuzz) -> None:
     time.sleep(2)  # the last jobs accepted finish (samples, forward_backward)
     assert fuzz.http.get("/api/v1/healthz").json() == {"status": "ok"}
     created = _post(fuzz.http, "create_session", {"tags": [], "sdk_version": "0.38.0"})
     assert created.status_code == 200
     log = fuzz.server.log()
     assert "incident" not in log and "Traceback" not in log, log[-5000:]
-    total = sum(COUNTS.values())
-    figure("gateway_fuzz_cases", total)
-    figure("gateway_fuzz_statuses", dict(sorted(STATUSES.items())))
-    assert total >= sum(EXAMPLES.values()) // 2
-    assert not any(status >= 500 for status in STATUSES)
 
 
 # --- the conversions behind the routes, in process (a job's failure is never "internal") --------------------
@@ -565,9 +588,9 @@ def near_valid_message(draw: st.DrawFn) -> tpb.ForwardBackwardRequest:
 
 @settings(max_examples=600, deadline=None, database=None, derandomize=True)
 @given(near_valid_message())
-def test_forward_backward_conversion_fails_only_deliberately(message: tpb.ForwardBackwardRequest) -> None:
-    from opentinker.gateway import convert
+def test_forward_backward_conversion_fails_only_deliberately(tally: Tally, message: tpb.ForwardBackwardRequest) -> None:
     from opentinker.gateway.errors import GatewayError, RequestFailed
+    from opentinker.gateway.tinker import convert
 
     try:
         convert.check_sizes(message)
@@ -575,7 +598,7 @@ def test_forward_backward_conversion_fails_only_deliberately(message: tpb.Forwar
         convert.datums(message)
         convert.trace_ids(message, "s")
     except (GatewayError, RequestFailed):
-        COUNTS["conversion refused"] += 1
+        tally.counts["conversion refused"] += 1
 
 
 @settings(max_examples=400, deadline=None, database=None, derandomize=True)
@@ -602,8 +625,8 @@ def test_forward_backward_conversion_fails_only_deliberately(message: tpb.Forwar
     )
 )
 def test_json_conversions_fail_only_deliberately(params: dict[str, object]) -> None:
-    from opentinker.gateway import convert
     from opentinker.gateway.errors import GatewayError
+    from opentinker.gateway.tinker import convert
 
     for conversion in (
         lambda: convert.sampling_params(params, 16),

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from opentinker.sampler_server.block_manager import BLOCK_SIZE
-from opentinker.sampler_server.engine import Engine, SequenceUpdate
+from opentinker.sampler_server.engine import Engine
 from opentinker.sampler_server.engine_api import EngineAPI
 from opentinker.sampler_server.engine_process import EngineProcess
 from opentinker.sampler_server.model.kv_cache import KVCache
@@ -26,6 +26,7 @@ from opentinker.sampler_server.model.weights import linear_shapes
 from opentinker.sampler_server.scheduler import Scheduler
 from opentinker.sampler_server.sequence import SamplingParams, Sequence
 from opentinker.sampler_server.slot_pool import SlotPool, SlotTensors
+from opentinker.sampler_server.updates import SequenceUpdate
 from opentinker.weights.model_config import load_config
 
 MAX_LEN, RANK = 64, 4

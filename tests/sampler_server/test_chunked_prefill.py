@@ -13,11 +13,11 @@ from chunkedutil import chunked_engine
 from pagedkvutil import ADAPTERS, assert_same, prompt, run
 
 from opentinker.sampler_server.block_manager import BlockManager
-from opentinker.sampler_server.engine import SequenceUpdate
 from opentinker.sampler_server.model.llama import LlamaForCausalLM
 from opentinker.sampler_server.scheduler import Scheduler
 from opentinker.sampler_server.sequence import SamplingParams, Sequence
 from opentinker.sampler_server.slot_pool import SlotPool
+from opentinker.sampler_server.updates import SequenceUpdate
 
 MAX_LEN = 96
 SYSTEM = prompt(21, 77)  # a prefix several requests share: one full block and a bit

@@ -14,14 +14,14 @@ import torch
 from transformers import AutoTokenizer
 
 from opentinker.sampler_server.detokenizer import MAX_HELD_TOKENS, StreamText
-from opentinker.sampler_server.engine import Engine, SequenceUpdate
+from opentinker.sampler_server.engine import Engine
 from opentinker.sampler_server.model.kv_cache import KVCache
 from opentinker.sampler_server.model.llama import LlamaForCausalLM
 from opentinker.sampler_server.scheduler import Scheduler
-from opentinker.sampler_server.sequence import SamplingParams, Sequence
-from opentinker.sampler_server.service import with_text
+from opentinker.sampler_server.sequence import SamplingParams, Sequence, StopReason
 from opentinker.sampler_server.slot_pool import SlotPool
-from opentinker.v1 import sampler_pb2
+from opentinker.sampler_server.update_stream import with_text
+from opentinker.sampler_server.updates import SequenceUpdate
 
 CPU = torch.device("cpu")
 TEXT = "Grüße, wörld ✓ 日本語のテキスト — naïve café 🙂 " * 12
@@ -111,7 +111,7 @@ def test_a_stop_string_ends_the_sample_at_the_token_completing_it(tokenizer: Any
         if update.finished:
             break
     last = updates[-1]
-    assert last.finished and last.stop_reason == sampler_pb2.STOP_REASON_STOP_STRING
+    assert last.finished and last.stop_reason == StopReason.STOP_STRING
     sent = [t for u in updates for t in u.tokens]
     assert sent == ids[:completes]  # up to the completing token, nothing after
     assert len(last.logprobs) == len(last.tokens)
@@ -121,11 +121,9 @@ def test_a_stop_string_ends_the_sample_at_the_token_completing_it(tokenizer: Any
 
 def test_a_stop_token_that_also_completes_a_stop_string_stays_a_stop_token(tokenizer: Any) -> None:
     ids = tokenizer.encode("say END", add_special_tokens=False)
-    update = SequenceUpdate(
-        "r", 0, ids, [-0.1] * len(ids), finished=True, stop_reason=sampler_pb2.STOP_REASON_STOP_TOKEN
-    )
+    update = SequenceUpdate("r", 0, ids, [-0.1] * len(ids), finished=True, stop_reason=StopReason.STOP_TOKEN)
     cut, text = with_text(update, StreamText(tokenizer, ("END",)))
-    assert cut.stop_reason == sampler_pb2.STOP_REASON_STOP_TOKEN and cut.tokens == ids and text == "say END"
+    assert cut.stop_reason == StopReason.STOP_TOKEN and cut.tokens == ids and text == "say END"
 
 
 def test_the_engine_frees_a_sample_the_server_finished(tiny_model: Path) -> None:

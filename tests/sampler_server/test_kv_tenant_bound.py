@@ -14,11 +14,12 @@ from chunkedutil import RecordingScheduler, chunked_engine
 from pagedkvutil import assert_same, prompt, run
 
 from opentinker.sampler_server.block_manager import BlockManager
-from opentinker.sampler_server.engine import SequenceUpdate
 from opentinker.sampler_server.model.llama import LlamaForCausalLM
-from opentinker.sampler_server.scheduler import ScheduledBatch, default_tenant_blocks
+from opentinker.sampler_server.scheduler import ScheduledBatch
 from opentinker.sampler_server.sequence import SamplingParams, Sequence
 from opentinker.sampler_server.slot_pool import SlotPool
+from opentinker.sampler_server.tenant_bounds import default_tenant_blocks
+from opentinker.sampler_server.updates import SequenceUpdate
 
 _ids = itertools.count(1)
 

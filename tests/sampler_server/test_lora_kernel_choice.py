@@ -13,8 +13,7 @@ import pytest
 import torch
 from serverproc import ServerProcess, start_sampler
 
-from opentinker.sampler_server import engine as engine_module
-from opentinker.sampler_server import kernels
+from opentinker.sampler_server import kernels, lora_plan
 from opentinker.sampler_server.engine import Engine
 from opentinker.sampler_server.kernels import Backend, Kernel, resolve_kernel
 from opentinker.sampler_server.scheduler import Scheduler
@@ -71,7 +70,7 @@ def kernel_used(monkeypatch: pytest.MonkeyPatch, flag: Backend, device: str) -> 
 
         return record
 
-    monkeypatch.setattr(engine_module, "add_lora_runs", recorder("segments"))
+    monkeypatch.setattr(lora_plan, "add_lora_runs", recorder("segments"))
     monkeypatch.setattr(kernels, "add_lora_segments", recorder("segments, unplanned"))
     monkeypatch.setattr(kernels, "add_lora_triton", recorder("triton"))
     monkeypatch.setattr(kernels, "lora_delta_reference", recorder("reference"))

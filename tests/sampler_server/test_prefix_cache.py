@@ -23,8 +23,9 @@ from opentinker.rpc.errors import InvalidArgument
 from opentinker.sampler_server.adapters import BASE_RESOLVED, Resolved
 from opentinker.sampler_server.engine import Engine
 from opentinker.sampler_server.model.llama import LlamaForCausalLM
+from opentinker.sampler_server.sample_request import cache_salt
 from opentinker.sampler_server.sequence import SamplingParams, Sequence
-from opentinker.sampler_server.service import SamplerServicer, cache_salt
+from opentinker.sampler_server.service import SamplerServicer
 from opentinker.sampler_server.slot_pool import SlotPool
 from opentinker.v1 import common_pb2, sampler_pb2
 

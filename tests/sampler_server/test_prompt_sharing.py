@@ -13,12 +13,13 @@ import torch
 from samplerutil import Sampler, max_diff, params, prompt, request, run
 from serverproc import ServerProcess
 
-from opentinker.sampler_server.engine import Engine, SequenceUpdate
+from opentinker.sampler_server.engine import Engine
 from opentinker.sampler_server.model.kv_cache import KVCache
 from opentinker.sampler_server.model.llama import LlamaForCausalLM
 from opentinker.sampler_server.scheduler import Scheduler
 from opentinker.sampler_server.sequence import SamplingParams, Sequence
 from opentinker.sampler_server.slot_pool import SlotPool
+from opentinker.sampler_server.updates import SequenceUpdate
 
 CPU = torch.device("cpu")
 PROMPT = [(11 * i + 5) % 200 + 3 for i in range(20)]

@@ -17,14 +17,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from opentinker.sampler_server import engine as engine_module
-from opentinker.sampler_server.engine import Engine, SequenceUpdate
+from opentinker.sampler_server import inbox as inbox_module
+from opentinker.sampler_server.engine import Engine
 from opentinker.sampler_server.model.kv_cache import KVCache
 from opentinker.sampler_server.model.llama import LlamaForCausalLM
 from opentinker.sampler_server.scheduler import ScheduledBatch, Scheduler
 from opentinker.sampler_server.sequence import SamplingParams, Sequence
-from opentinker.sampler_server.service import Mailbox
 from opentinker.sampler_server.slot_pool import SlotPool
+from opentinker.sampler_server.update_stream import Mailbox
+from opentinker.sampler_server.updates import SequenceUpdate
 
 CPU = torch.device("cpu")
 
@@ -93,7 +94,7 @@ def run_burst(
     """One-sequence requests `gap` seconds apart (as separate clients' requests arrive), the first at time 0,
     through the engine's own loop (`Engine._run`, on this thread) until the first batch has run."""
     arrivals = ScriptedArrivals()
-    monkeypatch.setattr(engine_module, "time", SimpleNamespace(monotonic=arrivals.monotonic))
+    monkeypatch.setattr(inbox_module, "time", SimpleNamespace(monotonic=arrivals.monotonic))
     scheduler = RecordingScheduler(arrivals)
     cache = KVCache(runner.config, 257, 32, CPU, torch.float32)
     pool = SlotPool(runner.linear_shapes(), max_slots=1, max_rank=4, device=CPU)
@@ -107,7 +108,7 @@ def run_burst(
         eos_token_ids=(),
         burst_wait=burst_wait,
     )
-    engine._inbox = arrivals  # type: ignore[assignment]
+    engine._inbox = inbox_module.Inbox(arrivals)  # type: ignore[arg-type]
     params = SamplingParams(temperature=0.0, max_tokens=2)
     for i in range(count):
         arrivals.at = i * gap

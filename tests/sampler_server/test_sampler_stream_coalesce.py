@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from opentinker.sampler_server.engine import SequenceUpdate
-from opentinker.sampler_server.service import coalesce
+from opentinker.sampler_server.sequence import StopReason
+from opentinker.sampler_server.update_stream import coalesce
+from opentinker.sampler_server.updates import SequenceUpdate
 
 
 def test_coalesce_merges_each_samples_backlog_in_order() -> None:
@@ -34,6 +35,10 @@ def test_coalesce_keeps_an_engine_error() -> None:
 
 def test_coalesce_keeps_the_first_prompt_logprobs_and_the_last_stop_reason() -> None:
     first = SequenceUpdate("r", 0, [5], [-0.5], False, prompt_logprobs=[-1.0, -2.0])
-    last = SequenceUpdate("r", 0, [6], [-0.6], True, stop_reason=3)
+    last = SequenceUpdate("r", 0, [6], [-0.6], True, stop_reason=StopReason.STOP_STRING)
     (merged,) = coalesce([first, last])
-    assert merged.prompt_logprobs == [-1.0, -2.0] and merged.stop_reason == 3 and merged.tokens == [5, 6]
+    assert (
+        merged.prompt_logprobs == [-1.0, -2.0]
+        and merged.stop_reason is StopReason.STOP_STRING
+        and merged.tokens == [5, 6]
+    )

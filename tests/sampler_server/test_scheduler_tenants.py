@@ -13,9 +13,10 @@ import pytest
 
 from opentinker.rpc.auth import LOCAL_PRINCIPAL, Principal, Role
 from opentinker.rpc.errors import ResourceExhausted
-from opentinker.sampler_server.scheduler import ScheduledBatch, Scheduler, default_tenant_slots
+from opentinker.sampler_server.scheduler import ScheduledBatch, Scheduler
 from opentinker.sampler_server.sequence import SamplingParams, Sequence, Status
 from opentinker.sampler_server.service import SamplerServicer
+from opentinker.sampler_server.tenant_bounds import default_tenant_slots
 from opentinker.sampler_server.tenant_stats import TenantActivity, batch_tenant
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8)

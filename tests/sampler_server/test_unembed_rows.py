@@ -176,7 +176,7 @@ def test_versions_without_lm_head_skip_the_vocabulary_wide_delta(
 ) -> None:
     """A batch whose adapters have no LoRA on lm_head runs no lm_head kernel (its zeros would cost ~8% of the LM
     head's matmul); one with such an adapter runs it, on that adapter's rows only."""
-    from opentinker.sampler_server import engine as engine_module
+    from opentinker.sampler_server import lora_plan
 
     model = LlamaForCausalLM.from_pretrained(tiny_model, device=CPU, dtype=torch.float32)
     shapes = model.linear_shapes()
@@ -204,8 +204,8 @@ def test_versions_without_lm_head_skip_the_vocabulary_wide_delta(
         calls.append(("lm_head" if b.shape[1] == model.config.vocab_size else "other", x.shape[0]))
         real_add(y, x, a, b, *args, **kwargs)
 
-    monkeypatch.setattr(engine_module, "add_lora_runs", runs_spy)
-    monkeypatch.setattr(engine_module, "add_lora", add_spy)
+    monkeypatch.setattr(lora_plan, "add_lora_runs", runs_spy)
+    monkeypatch.setattr(lora_plan, "add_lora", add_spy)
     cache = KVCache(model.config, 2, 16, CPU, torch.float32)
     engine = Engine(
         model,

@@ -7,6 +7,7 @@ from trainerutil import sft_datum
 
 from opentinker.rpc.errors import ResourceExhausted
 from opentinker.trainer_server.batch import DEFAULT_MAX_BATCH_POSITIONS, Batch, build_batch
+from opentinker.trainer_server.wire import datums_of
 from opentinker.v1 import common_pb2
 
 
@@ -16,7 +17,7 @@ def padded(short: int, long: int = 2049) -> list[common_pb2.Datum]:
 
 def build(datums: list[common_pb2.Datum], limit: int = DEFAULT_MAX_BATCH_POSITIONS) -> Batch:
     return build_batch(
-        datums, "cross_entropy", vocab_size=4096, max_positions=4096, pad_id=0, max_batch_positions=limit
+        datums_of(datums), "cross_entropy", vocab_size=4096, max_positions=4096, pad_id=0, max_batch_positions=limit
     )
 
 

@@ -15,6 +15,7 @@ from trainerutil import VOCAB, float_tensor, random_tokens, rl_datum
 from opentinker.rpc.errors import InvalidArgument
 from opentinker.trainer_server.batch import Batch, build_batch
 from opentinker.trainer_server.losses import compute_loss, resolve_config
+from opentinker.trainer_server.wire import datums_of
 from opentinker.v1 import common_pb2
 
 Array = npt.NDArray[np.float64]
@@ -261,7 +262,7 @@ def sr_datum(tokens: list[int], q: list[float], a: list[float], w: list[float] |
 
 
 def build(datums: list[common_pb2.Datum]) -> Batch:
-    return build_batch(datums, "stable_reinforce", vocab_size=VOCAB, max_positions=64, pad_id=0)
+    return build_batch(datums_of(datums), "stable_reinforce", vocab_size=VOCAB, max_positions=64, pad_id=0)
 
 
 def test_build_batch_carries_the_weights_and_defaults_them_per_datum() -> None:

@@ -7,7 +7,7 @@ import asyncio
 
 from trainerutil import Trainer, create, forward_backward, get_adapter, optim_step, sft_batch
 
-from opentinker.trainer_server.service import LineageLocks
+from opentinker.trainer_server.lineage_locks import LineageLocks
 from opentinker.v1 import registry_pb2, registry_pb2_grpc, trainer_pb2
 
 SAVES = 4

@@ -17,8 +17,10 @@ from trainerutil import Trainer, assert_status, create, get_adapter, lora, sft_b
 from opentinker.client.tiny_model import make_family_model
 from opentinker.rpc.errors import InvalidArgument
 from opentinker.trainer_server.adapter import new_adapter
+from opentinker.trainer_server.adapter_config import AdamParams, LoraConfig
 from opentinker.trainer_server.base_model import BaseModel
-from opentinker.v1 import common_pb2, trainer_pb2
+from opentinker.trainer_server.wire import base_model_info
+from opentinker.v1 import trainer_pb2
 from opentinker.weights.base_model import ATTN_MODULES, MLP_MODULES
 
 
@@ -41,7 +43,7 @@ def test_target_specs_resolve_to_exactly_their_modules(tiny_model: Path) -> None
     groups = [base.resolve_targets([g]) for g in ("attn", "mlp", "lm_head")]
     assert sorted(p for g in groups for p in g) == sorted(base.hooks)  # disjoint, and together every hook
     assert set(base.resolve_targets(["all-linear", "lm_head"])) == set(base.hooks)
-    assert "lm_head" in base.info().lora_target_modules
+    assert "lm_head" in base_model_info(base).lora_target_modules
     with pytest.raises(InvalidArgument, match="lm_head") as error:
         base.resolve_targets(["embed_tokens"])  # the input embedding is not a target
     assert error.value.reason == "INVALID_LORA_CONFIG"
@@ -53,11 +55,11 @@ def test_a_training_step_on_a_tied_model_leaves_the_embedding_alone(tied_model: 
     assert base.hooks["lm_head"].base.weight is embedding  # tied: one tensor for both
     before = embedding.detach().clone()
     shapes = base.module_shapes()
-    config = common_pb2.LoraConfig(rank=4, alpha=8.0, target_modules=["lm_head"])
+    config = LoraConfig(rank=4, alpha=8.0, dropout=0.0, target_modules=("lm_head",))
     state = new_adapter(
         "t",
         config,
-        common_pb2.AdamParams(learning_rate=5e-2, beta1=0.9, beta2=0.95, eps=1e-8),
+        AdamParams(learning_rate=5e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, grad_clip_norm=0.0),
         1,
         {"lm_head": shapes["lm_head"]},
         base.device,
