@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from opentinker.rpc.process import die_with_parent
+from opentinker.rpc.process.children import die_with_parent
 
 
 class ServerExited(RuntimeError):

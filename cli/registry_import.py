@@ -20,7 +20,7 @@ from opentinker.cli.failure import fail
 from opentinker.cli.options import DEFAULT_REGISTRY, AsJson, CaCert, RegistryAddr, Token
 from opentinker.cli.registry_connect import connect, console
 from opentinker.client import BatchRecord, Lineage, LoraConfig, OpenTinkerError, RegistryClient, Version
-from opentinker.rpc.progress import spinner
+from opentinker.rpc.process.progress import spinner
 from opentinker.weights.peft_io import (
     PeftAdapter,
     PeftFolderError,

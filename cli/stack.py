@@ -26,10 +26,10 @@ from rich.table import Table
 from opentinker.cli.launch import ServerExited, ServerProcess, opentinker_command
 from opentinker.cli.stack_file import remove_stack_file, write_stack_file
 from opentinker.cli.up_auth import StackAuth, needs_service_token, provision, refuse_unprovisionable
-from opentinker.rpc.config import SERVER_SECTIONS, UP_SECTION, ConfigError, read_config, resolve_value
-from opentinker.rpc.dir_lock import DirLock, DirLocked
-from opentinker.rpc.progress import spinner
-from opentinker.rpc.startup import StartupError
+from opentinker.rpc.process.config import SERVER_SECTIONS, UP_SECTION, ConfigError, read_config, resolve_value
+from opentinker.rpc.process.dir_lock import DirLock, DirLocked
+from opentinker.rpc.process.progress import spinner
+from opentinker.rpc.process.startup import StartupError
 from opentinker.weights.model_check import check_model
 
 STARTUP_SECONDS = {"registry": 60.0, "trainer": 300.0, "sampler": 300.0}

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from opentinker.rpc.config import ConfigError, env_name, resolve_value
+from opentinker.rpc.process.config import ConfigError, env_name, resolve_value
 
 SERVICE_TENANT = "opentinker-up"
 TOKEN_FILE = "service-token"

@@ -16,8 +16,8 @@ import grpc.aio
 from google.protobuf.message import Message
 
 from opentinker.client.errors import OpenTinkerError, from_rpc_error
-from opentinker.rpc import request_ids
-from opentinker.rpc.channel import bearer_metadata, open_aio_channel, open_channel
+from opentinker.rpc.serving import request_ids
+from opentinker.rpc.serving.channel import bearer_metadata, open_aio_channel, open_channel
 
 M = TypeVar("M", bound=Message)
 S = TypeVar("S")

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 import grpc
 import grpc.aio
 
-from opentinker.rpc.errors import error_info, request_id_of
+from opentinker.rpc.serving.errors import error_info, request_id_of
 
 __all__ = ["OpenTinkerError", "from_rpc_error"]
 

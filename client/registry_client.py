@@ -63,7 +63,7 @@ __all__ = [
 
 CHUNK_SIZE: Final = registry_transfer.CHUNK_SIZE
 # Versions carry their lineage (every batch record): pages this small stay well under the 64 MiB receive cap
-# (rpc/channel.py) while still needing few round trips.
+# (rpc/serving/channel.py) while still needing few round trips.
 _PAGE_SIZE: Final = 100
 _ALL_LINEAR: Final = "all-linear"
 

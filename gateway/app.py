@@ -18,7 +18,7 @@ from opentinker.gateway.openai.state import OPENAI, OpenAIState
 from opentinker.gateway.state import GATEWAY, Gateway, gateway_of
 from opentinker.gateway.tinker import checkpoint_gc, expiry, rest, sampling, saves, session_routes, training
 from opentinker.gateway.tinker.state import TINKER, TinkerState
-from opentinker.rpc import request_ids
+from opentinker.rpc.serving import request_ids
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from opentinker.rpc import cli_options as opt
-from opentinker.rpc.config import GATEWAY_SECTION, serve_command
+from opentinker.rpc.process import cli_options as opt
+from opentinker.rpc.process.config import GATEWAY_SECTION, serve_command
 
 if TYPE_CHECKING:
     from opentinker.gateway.auth import KeyStore
@@ -141,8 +141,8 @@ def serve(
     from opentinker.gateway.config import GatewayConfig
     from opentinker.gateway.logsafe import configure
     from opentinker.gateway.openai.tool_calls import PARSER_CHOICES
-    from opentinker.rpc.server import is_loopback
-    from opentinker.rpc.startup import check_port, startup_errors
+    from opentinker.rpc.process.startup import check_port, startup_errors
+    from opentinker.rpc.serving.server import is_loopback
 
     configure(log_level)
     with startup_errors("gateway", log_level):
@@ -221,7 +221,7 @@ async def _run(
     from opentinker.gateway.state import Gateway
     from opentinker.gateway.tinker.durable import MemoryState, RedisState
     from opentinker.gateway.tinker.state import TinkerState
-    from opentinker.rpc.server import write_ready_file
+    from opentinker.rpc.serving.server import write_ready_file
 
     # Big bodies are decoded and parsed on worker threads; when one runs Python code, the event loop waits for the
     # GIL up to the switch interval at each wake-up: 1 ms instead of 5 keeps other tenants' requests moving.

@@ -13,8 +13,8 @@ import logging
 import grpc
 
 from opentinker.client.errors import OpenTinkerError
-from opentinker.rpc import request_ids
-from opentinker.rpc.errors import CALLER_CODES
+from opentinker.rpc.serving import request_ids
+from opentinker.rpc.serving.errors import CALLER_CODES
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ _MODEL_UNCHANGED = frozenset({"WEIGHTS_OUT_OF_RANGE"})
 
 def backend_message(exc: OpenTinkerError) -> str:
     """What a client is told of a trainer/sampler/registry failure. Our servers' messages are written for
-    clients (rpc/errors.py) and pass on; a failure without their ErrorInfo is gRPC's own (the server did not
+    clients (rpc/serving/errors.py) and pass on; a failure without their ErrorInfo is gRPC's own (the server did not
     answer) and its text names the server's address: the client gets a generic message with the request id,
     the gateway's log the text under the same id."""
     if exc.reason:

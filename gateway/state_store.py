@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 import redis
 
 from opentinker.gateway.errors import GatewayError
-from opentinker.rpc import request_ids
+from opentinker.rpc.serving import request_ids
 
 log = logging.getLogger(__name__)
 

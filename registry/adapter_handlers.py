@@ -7,8 +7,8 @@ from typing import Any
 from opentinker.registry.handler_base import Context, Handlers
 from opentinker.registry.limits import check_metadata
 from opentinker.registry.lora_config import check_lora_config, lora_or_default
-from opentinker.rpc.auth import current_principal, require_access
-from opentinker.rpc.errors import PermissionDenied
+from opentinker.rpc.serving.auth import current_principal, require_access
+from opentinker.rpc.serving.errors import PermissionDenied
 from opentinker.v1 import registry_pb2
 from opentinker.weights.names import check_adapter_name
 

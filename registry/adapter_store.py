@@ -23,7 +23,7 @@ from opentinker.registry.store_base import (
     timestamp,
     version_prefix,
 )
-from opentinker.rpc.errors import (
+from opentinker.rpc.serving.errors import (
     InvalidArgument,
     NotFound,
 )

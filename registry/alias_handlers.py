@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from opentinker.registry.handler_base import Context, Handlers
-from opentinker.rpc.auth import require_access
-from opentinker.rpc.errors import FailedPrecondition, InvalidArgument
+from opentinker.rpc.serving.auth import require_access
+from opentinker.rpc.serving.errors import FailedPrecondition, InvalidArgument
 from opentinker.v1 import registry_pb2
 from opentinker.weights.names import LATEST, check_adapter_name, check_alias
 

@@ -19,8 +19,8 @@ from opentinker.registry.uploads import (
     quota_of,
     sweep_unpublished,
 )
-from opentinker.rpc.auth import current_principal, require_access, require_admin
-from opentinker.rpc.errors import FailedPrecondition, InvalidArgument, PermissionDenied, ServiceError
+from opentinker.rpc.serving.auth import current_principal, require_access, require_admin
+from opentinker.rpc.serving.errors import FailedPrecondition, InvalidArgument, PermissionDenied, ServiceError
 from opentinker.v1 import registry_pb2
 from opentinker.weights.artifact_manifest import BLOCK_SIZE, ArtifactFile, format_uri, parse_uri
 from opentinker.weights.artifact_stream import ArtifactReceiver, StreamViolation, Violation, WriterSink, chunked

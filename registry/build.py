@@ -12,8 +12,8 @@ from opentinker.registry.embedded_redis import EmbeddedRedis
 from opentinker.registry.limits import RegistryLimits
 from opentinker.registry.service import RegistryServicer
 from opentinker.registry.store import RegistryStore
-from opentinker.rpc.dir_lock import DirLock
-from opentinker.rpc.server import ServiceBinding
+from opentinker.rpc.process.dir_lock import DirLock
+from opentinker.rpc.serving.server import ServiceBinding
 from opentinker.v1 import registry_pb2, registry_pb2_grpc
 from opentinker.weights.artifact_store import ArtifactStore
 

@@ -8,8 +8,8 @@ from typing import Annotated
 
 import typer
 
-from opentinker.rpc import cli_options as opt
-from opentinker.rpc.config import serve_command
+from opentinker.rpc.process import cli_options as opt
+from opentinker.rpc.process.config import serve_command
 
 DEFAULT_PORT = 7070
 registry_app = typer.Typer(no_args_is_help=True)
@@ -65,8 +65,8 @@ def serve(
     from opentinker.registry.build import build_registry
     from opentinker.registry.data_dir import default_data_dir
     from opentinker.registry.limits import RegistryLimits
-    from opentinker.rpc.server import configure_logging, serve_forever
-    from opentinker.rpc.startup import check_ports
+    from opentinker.rpc.process.startup import check_ports
+    from opentinker.rpc.serving.server import configure_logging, serve_forever
 
     configure_logging(log_level)
     limits = RegistryLimits(

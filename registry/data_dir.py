@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from opentinker.rpc.dir_lock import DirLock, DirLocked
-from opentinker.rpc.startup import StartupError
+from opentinker.rpc.process.dir_lock import DirLock, DirLocked
+from opentinker.rpc.process.startup import StartupError
 
 LOCK_NAME = "registry"
 

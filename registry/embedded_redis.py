@@ -18,7 +18,7 @@ from pathlib import Path
 
 import redis
 
-from opentinker.rpc.process import die_with_parent
+from opentinker.rpc.process.children import die_with_parent
 
 
 class EmbeddedRedisError(RuntimeError):

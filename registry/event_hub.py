@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from opentinker.registry.event_store import EventRecord
 from opentinker.registry.store import RegistryStore
-from opentinker.rpc.errors import ServiceError
+from opentinker.rpc.serving.errors import ServiceError
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from opentinker.registry.store_base import (
     text,
     timestamp,
 )
-from opentinker.rpc.errors import (
+from opentinker.rpc.serving.errors import (
     InvalidArgument,
 )
 from opentinker.v1 import registry_pb2

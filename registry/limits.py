@@ -7,8 +7,8 @@ from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
-from opentinker.rpc.auth import Principal
-from opentinker.rpc.errors import InvalidArgument, ResourceExhausted
+from opentinker.rpc.serving.auth import Principal
+from opentinker.rpc.serving.errors import InvalidArgument, ResourceExhausted
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from opentinker.rpc.errors import InvalidArgument
+from opentinker.rpc.serving.errors import InvalidArgument
 from opentinker.v1 import common_pb2
 from opentinker.weights.peft import MAX_RANK, alpha_or_rank
 

@@ -15,7 +15,7 @@ import redis.asyncio as aioredis
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from opentinker.registry import scripts
-from opentinker.rpc.errors import (
+from opentinker.rpc.serving.errors import (
     AlreadyExists,
     FailedPrecondition,
     InvalidArgument,

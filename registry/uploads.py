@@ -18,8 +18,8 @@ from collections.abc import Sequence
 
 from opentinker.registry.limits import RegistryLimits
 from opentinker.registry.store import RegistryStore
-from opentinker.rpc.auth import Principal
-from opentinker.rpc.errors import Internal, InvalidArgument, ResourceExhausted, ServiceError, Unavailable
+from opentinker.rpc.serving.auth import Principal
+from opentinker.rpc.serving.errors import Internal, InvalidArgument, ResourceExhausted, ServiceError, Unavailable
 from opentinker.weights.artifact_manifest import ArtifactFile, ArtifactRef, format_uri, manifest_bytes
 from opentinker.weights.artifact_store import ArtifactStore
 

@@ -12,8 +12,8 @@ from opentinker.registry.lora_config import check_lora_config
 from opentinker.registry.uploads import (
     LEASE_TTL_MS,
 )
-from opentinker.rpc.auth import Principal, require_access
-from opentinker.rpc.errors import InvalidArgument
+from opentinker.rpc.serving.auth import Principal, require_access
+from opentinker.rpc.serving.errors import InvalidArgument
 from opentinker.v1 import common_pb2, registry_pb2
 from opentinker.weights.artifact_manifest import format_uri, not_found, parse_uri
 from opentinker.weights.names import check_adapter_name, check_alias, parse_reference

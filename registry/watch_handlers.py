@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from opentinker.registry.handler_base import Context, Handlers
-from opentinker.rpc.auth import Principal, current_principal
-from opentinker.rpc.errors import InvalidArgument
+from opentinker.rpc.serving.auth import Principal, current_principal
+from opentinker.rpc.serving.errors import InvalidArgument
 from opentinker.v1 import registry_pb2
 from opentinker.weights.names import check_adapter_name
 

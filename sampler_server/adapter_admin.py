@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from opentinker.rpc.auth import Principal, current_principal
-from opentinker.rpc.errors import InvalidArgument, NotFound
+from opentinker.rpc.serving.auth import Principal, current_principal
+from opentinker.rpc.serving.errors import InvalidArgument, NotFound
 from opentinker.sampler_server.servicer_state import Context, ServicerState
 from opentinker.sampler_server.tenant_stats import TenantActivity
 from opentinker.v1 import common_pb2, sampler_pb2

@@ -17,10 +17,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from opentinker.rpc.auth import require_access
-from opentinker.rpc.errors import FailedPrecondition, ResourceExhausted
-from opentinker.rpc.memory import release_freed_memory
-from opentinker.rpc.registry_link import Metadata, registry_call
+from opentinker.rpc.process.memory import release_freed_memory
+from opentinker.rpc.serving.auth import require_access
+from opentinker.rpc.serving.errors import FailedPrecondition, ResourceExhausted
+from opentinker.rpc.serving.registry_link import Metadata, registry_call
 from opentinker.sampler_server.slot_pool import SlotPool, VersionKey
 from opentinker.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 from opentinker.weights.artifact_store import ArtifactStore

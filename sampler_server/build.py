@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
-    from opentinker.rpc.server import ServerOptions, ServiceBinding
+    from opentinker.rpc.serving.server import ServerOptions, ServiceBinding
     from opentinker.sampler_server.engine import Engine
     from opentinker.sampler_server.engine_api import EngineAPI
     from opentinker.sampler_server.kernels import Backend
@@ -99,10 +99,10 @@ def build_sampler(config: SamplerConfig) -> BuiltSampler:
     import torch
     from prometheus_client import REGISTRY
 
-    from opentinker.rpc.channel import bearer_metadata
-    from opentinker.rpc.progress import spinner
-    from opentinker.rpc.registry_link import registry_channel
-    from opentinker.rpc.server import ServiceBinding
+    from opentinker.rpc.process.progress import spinner
+    from opentinker.rpc.serving.channel import bearer_metadata
+    from opentinker.rpc.serving.registry_link import registry_channel
+    from opentinker.rpc.serving.server import ServiceBinding
     from opentinker.sampler_server.adapters import AdapterLoader
     from opentinker.sampler_server.block_manager import BLOCK_SIZE
     from opentinker.sampler_server.engine import Engine
@@ -302,7 +302,7 @@ def kv_blocks(c: SamplerConfig, model_config: Any, context: int, dtype: Any) -> 
 def serve_sampler(config: SamplerConfig) -> None:
     """Builds the sampler and serves it until SIGINT/SIGTERM; exits 1 when it stopped because its engine process
     died (a supervisor should restart it)."""
-    from opentinker.rpc.server import serve_forever
+    from opentinker.rpc.serving.server import serve_forever
     from opentinker.sampler_server.engine_process import EngineProcess
 
     built = build_sampler(config)

@@ -8,8 +8,8 @@ from typing import Annotated, cast
 
 import typer
 
-from opentinker.rpc import cli_options as opt
-from opentinker.rpc.config import serve_command
+from opentinker.rpc.process import cli_options as opt
+from opentinker.rpc.process.config import serve_command
 
 DEFAULT_PORT = 7072
 sampler_app = typer.Typer(no_args_is_help=True)
@@ -167,15 +167,15 @@ def serve(
     print_config: opt.PrintConfig = False,
 ) -> None:
     """Run the sampler gRPC server."""
-    from opentinker.rpc.memory import limit_malloc_arenas
+    from opentinker.rpc.process.memory import limit_malloc_arenas
 
     limit_malloc_arenas()  # first, before torch and gRPC start their threads
     # The engine thread and the event loop hand the GIL back and forth every few ops; at Python's default 5 ms
     # interval a burst of arriving RPCs holds back the first prefill (bench/streaming.py: time-to-first-token
     # overhead +30 -> +16 ms at 0.5 ms, wall unchanged).
     sys.setswitchinterval(0.0005)
-    from opentinker.rpc.server import configure_logging, exit_if_unsafe
-    from opentinker.rpc.startup import check_ports
+    from opentinker.rpc.process.startup import check_ports
+    from opentinker.rpc.serving.server import configure_logging, exit_if_unsafe
     from opentinker.sampler_server.build import BadOption, CpuGemm, Dtype, SamplerConfig, serve_sampler
     from opentinker.sampler_server.kernels import Backend
     from opentinker.weights.model_check import check_model

@@ -14,7 +14,7 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from opentinker.rpc.process import die_with_parent
+from opentinker.rpc.process.children import die_with_parent
 from opentinker.sampler_server.engine import Engine
 from opentinker.sampler_server.engine_stats import EngineStats
 from opentinker.sampler_server.slot_mirror import SlotMirror

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import grpc
 from prometheus_client import Counter, Histogram
 
-from opentinker.rpc.errors import ServiceError
-from opentinker.rpc.registry_link import Metadata, registry_error
+from opentinker.rpc.serving.errors import ServiceError
+from opentinker.rpc.serving.registry_link import Metadata, registry_error
 from opentinker.sampler_server.adapters import AdapterLoader
 from opentinker.v1 import registry_pb2, registry_pb2_grpc, sampler_pb2
 from opentinker.weights.names import LATEST

@@ -14,9 +14,9 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from opentinker.rpc.auth import Principal, current_principal
-from opentinker.rpc.errors import FailedPrecondition, Internal, InvalidArgument, ResourceExhausted
-from opentinker.rpc.model_input import tokens_of
+from opentinker.rpc.serving.auth import Principal, current_principal
+from opentinker.rpc.serving.errors import FailedPrecondition, Internal, InvalidArgument, ResourceExhausted
+from opentinker.rpc.serving.model_input import tokens_of
 from opentinker.sampler_server.adapters import Resolved
 from opentinker.sampler_server.detokenizer import StreamText
 from opentinker.sampler_server.sample_request import STOP_REASONS, cache_salt, sampling_params

@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 import math
 
-from opentinker.rpc.errors import InvalidArgument
+from opentinker.rpc.serving.errors import InvalidArgument
 from opentinker.sampler_server.sequence import SamplingParams, StopReason
 from opentinker.v1 import sampler_pb2
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from opentinker.rpc.errors import ResourceExhausted
+from opentinker.rpc.serving.errors import ResourceExhausted
 from opentinker.weights.base_model import UNEMBED_MODULE
 
 VersionKey = tuple[str, int]  # (adapter, version)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from opentinker.rpc.auth import Principal
+from opentinker.rpc.serving.auth import Principal
 
 RATE_WINDOW = 5.0  # seconds of recent tokens that decode_tokens_per_second averages over
 

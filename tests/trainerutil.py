@@ -16,7 +16,7 @@ import torch
 from registryutil import unique_name
 from safetensors.torch import load_file
 
-from opentinker.rpc.errors import error_info
+from opentinker.rpc.serving.errors import error_info
 from opentinker.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 
 Trainer = trainer_pb2_grpc.TrainerServiceStub

@@ -8,7 +8,7 @@ import struct
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from opentinker.rpc.errors import InvalidArgument
+from opentinker.rpc.serving.errors import InvalidArgument
 from opentinker.weights.peft import MAX_LORA_SCALING, MAX_RANK, alpha_or_rank
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from opentinker.rpc.auth import Principal, current_principal, require_access
-from opentinker.rpc.errors import AlreadyExists, DataLoss, FailedPrecondition, NotFound
-from opentinker.rpc.registry_link import registry_call
+from opentinker.rpc.serving.auth import Principal, current_principal, require_access
+from opentinker.rpc.serving.errors import AlreadyExists, DataLoss, FailedPrecondition, NotFound
+from opentinker.rpc.serving.registry_link import registry_call
 from opentinker.trainer_server.adapter_config import AdamParams, LoraConfig, check_adam, check_lora
 from opentinker.trainer_server.handler_base import Context, Handlers, follow
 from opentinker.trainer_server.quota import lora_parameters

@@ -17,8 +17,8 @@ import functools
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, Protocol, TypeVar
 
-from opentinker.rpc.auth import Principal, current_principal
-from opentinker.rpc.errors import ResourceExhausted
+from opentinker.rpc.serving.auth import Principal, current_principal
+from opentinker.rpc.serving.errors import ResourceExhausted
 
 DEFAULT_MAX_QUEUED_PER_TENANT = 64
 

@@ -16,7 +16,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from opentinker.rpc.errors import InvalidArgument
+from opentinker.rpc.serving.errors import InvalidArgument
 from opentinker.weights.base_model import (
     ATTN_MODULES,
     MLP_MODULES,

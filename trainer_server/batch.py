@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from opentinker.rpc.errors import InvalidArgument, ResourceExhausted
+from opentinker.rpc.serving.errors import InvalidArgument, ResourceExhausted
 from opentinker.trainer_server.datum import Datum, DType, TensorValues
 from opentinker.trainer_server.losses import default_input, input_error, optional_inputs, required_inputs
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
-    from opentinker.rpc.server import ServerOptions, ServiceBinding
+    from opentinker.rpc.serving.server import ServerOptions, ServiceBinding
     from opentinker.trainer_server.trainer import Trainer
 
 
@@ -53,11 +53,11 @@ def build_trainer(config: TrainerConfig) -> BuiltTrainer:
     import grpc
     from prometheus_client import REGISTRY
 
-    from opentinker.rpc import faults
-    from opentinker.rpc.channel import bearer_metadata
-    from opentinker.rpc.progress import spinner
-    from opentinker.rpc.registry_link import registry_channel
-    from opentinker.rpc.server import ServiceBinding
+    from opentinker.rpc.process import faults
+    from opentinker.rpc.process.progress import spinner
+    from opentinker.rpc.serving.channel import bearer_metadata
+    from opentinker.rpc.serving.registry_link import registry_channel
+    from opentinker.rpc.serving.server import ServiceBinding
     from opentinker.trainer_server.base_model import BaseModel
     from opentinker.trainer_server.metrics import TrainerCollector
     from opentinker.trainer_server.scheduler import AdapterScheduler
@@ -121,7 +121,7 @@ def build_trainer(config: TrainerConfig) -> BuiltTrainer:
 
 def serve_trainer(config: TrainerConfig) -> None:
     """Builds the trainer and serves it until SIGINT/SIGTERM."""
-    from opentinker.rpc.server import serve_forever
+    from opentinker.rpc.serving.server import serve_forever
 
     built = build_trainer(config)
     serve_forever("trainer", built.bindings, config.server, on_stop=built.on_stop)

@@ -7,8 +7,8 @@ from typing import Annotated, Literal, cast
 
 import typer
 
-from opentinker.rpc import cli_options as opt
-from opentinker.rpc.config import serve_command
+from opentinker.rpc.process import cli_options as opt
+from opentinker.rpc.process.config import serve_command
 
 DEFAULT_PORT = 7071
 trainer_app = typer.Typer(no_args_is_help=True)
@@ -95,11 +95,11 @@ def serve(
     print_config: opt.PrintConfig = False,
 ) -> None:
     """Run the trainer gRPC server."""
-    from opentinker.rpc.memory import limit_malloc_arenas
+    from opentinker.rpc.process.memory import limit_malloc_arenas
 
     limit_malloc_arenas()  # first, before torch and gRPC start their threads: freed adapters can be trimmed
-    from opentinker.rpc.server import configure_logging, exit_if_unsafe
-    from opentinker.rpc.startup import check_ports
+    from opentinker.rpc.process.startup import check_ports
+    from opentinker.rpc.serving.server import configure_logging, exit_if_unsafe
     from opentinker.trainer_server.build import TrainerConfig, serve_trainer
     from opentinker.weights.model_check import check_model
 

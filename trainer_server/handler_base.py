@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from opentinker.rpc.auth import require_access
-from opentinker.rpc.errors import FailedPrecondition
-from opentinker.rpc.registry_link import registry_call
+from opentinker.rpc.serving.auth import require_access
+from opentinker.rpc.serving.errors import FailedPrecondition
+from opentinker.rpc.serving.registry_link import registry_call
 from opentinker.trainer_server.adapter import AdapterState
 from opentinker.trainer_server.adapter_config import LoraConfig
 from opentinker.trainer_server.admission import QueueAdmission

@@ -57,7 +57,7 @@ from types import MappingProxyType
 
 import torch
 
-from opentinker.rpc.errors import InvalidArgument
+from opentinker.rpc.serving.errors import InvalidArgument
 
 CLIP_LOW = "clip_low_threshold"
 CLIP_HIGH = "clip_high_threshold"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from opentinker.rpc.memory import release_freed_memory
+from opentinker.rpc.process.memory import release_freed_memory
 from opentinker.trainer_server.batch import Batch, active_tokens
 from opentinker.trainer_server.forward_backward import StepOutput
 

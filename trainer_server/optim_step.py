@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from opentinker.rpc.errors import FailedPrecondition
+from opentinker.rpc.serving.errors import FailedPrecondition
 from opentinker.trainer_server.adapter import AdapterState
 from opentinker.trainer_server.adapter_config import AdamParams
 from opentinker.trainer_server.step_guard import check_weights, mark_step, undo_step

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from opentinker.rpc.auth import Principal
+from opentinker.rpc.serving.auth import Principal
 
 
 def tenant_of(adapter: str) -> str | None:

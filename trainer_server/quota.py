@@ -14,8 +14,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from opentinker.rpc.auth import Principal
-from opentinker.rpc.errors import ResourceExhausted
+from opentinker.rpc.serving.auth import Principal
+from opentinker.rpc.serving.errors import ResourceExhausted
 from opentinker.trainer_server.base_model import ModuleShape
 
 DEFAULT_MAX_ADAPTERS_PER_TENANT = 64

@@ -12,9 +12,9 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from opentinker.rpc import faults
-from opentinker.rpc.auth import Principal
-from opentinker.rpc.errors import DataLoss, FailedPrecondition, NotFound
+from opentinker.rpc.process import faults
+from opentinker.rpc.serving.auth import Principal
+from opentinker.rpc.serving.errors import DataLoss, FailedPrecondition, NotFound
 from opentinker.trainer_server.adapter import AdapterState
 from opentinker.trainer_server.adapter_config import (
     LoraConfig,

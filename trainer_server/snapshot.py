@@ -9,8 +9,8 @@ from safetensors import safe_open
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from opentinker.rpc import faults
-from opentinker.rpc.errors import FailedPrecondition
+from opentinker.rpc.process import faults
+from opentinker.rpc.serving.errors import FailedPrecondition
 from opentinker.trainer_server.adapter import AdapterState
 from opentinker.trainer_server.adapter_config import LoraConfig, lora_dict
 from opentinker.trainer_server.base_model import BaseModel

@@ -6,10 +6,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from opentinker.rpc.auth import current_principal
-from opentinker.rpc.errors import InvalidArgument, NotFound
-from opentinker.rpc.faults import fault_point
-from opentinker.rpc.registry_link import registry_call
+from opentinker.rpc.process.faults import fault_point
+from opentinker.rpc.serving.auth import current_principal
+from opentinker.rpc.serving.errors import InvalidArgument, NotFound
+from opentinker.rpc.serving.registry_link import registry_call
 from opentinker.trainer_server.adapter import AdapterState
 from opentinker.trainer_server.admission import queued
 from opentinker.trainer_server.handler_base import Context, Handlers, follow

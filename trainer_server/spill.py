@@ -29,7 +29,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from opentinker.rpc.errors import DataLoss
+from opentinker.rpc.serving.errors import DataLoss
 
 log = logging.getLogger("opentinker.trainer")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from opentinker.rpc.errors import InvalidArgument
+from opentinker.rpc.serving.errors import InvalidArgument
 from opentinker.v1 import registry_pb2, trainer_pb2
 
 # The sampler's default --max-rank (sampler_server/cli.py): a larger rank trains but could not be served.

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from opentinker.rpc.errors import FailedPrecondition
+from opentinker.rpc.serving.errors import FailedPrecondition
 from opentinker.trainer_server.adapter import AdapterState
 from opentinker.weights.peft import LoraMagnitudeError, check_lora_magnitudes, lora_a_key, lora_b_key
 

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from opentinker.rpc.auth import LOCAL_PRINCIPAL, Principal
-from opentinker.rpc.errors import AlreadyExists, NotFound
-from opentinker.rpc.memory import release_freed_memory
+from opentinker.rpc.process.memory import release_freed_memory
+from opentinker.rpc.serving.auth import LOCAL_PRINCIPAL, Principal
+from opentinker.rpc.serving.errors import AlreadyExists, NotFound
 from opentinker.trainer_server import forward_backward, saved_state, snapshot
 from opentinker.trainer_server.adapter import AdapterState, new_adapter
 from opentinker.trainer_server.adapter_config import DEFAULT_ADAM, AdamParams, LoraConfig, lora_or_default

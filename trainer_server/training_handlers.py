@@ -7,7 +7,7 @@ import asyncio
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from opentinker.rpc.errors import ResourceExhausted
+from opentinker.rpc.serving.errors import ResourceExhausted
 from opentinker.trainer_server.adapter_config import check_adam
 from opentinker.trainer_server.admission import queued
 from opentinker.trainer_server.batch import Batch, build_batch, split_batch

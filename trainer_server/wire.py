@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from opentinker.rpc.model_input import tokens_of
+from opentinker.rpc.serving.model_input import tokens_of
 from opentinker.trainer_server.adapter import AdapterState
 from opentinker.trainer_server.adapter_config import ADAM_FIELDS, DEFAULT_ADAM, AdamParams, LoraConfig
 from opentinker.trainer_server.base_model import BaseModel

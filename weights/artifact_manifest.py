@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from opentinker.rpc.errors import DataLoss, InvalidArgument, NotFound
+from opentinker.rpc.serving.errors import DataLoss, InvalidArgument, NotFound
 from opentinker.weights.artifact_fs import open_nofollow
 
 URI_PREFIX: Final = "sha256:"

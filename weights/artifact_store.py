@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from opentinker.rpc.errors import DataLoss, InvalidArgument, NotFound, Unavailable
+from opentinker.rpc.serving.errors import DataLoss, InvalidArgument, NotFound, Unavailable
 from opentinker.weights.artifact_fs import (
     LOCK_SUFFIX,
     TempSlot,

@@ -12,8 +12,8 @@ import asyncio
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-from opentinker.rpc.errors import DataLoss
-from opentinker.rpc.registry_link import Metadata, registry_call, registry_stream
+from opentinker.rpc.serving.errors import DataLoss
+from opentinker.rpc.serving.registry_link import Metadata, registry_call, registry_stream
 from opentinker.v1 import registry_pb2, registry_pb2_grpc
 from opentinker.weights.artifact_manifest import ArtifactFile
 from opentinker.weights.artifact_store import ArtifactStore

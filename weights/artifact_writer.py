@@ -14,7 +14,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, BinaryIO
 
-from opentinker.rpc.errors import DataLoss, FailedPrecondition, InvalidArgument, ResourceExhausted
+from opentinker.rpc.serving.errors import DataLoss, FailedPrecondition, InvalidArgument, ResourceExhausted
 from opentinker.weights.artifact_fs import TempSlot, fsync_dir, write_synced
 from opentinker.weights.artifact_manifest import (
     BLOCK_SIZE,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from opentinker.rpc.errors import FailedPrecondition, InvalidArgument
+from opentinker.rpc.serving.errors import FailedPrecondition, InvalidArgument
 
 # config.json model_type values whose decoder the trainer and the sampler both implement.
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from opentinker.rpc.errors import ServiceError
-from opentinker.rpc.startup import StartupError
+from opentinker.rpc.process.startup import StartupError
+from opentinker.rpc.serving.errors import ServiceError
 
 
 def check_model(model: str, revision: str | None = None, served_name: str | None = None) -> Path:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
-from opentinker.rpc.errors import FailedPrecondition, InvalidArgument
+from opentinker.rpc.serving.errors import FailedPrecondition, InvalidArgument
 from opentinker.weights.base_model import SUPPORTED_ARCHITECTURES
 from opentinker.weights.rope import RopeConfig, parse_rope
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from opentinker.rpc.errors import InvalidArgument
+from opentinker.rpc.serving.errors import InvalidArgument
 
 _PART = r"[a-z0-9][a-z0-9._-]{0,62}"
 _NAME_RE = re.compile(rf"^{_PART}(/{_PART})?$")

@@ -70,7 +70,7 @@ def _base_shapes(base_model: Path) -> dict[str, tuple[int, int]]:
     """Linear weight path (without '.weight') -> (d_in, d_out), from the safetensors headers only (lm_head from the
     embedding when the checkpoint ties them and stores no lm_head); a base model no server can serve (another
     family, longrope, ...) is refused first, as the servers refuse it."""
-    from opentinker.rpc.errors import ServiceError
+    from opentinker.rpc.serving.errors import ServiceError
     from opentinker.weights.model_config import load_config
 
     try:

@@ -25,7 +25,7 @@ from typing import cast
 
 import torch
 
-from opentinker.rpc.errors import FailedPrecondition, InvalidArgument
+from opentinker.rpc.serving.errors import FailedPrecondition, InvalidArgument
 
 JsonDict = dict[str, object]
 

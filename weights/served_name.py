@@ -13,7 +13,7 @@ import json
 import re
 from pathlib import Path
 
-from opentinker.rpc.errors import InvalidArgument
+from opentinker.rpc.serving.errors import InvalidArgument
 
 # `org/name` as the hub spells model ids (one slash, no leading dot or dash).
 HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}")

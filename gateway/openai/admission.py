@@ -12,7 +12,7 @@ from opentinker.gateway.backend import BaseModelInfo
 from opentinker.gateway.bodies import JSON_INLINE_BYTES, parse_json
 from opentinker.gateway.openai.errors import OpenAIError, model_not_found
 from opentinker.gateway.state import gateway_of
-from opentinker.rpc.errors import InvalidArgument
+from opentinker.rpc.serving.errors import InvalidArgument
 from opentinker.weights.names import BASE, parse_reference, tenant_of
 
 DEFAULT_CONTEXT = 4096  # the sampler's context unless --max-len says otherwise: the default max_tokens' bound

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from opentinker.rpc.errors import InvalidArgument
+from opentinker.rpc.serving.errors import InvalidArgument
 from opentinker.weights.base_model import UNEMBED_MODULE
 from opentinker.weights.model_config import ModelConfig, load_config
 

@@ -12,8 +12,8 @@ import pytest
 from typer.testing import CliRunner
 
 from opentinker.cli.main import app
-from opentinker.rpc.cli_options import server_options
-from opentinker.rpc.config import SHARED_KEYS, ServeCommand
+from opentinker.rpc.process.cli_options import server_options
+from opentinker.rpc.process.config import SHARED_KEYS, ServeCommand
 
 # Every OPENTINKER_* variable of the test process is dropped, so the machine's environment cannot leak in.
 SERVERS = ("registry", "trainer", "sampler", "gateway")

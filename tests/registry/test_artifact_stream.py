@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from opentinker.registry.service import RegistryServicer
-from opentinker.rpc.errors import DataLoss, InvalidArgument
+from opentinker.rpc.serving.errors import DataLoss, InvalidArgument
 from opentinker.v1 import registry_pb2
 from opentinker.weights.artifact_manifest import ArtifactFile
 from opentinker.weights.artifact_store import ArtifactStore

@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from opentinker.rpc.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound
+from opentinker.rpc.serving.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound
 from opentinker.weights.artifact_manifest import (
     MANIFEST_NAME,
     ArtifactFile,

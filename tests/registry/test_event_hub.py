@@ -12,7 +12,7 @@ import pytest
 from opentinker.registry import event_hub
 from opentinker.registry.event_hub import EventHub, event_key
 from opentinker.registry.event_store import EventRecord
-from opentinker.rpc.errors import Unavailable
+from opentinker.rpc.serving.errors import Unavailable
 from opentinker.v1 import registry_pb2
 
 

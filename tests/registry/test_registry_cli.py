@@ -15,7 +15,7 @@ import pytest
 from registryutil import create_adapter, publish, unique_name
 from serverproc import ROOT, ServerProcess
 
-from opentinker.rpc.errors import error_info
+from opentinker.rpc.serving.errors import error_info
 from opentinker.v1 import registry_pb2, registry_pb2_grpc
 
 Stub = registry_pb2_grpc.RegistryServiceStub

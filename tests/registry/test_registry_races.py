@@ -26,7 +26,7 @@ from serverproc import ServerProcess, registry_store, start_registry
 from tlsutil import write_tokens
 
 from opentinker.registry.embedded_redis import EmbeddedRedis
-from opentinker.rpc.errors import ServiceError, error_info
+from opentinker.rpc.serving.errors import ServiceError, error_info
 from opentinker.v1 import registry_pb2, registry_pb2_grpc
 from opentinker.weights.artifact_manifest import ArtifactFile, manifest_bytes
 from opentinker.weights.artifact_store import ArtifactStore

@@ -9,7 +9,7 @@ import grpc
 import pytest
 from registryutil import artifact_files, create_adapter, publish, unique_name, upload
 
-from opentinker.rpc.errors import error_info
+from opentinker.rpc.serving.errors import error_info
 from opentinker.v1 import registry_pb2, registry_pb2_grpc
 
 Stub = registry_pb2_grpc.RegistryServiceStub

@@ -55,7 +55,7 @@ _PRELOAD = (
     "transformers.models.qwen2.modeling_qwen2",
     "transformers.models.auto.tokenization_auto",
     "opentinker.cli.main",
-    "opentinker.rpc.server",
+    "opentinker.rpc.serving.server",
     "opentinker.trainer_server.service",
     "opentinker.trainer_server.trainer",
     "opentinker.trainer_server.base_model",
@@ -461,7 +461,7 @@ def publish_burst(
     """Uploads and publishes `count` distinct snapshots, each with its own request id, retrying through
     UNAVAILABLE with the same request id (a publish that did land is then replayed, not repeated). Stops at
     the first other failure, which the caller sees in `failures`."""
-    from opentinker.rpc.errors import error_info
+    from opentinker.rpc.serving.errors import error_info
 
     for n in range(count):
         request_id = f"p{me.index}-{n}"

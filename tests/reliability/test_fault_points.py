@@ -1,4 +1,4 @@
-"""rpc/faults.py itself: the spec grammar, no effect unless armed, and death by SIGKILL at exactly the nth
+"""rpc/process/faults.py itself: the spec grammar, no effect unless armed, and death by SIGKILL at exactly the nth
 time the armed point is reached (in a child process, with the scope naming the operation)."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import sys
 
 import pytest
 
-from opentinker.rpc import faults
+from opentinker.rpc.process import faults
 
 CHILD = """
 import sys
-from opentinker.rpc import faults
+from opentinker.rpc.process import faults
 hook = faults.configure()
 assert hook is faults.fault_point
 for i in range(5):

@@ -1,5 +1,5 @@
 """The trainer SIGKILLed inside SaveSnapshot and SaveState: at every point between two file writes (armed with
-OPENTINKER_FAULT_POINT, see rpc/faults.py) and at random moments of a save loop. One adapter is trained across
+OPENTINKER_FAULT_POINT, see rpc/process/faults.py) and at random moments of a save loop. One adapter is trained across
 all the kills, each new trainer process resuming from the last SaveState that completed.
 
 Afterwards: the registry references only complete artifacts, each of which loads; the last completed state
@@ -23,7 +23,7 @@ from samplerutil import snapshot
 from serverproc import ServerProcess, registry_store, start_registry
 from trainerutil import assert_same_training, create, get_adapter, lora, read_state, save_state, sft_batch, train_step
 
-from opentinker.rpc.faults import ENV_VAR
+from opentinker.rpc.process.faults import ENV_VAR
 from opentinker.v1 import common_pb2, registry_pb2, registry_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 from opentinker.weights.artifact_store import ArtifactStore
 

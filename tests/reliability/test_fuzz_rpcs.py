@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from serverproc import ServerProcess
 from trainerutil import adam, float_tensor, int_tensor, lora, model_input, sft_batch
 
-from opentinker.rpc.errors import ERROR_DOMAIN, error_info
+from opentinker.rpc.serving.errors import ERROR_DOMAIN, error_info
 from opentinker.v1 import common_pb2, registry_pb2, sampler_pb2, trainer_pb2
 
 SERVICES: dict[str, ServiceDescriptor] = {

@@ -13,8 +13,8 @@ import pytest
 from registryutil import artifact_files, upload
 from serverproc import ServerProcess, registry_store, start_registry
 
-from opentinker.rpc.errors import DataLoss, InvalidArgument, NotFound, error_info
-from opentinker.rpc.server import MAX_MESSAGE_BYTES
+from opentinker.rpc.serving.errors import DataLoss, InvalidArgument, NotFound, error_info
+from opentinker.rpc.serving.server import MAX_MESSAGE_BYTES
 from opentinker.v1 import registry_pb2, registry_pb2_grpc
 from opentinker.weights.artifact_store import ArtifactStore
 

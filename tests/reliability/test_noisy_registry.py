@@ -26,7 +26,7 @@ from tlsutil import write_tokens
 
 from opentinker.cli.launch import tree_memory
 from opentinker.registry.embedded_redis import EmbeddedRedis
-from opentinker.rpc.errors import error_info
+from opentinker.rpc.serving.errors import error_info
 from opentinker.v1 import registry_pb2, registry_pb2_grpc
 from opentinker.weights.artifact_store import ArtifactStore
 

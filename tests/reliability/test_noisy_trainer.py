@@ -24,7 +24,7 @@ from trainerabuse import Tenant, beside, fresh, memory_mib, seeded_training, sta
 from trainerutil import assert_same, random_tokens, read_state, sft_batch, sft_datum
 
 from opentinker.client import Datum, LoraConfig, ModelInput, ServiceClient
-from opentinker.rpc.errors import error_info
+from opentinker.rpc.serving.errors import error_info
 from opentinker.v1 import common_pb2, trainer_pb2
 from opentinker.weights.artifact_store import ArtifactStore
 

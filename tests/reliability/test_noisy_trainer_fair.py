@@ -20,7 +20,7 @@ from serverproc import ServerProcess, start_registry, start_trainer
 from trainerabuse import Tenant, beside, fresh, memory_mib, seeded_training, tenant
 from trainerutil import sft_batch
 
-from opentinker.rpc.errors import error_info
+from opentinker.rpc.serving.errors import error_info
 from opentinker.v1 import trainer_pb2
 
 T = TypeVar("T")

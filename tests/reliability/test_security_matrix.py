@@ -3,7 +3,7 @@ made here) and bearer tokens, the trainer and the sampler reaching the registry 
 token. Every tenant x operation x resource cell is checked: a tenant reaches only its own adapters in all
 three services, admin-only operations are PERMISSION_DENIED to tenants, every RPC of every service answers
 UNAUTHENTICATED without a valid token, and no token ever appears in the servers' logs.
-(tests/rpc/test_auth.py covers the token table and the interceptor on a toy server.)"""
+(tests/rpc/serving/test_auth.py covers the token table and the interceptor on a toy server.)"""
 
 from __future__ import annotations
 

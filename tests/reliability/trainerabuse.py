@@ -14,7 +14,7 @@ from serverproc import ServerProcess
 from trainerutil import adam, logprobs, lora, sft_batch
 
 from opentinker.cli.launch import tree_memory
-from opentinker.rpc.errors import error_info
+from opentinker.rpc.serving.errors import error_info
 from opentinker.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 
 T = TypeVar("T")

@@ -24,9 +24,9 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from opentinker.rpc import auth
-from opentinker.rpc.auth import Principal, Role
-from opentinker.rpc.errors import NotFound, ResourceExhausted
+from opentinker.rpc.serving import auth
+from opentinker.rpc.serving.auth import Principal, Role
+from opentinker.rpc.serving.errors import NotFound, ResourceExhausted
 from opentinker.sampler_server import adapters
 from opentinker.sampler_server.adapters import VERSIONS_KEPT, AdapterLoader
 from opentinker.sampler_server.service import SamplerServicer

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from opentinker.client.tiny_model import TinyModelSpec, make_tiny_model
-from opentinker.rpc.errors import FailedPrecondition, InvalidArgument
+from opentinker.rpc.serving.errors import FailedPrecondition, InvalidArgument
 from opentinker.sampler_server.model import ForwardBatch, KVCache, LlamaForCausalLM
 from opentinker.weights.base_model import resolve_model_dir
 from opentinker.weights.model_config import load_config, parse_config

@@ -17,9 +17,9 @@ from pagedkvutil import CPU, assert_same, fill_random, make_pool, prompt, run
 from pagedkvutil import engine as paged_engine
 from trainerutil import model_input
 
-from opentinker.rpc import auth
-from opentinker.rpc.auth import Principal, Role
-from opentinker.rpc.errors import InvalidArgument
+from opentinker.rpc.serving import auth
+from opentinker.rpc.serving.auth import Principal, Role
+from opentinker.rpc.serving.errors import InvalidArgument
 from opentinker.sampler_server.adapters import BASE_RESOLVED, Resolved
 from opentinker.sampler_server.engine import Engine
 from opentinker.sampler_server.model.llama import LlamaForCausalLM

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from opentinker.rpc.server import ServerOptions
+from opentinker.rpc.serving.server import ServerOptions
 from opentinker.sampler_server.build import BadOption, SamplerConfig, build_sampler
 from opentinker.sampler_server.engine import Engine
 

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save
 from samplerutil import wait_until
 
-from opentinker.rpc.errors import ResourceExhausted
+from opentinker.rpc.serving.errors import ResourceExhausted
 from opentinker.sampler_server.adapters import AdapterLoader, Resolved
 from opentinker.sampler_server.engine import Engine
 from opentinker.sampler_server.model.kv_cache import KVCache

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from opentinker.rpc.errors import ResourceExhausted
+from opentinker.rpc.serving.errors import ResourceExhausted
 from opentinker.sampler_server.slot_pool import SlotPool, VersionKey
 
 SHAPES = {"layers.0.q_proj": (8, 6), "layers.0.down_proj": (5, 8)}  # module: (d_in, d_out)

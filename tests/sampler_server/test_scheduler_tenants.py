@@ -11,8 +11,8 @@ from typing import Any, cast
 
 import pytest
 
-from opentinker.rpc.auth import LOCAL_PRINCIPAL, Principal, Role
-from opentinker.rpc.errors import ResourceExhausted
+from opentinker.rpc.serving.auth import LOCAL_PRINCIPAL, Principal, Role
+from opentinker.rpc.serving.errors import ResourceExhausted
 from opentinker.sampler_server.scheduler import ScheduledBatch, Scheduler
 from opentinker.sampler_server.sequence import SamplingParams, Sequence, Status
 from opentinker.sampler_server.service import SamplerServicer

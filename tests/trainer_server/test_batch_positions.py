@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from trainerutil import sft_datum
 
-from opentinker.rpc.errors import ResourceExhausted
+from opentinker.rpc.serving.errors import ResourceExhausted
 from opentinker.trainer_server.batch import DEFAULT_MAX_BATCH_POSITIONS, Batch, build_batch
 from opentinker.trainer_server.wire import datums_of
 from opentinker.v1 import common_pb2

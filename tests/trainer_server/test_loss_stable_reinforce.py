@@ -12,7 +12,7 @@ import pytest
 import torch
 from trainerutil import VOCAB, float_tensor, random_tokens, rl_datum
 
-from opentinker.rpc.errors import InvalidArgument
+from opentinker.rpc.serving.errors import InvalidArgument
 from opentinker.trainer_server.batch import Batch, build_batch
 from opentinker.trainer_server.losses import compute_loss, resolve_config
 from opentinker.trainer_server.wire import datums_of

@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping
 import pytest
 import torch
 
-from opentinker.rpc.errors import InvalidArgument
+from opentinker.rpc.serving.errors import InvalidArgument
 from opentinker.trainer_server.losses import LOSS_FNS, compute_loss, required_inputs, resolve_config
 
 ATOL = 1e-6

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from opentinker.rpc.auth import LOCAL_PRINCIPAL, Principal, Role
-from opentinker.rpc.errors import ResourceExhausted
+from opentinker.rpc.serving.auth import LOCAL_PRINCIPAL, Principal, Role
+from opentinker.rpc.serving.errors import ResourceExhausted
 from opentinker.trainer_server.base_model import ModuleShape
 from opentinker.trainer_server.quota import MiB, TenantQuota, lora_bytes, lora_parameters
 

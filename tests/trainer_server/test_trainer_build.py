@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from opentinker.rpc.errors import InvalidArgument
-from opentinker.rpc.server import ServerOptions
+from opentinker.rpc.serving.errors import InvalidArgument
+from opentinker.rpc.serving.server import ServerOptions
 from opentinker.trainer_server.base_model import BaseModel
 from opentinker.trainer_server.build import TrainerConfig, build_trainer
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from opentinker.rpc.auth import Principal, Role
-from opentinker.rpc.errors import ResourceExhausted
+from opentinker.rpc.serving.auth import Principal, Role
+from opentinker.rpc.serving.errors import ResourceExhausted
 from opentinker.trainer_server.admission import QueueAdmission
 from opentinker.trainer_server.scheduler import AdapterScheduler, lane_of
 

@@ -15,7 +15,7 @@ from samplerutil import snapshot
 from trainerutil import Trainer, assert_status, create, get_adapter, lora, sft_batch, train_step
 
 from opentinker.client.tiny_model import make_family_model
-from opentinker.rpc.errors import InvalidArgument
+from opentinker.rpc.serving.errors import InvalidArgument
 from opentinker.trainer_server.adapter import new_adapter
 from opentinker.trainer_server.adapter_config import AdamParams, LoraConfig
 from opentinker.trainer_server.base_model import BaseModel

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import typer
 
-from opentinker.rpc.errors import ServiceError
+from opentinker.rpc.serving.errors import ServiceError
 
 log = logging.getLogger("opentinker.startup")
 

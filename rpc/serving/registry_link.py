@@ -11,9 +11,9 @@ from typing import TypeVar
 
 import grpc
 
-from opentinker.rpc import request_ids
-from opentinker.rpc.channel import open_aio_channel
-from opentinker.rpc.errors import ServiceError, Unavailable, error_info
+from opentinker.rpc.serving import request_ids
+from opentinker.rpc.serving.channel import open_aio_channel
+from opentinker.rpc.serving.errors import ServiceError, Unavailable, error_info
 
 Metadata = list[tuple[str, str]] | None
 T = TypeVar("T")

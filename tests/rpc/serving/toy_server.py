@@ -1,6 +1,6 @@
 """A small RegistryService servicer run through the real server scaffolding, to test the scaffolding alone.
 
-Run: python tests/rpc/toy_server.py --ready-file F [--tokens-file T] [--host H] [--insecure-public]
+Run: python tests/rpc/serving/toy_server.py --ready-file F [--tokens-file T] [--host H] [--insecure-public]
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from opentinker.rpc.auth import current_principal, require_access, require_admin
-from opentinker.rpc.errors import InvalidArgument, NotFound
-from opentinker.rpc.server import ServerOptions, ServiceBinding, configure_logging, serve_forever
+from opentinker.rpc.serving.auth import current_principal, require_access, require_admin
+from opentinker.rpc.serving.errors import InvalidArgument, NotFound
+from opentinker.rpc.serving.server import ServerOptions, ServiceBinding, configure_logging, serve_forever
 from opentinker.v1 import registry_pb2, registry_pb2_grpc
 from opentinker.weights.names import check_adapter_name
 

@@ -2,7 +2,7 @@
 
 Every RPC of every server passes through `ServiceInterceptor`, so no handler can leak UNKNOWN or a
 traceback: `ServiceError`s become their status with ErrorInfo, anything unexpected becomes INTERNAL. Each
-call has a request id (the caller's `x-request-id`, else a new one; rpc/request_ids.py): a failed call's
+call has a request id (the caller's `x-request-id`, else a new one; rpc/serving/request_ids.py): a failed call's
 status carries it, and the server log has one line under it with what the client is not shown.
 """
 
@@ -19,9 +19,9 @@ from google.protobuf.message import DecodeError
 from grpc import aio
 from prometheus_client import Counter, Histogram
 
-from opentinker.rpc import request_ids
-from opentinker.rpc.auth import LOCAL_PRINCIPAL, Principal, TokenTable, reset_principal, set_principal
-from opentinker.rpc.errors import (
+from opentinker.rpc.serving import request_ids
+from opentinker.rpc.serving.auth import LOCAL_PRINCIPAL, Principal, TokenTable, reset_principal, set_principal
+from opentinker.rpc.serving.errors import (
     CALLER_CODES,
     Internal,
     InvalidArgument,

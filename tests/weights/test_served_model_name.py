@@ -12,8 +12,8 @@ import pytest
 from hubcache import write_hub_cache
 from serverproc import opentinker_command
 
-from opentinker.rpc.errors import InvalidArgument
-from opentinker.rpc.startup import StartupError
+from opentinker.rpc.process.startup import StartupError
+from opentinker.rpc.serving.errors import InvalidArgument
 from opentinker.weights.model_check import check_model
 from opentinker.weights.served_name import served_model_name
 

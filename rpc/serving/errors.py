@@ -2,7 +2,7 @@
 
 Handlers raise a `ServiceError` subclass; the interceptor turns it into the status. Anything else that
 escapes a handler becomes INTERNAL (the traceback stays in the server log). Either way the client gets the
-call's request id (rpc/request_ids.py) and the log has the same id.
+call's request id (rpc/serving/request_ids.py) and the log has the same id.
 
 What a client reads is written for the client: what failed and what to do. Internals (a Redis host:port, a
 file path on the server, an exception's text) go in `detail` (`logged_with`), which only the server log sees.

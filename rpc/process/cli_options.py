@@ -7,8 +7,8 @@ from typing import Annotated
 
 import typer
 
-from opentinker.rpc.config import load_config_file
-from opentinker.rpc.server import ServerOptions
+from opentinker.rpc.process.config import load_config_file
+from opentinker.rpc.serving.server import ServerOptions
 
 Host = Annotated[str, typer.Option(help="Address to bind; non-loopback needs tokens or --insecure-public.")]
 Port = Annotated[int, typer.Option(help="gRPC port; 0 picks a free port (printed on start).")]

@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from opentinker.rpc.errors import InvalidArgument, PermissionDenied
+from opentinker.rpc.serving.errors import InvalidArgument, PermissionDenied
 
 
 class Role(enum.StrEnum):

@@ -150,7 +150,7 @@ class ServeCommand(TyperCommand):
         if ctx.params.get("print_config"):
             print_config(ctx, self.configurable())
             return None
-        from opentinker.rpc.startup import startup_errors
+        from opentinker.rpc.process.startup import startup_errors
 
         # Every server's startup errors the same way: one line, exit 2 for configuration errors (startup.py).
         with startup_errors(self.section, str(ctx.params.get("log_level") or "INFO")):

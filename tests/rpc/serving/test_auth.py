@@ -12,8 +12,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from serverproc import ServerProcess
 
-from opentinker.rpc.auth import Principal, Role, TokenTable
-from opentinker.rpc.errors import InvalidArgument, error_info
+from opentinker.rpc.serving.auth import Principal, Role, TokenTable
+from opentinker.rpc.serving.errors import InvalidArgument, error_info
 from opentinker.v1 import registry_pb2, registry_pb2_grpc
 
 TOY = str(Path(__file__).with_name("toy_server.py"))

@@ -25,8 +25,8 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
-from opentinker.rpc.auth import TokenTable
-from opentinker.rpc.interceptor import ServiceInterceptor, TenantCalls
+from opentinker.rpc.serving.auth import TokenTable
+from opentinker.rpc.serving.interceptor import ServiceInterceptor, TenantCalls
 
 log = logging.getLogger("opentinker.rpc")
 
