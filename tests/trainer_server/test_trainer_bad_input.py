@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import grpc
 import pytest
+from badinpututil import Code, Victims, fb, fingerprint, fwd, good, step
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from registryutil import unique_name
 from serverproc import ServerProcess
 from trainerutil import (
     Trainer,
@@ -19,26 +19,17 @@ from trainerutil import (
     forward_backward,
     get_adapter,
     int_tensor,
-    lora,
     random_tokens,
     rl_datum,
     rpc_error,
-    save_state,
     sft_batch,
     sft_datum,
     train_step,
 )
 
-from opentinker.v1 import common_pb2, registry_pb2, registry_pb2_grpc, trainer_pb2
+from opentinker.v1 import common_pb2, trainer_pb2
 
-Code = grpc.StatusCode
 MAX_POSITIONS = 2048
-
-
-@dataclass(frozen=True)
-class Victims:
-    pending: str  # one step taken, one ForwardBackward pending
-    clean: str  # one step taken, nothing pending
 
 
 @pytest.fixture(scope="module")
@@ -48,17 +39,6 @@ def victims(trainer: Trainer) -> Victims:
         train_step(trainer, name, sft_batch(seed=70))
     forward_backward(trainer, pending, sft_batch(seed=71))
     return Victims(pending, clean)
-
-
-def fingerprint(trainer: Trainer, name: str) -> tuple[object, ...]:
-    """What an accepted request would change. SaveState itself changes nothing (same content, same id)."""
-    a = get_adapter(trainer, name)
-    fields = (a.step, a.pending_batches, a.tokens_trained, a.datums_trained, a.last_snapshot_version, a.resident)
-    return (*fields, save_state(trainer, name))
-
-
-def good() -> common_pb2.Datum:
-    return sft_datum(random_tokens(1, 8))
 
 
 def with_input(datum: common_pb2.Datum, key: str, tensor: common_pb2.TensorData) -> common_pb2.Datum:
@@ -72,50 +52,48 @@ def rl(advantage: float = 1.0, logprob: float = -1.0) -> common_pb2.Datum:
     return rl_datum(random_tokens(2, 6), [-1.0, -2.0, logprob, -1.5, -1.0], [0.0, 1.0, 1.0, advantage, 1.0])
 
 
-def fb(
-    datums: list[common_pb2.Datum], loss_fn: str = "cross_entropy", config: dict[str, float] | None = None
-) -> Callable[[Trainer, str], object]:
-    request = trainer_pb2.ForwardBackwardRequest(datums=datums, loss_fn=loss_fn, loss_fn_config=config or {})
-
-    def call(trainer: Trainer, name: str) -> object:
-        request.adapter = name
-        return trainer.ForwardBackward(request)
-
-    return call
-
-
-def fwd(datums: list[common_pb2.Datum], loss_fn: str = "cross_entropy") -> Callable[[Trainer, str], object]:
-    def call(trainer: Trainer, name: str) -> object:
-        return trainer.Forward(trainer_pb2.ForwardRequest(adapter=name, datums=datums, loss_fn=loss_fn))
-
-    return call
-
-
-def step(adam: common_pb2.AdamParams | None = None) -> Callable[[Trainer, str], object]:
-    def call(trainer: Trainer, name: str) -> object:
-        return trainer.OptimStep(trainer_pb2.OptimStepRequest(adapter=name, adam_params=adam))
-
-    return call
-
-
 def datum_long(length: int) -> common_pb2.Datum:
     return sft_datum([5 + i % 400 for i in range(length + 1)])
 
 
 BAD_TOKEN = sft_datum([5, 6, 512, 7])  # input position 2 outside the vocabulary of 512
+
+
 BAD_TARGET = with_input(good(), "target_tokens", int_tensor([5, 6, 7, 600, 8, 9, 10]))
+
+
 NEGATIVE_TOKEN = sft_datum([5, -1, 6, 7])
+
+
 SHORT_WEIGHTS = with_input(good(), "weights", float_tensor([1.0] * 6))
+
+
 FLOAT_TARGETS = with_input(good(), "target_tokens", float_tensor([5.0, 6.0, 7.5, 8.0, 9.0, 10.0, 11.0]))
+
+
 SHORT_TARGETS = with_input(good(), "target_tokens", int_tensor([5] * 8))
+
+
 BAD_SHAPE = with_input(
     good(), "weights", common_pb2.TensorData(dtype=common_pb2.D_TYPE_FLOAT32, shape=[2, 4], float32_values=[1.0] * 7)
 )
+
+
 NAN_WEIGHT = with_input(good(), "weights", float_tensor([1.0, float("nan"), 1, 1, 1, 1, 1]))
+
+
 INF_WEIGHT = with_input(good(), "weights", float_tensor([1.0, 1, 1, 1, 1, 1, float("inf")]))
+
+
 NO_WEIGHTS = common_pb2.Datum(model_input=good().model_input, loss_fn_inputs={"target_tokens": int_tensor([5] * 7)})
+
+
 EMPTY_INPUT = common_pb2.Datum(model_input=common_pb2.ModelInput(), loss_fn_inputs=good().loss_fn_inputs)
+
+
 UNKNOWN_KEY = with_input(good(), "rewards", float_tensor([1.0] * 7))
+
+
 NEGATIVE_KL_WEIGHT = with_input(rl(), "weights", float_tensor([0.0, 1.0, -1.0, 1.0, 1.0]))
 
 
@@ -323,112 +301,6 @@ def test_no_gradients_keeps_the_step(trainer: Trainer, victims: Victims) -> None
     assert train_step(trainer, name, sft_batch(seed=72))[1].step == 1
     assert_status(rpc_error(step(), trainer, name), Code.FAILED_PRECONDITION, "NO_GRADIENTS")
     assert get_adapter(trainer, name).step == 1
-
-
-UNKNOWN_CALLS: list[tuple[str, Callable[[Trainer, str], object]]] = [
-    ("forward-backward", fb([good()])),
-    ("forward", fwd([good()])),
-    ("optim-step", step()),
-    ("get", lambda t, n: t.GetAdapter(trainer_pb2.TrainerServiceGetAdapterRequest(name=n))),
-    ("delete", lambda t, n: t.DeleteAdapter(trainer_pb2.TrainerServiceDeleteAdapterRequest(name=n))),
-    ("save-state", lambda t, n: t.SaveState(trainer_pb2.SaveStateRequest(adapter=n))),
-    ("save-snapshot", lambda t, n: t.SaveSnapshot(trainer_pb2.SaveSnapshotRequest(adapter=n))),
-    ("load-state", lambda t, n: t.LoadState(trainer_pb2.LoadStateRequest(adapter=n, state_id="sha256:" + "0" * 64))),
-]
-
-
-@pytest.mark.parametrize("call", [c for _, c in UNKNOWN_CALLS], ids=[i for i, _ in UNKNOWN_CALLS])
-def test_unknown_adapter_is_not_found(trainer: Trainer, call: Callable[[Trainer, str], object]) -> None:
-    name = unique_name("ghost")
-    metadata = assert_status(rpc_error(call, trainer, name), Code.NOT_FOUND, "ADAPTER_NOT_FOUND")
-    assert metadata.get("adapter") == name
-    names = [a.name for a in trainer.ListAdapters(trainer_pb2.TrainerServiceListAdaptersRequest()).adapters]
-    assert name not in names
-
-
-BAD_CREATES = [
-    ("rank-0", {"lora_config": lora(rank=0)}, Code.INVALID_ARGUMENT, "INVALID_LORA_CONFIG", "lora_config.rank"),
-    (
-        "rank-huge",
-        {"lora_config": lora(rank=100_000)},
-        Code.INVALID_ARGUMENT,
-        "INVALID_LORA_CONFIG",
-        "lora_config.rank",
-    ),
-    (
-        "dropout-1",
-        {"lora_config": lora(dropout=1.0)},
-        Code.INVALID_ARGUMENT,
-        "INVALID_LORA_CONFIG",
-        "lora_config.dropout",
-    ),
-    (
-        "negative-alpha",
-        {"lora_config": lora(alpha=-1.0)},
-        Code.INVALID_ARGUMENT,
-        "INVALID_LORA_CONFIG",
-        "lora_config.alpha",
-    ),
-    (
-        "unknown-target",
-        {"lora_config": lora(targets=["q_proj", "lm_head_proj"])},
-        Code.INVALID_ARGUMENT,
-        "INVALID_LORA_CONFIG",
-        "lora_config.target_modules",
-    ),
-    (
-        "negative-lr",
-        {"adam_params": common_pb2.AdamParams(learning_rate=-1.0)},
-        Code.INVALID_ARGUMENT,
-        "INVALID_ADAM_PARAMS",
-        "adam_params.learning_rate",
-    ),
-    (
-        "negative-eps",
-        {"adam_params": common_pb2.AdamParams(learning_rate=1e-3, eps=-1.0)},
-        Code.INVALID_ARGUMENT,
-        "INVALID_ADAM_PARAMS",
-        "adam_params.eps",
-    ),
-    ("unknown-init-from", {"init_from": "no-such-adapter-xyz@1"}, Code.NOT_FOUND, "ADAPTER_NOT_FOUND", None),
-    ("bad-name", {"name": "Bad Name"}, Code.INVALID_ARGUMENT, "INVALID_ADAPTER_NAME", None),
-]
-
-
-@pytest.mark.parametrize(
-    ("fields", "code", "reason", "field"), [c[1:] for c in BAD_CREATES], ids=[c[0] for c in BAD_CREATES]
-)
-def test_bad_create_creates_nothing(
-    trainer: Trainer,
-    registry: registry_pb2_grpc.RegistryServiceStub,
-    fields: dict[str, object],
-    code: grpc.StatusCode,
-    reason: str,
-    field: str | None,
-) -> None:
-    request = trainer_pb2.TrainerServiceCreateAdapterRequest(name=unique_name("bad"), lora_config=lora(), seed=1)
-    for key, value in fields.items():
-        if isinstance(value, str):
-            setattr(request, key, value)
-        else:
-            getattr(request, key).CopyFrom(value)
-    metadata = assert_status(rpc_error(trainer.CreateAdapter, request), code, reason)
-    if field is not None:
-        assert metadata.get("field") == field, metadata
-    if reason != "INVALID_ADAPTER_NAME":
-        error = rpc_error(trainer.GetAdapter, trainer_pb2.TrainerServiceGetAdapterRequest(name=request.name))
-        assert_status(error, Code.NOT_FOUND, "ADAPTER_NOT_FOUND")
-        error = rpc_error(registry.GetAdapter, registry_pb2.GetAdapterRequest(name=request.name))
-        assert_status(error, Code.NOT_FOUND, "ADAPTER_NOT_FOUND")
-
-
-def test_duplicate_create_changes_nothing(trainer: Trainer, victims: Victims) -> None:
-    before = fingerprint(trainer, victims.pending)
-    request = trainer_pb2.TrainerServiceCreateAdapterRequest(name=victims.pending, lora_config=lora(), seed=5)
-    assert_status(rpc_error(trainer.CreateAdapter, request), Code.ALREADY_EXISTS, "ADAPTER_EXISTS")
-    request.attach_existing = True  # attaching does not replace an adapter this trainer already holds
-    assert_status(rpc_error(trainer.CreateAdapter, request), Code.ALREADY_EXISTS, "ADAPTER_EXISTS")
-    assert fingerprint(trainer, victims.pending) == before
 
 
 @pytest.fixture(scope="module")
