@@ -1,0 +1,45 @@
+"""Shared by the sampler bad-input tests: limits of the test model, the published adapter, the error check."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+from samplerutil import (
+    Sampler,
+)
+from trainerutil import rpc_error
+
+from opentinker.v1 import registry_pb2, sampler_pb2
+
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+
+
+VOCAB = 512
+
+
+CONTEXT = 2048  # the tiny model's max_position_embeddings
+
+
+@dataclass(frozen=True)
+class Published:
+    name: str
+    version: registry_pb2.Version
+    prompt: list[int]
+    tokens: list[int]  # greedy 12 tokens for `prompt`, sampled alone
+
+    @property
+    def ref(self) -> str:
+        return f"{self.name}@{self.version.version}"
+
+
+def sample_error(sampler: Sampler, req: sampler_pb2.SampleRequest) -> grpc.RpcError:
+    def call() -> None:
+        for _ in sampler.Sample(req, timeout=30):
+            pass
+
+    return rpc_error(call)
+
+
+def _sampling(**kw: object) -> sampler_pb2.SamplingParams:
+    return sampler_pb2.SamplingParams(**kw)  # type: ignore[arg-type]
