@@ -8,41 +8,13 @@ from __future__ import annotations
 import io
 import os
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from storeservers import StoreServer, free_port, start_azurite, start_moto
+from storeservers import StoreServer, free_port
 
 from opentinker.rpc.serving.errors import InvalidArgument, NotFound, PermissionDenied, Unavailable
 from opentinker.weights.object_store import PART_BYTES, ObjectStore, credential_env, parse_store_url
-
-BACKENDS = ("file", "s3", "az")
-
-
-@pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, StoreServer]]:
-    started = {"s3": start_moto(tmp_path_factory.mktemp("moto"))}
-    try:
-        started["az"] = start_azurite(tmp_path_factory.mktemp("azurite"))
-        yield started
-    finally:
-        for server in started.values():
-            server.stop()
-
-
-@pytest.fixture(params=BACKENDS)
-def store(
-    request: pytest.FixtureRequest, servers: dict[str, StoreServer], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> ObjectStore:
-    """A fresh prefix on one backend, reached through the environment only."""
-    backend: str = request.param
-    prefix = f"conformance/{request.node.name.replace('[', '-').rstrip(']')}"
-    if backend == "file":
-        return ObjectStore(parse_store_url(str(tmp_path / "store")))
-    for name, value in servers[backend].env().items():
-        monkeypatch.setenv(name, value)
-    return ObjectStore(parse_store_url(servers[backend].url(prefix)), retries=1, retry_budget_s=5)
 
 
 def test_put_get_head_list_delete(store: ObjectStore) -> None:
