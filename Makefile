@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.stamp-$(shell cat pyproject.toml | sha256sum | cut -c1-16)-$(shell echo '$(TORCH_SPEC)' | sha256sum | cut -c1-8)
 
-.PHONY: venv test lint typecheck imports linktree protos protos-check go-check demo bench bench-check soak clean
+.PHONY: venv azurite test lint typecheck imports linktree protos protos-check go-check demo bench bench-check soak clean
 
 venv: $(STAMP)
 
@@ -50,10 +50,19 @@ typecheck: $(STAMP) linktree
 imports: $(STAMP) linktree
 	cd build/typecheck && PYTHONPATH=. ../../$(BIN)/lint-imports ../../pyproject.toml --no-cache
 
+# Azurite (Azure Blob's emulator, for the object-store tests) from npm into a project-local folder.
+AZURITE_VERSION := 3.37.0
+AZURITE_STAMP := build/azurite/.stamp-$(AZURITE_VERSION)
+azurite: $(AZURITE_STAMP)
+$(AZURITE_STAMP):
+	@command -v npm >/dev/null || { echo "make azurite: npm is missing (apt-get install npm): the Azure Blob tests need it" >&2; exit 1; }
+	npm install --silent --no-audit --no-fund --prefix build/azurite azurite@$(AZURITE_VERSION)
+	@touch $@
+
 # Test modules run TEST_WORKERS-way parallel (pytest-xdist); a module's tests stay on one worker, in order,
 # sharing its server fixtures. TEST_WORKERS=0 runs them all in this process.
 TEST_WORKERS ?= 2
-test: $(STAMP) lint typecheck imports protos-check
+test: $(STAMP) azurite lint typecheck imports protos-check
 	@# The slowest 15 tests close every run, so growth is visible.
 	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile --durations=15
 

@@ -1,0 +1,137 @@
+"""Artifacts in an object store, in the local store's content-addressed layout under the store's prefix::
+
+    sha256/<digest>/<path>          the payload files, uploaded first (multipart when large)
+    sha256/<digest>/manifest.json   uploaded last: a manifest in the bucket means every file went up before it
+
+A writer killed mid-upload leaves payload objects and no manifest: nothing names them, no reader looks for them,
+and the registry's GC removes them after its grace period. Readers never trust the bucket: `pull` checks the
+manifest against the digest in its key and every file's sha256 while it streams into the local store, so a
+changed byte anywhere is DataLoss(DIGEST_MISMATCH) and nothing is cached.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from opentinker.rpc.serving.errors import DataLoss, NotFound, Unavailable
+from opentinker.weights.artifact_manifest import (
+    MANIFEST_NAME,
+    ArtifactFile,
+    ArtifactRef,
+    corrupt,
+    format_uri,
+    manifest_bytes,
+    parse_manifest,
+    parse_uri,
+)
+from opentinker.weights.artifact_store import ArtifactStore
+from opentinker.weights.object_store import ObjectStore
+
+
+@dataclass(frozen=True)
+class Pushed:
+    ref: ArtifactRef
+    bytes_sent: int  # 0 when the bucket held every object already (a repeated push, a resumed migration)
+
+
+def object_key(digest: str, path: str) -> str:
+    return f"sha256/{digest}/{path}"
+
+
+def push(local: ArtifactStore, remote: ObjectStore, uri: str) -> Pushed:
+    """Uploads a (verified) local artifact: files whose object is missing or of another size, then the manifest.
+    Idempotent and resumable: what is already in the bucket with the right size is not sent again."""
+    digest = parse_uri(uri)
+    files = local.manifest(uri)  # verifies every file before a byte leaves
+    directory = local.path(uri)
+    manifest = manifest_bytes(files)
+    sent = 0
+    for entry in files:
+        key = object_key(digest, entry.path)
+        present = remote.head(key)
+        if present is not None and present.size == entry.size:
+            continue
+        with open(directory / entry.path, "rb") as source:
+            remote.put_file(key, source)
+        sent += entry.size
+    manifest_key = object_key(digest, MANIFEST_NAME)
+    present = remote.head(manifest_key)
+    if present is None or present.size != len(manifest):
+        remote.put_bytes(manifest_key, manifest)
+        sent += len(manifest)
+    size = sum(entry.size for entry in files) + len(manifest)
+    return Pushed(ArtifactRef(uri=format_uri(digest), sha256=digest, size_bytes=size), sent)
+
+
+def remote_manifest(remote: ObjectStore, uri: str) -> tuple[ArtifactFile, ...]:
+    """The artifact's files as its manifest in the bucket lists them, after checking the manifest's own digest.
+    NotFound(ARTIFACT_NOT_FOUND) when there is no manifest (never uploaded, or an upload that did not finish)."""
+    digest = parse_uri(uri)
+    try:
+        data = remote.get_bytes(object_key(digest, MANIFEST_NAME))
+    except NotFound:
+        raise NotFound(f"artifact {uri} is not in {remote.describe()}", reason="ARTIFACT_NOT_FOUND", uri=uri) from None
+    if hashlib.sha256(data).hexdigest() != digest:
+        raise corrupt(digest, f"the manifest in {remote.describe()} does not hash to its digest")
+    return parse_manifest(data, digest)
+
+
+def check_remote(remote: ObjectStore, uri: str) -> ArtifactRef:
+    """What the registry checks before a version naming ``uri`` becomes visible: the manifest is there and hashes
+    to the digest, and every file it lists is there with the listed size (HEAD only: the registry moves no
+    artifact bytes; readers check the files' sha256)."""
+    digest = parse_uri(uri)
+    files = remote_manifest(remote, uri)
+    for entry in files:
+        present = remote.head(object_key(digest, entry.path))
+        if present is None:
+            raise NotFound(
+                f"artifact {uri} is incomplete in {remote.describe()}: {entry.path} is missing",
+                reason="ARTIFACT_NOT_FOUND",
+                uri=uri,
+                path=entry.path,
+            )
+        if present.size != entry.size:
+            raise _wrong_size(digest, entry, present.size)
+    size = sum(entry.size for entry in files) + len(manifest_bytes(files))
+    return ArtifactRef(uri=format_uri(digest), sha256=digest, size_bytes=size)
+
+
+def pull(remote: ObjectStore, local: ArtifactStore, uri: str) -> int:
+    """Fetches ``uri`` into the local store unless it is there already; returns the bytes fetched. Each file
+    streams in parallel ranged reads and is hashed on the way; a mismatch is DataLoss and leaves nothing."""
+    if local.exists(uri):
+        return 0
+    digest = parse_uri(uri)
+    files = remote_manifest(remote, uri)
+    fetched = 0
+    with local.begin() as writer:
+        for entry in files:
+            writer.add_file(entry.path, entry.size, entry.sha256)
+            key = object_key(digest, entry.path)
+            try:
+                for chunk in remote.iter_ranges(key, entry.size):
+                    writer.write(chunk)
+                    fetched += len(chunk)
+            except NotFound:
+                raise NotFound(
+                    f"artifact {uri} is incomplete in {remote.describe()}: {entry.path} is missing",
+                    reason="ARTIFACT_NOT_FOUND",
+                    uri=uri,
+                    path=entry.path,
+                ) from None
+            except Unavailable:
+                # A range past the end of a truncated object fails like a network error: tell them apart.
+                present = remote.head(key)
+                if present is not None and present.size != entry.size:
+                    raise _wrong_size(digest, entry, present.size) from None
+                raise
+        ref = writer.commit()
+    if ref.sha256 != digest:  # cannot differ when the manifest parsed canonically; a guard, not a path
+        raise DataLoss(f"artifact {uri} rebuilt as {ref.uri}", reason="DIGEST_MISMATCH", uri=uri)
+    return fetched
+
+
+def _wrong_size(digest: str, entry: ArtifactFile, stored: int) -> DataLoss:
+    return corrupt(digest, f"{entry.path} is {stored} bytes in the store, not {entry.size}", path=entry.path)
