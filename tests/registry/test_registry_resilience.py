@@ -13,7 +13,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from registryutil import create_adapter, publish, unique_name
 from serverproc import ServerProcess, start_registry
-from test_registry_service import assert_status, rpc_error
+from registryrpcutil import assert_status, rpc_error
 
 from opentinker.registry.embedded_redis import EmbeddedRedis
 from opentinker.v1 import registry_pb2, registry_pb2_grpc
