@@ -11,9 +11,9 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from registryrpcutil import assert_status, rpc_error
 from registryutil import create_adapter, publish, unique_name
 from serverproc import ServerProcess, start_registry
-from registryrpcutil import assert_status, rpc_error
 
 from opentinker.registry.embedded_redis import EmbeddedRedis
 from opentinker.v1 import registry_pb2, registry_pb2_grpc
