@@ -15,8 +15,9 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -195,10 +196,21 @@ class ObjectStore:
         self, location: StoreLocation, *, timeout_s: float = 30.0, retries: int = 3, retry_budget_s: float = 15.0
     ) -> None:
         self.location = location
+        self._timeout_s, self._retries, self._retry_budget_s = timeout_s, retries, retry_budget_s
         self._store = _open(location, _client_options(timeout_s), _retry_config(retries, retry_budget_s))
 
     def describe(self) -> str:
         return self.location.url
+
+    def child(self, folder: str) -> ObjectStore:
+        """The same store under ``<prefix>/<folder>`` (its own key space: what one lists the other never sees)."""
+        loc = self.location
+        prefix = f"{loc.prefix}/{folder}" if loc.prefix else folder
+        url = f"file://{prefix}" if loc.scheme == "file" else f"{loc.scheme}://{loc.bucket}/{prefix}"
+        location = StoreLocation(loc.scheme, loc.bucket, prefix, url)
+        return ObjectStore(
+            location, timeout_s=self._timeout_s, retries=self._retries, retry_budget_s=self._retry_budget_s
+        )
 
     # -- calls ------------------------------------------------------------------------------------------
 
@@ -240,14 +252,15 @@ class ObjectStore:
             return
         starts = list(range(0, size, span))
         with ThreadPoolExecutor(PARALLEL, thread_name_prefix="store-range") as pool:
-            pending = [pool.submit(self.get_range, key, s, min(s + span, size)) for s in starts[:PARALLEL]]
+            pending: deque[Future[bytes]] = deque()
+            for start in starts[:PARALLEL]:
+                pending.append(pool.submit(self.get_range, key, start, min(start + span, size)))
             for index in range(len(starts)):
-                chunk = pending[index].result()
+                chunk = pending.popleft().result()
                 following = index + PARALLEL
                 if following < len(starts):
                     s = starts[following]
                     pending.append(pool.submit(self.get_range, key, s, min(s + span, size)))
-                pending[index] = None  # type: ignore[call-overload]
                 yield chunk
 
     def head(self, key: str) -> ObjectInfo | None:
@@ -298,5 +311,6 @@ class ObjectStore:
             ) from None
 
 
-def open_store(url: str, **options: float) -> ObjectStore:
-    return ObjectStore(parse_store_url(url), **options)  # type: ignore[arg-type]
+def open_store(url: str, *, timeout_s: float = 30.0, retries: int = 3) -> ObjectStore:
+    """The store a ``--store`` URL names (raises InvalidArgument on a malformed URL)."""
+    return ObjectStore(parse_store_url(url), timeout_s=timeout_s, retries=retries)

@@ -11,7 +11,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from artifactutil import assert_data_loss, folder_bytes, objects, temp_entries, write_peft_folder
+from artifactutil import assert_data_loss, folder_bytes, objects, temp_entries
 
 from opentinker.rpc.serving.errors import FailedPrecondition, InvalidArgument, NotFound
 from opentinker.weights.artifact_manifest import (
@@ -19,17 +19,6 @@ from opentinker.weights.artifact_manifest import (
     ArtifactRef,
 )
 from opentinker.weights.artifact_store import ArtifactStore
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> ArtifactStore:
-    return ArtifactStore(tmp_path / "store")
-
-
-@pytest.fixture
-def peft_dir(tmp_path: Path) -> Path:
-    return write_peft_folder(tmp_path / "adapter")
-
 
 # -- the chunked writer ------------------------------------------------------------------------------------
 

@@ -24,17 +24,6 @@ from opentinker.weights.artifact_manifest import (
 )
 from opentinker.weights.artifact_store import ArtifactStore
 
-
-@pytest.fixture
-def store(tmp_path: Path) -> ArtifactStore:
-    return ArtifactStore(tmp_path / "store")
-
-
-@pytest.fixture
-def peft_dir(tmp_path: Path) -> Path:
-    return write_peft_folder(tmp_path / "adapter")
-
-
 # -- round trips ---------------------------------------------------------------------------------------------
 
 

@@ -5,10 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import grpc
-from samplerutil import (
-    Sampler,
-)
-from trainerutil import rpc_error
+from samplerutil import Sampler, greedy, prompt, trained_adapter
+from trainerutil import Trainer, rpc_error
 
 from opentinker.v1 import registry_pb2, sampler_pb2
 
@@ -31,6 +29,13 @@ class Published:
     @property
     def ref(self) -> str:
         return f"{self.name}@{self.version.version}"
+
+
+def publish_good(trainer: Trainer, sampler: Sampler, seed: int = 300) -> Published:
+    """A freshly trained adapter and its greedy reference tokens, sampled alone."""
+    name, version = trained_adapter(trainer, seed=seed)
+    p = prompt(seed)
+    return Published(name, version, p, greedy(sampler, f"{name}@1", p))
 
 
 def sample_error(sampler: Sampler, req: sampler_pb2.SampleRequest) -> grpc.RpcError:

@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from badsampleutil import CONTEXT, INVALID, VOCAB, Published, _sampling, sample_error
+from badsampleutil import CONTEXT, INVALID, VOCAB, Published, _sampling, publish_good, sample_error
 from registryutil import create_adapter, unique_name, upload
 from safetensors.torch import save
 from samplerutil import (
@@ -42,9 +42,7 @@ from opentinker.v1 import registry_pb2, registry_pb2_grpc, sampler_pb2
 
 @pytest.fixture(scope="module")
 def good(trainer: Trainer, sampler: Sampler) -> Published:
-    name, version = trained_adapter(trainer, seed=300)
-    p = prompt(300)
-    return Published(name, version, p, greedy(sampler, f"{name}@1", p))
+    return publish_good(trainer, sampler)
 
 
 def test_unknown_adapter_or_version_is_not_found(sampler: Sampler, good: Published) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from badsampleutil import CONTEXT, INVALID, VOCAB, Published, sample_error
+from badsampleutil import CONTEXT, INVALID, VOCAB, Published, publish_good, sample_error
 from registryutil import unique_name
 from samplerutil import (
     Sampler,
@@ -34,9 +34,7 @@ from opentinker.v1 import sampler_pb2, sampler_pb2_grpc
 
 @pytest.fixture(scope="module")
 def good(trainer: Trainer, sampler: Sampler) -> Published:
-    name, version = trained_adapter(trainer, seed=300)
-    p = prompt(300)
-    return Published(name, version, p, greedy(sampler, f"{name}@1", p))
+    return publish_good(trainer, sampler)
 
 
 def test_edge_values_are_served_and_release_their_slot(sampler: Sampler, good: Published) -> None:

@@ -8,10 +8,14 @@ from dataclasses import dataclass
 import grpc
 from trainerutil import (
     Trainer,
+    create,
+    forward_backward,
     get_adapter,
     random_tokens,
     save_state,
+    sft_batch,
     sft_datum,
+    train_step,
 )
 
 from opentinker.v1 import common_pb2, trainer_pb2
@@ -23,6 +27,14 @@ Code = grpc.StatusCode
 class Victims:
     pending: str  # one step taken, one ForwardBackward pending
     clean: str  # one step taken, nothing pending
+
+
+def make_victims(trainer: Trainer) -> Victims:
+    pending, clean = create(trainer, seed=70).name, create(trainer, seed=71).name
+    for name in (pending, clean):
+        train_step(trainer, name, sft_batch(seed=70))
+    forward_backward(trainer, pending, sft_batch(seed=71))
+    return Victims(pending, clean)
 
 
 def fingerprint(trainer: Trainer, name: str) -> tuple[object, ...]:

@@ -6,17 +6,13 @@ from collections.abc import Callable
 
 import grpc
 import pytest
-from badinpututil import Code, Victims, fb, fingerprint, fwd, good, step
+from badinpututil import Code, Victims, fb, fingerprint, fwd, good, make_victims, step
 from registryutil import unique_name
 from trainerutil import (
     Trainer,
     assert_status,
-    create,
-    forward_backward,
     lora,
     rpc_error,
-    sft_batch,
-    train_step,
 )
 
 from opentinker.v1 import common_pb2, registry_pb2, registry_pb2_grpc, trainer_pb2
@@ -24,11 +20,7 @@ from opentinker.v1 import common_pb2, registry_pb2, registry_pb2_grpc, trainer_p
 
 @pytest.fixture(scope="module")
 def victims(trainer: Trainer) -> Victims:
-    pending, clean = create(trainer, seed=70).name, create(trainer, seed=71).name
-    for name in (pending, clean):
-        train_step(trainer, name, sft_batch(seed=70))
-    forward_backward(trainer, pending, sft_batch(seed=71))
-    return Victims(pending, clean)
+    return make_victims(trainer)
 
 
 UNKNOWN_CALLS: list[tuple[str, Callable[[Trainer, str], object]]] = [

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import grpc
 import pytest
-from badinpututil import Code, Victims, fb, fingerprint, fwd, good, step
+from badinpututil import Code, Victims, fb, fingerprint, fwd, good, make_victims, step
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from serverproc import ServerProcess
 from trainerutil import (
@@ -16,7 +16,6 @@ from trainerutil import (
     assert_status,
     create,
     float_tensor,
-    forward_backward,
     get_adapter,
     int_tensor,
     random_tokens,
@@ -34,11 +33,7 @@ MAX_POSITIONS = 2048
 
 @pytest.fixture(scope="module")
 def victims(trainer: Trainer) -> Victims:
-    pending, clean = create(trainer, seed=70).name, create(trainer, seed=71).name
-    for name in (pending, clean):
-        train_step(trainer, name, sft_batch(seed=70))
-    forward_backward(trainer, pending, sft_batch(seed=71))
-    return Victims(pending, clean)
+    return make_victims(trainer)
 
 
 def with_input(datum: common_pb2.Datum, key: str, tensor: common_pb2.TensorData) -> common_pb2.Datum:
