@@ -103,7 +103,9 @@ def registry_store(registry: ServerProcess) -> Path:
     return registry.ready_file.parent / "artifacts"
 
 
-def start_trainer(workdir: Path, model: Path, registry: ServerProcess, *extra: str) -> ServerProcess:
+def start_trainer(
+    workdir: Path, model: Path, registry: ServerProcess, *extra: str, env: dict[str, str] | None = None
+) -> ServerProcess:
     """A trainer process on the given model, sharing the registry's artifact store."""
     args = opentinker_command(
         "trainer",
@@ -122,10 +124,12 @@ def start_trainer(workdir: Path, model: Path, registry: ServerProcess, *extra: s
         str(workdir / "spill"),
         *extra,
     )
-    return ServerProcess(args, workdir, timeout=120)
+    return ServerProcess(args, workdir, timeout=120, env=env)
 
 
-def start_sampler(workdir: Path, model: Path, registry: ServerProcess, *extra: str) -> ServerProcess:
+def start_sampler(
+    workdir: Path, model: Path, registry: ServerProcess, *extra: str, env: dict[str, str] | None = None
+) -> ServerProcess:
     """A sampler process on the given model, sharing the registry's artifact store."""
     args = opentinker_command(
         "sampler",
@@ -142,7 +146,7 @@ def start_sampler(workdir: Path, model: Path, registry: ServerProcess, *extra: s
         "cpu",
         *extra,
     )
-    return ServerProcess(args, workdir, timeout=120)
+    return ServerProcess(args, workdir, timeout=120, env=env)
 
 
 def tree_memory(pid: int) -> int:

@@ -8,6 +8,9 @@ import contextlib
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+from prometheus_client import Counter
+
+from opentinker.registry.artifact_backend import UploadWriter
 from opentinker.registry.handler_base import Context, Handlers
 from opentinker.registry.uploads import (
     UploadHold,
@@ -24,9 +27,13 @@ from opentinker.rpc.serving.errors import FailedPrecondition, InvalidArgument, P
 from opentinker.v1 import registry_pb2
 from opentinker.weights.artifact_manifest import BLOCK_SIZE, ArtifactFile, format_uri, parse_uri
 from opentinker.weights.artifact_stream import ArtifactReceiver, StreamViolation, Violation, WriterSink, chunked
-from opentinker.weights.artifact_writer import ArtifactWriter
 from opentinker.weights.names import check_adapter_name
 
+# Artifact bytes through this process. With a bucket store, trainers and samplers move the bytes themselves and
+# this stays 0 unless a client without store credentials imports or exports through the registry.
+ARTIFACT_BYTES = Counter(
+    "opentinker_registry_artifact_bytes", "Artifact bytes the registry received or sent.", ["direction"]
+)
 _ENDED_EARLY = "upload ended before every declared byte arrived"
 _UPLOAD_PROBLEMS: dict[Violation, str] = {
     "chunk_first": "chunk before manifest",
@@ -100,7 +107,7 @@ class ArtifactHandlers(Handlers):
         principal = current_principal()
         hold = UploadHold(self.store, principal.tenant or "", quota_of(self.limits, principal))
         self.sweeper.ensure_running()
-        writers: list[ArtifactWriter] = []
+        writers: list[UploadWriter] = []
         digest = ""
 
         def open_sink(files: Sequence[ArtifactFile]) -> WriterSink:
@@ -124,6 +131,7 @@ class ArtifactHandlers(Handlers):
                         await hold.reserve(size)
                         await asyncio.to_thread(receiver.header, files)
                     elif kind == "chunk":
+                        ARTIFACT_BYTES.labels("upload").inc(len(message.chunk))
                         await hold.keep()
                         await asyncio.to_thread(receiver.chunk, message.chunk)
                 await asyncio.to_thread(receiver.close)
@@ -156,5 +164,9 @@ class ArtifactHandlers(Handlers):
                 files=[registry_pb2.ArtifactFileHeader(path=f.path, size_bytes=f.size, sha256=f.sha256) for f in files]
             )
         )
-        for chunk in chunked((chunk for _file, chunk in self.artifacts.iter_chunks(uri)), BLOCK_SIZE):
+        # Read in a worker thread, one block at a time: a slow disk or bucket never stalls the event loop that
+        # every other tenant's calls share.
+        blocks = chunked((chunk for _file, chunk in self.artifacts.iter_chunks(uri)), BLOCK_SIZE)
+        while (chunk := await asyncio.to_thread(next, blocks, None)) is not None:
+            ARTIFACT_BYTES.labels("download").inc(len(chunk))
             yield registry_pb2.DownloadArtifactResponse(chunk=chunk)

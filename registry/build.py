@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from opentinker.registry.artifact_backend import open_registry_artifacts
 from opentinker.registry.data_dir import lock_data_dir
 from opentinker.registry.embedded_redis import EmbeddedRedis
 from opentinker.registry.limits import RegistryLimits
@@ -15,7 +16,6 @@ from opentinker.registry.store import RegistryStore
 from opentinker.rpc.process.dir_lock import DirLock
 from opentinker.rpc.serving.server import ServiceBinding
 from opentinker.v1 import registry_pb2, registry_pb2_grpc
-from opentinker.weights.artifact_store import ArtifactStore
 
 
 @dataclass(slots=True)
@@ -44,7 +44,7 @@ class RegistryServer:
 def build_registry(
     redis_url: str | None,
     data_dir: Path,
-    store: Path | None,
+    store: str | Path | None,
     events_maxlen: int,
     limits: RegistryLimits | None = None,
 ) -> RegistryServer:
@@ -59,7 +59,7 @@ def build_registry(
             lock.release()
             raise
         redis_url = embedded.url
-    artifacts = ArtifactStore(store or data_dir / "artifacts")
+    artifacts = open_registry_artifacts(store, data_dir)
     artifacts.cleanup_temp()
     registry_store = RegistryStore.from_url(redis_url, events_maxlen=events_maxlen)
     servicer = RegistryServicer(registry_store, artifacts, limits)

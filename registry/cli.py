@@ -10,12 +10,13 @@ import typer
 
 from opentinker.rpc.process import cli_options as opt
 from opentinker.rpc.process.config import serve_command
+from opentinker.weights.artifact_bucket import store_environment
 
 DEFAULT_PORT = 7070
 registry_app = typer.Typer(no_args_is_help=True)
 
 
-@registry_app.command("serve", cls=serve_command("registry"))
+@registry_app.command("serve", cls=serve_command("registry", lambda params: store_environment(params.get("store"))))
 def serve(
     redis_url: Annotated[
         str | None, typer.Option(help="Redis URL; default: a private embedded Redis under --data-dir.")
@@ -27,7 +28,14 @@ def serve(
             "$XDG_DATA_HOME/opentinker/registry, else ~/.local/share/opentinker/registry; `up`: WORKDIR/registry)."
         ),
     ] = None,
-    store: Annotated[Path | None, typer.Option(help="Artifact store root (default DATA_DIR/artifacts).")] = None,
+    store: Annotated[
+        str | None,
+        typer.Option(
+            help="Where artifacts live: a folder (default DATA_DIR/artifacts) or a bucket, s3://bucket/prefix, "
+            "az://container/prefix or gs://bucket/prefix; with a bucket the registry keeps metadata only "
+            "(credentials from the standard environment only)."
+        ),
+    ] = None,
     events_maxlen: Annotated[int, typer.Option(help="Approximate number of events the stream keeps.")] = 100_000,
     max_watches_per_tenant: Annotated[
         int, typer.Option(min=1, help="Open WatchEvents streams per user tenant (admins are not counted).")

@@ -4,19 +4,19 @@ from __future__ import annotations
 
 from typing import Any
 
+from opentinker.registry.artifact_backend import RegistryArtifacts
 from opentinker.registry.event_hub import EventHub
 from opentinker.registry.limits import RegistryLimits, WatchSlots
 from opentinker.registry.store import RegistryStore
 from opentinker.registry.uploads import UploadSweeper
 from opentinker.v1 import registry_pb2_grpc
-from opentinker.weights.artifact_store import ArtifactStore
 
 Context = Any  # grpc.aio.ServicerContext; untyped in the generated stubs
 
 
 class Handlers(registry_pb2_grpc.RegistryServiceServicer):
     store: RegistryStore
-    artifacts: ArtifactStore
+    artifacts: RegistryArtifacts
     limits: RegistryLimits
     max_artifact_bytes: int
     events: EventHub

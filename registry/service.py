@@ -1,14 +1,16 @@
 """RegistryService: validate, authorize, then one store call. The store holds the truth.
 
-Artifact files never pass through Redis: they live in the content-addressed ArtifactStore, and a version
-is only published after the store has verified every file of its artifact. The handlers are grouped by what
-they serve: adapter_handlers.py, version_handlers.py, alias_handlers.py, watch_handlers.py, artifact_handlers.py.
+Artifact files never pass through Redis: they live in the content-addressed ArtifactStore or a bucket
+(artifact_backend.py), and a version is only published after every file of its artifact has been checked.
+The handlers are grouped by what they serve: adapter_handlers.py, version_handlers.py, alias_handlers.py,
+watch_handlers.py, artifact_handlers.py.
 """
 
 from __future__ import annotations
 
 from opentinker.registry.adapter_handlers import AdapterHandlers
 from opentinker.registry.alias_handlers import AliasHandlers
+from opentinker.registry.artifact_backend import RegistryArtifacts
 from opentinker.registry.artifact_handlers import ArtifactHandlers
 from opentinker.registry.event_hub import EventHub
 from opentinker.registry.limits import RegistryLimits, WatchSlots
@@ -16,11 +18,12 @@ from opentinker.registry.store import RegistryStore
 from opentinker.registry.uploads import UploadSweeper
 from opentinker.registry.version_handlers import VersionHandlers
 from opentinker.registry.watch_handlers import WatchHandlers
-from opentinker.weights.artifact_store import ArtifactStore
 
 
 class RegistryServicer(AdapterHandlers, VersionHandlers, AliasHandlers, WatchHandlers, ArtifactHandlers):
-    def __init__(self, store: RegistryStore, artifacts: ArtifactStore, limits: RegistryLimits | None = None) -> None:
+    def __init__(
+        self, store: RegistryStore, artifacts: RegistryArtifacts, limits: RegistryLimits | None = None
+    ) -> None:
         self.store = store
         self.artifacts = artifacts
         self.limits = limits or RegistryLimits()

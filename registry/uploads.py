@@ -16,12 +16,12 @@ import time
 import uuid
 from collections.abc import Sequence
 
+from opentinker.registry.artifact_backend import RegistryArtifacts
 from opentinker.registry.limits import RegistryLimits
 from opentinker.registry.store import RegistryStore
 from opentinker.rpc.serving.auth import Principal
 from opentinker.rpc.serving.errors import Internal, InvalidArgument, ResourceExhausted, ServiceError, Unavailable
 from opentinker.weights.artifact_manifest import ArtifactFile, ArtifactRef, format_uri, manifest_bytes
-from opentinker.weights.artifact_store import ArtifactStore
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ class UploadHold:
             self.reserved = False
 
 
-async def delete_claimed(store: RegistryStore, artifacts: ArtifactStore, digest: str) -> int:
+async def delete_claimed(store: RegistryStore, artifacts: RegistryArtifacts, digest: str) -> int:
     """Deletes bytes a claim decided to delete; returns the bytes freed. The tombstone goes only once they are
     gone: if deleting fails, the stale-claim sweep tries again."""
     freed = await asyncio.to_thread(artifacts.delete, format_uri(digest))
@@ -151,7 +151,7 @@ async def delete_claimed(store: RegistryStore, artifacts: ArtifactStore, digest:
     return freed
 
 
-async def sweep_unpublished(store: RegistryStore, artifacts: ArtifactStore, grace_s: float) -> tuple[int, int]:
+async def sweep_unpublished(store: RegistryStore, artifacts: RegistryArtifacts, grace_s: float) -> tuple[int, int]:
     """Deletes uploads older than grace_s that no version uses, and finishes deletions whose deleter died;
     returns (artifacts, bytes) freed."""
     now = time.time()
@@ -170,7 +170,7 @@ class UploadSweeper:
     """Runs sweep_unpublished every quarter of the grace period (at most every 5 minutes) while the server runs;
     started by the first upload, so a registry nobody uploads to runs no task."""
 
-    def __init__(self, store: RegistryStore, artifacts: ArtifactStore, grace_s: float) -> None:
+    def __init__(self, store: RegistryStore, artifacts: RegistryArtifacts, grace_s: float) -> None:
         self.store, self.artifacts, self.grace_s = store, artifacts, grace_s
         self._task: asyncio.Task[None] | None = None
 

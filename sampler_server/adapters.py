@@ -19,10 +19,11 @@ from safetensors.torch import load_file
 
 from opentinker.rpc.process.memory import release_freed_memory
 from opentinker.rpc.serving.auth import require_access
-from opentinker.rpc.serving.errors import FailedPrecondition, ResourceExhausted
+from opentinker.rpc.serving.errors import DataLoss, FailedPrecondition, ResourceExhausted
 from opentinker.rpc.serving.registry_link import Metadata, registry_call
 from opentinker.sampler_server.slot_pool import SlotPool, VersionKey
 from opentinker.v1 import common_pb2, registry_pb2, registry_pb2_grpc
+from opentinker.weights.artifact_bucket import Bucket
 from opentinker.weights.artifact_store import ArtifactStore
 from opentinker.weights.artifact_transfer import fetch_artifact
 from opentinker.weights.names import BASE, parse_reference
@@ -79,10 +80,13 @@ class AdapterLoader:
         metadata: Metadata,
         model_digest: str,
         max_pinned_per_tenant: int = 0,
+        bucket: Bucket | None = None,
     ) -> None:
-        """max_pinned_per_tenant: the versions one user tenant may pin at once (0: no limit)."""
+        """max_pinned_per_tenant: the versions one user tenant may pin at once (0: no limit). bucket: where
+        versions are pulled from (the registry moves no bytes then); store is its verified cache."""
         self.pool = pool
         self.store = store
+        self.bucket = bucket
         self.registry = registry
         self.metadata = metadata
         self.model_digest = model_digest
@@ -230,7 +234,13 @@ class AdapterLoader:
                 reason="INCOMPATIBLE_ADAPTER",
             )
         try:
-            await fetch_artifact(self.registry, self.store, version.artifact_uri, self.metadata)
+            try:
+                await fetch_artifact(
+                    self.registry, self.store, version.artifact_uri, self.metadata, bucket=self.bucket
+                )
+            except DataLoss as error:  # the digest alone does not tell a caller which version is damaged
+                named = f"{version.adapter}@{version.version}: {error.message}"
+                raise DataLoss(named, reason=error.reason, **error.metadata) from None
             weights, rank, scaling = await asyncio.to_thread(self._read, version)
             key = (version.adapter, version.version)
             index = self.pool.reserve(key)

@@ -42,7 +42,7 @@ class BadOption(ValueError):
 class SamplerConfig:
     model: str  # a local HF directory or a cached HF id
     registry: str  # host:port
-    store: Path  # artifact store root
+    store: str | Path  # a folder, or a bucket URL (artifact_bucket.py)
     server: ServerOptions
     registry_token: str | None = None
     registry_ca: Path | None = None
@@ -73,6 +73,8 @@ class SamplerConfig:
     engine_process: bool | None = None  # None: on for the CPU, off for CUDA
     follow: tuple[str, ...] = ()
     follow_window: float = 300.0
+    cache_dir: Path | None = None  # with a bucket store: the verified local copies
+    cache_max_bytes: int = 0  # 0: unbounded
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,7 +125,7 @@ def build_sampler(config: SamplerConfig) -> BuiltSampler:
         default_tenant_slots,
     )
     from opentinker.v1 import common_pb2, registry_pb2_grpc, sampler_pb2, sampler_pb2_grpc
-    from opentinker.weights.artifact_store import ArtifactStore
+    from opentinker.weights.artifact_bucket import open_artifacts
     from opentinker.weights.base_model import model_digest, pick_device, pick_dtype, resolve_model_dir
     from opentinker.weights.model_config import load_config
     from opentinker.weights.served_name import served_model_name
@@ -206,7 +208,7 @@ def build_sampler(config: SamplerConfig) -> BuiltSampler:
     else:
         with spinner(f"loading {model} on {torch_device}"):
             engine = build_engine(pool.release, None, pool.tensors)
-    artifacts = ArtifactStore(c.store)
+    artifacts, bucket = open_artifacts(str(c.store), c.cache_dir, c.cache_max_bytes)
     artifacts.cleanup_temp()
     digest = model_digest(model_dir)
     info = common_pb2.BaseModelInfo(
@@ -235,6 +237,7 @@ def build_sampler(config: SamplerConfig) -> BuiltSampler:
             metadata=metadata,
             model_digest=digest,
             max_pinned_per_tenant=pins,
+            bucket=bucket,
         )
         follower = AliasFollower(
             registry_pb2_grpc.RegistryServiceStub(channel),

@@ -1,4 +1,5 @@
-"""Shared fixtures: private Redis servers, tiny models, server processes (session-scoped where heavy)."""
+"""Shared fixtures: private Redis and object-store servers, tiny models, server processes (session-scoped where
+heavy)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 import grpc
 import pytest
 from serverproc import ServerProcess, start_registry, start_sampler, start_trainer
+from storeservers import StoreServer, start_azurite, start_moto
 
 from opentinker.registry.embedded_redis import EmbeddedRedis
 from opentinker.v1 import registry_pb2_grpc, sampler_pb2_grpc, trainer_pb2_grpc
@@ -85,6 +87,18 @@ def sampler_server(
 def sampler(sampler_server: ServerProcess) -> Iterator[sampler_pb2_grpc.SamplerServiceStub]:
     with grpc.insecure_channel(sampler_server.address) as channel:
         yield sampler_pb2_grpc.SamplerServiceStub(channel)
+
+
+@pytest.fixture(scope="session")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, StoreServer]]:
+    """Object-store servers on loopback (moto for S3, Azurite for Azure Blob), started where a test asks."""
+    started = {"s3": start_moto(tmp_path_factory.mktemp("moto"))}
+    try:
+        started["az"] = start_azurite(tmp_path_factory.mktemp("azurite"))
+        yield started
+    finally:
+        for server in started.values():
+            server.stop()
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

@@ -68,21 +68,28 @@ class StoreServer:
             self.process.wait()
 
 
-def start_moto(log_dir: Path) -> StoreServer:
-    """moto_server with one bucket and one IAM user allowed s3:*; every later call must be signed by it."""
+def start_moto(log_dir: Path, *, port: int = 0, enforce_iam: bool = True) -> StoreServer:
+    """moto_server with one bucket and one IAM user allowed s3:*; every later call must be signed by it.
+    enforce_iam=False: any credentials are accepted (a server a test stops and starts again on ``port``, whose
+    clients keep the credentials they started with)."""
     import boto3
 
-    port = free_port()
+    port = port or free_port()
     endpoint = f"http://127.0.0.1:{port}"
-    # The first four calls (bucket, user, policy, key) are let through unsigned; from then on IAM is enforced.
-    env = dict(os.environ, INITIAL_NO_AUTH_ACTION_COUNT="4")
-    log = (log_dir / "moto.log").open("wb")
+    env = dict(os.environ)
+    if enforce_iam:
+        # The first four calls (bucket, user, policy, key) are let through unsigned; from then on IAM is enforced.
+        env["INITIAL_NO_AUTH_ACTION_COUNT"] = "4"
+    log = (log_dir / "moto.log").open("ab")
     process = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], env=env, stdout=log, stderr=log
     )
     wait_for_port(port, process, "moto_server")
     setup = {"endpoint_url": endpoint, "aws_access_key_id": "setup", "aws_secret_access_key": "setup"}
     boto3.client("s3", region_name="us-east-1", **setup).create_bucket(Bucket=BUCKET)
+    if not enforce_iam:
+        plain = {"AWS_ACCESS_KEY_ID": "any", "AWS_SECRET_ACCESS_KEY": "any", "AWS_REGION": "us-east-1"}
+        return StoreServer("s3", port, process, {**plain, "AWS_ENDPOINT_URL": endpoint})
     iam = boto3.client("iam", region_name="us-east-1", **setup)
     iam.create_user(UserName="opentinker")
     policy = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}

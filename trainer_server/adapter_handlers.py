@@ -55,6 +55,7 @@ class AdapterHandlers(Handlers):
         if request.init_from:
             plan = StartPlan(snapshot=await self._fitting_version(request.init_from, lora), how="init_from")
         if request.resume_state:
+            await self._state_here(request.resume_state)
             await asyncio.to_thread(self.trainer.check_state, request.resume_state, lora, principal)
             plan = StartPlan(snapshot=plan.snapshot, state_id=request.resume_state, how=plan.how)
         create = registry_pb2.CreateAdapterRequest(
@@ -119,6 +120,7 @@ class AdapterHandlers(Handlers):
         note = ""
         if latest.lineage.state_id:
             try:
+                await self._state_here(latest.lineage.state_id)
                 await asyncio.to_thread(self.trainer.check_state, latest.lineage.state_id, lora, principal)
                 return StartPlan(state_id=latest.lineage.state_id, at_version=latest, how="latest")
             except (NotFound, DataLoss):

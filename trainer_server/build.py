@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 class TrainerConfig:
     model: str  # a local HF directory or a cached HF id
     registry: str  # host:port
-    store: Path  # artifact store root
+    store: str | Path  # a folder, or a bucket URL (artifact_bucket.py)
     server: ServerOptions
     registry_token: str | None = None
     registry_ca: Path | None = None
@@ -39,6 +39,8 @@ class TrainerConfig:
     max_queued_per_tenant: int = 64  # compute jobs per tenant queued or running; 0: no limit (admission.py)
     max_serving_rank: int = 64  # the samplers' --max-rank (start_point.py); 0: no check
     persist_state: bool = False  # a full state with every snapshot, for an exact resume after a restart
+    cache_dir: Path | None = None  # with a bucket store: the verified local copies
+    cache_max_bytes: int = 0  # 0: unbounded
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,12 +66,13 @@ def build_trainer(config: TrainerConfig) -> BuiltTrainer:
     from opentinker.trainer_server.service import TrainerServicer
     from opentinker.trainer_server.trainer import Trainer
     from opentinker.v1 import registry_pb2_grpc, trainer_pb2, trainer_pb2_grpc
-    from opentinker.weights.artifact_store import ArtifactStore
+    from opentinker.weights.artifact_bucket import open_artifacts
     from opentinker.weights.base_model import pick_device, pick_dtype
 
     c = config
     model, store, registry, registry_token, registry_ca = c.model, c.store, c.registry, c.registry_token, c.registry_ca
-    artifacts = ArtifactStore(store, fault_hook=faults.configure())  # no hook unless a test arms one
+    # No fault hook unless a test arms one.
+    artifacts, bucket = open_artifacts(str(store), c.cache_dir, c.cache_max_bytes, fault_hook=faults.configure())
     artifacts.cleanup_temp()
     with spinner(f"loading {model}"):
         device = pick_device(c.device)
@@ -80,9 +83,8 @@ def build_trainer(config: TrainerConfig) -> BuiltTrainer:
             revision=c.revision,
             served_name=c.served_model_name,
         )
-    trainer = Trainer(
-        base, artifacts, max_resident=c.max_resident_adapters, spill_dir=c.spill_dir or store.parent / "trainer-spill"
-    )
+    spill_dir = c.spill_dir or artifacts.root.parent / "trainer-spill"
+    trainer = Trainer(base, artifacts, max_resident=c.max_resident_adapters, spill_dir=spill_dir, bucket=bucket)
     scheduler = AdapterScheduler()
     REGISTRY.register(TrainerCollector(trainer, scheduler))
     metadata = bearer_metadata(registry_token) or None

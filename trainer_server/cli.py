@@ -9,16 +9,17 @@ import typer
 
 from opentinker.rpc.process import cli_options as opt
 from opentinker.rpc.process.config import serve_command
+from opentinker.weights.artifact_bucket import store_environment
 
 DEFAULT_PORT = 7071
 trainer_app = typer.Typer(no_args_is_help=True)
 
 
-@trainer_app.command("serve", cls=serve_command("trainer"))
+@trainer_app.command("serve", cls=serve_command("trainer", lambda params: store_environment(params.get("store"))))
 def serve(
     model: Annotated[str, typer.Option(help="Base model: a local HF directory (or a cached HF id).")],
     registry: Annotated[str, typer.Option(envvar="OPENTINKER_REGISTRY", help="Registry address host:port.")],
-    store: Annotated[Path, typer.Option(help="Artifact store root (share it with the registry when possible).")],
+    store: opt.Store,
     registry_token: Annotated[
         str | None,
         typer.Option(envvar="OPENTINKER_REGISTRY_TOKEN", help="Token the trainer uses with the registry."),
@@ -81,6 +82,8 @@ def serve(
         ),
     ] = False,
     registry_ca: opt.RegistryCa = None,
+    cache_dir: opt.CacheDir = None,
+    cache_max_mb: opt.CacheMaxMb = 0,
     host: opt.Host = "127.0.0.1",
     port: opt.Port = DEFAULT_PORT,
     metrics_port: opt.MetricsPort = 0,
@@ -132,6 +135,8 @@ def serve(
         served_model_name=served_model_name,
         registry=registry,
         store=store,
+        cache_dir=cache_dir,
+        cache_max_bytes=cache_max_mb << 20,
         server=options,
         registry_token=registry_token,
         registry_ca=registry_ca,

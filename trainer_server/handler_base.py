@@ -4,10 +4,11 @@ of a registry version (a start point or a reset target) fetched into this traine
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 from opentinker.rpc.serving.auth import require_access
-from opentinker.rpc.serving.errors import FailedPrecondition
+from opentinker.rpc.serving.errors import FailedPrecondition, InvalidArgument, NotFound
 from opentinker.rpc.serving.registry_link import registry_call
 from opentinker.trainer_server.adapter import AdapterState
 from opentinker.trainer_server.adapter_config import LoraConfig
@@ -54,9 +55,24 @@ class Handlers(trainer_pb2_grpc.TrainerServiceServicer):
     async def _fitting_version(self, reference: str, lora: LoraConfig) -> registry_pb2.Version:
         """The version `reference` names, its artifact in this trainer's store and checked to fit `lora`."""
         version = await self._resolve_init(reference)
-        await fetch_artifact(self.registry, self.trainer.artifacts, version.artifact_uri, self.metadata)
+        await fetch_artifact(
+            self.registry, self.trainer.artifacts, version.artifact_uri, self.metadata, bucket=self.trainer.bucket
+        )
         await asyncio.to_thread(self.trainer.check_snapshot, version.artifact_uri, lora)
         return version
+
+    async def _state_here(self, uri: str) -> None:
+        """With a bucket, a saved state is pulled into this trainer's cache (verified) before it is checked or
+        loaded: it may have been saved by another trainer, or evicted from the cache since. A state that is not
+        there (or an id that is no state) is left to that check, which says so precisely."""
+        if self.trainer.bucket is not None:
+            with contextlib.suppress(NotFound, InvalidArgument):
+                await asyncio.to_thread(self.trainer.bucket.pull, uri, "state")
+
+    async def _push_state(self, uri: str) -> None:
+        """With a bucket, a state is acknowledged only once it is there: the cache may evict it later."""
+        if self.trainer.bucket is not None:
+            await asyncio.to_thread(self.trainer.bucket.push, uri, "state")
 
     async def _resolve_init(self, reference: str) -> registry_pb2.Version:
         ref = parse_reference(reference)

@@ -56,6 +56,13 @@ class SnapshotHandlers(Handlers):
             async with self.lineage.hold(name):
                 ref, lineage = await self.scheduler.run(name, write)
                 written.set()
+                if self.trainer.bucket is not None:
+                    # Into the bucket before the registry hears of it, off the compute thread; a store that is
+                    # down or refuses fails the save here (UNAVAILABLE, PERMISSION_DENIED): nothing is published
+                    # and the adapter keeps its weights, so the save can be retried.
+                    if lineage.state_id:
+                        await asyncio.to_thread(self.trainer.bucket.push, lineage.state_id, "state")
+                    await asyncio.to_thread(self.trainer.bucket.push, ref.uri)
                 fault_point("save_snapshot/before_publish")
                 publish = registry_pb2.PublishVersionRequest(
                     adapter=name,
@@ -106,6 +113,7 @@ class SnapshotHandlers(Handlers):
         ref, step = await self.scheduler.run(
             name, lambda: (self.trainer.save_state(name, label, owner=owner), self.trainer.get(name).step)
         )
+        await self._push_state(ref.uri)  # off the compute thread: a slow store delays only this call
         fault_point("save_state/before_reply")
         return trainer_pb2.SaveStateResponse(state_id=ref.uri, step=step, size_bytes=ref.size_bytes)
 
@@ -114,6 +122,7 @@ class SnapshotHandlers(Handlers):
         if not request.state_id:
             raise InvalidArgument("state_id is required", reason="INVALID_STATE_ID", field="state_id")
         principal = current_principal()
+        await self._state_here(request.state_id)
         async with self.lineage.hold(name):  # it sets last_snapshot_version: not between a save's write and its record
             state = await self.scheduler.run(
                 name,
@@ -127,7 +136,10 @@ class SnapshotHandlers(Handlers):
         if not request.state_id:
             raise InvalidArgument("state_id is required", reason="INVALID_STATE_ID", field="state_id")
         principal = current_principal()
+        await self._state_here(request.state_id)  # the owner check reads the state's own record
         freed = await asyncio.to_thread(self.trainer.delete_state, request.state_id, principal)
+        if self.trainer.bucket is not None:
+            await asyncio.to_thread(self.trainer.bucket.delete, request.state_id, "state")
         return trainer_pb2.DeleteStateResponse(bytes_freed=freed)
 
     async def ResetAdapter(self, request: trainer_pb2.ResetAdapterRequest, context: Context) -> Any:

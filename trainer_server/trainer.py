@@ -29,6 +29,7 @@ from opentinker.trainer_server.forward_backward import GradientMark, StepOutput
 from opentinker.trainer_server.optim_step import optim_step
 from opentinker.trainer_server.residency import offload, restore
 from opentinker.trainer_server.spill import spill_path
+from opentinker.weights.artifact_bucket import Bucket
 from opentinker.weights.artifact_manifest import ArtifactRef
 from opentinker.weights.artifact_store import ArtifactStore
 
@@ -41,9 +42,11 @@ class Trainer:
         *,
         max_resident: int = 0,
         spill_dir: Path | None = None,
+        bucket: Bucket | None = None,
     ) -> None:
         self.base = base
-        self.artifacts = artifacts
+        self.artifacts = artifacts  # with a bucket: its verified cache; snapshots and states move in the handlers
+        self.bucket = bucket
         self.max_resident = max_resident
         self.spill_dir = spill_dir
         self.adapters: OrderedDict[str, AdapterState] = OrderedDict()  # LRU order: oldest first

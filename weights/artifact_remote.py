@@ -133,5 +133,16 @@ def pull(remote: ObjectStore, local: ArtifactStore, uri: str) -> int:
     return fetched
 
 
+def delete_remote(remote: ObjectStore, uri: str) -> int:
+    """Removes the artifact's objects, its manifest first (from then on no reader sees the artifact); returns the
+    bytes removed. Repeatable: what is already gone is skipped, so an interrupted delete is finished by the next."""
+    digest = parse_uri(uri)
+    manifest_key = object_key(digest, MANIFEST_NAME)
+    objects = sorted(remote.list(f"sha256/{digest}/"), key=lambda info: info.key != manifest_key)
+    for info in objects:
+        remote.delete(info.key)
+    return sum(info.size for info in objects)
+
+
 def _wrong_size(digest: str, entry: ArtifactFile, stored: int) -> DataLoss:
     return corrupt(digest, f"{entry.path} is {stored} bytes in the store, not {entry.size}", path=entry.path)

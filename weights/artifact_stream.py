@@ -17,7 +17,6 @@ from typing import Literal, Protocol
 
 from opentinker.weights.artifact_fs import open_nofollow
 from opentinker.weights.artifact_manifest import ArtifactFile
-from opentinker.weights.artifact_writer import ArtifactWriter
 
 Violation = Literal["chunk_first", "header_twice", "no_header", "extra_bytes", "ended_inside", "ended_before"]
 
@@ -104,10 +103,17 @@ class ArtifactReceiver:
             sink.end(file)  # empty files carry no bytes: complete them as the stream passes them
 
 
+class FileWriter(Protocol):
+    """What WriterSink writes into: an ArtifactWriter, or the registry's upload into a bucket."""
+
+    def add_file(self, path: str, expected_size: int, expected_sha256: str) -> None: ...
+    def write(self, chunk: bytes | bytearray | memoryview) -> None: ...
+
+
 class WriterSink:
     """A FileSink into an ArtifactWriter, which checks each file's size and sha256 as it completes."""
 
-    def __init__(self, writer: ArtifactWriter) -> None:
+    def __init__(self, writer: FileWriter) -> None:
         self.writer = writer
 
     def start(self, file: ArtifactFile) -> None:

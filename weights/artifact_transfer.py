@@ -1,9 +1,9 @@
 """Artifact moves between a local ArtifactStore and the registry's, in 1 MiB chunks on the shared stream
 (artifact_stream.py).
 
-The trainer and the sampler normally share the registry's store directory; when they run elsewhere they
-fetch snapshots with `fetch_artifact` and send new ones with `push_artifact`. The receiving store verifies
-every digest.
+The trainer and the sampler normally share the registry's store directory or bucket; when they run elsewhere
+without one they fetch snapshots with `fetch_artifact` and send new ones with `push_artifact`. The receiving
+store verifies every digest.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any
 from opentinker.rpc.serving.errors import DataLoss
 from opentinker.rpc.serving.registry_link import Metadata, registry_call, registry_stream
 from opentinker.v1 import registry_pb2, registry_pb2_grpc
+from opentinker.weights.artifact_bucket import Bucket
 from opentinker.weights.artifact_manifest import ArtifactFile
 from opentinker.weights.artifact_store import ArtifactStore
 from opentinker.weights.artifact_stream import ArtifactReceiver, StreamViolation, Violation, WriterSink, chunked
@@ -31,11 +32,20 @@ _FETCH_PROBLEMS: dict[Violation, str] = {
 
 
 async def fetch_artifact(
-    registry: registry_pb2_grpc.RegistryServiceStub, store: ArtifactStore, uri: str, metadata: Metadata
+    registry: registry_pb2_grpc.RegistryServiceStub,
+    store: ArtifactStore,
+    uri: str,
+    metadata: Metadata,
+    *,
+    bucket: Bucket | None = None,
 ) -> None:
-    """Downloads uri into store unless it is already there (then nothing moves). A stream that breaks its
+    """Downloads uri into store unless it is already there (then nothing moves): from the bucket when the
+    process has one (the registry moves no bytes), else from the registry. A stream that breaks its
     protocol (bytes past the declared files, a short file, no manifest first) is DataLoss(DIGEST_MISMATCH),
     like a file whose digest is wrong."""
+    if bucket is not None:
+        await asyncio.to_thread(bucket.pull, uri)
+        return
     if await asyncio.to_thread(store.exists, uri):
         return
     writer = store.begin()

@@ -50,6 +50,21 @@ Config = Annotated[
         help="TOML file with flag values (shared keys, then this server's [section]); flags and env vars win.",
     ),
 ]
+Store = Annotated[
+    str,
+    typer.Option(
+        help="Where artifacts live: a folder (plain path or file:///path) or a bucket, s3://bucket/prefix, "
+        "az://container/prefix or gs://bucket/prefix (credentials from the standard environment only)."
+    ),
+]
+CacheDir = Annotated[
+    Path | None,
+    typer.Option(help="With a bucket --store: the local folder of verified copies of what was pulled or pushed."),
+]
+CacheMaxMb = Annotated[
+    int,
+    typer.Option(min=0, help="With a bucket --store: MiB the cache may hold; least recently used out (0: no bound)."),
+]
 PrintConfig = Annotated[
     bool, typer.Option(help="Print the resolved flags and where each came from as JSON, then exit.")
 ]

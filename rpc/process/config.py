@@ -19,7 +19,7 @@ import json
 import os
 import sys
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -127,6 +127,9 @@ class ServeCommand(TyperCommand):
     """A `serve` command whose options also come from `OPENTINKER_<SECTION>_<FLAG>` and the config file."""
 
     section: ClassVar[str] = ""
+    # What --print-config adds as "environment": variables the flags' values make the server read (a store's
+    # credentials, masked); given by the server, which knows what its flags mean.
+    environment: ClassVar[Callable[[Mapping[str, Any]], dict[str, str]] | None] = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -148,7 +151,7 @@ class ServeCommand(TyperCommand):
 
     def invoke(self, ctx: ClickContext) -> Any:
         if ctx.params.get("print_config"):
-            print_config(ctx, self.configurable())
+            print_config(ctx, self.configurable(), type(self).environment)
             return None
         from opentinker.rpc.process.startup import startup_errors
 
@@ -157,11 +160,14 @@ class ServeCommand(TyperCommand):
             return super().invoke(ctx)
 
 
-def serve_command(section: str) -> type[ServeCommand]:
+def serve_command(
+    section: str, environment: Callable[[Mapping[str, Any]], dict[str, str]] | None = None
+) -> type[ServeCommand]:
     """The command class for `opentinker <section> serve` (pass as `cls=` to `app.command`)."""
     if section not in CONFIG_SECTIONS:
         raise ValueError(f"unknown server section {section!r}")
-    return type(f"{section.capitalize()}ServeCommand", (ServeCommand,), {"section": section})
+    attributes = {"section": section, "environment": staticmethod(environment) if environment else None}
+    return type(f"{section.capitalize()}ServeCommand", (ServeCommand,), attributes)
 
 
 def load_config_file(ctx: typer.Context, value: Path | None) -> Path | None:
@@ -185,12 +191,18 @@ def _jsonable(value: object) -> object:
     return value
 
 
-def print_config(ctx: ClickContext, names: set[str]) -> None:
-    """`{"values": {flag: value}, "sources": {flag: "command line" | "env" | "config" | "default"}}`."""
+def print_config(
+    ctx: ClickContext, names: set[str], environment: Callable[[Mapping[str, Any]], dict[str, str]] | None = None
+) -> None:
+    """`{"values": {flag: value}, "sources": {flag: "command line" | "env" | "config" | "default"},
+    "environment": {variable: value or "***"}}`."""
     values = {n: _jsonable(ctx.params.get(n)) for n in sorted(names)}
     sources = {}
     for name in sorted(names):
         source = ctx.get_parameter_source(name)
         sources[name] = _SOURCE_NAMES.get(source.name, source.name.lower()) if source is not None else "default"
-    json.dump({"values": values, "sources": sources}, sys.stdout, indent=2, sort_keys=True)
+    report: dict[str, Any] = {"values": values, "sources": sources}
+    if environment is not None:
+        report["environment"] = environment(ctx.params)
+    json.dump(report, sys.stdout, indent=2, sort_keys=True)
     sys.stdout.write("\n")

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from faultutil import ForkedServer, fork_sampler, metric, publish_lora, scrape, wait_for
+from faultutil import ForkedServer, fork_sampler, publish_lora, wait_for
+from metricsutil import metric, scrape
 from registryutil import create_adapter, unique_name
 from samplerutil import params, prompt, request, stats
 from serverproc import ServerProcess, registry_store

@@ -14,7 +14,8 @@ from typing import Any
 
 import grpc
 import pytest
-from faultutil import ForkedServer, fork_sampler, fork_trainer, long_prompt, metric, scrape, wait_for
+from faultutil import ForkedServer, fork_sampler, fork_trainer, long_prompt, wait_for
+from metricsutil import metric, scrape
 from samplerutil import loaded, params, request, stats
 from serverproc import ServerProcess, registry_store
 from trainerutil import (

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from faultutil import lora_files, metric, scrape, wait_for
+from faultutil import lora_files, wait_for
+from metricsutil import metric, scrape
 from overflowutil import out_of_range_lora_files, overflowing_lora_files
 from registryutil import upload
 from samplerutil import Outputs, collect, params, prompt, request, seeded_samples

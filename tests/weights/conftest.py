@@ -1,27 +1,15 @@
-"""The object-store servers (moto, Azurite) for the session, and a fresh store on each backend for a test."""
+"""A fresh store on each backend for a test (the servers, moto and Azurite, are tests/conftest.py's)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from storeservers import StoreServer, start_azurite, start_moto
+from storeservers import StoreServer
 
 from opentinker.weights.object_store import ObjectStore, parse_store_url
 
 BACKENDS = ("file", "s3", "az")
-
-
-@pytest.fixture(scope="session")
-def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, StoreServer]]:
-    started = {"s3": start_moto(tmp_path_factory.mktemp("moto"))}
-    try:
-        started["az"] = start_azurite(tmp_path_factory.mktemp("azurite"))
-        yield started
-    finally:
-        for server in started.values():
-            server.stop()
 
 
 @pytest.fixture(params=BACKENDS)
