@@ -113,6 +113,18 @@ class AdapterAdminHandlers(ServicerState):
         )
         for activity in self.tenants.all():  # every caller's requests: the engine's counts less ComputeLogprobs
             _add_own_prompt_tokens(stats, activity)
+        if (bucket := self.loader.bucket) is not None:
+            b = bucket.stats
+            stats.store.CopyFrom(
+                sampler_pb2.StoreStatus(
+                    url=bucket.describe(),
+                    reachable=not b.last_error,
+                    last_error=b.last_error,
+                    failures_total=b.failures,
+                    bytes_pulled_total=b.bytes_pulled,
+                    cache_bytes=b.cached_bytes,
+                )
+            )
         if follower is not None:
             stats.reloads_total = follower.reloads_total
             stats.last_event_id = follower.last_event_id

@@ -10,6 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from opentinker.sampler_server.engine_api import EngineAPI
+from opentinker.weights.artifact_bucket import Bucket, store_metrics
 
 
 class _Pool(Protocol):
@@ -28,6 +29,9 @@ class _Loader(Protocol):
 
     @property
     def load_failures(self) -> int: ...
+
+    @property
+    def bucket(self) -> Bucket | None: ...
 
 
 class SamplerCollector(Collector):
@@ -100,3 +104,4 @@ class SamplerCollector(Collector):
         loads.add_metric(["ok"], self.loader.loads)
         loads.add_metric(["failed"], self.loader.load_failures)
         yield loads
+        yield from store_metrics("sampler", self.loader.bucket)

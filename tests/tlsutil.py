@@ -1,12 +1,14 @@
-"""A TLS certificate and a tokens file for tests of servers behind TLS and bearer tokens."""
+"""A TLS certificate, a tokens file and a bearer-token channel for tests of servers behind TLS and tokens."""
 
 from __future__ import annotations
 
+import collections
 import json
 import shutil
 import subprocess
 from pathlib import Path
 
+import grpc
 import pytest
 
 
@@ -47,3 +49,31 @@ def write_tokens(path: Path, tokens: dict[str, tuple[str, str]]) -> Path:
     entries = [{"token": token, "tenant": tenant, "role": role} for token, (tenant, role) in tokens.items()]
     path.write_text(json.dumps({"tokens": entries}))
     return path
+
+
+class _Details(
+    collections.namedtuple(
+        "_Details", ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")
+    ),
+    grpc.ClientCallDetails,
+):
+    pass
+
+
+class Bearer(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Adds one token to every call of a channel."""
+
+    def __init__(self, token: str) -> None:
+        self.header = ("authorization", f"Bearer {token}")
+
+    def _with_token(self, details: grpc.ClientCallDetails) -> _Details:
+        metadata = [*(details.metadata or ()), self.header]
+        return _Details(
+            details.method, details.timeout, metadata, details.credentials, details.wait_for_ready, details.compression
+        )
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._with_token(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._with_token(details), request)

@@ -65,14 +65,14 @@ class Handlers(trainer_pb2_grpc.TrainerServiceServicer):
         """With a bucket, a saved state is pulled into this trainer's cache (verified) before it is checked or
         loaded: it may have been saved by another trainer, or evicted from the cache since. A state that is not
         there (or an id that is no state) is left to that check, which says so precisely."""
-        if self.trainer.bucket is not None:
+        if (bucket := self.trainer.bucket) is not None:
             with contextlib.suppress(NotFound, InvalidArgument):
-                await asyncio.to_thread(self.trainer.bucket.pull, uri, "state")
+                await bucket.run(bucket.pull, uri, "state")
 
     async def _push_state(self, uri: str) -> None:
         """With a bucket, a state is acknowledged only once it is there: the cache may evict it later."""
-        if self.trainer.bucket is not None:
-            await asyncio.to_thread(self.trainer.bucket.push, uri, "state")
+        if (bucket := self.trainer.bucket) is not None:
+            await bucket.run(bucket.push, uri, "state")
 
     async def _resolve_init(self, reference: str) -> registry_pb2.Version:
         ref = parse_reference(reference)

@@ -8,6 +8,8 @@ from typing import Protocol
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from opentinker.weights.artifact_bucket import Bucket, store_metrics
+
 
 class _Adapter(Protocol):
     @property
@@ -20,6 +22,9 @@ class _Adapter(Protocol):
 class _Trainer(Protocol):
     @property
     def adapters(self) -> Mapping[str, _Adapter]: ...
+
+    @property
+    def bucket(self) -> Bucket | None: ...
 
 
 class _Scheduler(Protocol):
@@ -54,3 +59,4 @@ class TrainerCollector(Collector):
         jobs.add_metric(["running"], self.scheduler.running)
         jobs.add_metric(["queued"], self.scheduler.queued)
         yield jobs
+        yield from store_metrics("trainer", self.trainer.bucket)

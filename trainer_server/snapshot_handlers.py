@@ -56,13 +56,13 @@ class SnapshotHandlers(Handlers):
             async with self.lineage.hold(name):
                 ref, lineage = await self.scheduler.run(name, write)
                 written.set()
-                if self.trainer.bucket is not None:
+                if (bucket := self.trainer.bucket) is not None:
                     # Into the bucket before the registry hears of it, off the compute thread; a store that is
                     # down or refuses fails the save here (UNAVAILABLE, PERMISSION_DENIED): nothing is published
                     # and the adapter keeps its weights, so the save can be retried.
                     if lineage.state_id:
-                        await asyncio.to_thread(self.trainer.bucket.push, lineage.state_id, "state")
-                    await asyncio.to_thread(self.trainer.bucket.push, ref.uri)
+                        await bucket.run(bucket.push, lineage.state_id, "state")
+                    await bucket.run(bucket.push, ref.uri)
                 fault_point("save_snapshot/before_publish")
                 publish = registry_pb2.PublishVersionRequest(
                     adapter=name,
@@ -138,8 +138,8 @@ class SnapshotHandlers(Handlers):
         principal = current_principal()
         await self._state_here(request.state_id)  # the owner check reads the state's own record
         freed = await asyncio.to_thread(self.trainer.delete_state, request.state_id, principal)
-        if self.trainer.bucket is not None:
-            await asyncio.to_thread(self.trainer.bucket.delete, request.state_id, "state")
+        if (bucket := self.trainer.bucket) is not None:
+            await bucket.run(bucket.delete, request.state_id, "state")
         return trainer_pb2.DeleteStateResponse(bytes_freed=freed)
 
     async def ResetAdapter(self, request: trainer_pb2.ResetAdapterRequest, context: Context) -> Any:

@@ -7,8 +7,9 @@ names most of them: the registry's collection of unpublished uploads scans ``sha
 see a state a client will resume from.
 
 The cache is an ArtifactStore, so every read of a cached copy verifies it against its digest, and a pull of
-what is cached verifies it first (a damaged copy is dropped and fetched again, never served); the least recently used entries are deleted once the cache holds more
-than ``max_bytes``, and an evicted artifact is simply pulled again. Entries used in the last ``HOLD_S`` seconds
+what is cached verifies it first (a damaged copy is dropped and fetched again, never served). The least
+recently used entries are deleted once the cache holds more than ``max_bytes``, and an evicted artifact is
+simply pulled again. Entries used in the last ``HOLD_S`` seconds
 are never evicted: a pull is followed by a read in another thread, and evicting between the two would turn a
 full cache into a failed load. The cache may therefore exceed its bound by what was used that recently.
 Recency survives restarts as the entry directory's mtime.
@@ -16,16 +17,21 @@ Recency survives restarts as the entry directory's mtime.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final, Literal, TypeVar
 
-from opentinker.rpc.serving.errors import DataLoss, InvalidArgument, ServiceError
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from opentinker.rpc.serving.errors import DataLoss, InvalidArgument, NotFound, ServiceError
 from opentinker.weights.artifact_fs import tree_bytes
 from opentinker.weights.artifact_manifest import format_uri, parse_uri
 from opentinker.weights.artifact_remote import Pushed, delete_remote, pull, push
@@ -33,6 +39,7 @@ from opentinker.weights.artifact_store import ArtifactStore
 from opentinker.weights.object_store import ObjectStore, credential_env, parse_store_url
 
 HOLD_S: Final = 60.0
+STORE_THREADS: Final = 8  # store calls at once; each file's ranged reads add their own (object_store.PARALLEL)
 Kind = Literal["snapshot", "state"]
 _R = TypeVar("_R")
 
@@ -63,6 +70,7 @@ class Bucket:
         self.max_bytes = max_bytes  # 0: unbounded
         self.stats = BucketStats()
         self._lock = threading.Lock()
+        self._executor = ThreadPoolExecutor(STORE_THREADS, thread_name_prefix="store")
         self._entries: OrderedDict[str, tuple[int, float]] = OrderedDict()  # digest -> (bytes, last use)
         for digest, size, used in _scan(cache.root):
             self._entries[digest] = (size, used)
@@ -70,6 +78,11 @@ class Bucket:
 
     def describe(self) -> str:
         return self.remote.describe()
+
+    async def run(self, fn: Callable[..., _R], *args: object) -> _R:
+        """``fn`` (a pull, push or delete) on the bucket's own threads: a slow or hung store ties up only these,
+        never the default executor that every other handler's file and registry work shares."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args))
 
     def pull(self, uri: str, kind: Kind = "snapshot") -> int:
         """Makes ``uri`` present in the cache (fetching and verifying it if absent); returns the bytes fetched.
@@ -109,6 +122,10 @@ class Bucket:
     def _call(self, fn: Callable[[], _R]) -> _R:
         try:
             result = fn()
+        except NotFound:
+            with self._lock:
+                self.stats.last_error = ""  # the store answered: what was asked for is not there
+            raise
         except ServiceError as error:
             with self._lock:
                 self.stats.failures += 1
@@ -182,6 +199,36 @@ def open_artifacts(
         raise InvalidArgument(f"--store {location.url} needs --cache-dir: a local folder for verified copies")
     cache = ArtifactStore(cache_dir, fault_hook=fault_hook)
     return cache, Bucket(ObjectStore(location), cache, cache_max_bytes)
+
+
+def store_metrics(prefix: str, bucket: Bucket | None) -> Iterator[Metric]:
+    """The bucket's figures for a server's /metrics, under ``opentinker_<prefix>_``; nothing without a bucket."""
+    if bucket is None:
+        return
+    stats = bucket.stats
+    yield GaugeMetricFamily(
+        f"opentinker_{prefix}_store_up", "1 unless the last call to the object store failed", value=not stats.last_error
+    )
+    failures = CounterMetricFamily(
+        f"opentinker_{prefix}_store_failures", "Object-store calls that failed, by reason", labels=["reason"]
+    )
+    for reason, count in sorted(stats.by_reason.items()):
+        failures.add_metric([reason], count)
+    yield failures
+    moved = CounterMetricFamily(
+        f"opentinker_{prefix}_store_bytes",
+        "Artifact bytes pulled from or pushed to the object store",
+        labels=["direction"],
+    )
+    moved.add_metric(["pulled"], stats.bytes_pulled)
+    moved.add_metric(["pushed"], stats.bytes_pushed)
+    yield moved
+    yield GaugeMetricFamily(
+        f"opentinker_{prefix}_cache_bytes", "Bytes in the verified local cache", value=stats.cached_bytes
+    )
+    yield CounterMetricFamily(
+        f"opentinker_{prefix}_cache_evictions", "Artifacts evicted from the local cache", value=stats.evictions
+    )
 
 
 def store_environment(store: object) -> dict[str, str]:

@@ -44,7 +44,7 @@ async def fetch_artifact(
     protocol (bytes past the declared files, a short file, no manifest first) is DataLoss(DIGEST_MISMATCH),
     like a file whose digest is wrong."""
     if bucket is not None:
-        await asyncio.to_thread(bucket.pull, uri)
+        await bucket.run(bucket.pull, uri)
         return
     if await asyncio.to_thread(store.exists, uri):
         return

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import json
 from collections.abc import Iterator
@@ -27,6 +26,7 @@ from samplerutil import (
     wait_until,
 )
 from serverproc import ServerProcess, start_sampler
+from tlsutil import Bearer
 from trainerutil import Trainer, assert_status, create, rpc_error
 
 from opentinker.v1 import sampler_pb2, sampler_pb2_grpc
@@ -123,34 +123,6 @@ def test_unload_while_in_use_frees_after_the_last_request(sampler: Sampler, good
 # --- a small sampler: 1 sequence at a time, 2 waiting, 2 adapter slots, bearer tokens for two tenants ----------
 
 TOKENS = {"admin": "tok-admin", "team-a": "tok-a", "team-b": "tok-b"}
-
-
-class _Details(
-    collections.namedtuple(
-        "_Details", ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")
-    ),
-    grpc.ClientCallDetails,
-):
-    pass
-
-
-class Bearer(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
-    """Adds one token to every call of a channel."""
-
-    def __init__(self, token: str) -> None:
-        self.header = ("authorization", f"Bearer {token}")
-
-    def _with_token(self, details: grpc.ClientCallDetails) -> _Details:
-        metadata = [*(details.metadata or ()), self.header]
-        return _Details(
-            details.method, details.timeout, metadata, details.credentials, details.wait_for_ready, details.compression
-        )
-
-    def intercept_unary_unary(self, continuation, details, request):
-        return continuation(self._with_token(details), request)
-
-    def intercept_unary_stream(self, continuation, details, request):
-        return continuation(self._with_token(details), request)
 
 
 @pytest.fixture(scope="module")

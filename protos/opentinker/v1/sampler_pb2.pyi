@@ -229,7 +229,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("running_requests", "waiting_requests", "max_waiting", "slots_used", "slots_total", "tokens_generated", "decode_tokens_per_second", "kv_cache_usage", "reloads_total", "reload_failures_total", "last_event_id", "recent_reloads", "adapter_loads_total", "prompt_tokens_computed", "prompt_tokens_cached", "prompt_tokens_shared", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "kv_blocks_evicted", "preemptions_total", "kv_block_size", "own_prompt_tokens_cached", "own_prompt_tokens_computed", "own_prompt_tokens_shared")
+    __slots__ = ("running_requests", "waiting_requests", "max_waiting", "slots_used", "slots_total", "tokens_generated", "decode_tokens_per_second", "kv_cache_usage", "reloads_total", "reload_failures_total", "last_event_id", "recent_reloads", "adapter_loads_total", "prompt_tokens_computed", "prompt_tokens_cached", "prompt_tokens_shared", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "kv_blocks_evicted", "preemptions_total", "kv_block_size", "own_prompt_tokens_cached", "own_prompt_tokens_computed", "own_prompt_tokens_shared", "store")
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     MAX_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -255,6 +255,7 @@ class GetStatsResponse(_message.Message):
     OWN_PROMPT_TOKENS_CACHED_FIELD_NUMBER: _ClassVar[int]
     OWN_PROMPT_TOKENS_COMPUTED_FIELD_NUMBER: _ClassVar[int]
     OWN_PROMPT_TOKENS_SHARED_FIELD_NUMBER: _ClassVar[int]
+    STORE_FIELD_NUMBER: _ClassVar[int]
     running_requests: int
     waiting_requests: int
     max_waiting: int
@@ -280,4 +281,21 @@ class GetStatsResponse(_message.Message):
     own_prompt_tokens_cached: int
     own_prompt_tokens_computed: int
     own_prompt_tokens_shared: int
-    def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., max_waiting: _Optional[int] = ..., slots_used: _Optional[int] = ..., slots_total: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., decode_tokens_per_second: _Optional[float] = ..., kv_cache_usage: _Optional[float] = ..., reloads_total: _Optional[int] = ..., reload_failures_total: _Optional[int] = ..., last_event_id: _Optional[str] = ..., recent_reloads: _Optional[_Iterable[_Union[ReloadRecord, _Mapping]]] = ..., adapter_loads_total: _Optional[int] = ..., prompt_tokens_computed: _Optional[int] = ..., prompt_tokens_cached: _Optional[int] = ..., prompt_tokens_shared: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., kv_blocks_evicted: _Optional[int] = ..., preemptions_total: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., own_prompt_tokens_cached: _Optional[int] = ..., own_prompt_tokens_computed: _Optional[int] = ..., own_prompt_tokens_shared: _Optional[int] = ...) -> None: ...
+    store: StoreStatus
+    def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., max_waiting: _Optional[int] = ..., slots_used: _Optional[int] = ..., slots_total: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., decode_tokens_per_second: _Optional[float] = ..., kv_cache_usage: _Optional[float] = ..., reloads_total: _Optional[int] = ..., reload_failures_total: _Optional[int] = ..., last_event_id: _Optional[str] = ..., recent_reloads: _Optional[_Iterable[_Union[ReloadRecord, _Mapping]]] = ..., adapter_loads_total: _Optional[int] = ..., prompt_tokens_computed: _Optional[int] = ..., prompt_tokens_cached: _Optional[int] = ..., prompt_tokens_shared: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., kv_blocks_evicted: _Optional[int] = ..., preemptions_total: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., own_prompt_tokens_cached: _Optional[int] = ..., own_prompt_tokens_computed: _Optional[int] = ..., own_prompt_tokens_shared: _Optional[int] = ..., store: _Optional[_Union[StoreStatus, _Mapping]] = ...) -> None: ...
+
+class StoreStatus(_message.Message):
+    __slots__ = ("url", "reachable", "last_error", "failures_total", "bytes_pulled_total", "cache_bytes")
+    URL_FIELD_NUMBER: _ClassVar[int]
+    REACHABLE_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PULLED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    url: str
+    reachable: bool
+    last_error: str
+    failures_total: int
+    bytes_pulled_total: int
+    cache_bytes: int
+    def __init__(self, url: _Optional[str] = ..., reachable: _Optional[bool] = ..., last_error: _Optional[str] = ..., failures_total: _Optional[int] = ..., bytes_pulled_total: _Optional[int] = ..., cache_bytes: _Optional[int] = ...) -> None: ...
