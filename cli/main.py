@@ -122,11 +122,18 @@ def up_command(
         ),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON line when serving and one when stopped.")] = False,
+    store: Annotated[
+        str | None,
+        typer.Option(
+            help="Every server's artifact store, over the file's: a folder or s3://, az://, gs:// URL (a bucket: "
+            "the trainer and sampler cache under WORKDIR/<server>/cache unless the file names a cache_dir)."
+        ),
+    ] = None,
 ) -> None:
     """Start registry, trainer and sampler from one config file; Ctrl-C or SIGTERM stops them all."""
     from opentinker.cli.stack import run_up
 
-    raise typer.Exit(run_up(config, workdir, as_json))  # a config it cannot use: one line, exit 2
+    raise typer.Exit(run_up(config, workdir, as_json, store))  # a config it cannot use: one line, exit 2
 
 
 @app.command("demo")

@@ -30,7 +30,9 @@ from opentinker.rpc.process.config import SERVER_SECTIONS, UP_SECTION, ConfigErr
 from opentinker.rpc.process.dir_lock import DirLock, DirLocked
 from opentinker.rpc.process.progress import spinner
 from opentinker.rpc.process.startup import StartupError
+from opentinker.rpc.serving.errors import InvalidArgument
 from opentinker.weights.model_check import check_model
+from opentinker.weights.object_store import parse_store_url
 
 STARTUP_SECONDS = {"registry": 60.0, "trainer": 300.0, "sampler": 300.0}
 LOCK_NAME = "up"
@@ -51,21 +53,28 @@ class StackPlan:
     config_path: Path
     workdir: Path
     services: list[str]
-    registry_store: Path
+    registry_store: str  # a resolved folder or a bucket URL
     config: dict[str, Any]
     data_dir: Path | None = None  # set when the file names none: WORKDIR/registry
     auth: StackAuth | None = None
+    store_override: str | None = None  # `up --store`: every server's store, over the file's
 
     def args(self, service: str, registry_address: str | None) -> list[str]:
         args = opentinker_command(service, "serve", "--config", str(self.config_path))
         if self.auth is not None:
             args += self.auth.args(service, self.config)
+        if self.store_override is not None:
+            args += ["--store", self.store_override]
         if service == "registry":
             return args + (["--data-dir", str(self.data_dir)] if self.data_dir is not None else [])
         if registry_address is not None:  # the registry this stack started; command line wins over the file
             args += ["--registry", registry_address]
-        if resolve_value(self.config, service, "store") is None:
-            args += ["--store", str(self.registry_store)]
+        configured = resolve_value(self.config, service, "store")
+        if self.store_override is None and configured is None:
+            args += ["--store", self.registry_store]
+        store = self.store_override or (str(configured) if configured is not None else self.registry_store)
+        if _is_bucket(store) and resolve_value(self.config, service, "cache_dir") is None:
+            args += ["--cache-dir", str(self.workdir / service / "cache")]  # a bucket needs a local cache
         if service == "sampler" and resolve_value(self.config, "sampler", "follow") is None:
             args += ["--follow", "*"]
         return args
@@ -74,7 +83,14 @@ class StackPlan:
         return self.auth.env(service) if self.auth is not None else {}
 
 
-def plan_stack(config_path: Path, workdir: Path | None = None) -> StackPlan:
+def _is_bucket(store: str) -> bool:
+    try:
+        return parse_store_url(store).remote
+    except InvalidArgument as exc:
+        raise ConfigError(f"store {store!r}: {exc.message}") from None
+
+
+def plan_stack(config_path: Path, workdir: Path | None = None, store_override: str | None = None) -> StackPlan:
     """Reads the file and decides what to start; ConfigError on anything `up` cannot use."""
     config = read_config(config_path)
     up = config.get(UP_SECTION, {})
@@ -86,16 +102,19 @@ def plan_stack(config_path: Path, workdir: Path | None = None) -> StackPlan:
     workdir = workdir.resolve()
     configured = resolve_value(config, "registry", "data_dir")
     data_dir = Path(str(configured)) if configured is not None else workdir / "registry"
-    store = resolve_value(config, "registry", "store")
-    registry_store = Path(str(store)) if store is not None else data_dir / "artifacts"
+    store = store_override or resolve_value(config, "registry", "store")
+    registry_store = str(store) if store is not None else str(data_dir / "artifacts")
+    if not _is_bucket(registry_store):
+        registry_store = str(Path(registry_store).resolve())
     ordered = [s for s in SERVER_SECTIONS if s in services]  # the registry first: the others need it
     return StackPlan(
         config_path.resolve(),
         workdir,
         ordered,
-        registry_store.resolve(),
+        registry_store,
         config,
         data_dir=None if configured is not None else data_dir,
+        store_override=store_override,
     )
 
 
@@ -251,10 +270,10 @@ def _lock_workdir(workdir: Path) -> DirLock:
         ) from None
 
 
-def prepare(config_path: Path, workdir: Path | None) -> tuple[StackPlan, DirLock]:
+def prepare(config_path: Path, workdir: Path | None, store: str | None = None) -> tuple[StackPlan, DirLock]:
     """Everything before the first server starts: the plan, the workdir's lock, the service token, the checks.
     ConfigError or StartupError (one line each) when the stack cannot start as configured."""
-    plan = plan_stack(config_path, workdir)
+    plan = plan_stack(config_path, workdir, store)
     lock = _lock_workdir(plan.workdir)
     try:
         refuse_unprovisionable(plan.config, plan.services)
@@ -267,10 +286,10 @@ def prepare(config_path: Path, workdir: Path | None) -> tuple[StackPlan, DirLock
     return plan, lock
 
 
-def run_up(config_path: Path, workdir: Path | None, as_json: bool) -> int:
+def run_up(config_path: Path, workdir: Path | None, as_json: bool, store: str | None = None) -> int:
     """Starts the stack, waits for SIGINT/SIGTERM (or a server exiting), stops it; returns the exit code."""
     try:
-        plan, lock = prepare(config_path, workdir)
+        plan, lock = prepare(config_path, workdir, store)
     except (ConfigError, StartupError) as exc:
         print(f"opentinker up: {exc}", file=sys.stderr, flush=True)
         return CONFIG_ERROR_EXIT
