@@ -298,6 +298,14 @@ def gc(
     keep: Annotated[int, typer.Option(help="Keep the newest K versions of each adapter (plus aliased ones).")] = 5,
     adapter: Annotated[str, typer.Option(help="Only this adapter.")] = "",
     dry_run: Annotated[bool, typer.Option(help="Only report.")] = False,
+    gc_grace: Annotated[
+        float | None,
+        typer.Option(
+            min=0,
+            help="Seconds an unpublished artifact (an upload, or objects pushed to a bucket store and never "
+            "published) must be old to be deleted (default: the registry's --gc-grace, 1 h unless set).",
+        ),
+    ] = None,
     registry: RegistryAddr = DEFAULT_REGISTRY,
     token: Token = None,
     ca_cert: CaCert = None,
@@ -305,7 +313,7 @@ def gc(
 ) -> None:
     """Delete artifacts outside the retention policy (admin)."""
     with connect(registry, token, ca_cert) as client:
-        result = client.garbage_collect(keep, adapter, dry_run)
+        result = client.garbage_collect(keep, adapter, dry_run, gc_grace)
     if as_json:
         out.print_json(out.gc_json(result))
         return

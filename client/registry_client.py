@@ -329,10 +329,15 @@ class RegistryClient:
 
     # Garbage collection and artifacts
 
-    def garbage_collect(self, keep_last: int = 5, adapter: str = "", dry_run: bool = False) -> GarbageCollection:
+    def garbage_collect(
+        self, keep_last: int = 5, adapter: str = "", dry_run: bool = False, grace_s: float | None = None
+    ) -> GarbageCollection:
         """Deletes artifacts of versions beyond the newest ``keep_last`` of each adapter (aliased versions are
-        always kept). Admin only. With dry_run, reports what would go and deletes nothing."""
-        request = registry_pb2.GarbageCollectRequest(keep_last=keep_last, adapter=adapter, dry_run=dry_run)
+        always kept). Admin only. With dry_run, reports what would go and deletes nothing. grace_s: how old an
+        unpublished artifact must be to go (None: the registry's --gc-grace)."""
+        request = registry_pb2.GarbageCollectRequest(
+            keep_last=keep_last, adapter=adapter, dry_run=dry_run, grace_s=grace_s
+        )
         response = self._connection.unary("GarbageCollect", request, registry_pb2.GarbageCollectResponse)
         return GarbageCollection(
             collected=tuple((c.adapter, c.version) for c in response.collected),

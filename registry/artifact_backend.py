@@ -77,6 +77,17 @@ class BucketArtifacts:
     def delete(self, uri: str) -> int:
         return delete_remote(self.remote, uri)
 
+    def written_before(self, cutoff_s: float) -> list[str]:
+        """Digests under ``sha256/`` whose every object was last written before ``cutoff_s`` (epoch seconds):
+        the candidates of the sweep (a push that finished, or was killed, that long ago). States live under
+        ``states/`` and are never listed."""
+        newest: dict[str, float] = {}
+        for info in self.remote.list("sha256/"):
+            digest = info.key.split("/", 2)[1] if info.key.count("/") >= 2 else ""
+            if digest:
+                newest[digest] = max(newest.get(digest, 0.0), info.modified)
+        return sorted(d for d, modified in newest.items() if modified < cutoff_s)
+
     def cleanup_temp(self) -> int:
         return self.staging.cleanup_temp()
 

@@ -76,7 +76,8 @@ class ArtifactHandlers(Handlers):
                 response.bytes_freed += freed if not request.dry_run else version.artifact_size_bytes
         if not request.dry_run and not request.adapter:
             # Uploads nobody published within the grace period: no version references them.
-            _count, freed = await sweep_unpublished(self.store, self.artifacts, self.limits.upload_grace_s)
+            grace_s = request.grace_s if request.HasField("grace_s") else self.limits.upload_grace_s
+            _count, freed = await sweep_unpublished(self.store, self.artifacts, grace_s, bucket_orphans=True)
             response.bytes_freed += freed
         return response
 

@@ -57,6 +57,11 @@ class ArtifactRecords(StoreBase):
         keys = [refs_key(sha256), uploaders_key(sha256), leases_key(sha256), DELETING_KEY, UPLOADS_KEY]
         return int(await self._run("CLAIM_UPLOAD", keys, [sha256, now_ms(), cutoff_ms, TENANT_PREFIX])) == 1
 
+    async def claim_orphan(self, sha256: str, cutoff_ms: int) -> bool:
+        """The bucket sweep's decision on objects nobody published: True when claimed for deletion."""
+        keys = [refs_key(sha256), uploaders_key(sha256), leases_key(sha256), DELETING_KEY, UPLOADS_KEY]
+        return int(await self._run("CLAIM_ORPHAN", keys, [sha256, now_ms(), cutoff_ms, TENANT_PREFIX])) == 1
+
     async def finish_deletion(self, sha256: str) -> None:
         """The claimed bytes are gone: the digest may be uploaded and published again."""
         with redis_errors():

@@ -48,7 +48,14 @@ def serve(
         int, typer.Option(min=0, help="Bytes of uploaded artifacts one user tenant may store, in MiB (0: no quota).")
     ] = 20480,
     upload_grace_s: Annotated[
-        float, typer.Option(min=0, help="Unpublished uploads older than this are collected (0: never).")
+        float,
+        typer.Option(
+            "--upload-grace-s",
+            "--gc-grace",
+            min=0,
+            help="Seconds after which unpublished artifacts are collected: uploads (swept while serving) and, with "
+            "a bucket store, objects pushed and never published (by `opentinker registry gc`); 0: never.",
+        ),
     ] = 3600.0,
     max_calls_per_tenant: Annotated[
         int,

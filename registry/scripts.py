@@ -309,6 +309,18 @@ return claim_artifact(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[4], ARGV
 """
 )
 
+# Objects a trainer pushed straight to the bucket and never published (the registry never saw them: no upload
+# record). The caller found them older than the grace period by their own timestamps; like any claim, refused
+# while a version uses the digest, a publish or upload holds its lease, or the registry recorded a newer upload.
+# KEYS: refs, uploaders, leases, deleting, uploads   ARGV: sha256, now_ms, cutoff_ms, tenant_prefix
+# Returns 1 when claimed for deletion, 0 when kept.
+CLAIM_ORPHAN = (
+    _CLAIM
+    + """
+return claim_artifact(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[4], ARGV[1], ARGV[2], ARGV[3])
+"""
+)
+
 # A lease keeps an artifact's bytes from being claimed until the publish or upload that took it is done.
 # KEYS: leases, deleting   ARGV: sha256, lease_id, expiry_ms
 # Returns 0 while the artifact's deletion is under way (its bytes are going), 1 when leased.

@@ -144,6 +144,7 @@ class StoreBase:
                 "COLLECT_VERSION",
                 "SET_SERVING_ALIAS",
                 "CLAIM_UPLOAD",
+                "CLAIM_ORPHAN",
                 "LEASE_ARTIFACT",
                 "RESERVE_QUOTA",
                 "RECORD_UPLOAD",

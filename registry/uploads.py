@@ -16,7 +16,7 @@ import time
 import uuid
 from collections.abc import Sequence
 
-from opentinker.registry.artifact_backend import RegistryArtifacts
+from opentinker.registry.artifact_backend import BucketArtifacts, RegistryArtifacts
 from opentinker.registry.limits import RegistryLimits
 from opentinker.registry.store import RegistryStore
 from opentinker.rpc.serving.auth import Principal
@@ -151,9 +151,12 @@ async def delete_claimed(store: RegistryStore, artifacts: RegistryArtifacts, dig
     return freed
 
 
-async def sweep_unpublished(store: RegistryStore, artifacts: RegistryArtifacts, grace_s: float) -> tuple[int, int]:
+async def sweep_unpublished(
+    store: RegistryStore, artifacts: RegistryArtifacts, grace_s: float, *, bucket_orphans: bool = False
+) -> tuple[int, int]:
     """Deletes uploads older than grace_s that no version uses, and finishes deletions whose deleter died;
-    returns (artifacts, bytes) freed."""
+    bucket_orphans (`opentinker registry gc` only: it lists the bucket): also objects pushed to a bucket store
+    and never published. Returns (artifacts, bytes) freed."""
     now = time.time()
     cutoff = int((now - grace_s) * 1000)
     collected = freed = 0
@@ -161,6 +164,13 @@ async def sweep_unpublished(store: RegistryStore, artifacts: RegistryArtifacts, 
         if await store.claim_upload(digest, cutoff):
             freed += await delete_claimed(store, artifacts, digest)
             collected += 1
+    if bucket_orphans and grace_s > 0 and isinstance(artifacts, BucketArtifacts):
+        # Pushed straight to the bucket by a trainer that never published them (killed, or its publish refused):
+        # the registry has no record, only the objects' own timestamps say how old they are.
+        for digest in await asyncio.to_thread(artifacts.written_before, now - grace_s):
+            if await store.claim_orphan(digest, cutoff):
+                freed += await delete_claimed(store, artifacts, digest)
+                collected += 1
     for digest in await store.deletions_before(int(now * 1000) - STALE_DELETION_MS):
         freed += await delete_claimed(store, artifacts, digest)
     return collected, freed

@@ -28,6 +28,7 @@ from obstore.exceptions import NotFoundError, PermissionDeniedError, Unauthentic
 from obstore.store import AzureStore, GCSStore, LocalStore, S3Store
 
 if TYPE_CHECKING:
+    from obstore import ObjectMeta  # typing only (a TypedDict in the stubs)
     from obstore.store import AzureConfig, BackoffConfig, ClientConfig, GCSCredential, RetryConfig
 
 from opentinker.rpc.serving.errors import InvalidArgument, NotFound, PermissionDenied, ServiceError, Unavailable
@@ -70,6 +71,7 @@ class ObjectInfo:
     key: str  # relative to the store's prefix
     size: int
     etag: str | None
+    modified: float = 0.0  # last written, seconds since the epoch (the store's clock)
 
 
 def parse_store_url(text: str) -> StoreLocation:
@@ -269,7 +271,7 @@ class ObjectStore:
             meta = self._call(key, "head", lambda: obstore.head(self._store, key))
         except NotFound:
             return None
-        return ObjectInfo(key, int(meta["size"]), meta.get("e_tag"))
+        return _info(key, meta)
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         """Every object whose key starts with ``prefix`` (a folder-like prefix, "" for all), any order."""
@@ -277,7 +279,7 @@ class ObjectStore:
         def collect() -> list[ObjectInfo]:
             found: list[ObjectInfo] = []
             for batch in obstore.list(self._store, prefix=prefix or None):
-                found.extend(ObjectInfo(str(m["path"]), int(m["size"]), m.get("e_tag")) for m in batch)
+                found.extend(_info(str(m["path"]), m) for m in batch)
             return found
 
         return self._call(prefix or "/", "list", collect)
@@ -309,6 +311,11 @@ class ObjectStore:
                 reason="STORE_UNAVAILABLE",
                 store=self.location.url,
             ) from None
+
+
+def _info(key: str, meta: ObjectMeta) -> ObjectInfo:
+    modified = meta.get("last_modified")
+    return ObjectInfo(key, int(meta["size"]), meta.get("e_tag"), modified.timestamp() if modified else 0.0)
 
 
 def open_store(url: str, *, timeout_s: float = 30.0, retries: int = 3) -> ObjectStore:

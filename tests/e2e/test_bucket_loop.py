@@ -5,6 +5,7 @@ Every process is a real server in its own process, reaching the store through th
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,8 +20,8 @@ from storeservers import StoreServer
 from trainerutil import Trainer, assert_status, rpc_error
 
 from opentinker.v1 import registry_pb2, registry_pb2_grpc, sampler_pb2_grpc, trainer_pb2_grpc
-from opentinker.weights.artifact_manifest import MANIFEST_NAME
-from opentinker.weights.artifact_remote import object_key
+from opentinker.weights.artifact_manifest import MANIFEST_NAME, parse_uri
+from opentinker.weights.artifact_remote import object_key, push
 from opentinker.weights.artifact_store import ArtifactStore
 from opentinker.weights.object_store import ObjectStore, parse_store_url
 
@@ -143,3 +144,37 @@ def test_changed_byte_in_the_bucket_is_data_loss_for_that_version_only(stack: St
     assert_status(error, grpc.StatusCode.DATA_LOSS, "DIGEST_MISMATCH")
     assert f"{name}@2" in (error.details() or "")
     assert len(greedy(stack.sampler, f"{name}@1", prompt(530))) == 12  # the other version is unaffected
+
+
+def test_gc_removes_unpublished_pushes_after_the_grace_and_never_a_referenced_artifact(
+    stack: Stack, tmp_path: Path
+) -> None:
+    name, referenced = trained_adapter(stack.trainer, seed=540)
+    bucket = stack.bucket()
+    # What trainers leave that no version names: a push that finished but was never published, and one killed
+    # after its payload and before its manifest.
+    local = ArtifactStore(tmp_path / "local")
+    finished = local.commit_files(artifact_files(seed=541)).uri
+    push(local, bucket, finished)
+    killed = local.commit_files(artifact_files(seed=542)).uri
+    killed_key = object_key(parse_uri(killed), "adapter_model.safetensors")
+    bucket.put_bytes(killed_key, b"payload of a push killed before its manifest")
+    error = rpc_error(
+        stack.registry.PublishVersion,
+        registry_pb2.PublishVersionRequest(adapter=name, artifact_uri=killed, artifact_sha256=parse_uri(killed)),
+    )
+    assert_status(error, grpc.StatusCode.NOT_FOUND, "ARTIFACT_NOT_FOUND")  # no manifest: never publishable
+
+    def collect(grace_s: float | None) -> None:
+        stack.registry.GarbageCollect(registry_pb2.GarbageCollectRequest(grace_s=grace_s))
+
+    def present(uri: str) -> bool:
+        return bool(bucket.list(f"sha256/{parse_uri(uri)}/"))
+
+    collect(None)  # the registry's --gc-grace: an hour
+    assert present(finished) and present(killed)
+    time.sleep(2.5)  # object timestamps have one-second resolution on some stores
+    collect(2.0)
+    assert not present(finished) and not present(killed)
+    assert present(referenced.artifact_uri)  # older than the grace too, but a version uses it
+    assert len(greedy(stack.sampler, f"{name}@1", prompt(540))) == 12

@@ -473,14 +473,16 @@ class WatchEventsResponse(_message.Message):
     def __init__(self, event: _Optional[_Union[Event, _Mapping]] = ..., reconcile: _Optional[_Union[Reconcile, _Mapping]] = ...) -> None: ...
 
 class GarbageCollectRequest(_message.Message):
-    __slots__ = ("keep_last", "adapter", "dry_run")
+    __slots__ = ("keep_last", "adapter", "dry_run", "grace_s")
     KEEP_LAST_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     DRY_RUN_FIELD_NUMBER: _ClassVar[int]
+    GRACE_S_FIELD_NUMBER: _ClassVar[int]
     keep_last: int
     adapter: str
     dry_run: bool
-    def __init__(self, keep_last: _Optional[int] = ..., adapter: _Optional[str] = ..., dry_run: _Optional[bool] = ...) -> None: ...
+    grace_s: float
+    def __init__(self, keep_last: _Optional[int] = ..., adapter: _Optional[str] = ..., dry_run: _Optional[bool] = ..., grace_s: _Optional[float] = ...) -> None: ...
 
 class CollectedVersion(_message.Message):
     __slots__ = ("adapter", "version", "artifact_sha256", "size_bytes")
