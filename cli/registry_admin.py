@@ -1,5 +1,6 @@
-"""`opentinker registry create|adapters|versions|show|alias|rollback|lineage|watch|gc|delete`: administer a
-running registry through the SDK's RegistryClient (plaintext, or TLS with --ca-cert; --token as the bearer)."""
+"""`opentinker registry create|adapters|versions|show|alias|rollback|lineage|watch|gc|delete|migrate-store`:
+administer a running registry through the SDK's RegistryClient (plaintext, or TLS with --ca-cert; --token as
+the bearer)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from opentinker.cli import registry_json as out
 from opentinker.cli.options import DEFAULT_REGISTRY, AsJson, CaCert, RegistryAddr, Token
 from opentinker.cli.registry_connect import connect, console
 from opentinker.cli.registry_import import export_adapter, import_adapter
+from opentinker.cli.registry_migrate import migrate_store
 from opentinker.cli.rollback_notice import rollback_notice
 from opentinker.client import Reconcile, Version
 from opentinker.weights.names import LATEST
@@ -344,6 +346,7 @@ def add_admin_commands(registry_app: typer.Typer) -> None:
         ("delete", delete),
         ("import", import_adapter),
         ("export", export_adapter),
+        ("migrate-store", migrate_store),
     ]
     for name, command in commands:
         registry_app.command(name)(command)
