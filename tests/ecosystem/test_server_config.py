@@ -242,3 +242,20 @@ def test_gateway_config_typos_and_bad_bounds_are_refused(tmp_path: Path) -> None
     assert result.exit_code == 2 and "max_tenant_results_bytes" in result.output, result.output
     negative = invoke("gateway", "--max-tenant-result-bytes", "-1", "--print-config")
     assert negative.exit_code == 2 and "--max-tenant-result-bytes" in negative.output, negative.output
+
+
+@pytest.mark.parametrize("server", ["registry", "trainer", "sampler"])
+def test_a_bucket_store_shows_its_credentials_masked(server: str, tmp_path: Path) -> None:
+    path = tmp_path / "stack.toml"
+    cache = 'cache_dir = "/var/cache/ot"\n'
+    path.write_text(f"[trainer]\n{cache}[sampler]\n{cache}")
+    env = {"AWS_ACCESS_KEY_ID": "AKIDEXAMPLE", "AWS_SECRET_ACCESS_KEY": "s3cr3t-value", "AWS_REGION": "eu-west-1"}
+    args = ["--config", str(path), "--store", "s3://models/team"]
+    got = resolved(server, *args, *([] if server == "registry" else ["--registry", "r:1"]), env=env)
+    assert got["values"]["store"] == "s3://models/team"
+    shown = got["environment"]
+    assert shown["AWS_SECRET_ACCESS_KEY"] == "***" and shown["AWS_ACCESS_KEY_ID"] == "AKIDEXAMPLE"
+    assert shown["AWS_REGION"] == "eu-west-1" and "AWS_SESSION_TOKEN" not in shown
+    assert "s3cr3t-value" not in json.dumps(got)
+    if server != "registry":
+        assert got["values"]["cache_dir"] == "/var/cache/ot" and got["sources"]["cache_dir"] == "config"
