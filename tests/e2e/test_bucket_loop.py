@@ -12,7 +12,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from metricsutil import metric, scrape
+from metricsutil import documented, exported, metric, scrape
 from registryutil import artifact_files, upload
 from samplerutil import Sampler, greedy, loaded, prompt, request, run, snapshot, train, trained_adapter
 from serverproc import ServerProcess, start_registry, start_sampler, start_trainer
@@ -33,6 +33,7 @@ class Stack:
     url: str
     env: dict[str, str]
     registry_server: ServerProcess
+    servers: dict[str, ServerProcess]  # "trainer", "sampler"
     registry: registry_pb2_grpc.RegistryServiceStub
     trainer: Trainer
     sampler: Sampler
@@ -76,6 +77,7 @@ def stack(
                 url,
                 env,
                 registry_server,
+                {"trainer": trainer_server, "sampler": sampler_server},
                 registry_pb2_grpc.RegistryServiceStub(r),
                 trainer_pb2_grpc.TrainerServiceStub(t),
                 sampler_pb2_grpc.SamplerServiceStub(s),
@@ -178,3 +180,16 @@ def test_gc_removes_unpublished_pushes_after_the_grace_and_never_a_referenced_ar
     assert not present(finished) and not present(killed)
     assert present(referenced.artifact_uri)  # older than the grace too, but a version uses it
     assert len(greedy(stack.sampler, f"{name}@1", prompt(540))) == 12
+
+
+def test_bucket_metrics_are_what_docs_metrics_md_lists(stack: Stack) -> None:
+    """The rows docs/metrics.md marks "(bucket store)", exactly, on a trainer and a sampler that use one."""
+    trained_adapter(stack.trainer, seed=550)  # a push, and a pull when the sampler follows it
+    for server, process in stack.servers.items():
+        assert process.metrics_address is not None
+        rows = {n: r for n, r in documented().items() if r.bucket and server in r.servers}
+        always = {n for n, r in documented().items() if not r.bucket and server in r.servers}
+        got = {n: v for n, v in exported(process.metrics_address).items() if n not in always}
+        assert set(got) == set(rows), (server, sorted(got), sorted(rows))
+        for name, (kind, labels) in got.items():
+            assert kind == rows[name].kind and labels <= rows[name].labels, name

@@ -29,6 +29,7 @@ from tlsutil import Bearer, write_tokens
 from trainerutil import Trainer, assert_status, create, get_adapter, rpc_error, sft_batch, train_step
 
 from opentinker.v1 import registry_pb2, registry_pb2_grpc, sampler_pb2, sampler_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+from opentinker.weights.object_store import ObjectStore, parse_store_url
 
 PRINCIPALS = {"team-a": "user", "team-b": "user", "svc": "admin"}
 SECRET_KEY = "AWS_SECRET_ACCESS_KEY"
@@ -245,3 +246,49 @@ def test_slow_store_holds_back_only_the_tenant_that_waits_on_it(stack: StoreStac
         a_save.join(120)
         stack.to_trainer.delay_s = stack.to_sampler.delay_s = 0.0
     assert saved and saved[0].version == 1
+
+
+def test_trainer_killed_mid_push_publishes_nothing(
+    stack: StoreStack, tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGKILL while the snapshot's objects are going up (a store answering each request after 1 s): no version
+    appears, and what reached the bucket has no manifest, so no publish can ever name it."""
+    for key, value in stack.env.items():
+        monkeypatch.setenv(key, value)
+    bucket = ObjectStore(parse_store_url(stack.url))
+
+    def manifests() -> set[str]:
+        return {o.key for o in bucket.list("sha256/") if o.key.endswith("/manifest.json")}
+
+    before = manifests()
+    proxy = TcpProxy(int(stack.env["AWS_ENDPOINT_URL"].rsplit(":", 1)[1]))
+    proxy.delay_s = 1.0
+    server = start_trainer(
+        tmp_path / "trainer",
+        tiny_model,
+        stack.registry_server,
+        "--tokens-file",
+        str(stack.tokens_file),
+        "--registry-token",
+        stack.tokens["svc"],
+        "--store",
+        stack.url,
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        env={**stack.env, "AWS_ENDPOINT_URL": proxy.endpoint},
+    )
+    try:
+        with grpc.intercept_channel(grpc.insecure_channel(server.address), Bearer(stack.tokens["team-a"])) as channel:
+            trainer = trainer_pb2_grpc.TrainerServiceStub(channel)
+            name = create(trainer, f"team-a/{unique_name('killed')}", seed=640).name
+            train(trainer, name, seed=640, steps=1)
+            save = trainer.SaveSnapshot.future(trainer_pb2.SaveSnapshotRequest(adapter=name), timeout=120)
+            assert wait_until(lambda: proxy.requests >= 2, timeout=60), "the push never started"
+            server.kill()
+            with pytest.raises(grpc.RpcError):
+                save.result()
+        assert _published(stack, "team-a", name) == []
+        assert manifests() == before
+    finally:
+        server.kill()
+        proxy.close()
