@@ -110,20 +110,22 @@ def reload_record(sampler: sampler_pb2_grpc.SamplerServiceStub, adapter: str, ve
     raise TimeoutError(f"{adapter}@{version} not served within 60 s")
 
 
-def reloads(sides: list[Side], files: list[dict[str, bytes]]) -> dict[str, tuple[list[float], list[float]]]:
+def reloads(
+    sides: list[Side], files: list[dict[str, bytes]], adapter: str
+) -> dict[str, tuple[list[float], list[float]]]:
     """Per side: (publish -> served, put + publish -> served) seconds, rounds alternating between the sides."""
     out: dict[str, tuple[list[float], list[float]]] = {s.name: ([], []) for s in sides}
     channels = {s.name: grpc.insecure_channel(s.sampler.address) for s in sides}
     try:
         for side in sides:
-            side.client.create_adapter("o-reload", rank=16, alpha=32)
+            side.client.create_adapter(adapter, rank=16, alpha=32)
         for index, artifact in enumerate(files):
             for side in sides if index % 2 == 0 else reversed(sides):
                 stub = sampler_pb2_grpc.SamplerServiceStub(channels[side.name])
                 began = time.time()
                 uri, sha, size = side.put(artifact)
-                number = side.client.publish_version("o-reload", uri, sha, size_bytes=size).number
-                served = reload_record(stub, "o-reload", number)
+                number = side.client.publish_version(adapter, uri, sha, size_bytes=size).number
+                served = reload_record(stub, adapter, number)
                 out[side.name][0].append(served.latency_seconds)
                 out[side.name][1].append(served.time.ToNanoseconds() / 1e9 - began)
     finally:
@@ -202,9 +204,9 @@ def main() -> None:
             sides.append(start_side("folder", work / "folder", model, None, env))
             sides.append(start_side("bucket", work / "bucket", model, moto.url("bench"), env))
             warm = [peft_files(lora_weights(shapes, seed=s)) for s in range(2)]
-            reloads(sides, warm)  # first loads: allocations, connections, page cache
+            reloads(sides, warm, "o-warm")  # first loads: allocations, connections, page cache
             files = [peft_files(lora_weights(shapes, seed=100 + i)) for i in range(setup.reloads)]
-            latency = reloads(sides, files)
+            latency = reloads(sides, files, "o-reload")
             cold = cold_start(sides, work, model, setup.cold_adapters, env, shapes)
             metrics = scrape(sides[1].registry.metrics_address)
             registry_bytes = sum(

@@ -58,13 +58,14 @@ class BucketArtifacts:
         return list(remote_manifest(self.remote, uri))
 
     def iter_chunks(self, uri: str, chunk_size: int = BLOCK_SIZE) -> Iterator[tuple[ArtifactFile, bytes]]:
-        """Every file's bytes in manifest order, each checked against its sha256 as it streams: a changed object
-        ends the stream with DataLoss before its last chunk is sent (the receiver checks too)."""
+        """Every file's bytes in manifest order, in the store stream's chunks (about 8 MiB: the handler cuts them
+        into blocks; ``chunk_size`` is for the folder store), each file checked against its sha256 as it streams:
+        a changed object ends the stream with DataLoss before its last chunk is sent (the receiver checks too)."""
         digest = parse_uri(uri)
         for entry in remote_manifest(self.remote, uri):
             hasher = hashlib.sha256()
             held = b""
-            for chunk in self.remote.iter_ranges(object_key(digest, entry.path), entry.size, span=chunk_size):
+            for chunk in self.remote.stream(object_key(digest, entry.path), entry.size):
                 hasher.update(chunk)
                 if held:
                     yield entry, held

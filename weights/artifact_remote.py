@@ -12,6 +12,7 @@ changed byte anywhere is DataLoss(DIGEST_MISMATCH) and nothing is cached.
 from __future__ import annotations
 
 import hashlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from opentinker.rpc.serving.errors import DataLoss, NotFound, Unavailable
@@ -26,7 +27,7 @@ from opentinker.weights.artifact_manifest import (
     parse_uri,
 )
 from opentinker.weights.artifact_store import ArtifactStore
-from opentinker.weights.object_store import ObjectStore
+from opentinker.weights.object_store import PARALLEL, PART_BYTES, ObjectStore
 
 
 @dataclass(frozen=True)
@@ -99,19 +100,28 @@ def check_remote(remote: ObjectStore, uri: str) -> ArtifactRef:
 
 
 def pull(remote: ObjectStore, local: ArtifactStore, uri: str) -> int:
-    """Fetches ``uri`` into the local store unless it is there already; returns the bytes fetched. Each file
-    streams in parallel ranged reads and is hashed on the way; a mismatch is DataLoss and leaves nothing."""
+    """Fetches ``uri`` into the local store unless it is there already; returns the bytes fetched. Files up to
+    PART_BYTES (configs, small adapters) are fetched all at once, in parallel, as soon as the manifest is read;
+    larger ones stream in (ObjectStore.stream). Every file is hashed on the way; a mismatch is DataLoss and
+    leaves nothing."""
     if local.exists(uri):
         return 0
     digest = parse_uri(uri)
     files = remote_manifest(remote, uri)
     fetched = 0
-    with local.begin() as writer:
+    with ThreadPoolExecutor(PARALLEL, thread_name_prefix="store-pull") as pool, local.begin() as writer:
+        # One round trip for all the small files instead of one each: what a reload of a small adapter waits on.
+        small = {
+            e.path: pool.submit(remote.get_range, object_key(digest, e.path), 0, e.size)
+            for e in files
+            if 0 < e.size <= PART_BYTES
+        }
         for entry in files:
             writer.add_file(entry.path, entry.size, entry.sha256)
             key = object_key(digest, entry.path)
             try:
-                for chunk in remote.iter_ranges(key, entry.size):
+                chunks = [small[entry.path].result()] if entry.path in small else remote.stream(key, entry.size)
+                for chunk in chunks:
                     writer.write(chunk)
                     fetched += len(chunk)
             except NotFound:

@@ -28,7 +28,7 @@ from obstore.exceptions import NotFoundError, PermissionDeniedError, Unauthentic
 from obstore.store import AzureStore, GCSStore, LocalStore, S3Store
 
 if TYPE_CHECKING:
-    from obstore import ObjectMeta  # typing only (a TypedDict in the stubs)
+    from obstore import GetOptions, ObjectMeta  # typing only (in the stubs)
     from obstore.store import AzureConfig, BackoffConfig, ClientConfig, GCSCredential, RetryConfig
 
 from opentinker.rpc.serving.errors import InvalidArgument, NotFound, PermissionDenied, ServiceError, Unavailable
@@ -38,6 +38,7 @@ _SCHEMES: Final[dict[str, Scheme]] = {"s3": "s3", "az": "az", "azure": "az", "gs
 _BUCKET: Final = re.compile(r"[a-z0-9][a-z0-9.\-_]{1,220}[a-z0-9]")
 PART_BYTES: Final = 8 << 20  # multipart part size and ranged-read span: S3's minimum part is 5 MiB
 PARALLEL: Final = 4
+PARALLEL_FROM: Final = 1 << 30  # objects this large are read as PARALLEL ranged reads
 PUT_ATTEMPTS: Final = 3
 # The variables each backend reads; their values are never shown, only whether they are set.
 CREDENTIAL_ENV: Final[dict[Scheme, tuple[str, ...]]] = {
@@ -245,6 +246,47 @@ class ObjectStore:
     def get_range(self, key: str, start: int, end: int) -> bytes:
         """Bytes [start, end) of the object."""
         return self._call(key, "get", lambda: bytes(obstore.get_range(self._store, key, start=start, end=end)))
+
+    def stream(self, key: str, size: int) -> Iterator[bytes]:
+        """The object's ``size`` bytes in order, in chunks of about PART_BYTES: one streaming GET, the next
+        chunk fetched in a thread while the caller handles this one. A stream that breaks is resumed where it
+        stopped with a ranged GET (up to PUT_ATTEMPTS times). Objects of PARALLEL_FROM bytes or more are read as
+        parallel ranged reads instead (iter_ranges): one connection to S3 carries about 100 MB/s."""
+        if size >= PARALLEL_FROM:
+            yield from self.iter_ranges(key, size)
+            return
+        if not size:
+            yield self.get_bytes(key)
+            return
+        offset, resumes = 0, 0
+        with ThreadPoolExecutor(1, thread_name_prefix="store-stream") as pool:
+            while offset < size:
+                chunks = self._open_stream(key, offset, size)
+                try:
+                    ahead = pool.submit(self._next_chunk, key, chunks)
+                    while (chunk := ahead.result()) is not None:
+                        ahead = pool.submit(self._next_chunk, key, chunks)
+                        offset += len(chunk)
+                        yield chunk
+                except Unavailable:
+                    resumes += 1
+                    if resumes >= PUT_ATTEMPTS or offset >= size:
+                        raise
+                    continue
+                if offset < size:
+                    raise Unavailable(
+                        f"{self.location.url}: get {key} ended after {offset} of {size} bytes",
+                        reason="STORE_UNAVAILABLE",
+                        store=self.location.url,
+                    )
+
+    def _next_chunk(self, key: str, chunks: Iterator[bytes]) -> bytes | None:
+        return self._call(key, "get", lambda: next(chunks, None))
+
+    def _open_stream(self, key: str, start: int, end: int) -> Iterator[bytes]:
+        options: GetOptions = {"range": (start, end)}  # never more than the caller expects
+        result = self._call(key, "get", lambda: obstore.get(self._store, key, options=options))
+        return iter(result.stream(min_chunk_size=PART_BYTES))
 
     def iter_ranges(self, key: str, size: int, span: int = PART_BYTES) -> Iterator[bytes]:
         """The object's bytes in order, fetched as ranged reads PARALLEL at a time; at most PARALLEL + 1 spans

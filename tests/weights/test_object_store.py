@@ -44,6 +44,15 @@ def test_multipart_upload_and_ranged_reads(store: ObjectStore) -> None:
     assert store.get_range("big/blob", PART_BYTES - 3, PART_BYTES + 5) == data[PART_BYTES - 3 : PART_BYTES + 5]
     assert b"".join(store.iter_ranges("big/blob", len(data), span=1 << 20)) == data
     assert b"".join(store.iter_ranges("big/blob", len(data))) == data
+    chunks = list(store.stream("big/blob", len(data)))  # one streaming GET, read ahead
+    assert b"".join(chunks) == data and len(chunks) >= 2
+    assert b"".join(store.stream("big/blob", PART_BYTES)) == data[:PART_BYTES]  # never past what was asked
+
+
+def test_stream_of_a_shorter_object_fails_instead_of_ending_early(store: ObjectStore) -> None:
+    store.put_bytes("short", b"x" * 1000)
+    with pytest.raises(Unavailable):
+        b"".join(store.stream("short", 5000))
 
 
 def test_two_writers_of_one_key_leave_whole_bytes(store: ObjectStore) -> None:
