@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-from registryutil import upload
+from registryutil import lora_files, upload
 from serverproc import ServerProcess, registry_store
 
 from opentinker.cli.launch import tree_memory
@@ -329,62 +329,6 @@ def fork_trainer(
 
 def fork_sampler(workdir: Path, model: Path, registry: ServerProcess, *extra: str) -> ForkedServer:
     return ForkedServer(sampler_argv(model, registry.address, registry_store(registry), *extra), workdir)
-
-
-# --- registry content ---------------------------------------------------------------------------------------
-
-
-def lora_files(model: Path, seed: int, rank: int = 4, scale: float = 0.5) -> dict[str, bytes]:
-    """A valid peft LoRA snapshot (q_proj and v_proj of every layer) for the model in `model`, distinct per
-    seed: what a trainer would publish, without needing one."""
-    import torch
-    from safetensors.torch import save as save_safetensors
-
-    config = json.loads((model / "config.json").read_text())
-    hidden, layers = int(config["hidden_size"]), int(config["num_hidden_layers"])
-    head_dim = hidden // int(config["num_attention_heads"])
-    outs = {"q_proj": hidden, "v_proj": head_dim * int(config["num_key_value_heads"])}
-    generator = torch.Generator().manual_seed(seed)
-    tensors: dict[str, torch.Tensor] = {}
-    for layer in range(layers):
-        for module, d_out in outs.items():
-            key = f"base_model.model.model.layers.{layer}.self_attn.{module}"
-            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, hidden, generator=generator) * scale
-            tensors[f"{key}.lora_B.weight"] = torch.randn(d_out, rank, generator=generator) * scale
-    adapter_config = {
-        "peft_type": "LORA",
-        "r": rank,
-        "lora_alpha": float(rank),
-        "target_modules": sorted(outs),
-        "task_type": "CAUSAL_LM",
-        "seed": seed,
-    }
-    return {
-        "adapter_config.json": json.dumps(adapter_config, sort_keys=True).encode(),
-        "adapter_model.safetensors": save_safetensors(tensors),
-    }
-
-
-def publish_lora(
-    stub: registry_pb2_grpc.RegistryServiceStub,
-    model: Path,
-    name: str,
-    seed: int,
-    *,
-    skip_latest: bool = False,
-    request_id: str = "",
-    timeout: float = 30,
-) -> registry_pb2.Version:
-    uri = upload(stub, lora_files(model, seed), timeout=timeout)
-    request = registry_pb2.PublishVersionRequest(
-        adapter=name,
-        artifact_uri=uri,
-        skip_latest=skip_latest,
-        request_id=request_id,
-        lora_config=common_pb2.LoraConfig(rank=4, alpha=4.0, target_modules=["q_proj", "v_proj"]),
-    )
-    response: registry_pb2.PublishVersionResponse = stub.PublishVersion(request, timeout=timeout)
-    return response.version
 
 
 # --- observing servers ----------------------------------------------------------------------------------------

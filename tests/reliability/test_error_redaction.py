@@ -18,8 +18,7 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
-from faultutil import publish_lora
-from registryutil import create_adapter, unique_name
+from registryutil import create_adapter, publish_lora, unique_name
 from serverproc import ServerProcess, opentinker_command, registry_store
 from trainerutil import model_input
 

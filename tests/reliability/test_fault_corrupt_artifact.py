@@ -10,9 +10,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-from faultutil import ForkedServer, fork_sampler, publish_lora, wait_for
+from faultutil import ForkedServer, fork_sampler, wait_for
 from metricsutil import metric, scrape
-from registryutil import create_adapter, unique_name
+from registryutil import create_adapter, publish_lora, unique_name
 from samplerutil import params, prompt, request, stats
 from serverproc import ServerProcess, registry_store
 from trainerutil import assert_status, rpc_error

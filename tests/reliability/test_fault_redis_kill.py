@@ -20,8 +20,8 @@ from typing import Any
 import grpc
 import pytest
 import redis
-from faultutil import SOAK, ForkedServer, Publisher, fork_sampler, kill_delays, publish_burst, publish_lora, wait_for
-from registryutil import create_adapter, unique_name
+from faultutil import SOAK, ForkedServer, Publisher, fork_sampler, kill_delays, publish_burst, wait_for
+from registryutil import create_adapter, publish_lora, unique_name
 from serverproc import registry_store, start_registry
 
 from opentinker.registry.embedded_redis import EmbeddedRedis

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from faultutil import SOAK, ForkedServer, fork_sampler, long_prompt, publish_lora, wait_for
-from registryutil import create_adapter, unique_name
+from faultutil import SOAK, ForkedServer, fork_sampler, long_prompt, wait_for
+from registryutil import create_adapter, publish_lora, unique_name
 from samplerutil import loaded, params, request, stats
 from serverproc import ServerProcess
 

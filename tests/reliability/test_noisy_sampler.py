@@ -13,10 +13,10 @@ from pathlib import Path
 
 import grpc
 import pytest
-from faultutil import lora_files, wait_for
+from faultutil import wait_for
 from metricsutil import metric, scrape
 from overflowutil import out_of_range_lora_files, overflowing_lora_files
-from registryutil import upload
+from registryutil import lora_files, upload
 from samplerutil import Outputs, collect, params, prompt, request, seeded_samples
 from tenantstack import TenantStack, tenant_stack
 from trainerutil import assert_status, model_input, rpc_error

@@ -14,8 +14,8 @@ from typing import Any
 
 import grpc
 import pytest
-from faultutil import lora_files, wait_for
-from registryutil import upload
+from faultutil import wait_for
+from registryutil import lora_files, upload
 from samplerutil import Outputs, collect, params, request, seeded_samples
 from tenantstack import TenantStack, tenant_stack
 from trainerutil import assert_status, random_tokens, rpc_error

@@ -12,8 +12,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from faultutil import lora_files
-from registryutil import upload
+from registryutil import lora_files, upload
 from samplerutil import collect, params, prompt, request
 from tenantstack import TenantStack, tenant_stack
 from trainerutil import assert_status, rpc_error
