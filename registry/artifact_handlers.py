@@ -45,9 +45,18 @@ _UPLOAD_PROBLEMS: dict[Violation, str] = {
 }
 
 
+MAX_GRACE_S = 10 * 365 * 86400.0  # a longer grace is a mistake; and the cutoff in ms must stay a finite integer
+
+
 class ArtifactHandlers(Handlers):
     async def GarbageCollect(self, request: registry_pb2.GarbageCollectRequest, context: Context) -> Any:
         principal = require_admin("GarbageCollect")
+        grace_s = request.grace_s if request.HasField("grace_s") else self.limits.upload_grace_s
+        if not 0 <= grace_s <= MAX_GRACE_S:  # also false for NaN
+            raise InvalidArgument(
+                f"grace_s must be between 0 and {MAX_GRACE_S:.0f} seconds (ten years), not {grace_s}",
+                reason="INVALID_GRACE",
+            )
         keep_last = request.keep_last or 5
         names = [check_adapter_name(request.adapter)] if request.adapter else await self.store.all_adapter_names()
         response = registry_pb2.GarbageCollectResponse()
@@ -76,7 +85,6 @@ class ArtifactHandlers(Handlers):
                 response.bytes_freed += freed if not request.dry_run else version.artifact_size_bytes
         if not request.dry_run and not request.adapter:
             # Uploads nobody published within the grace period: no version references them.
-            grace_s = request.grace_s if request.HasField("grace_s") else self.limits.upload_grace_s
             _count, freed = await sweep_unpublished(self.store, self.artifacts, grace_s, bucket_orphans=True)
             response.bytes_freed += freed
         return response

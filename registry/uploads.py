@@ -154,13 +154,13 @@ async def delete_claimed(store: RegistryStore, artifacts: RegistryArtifacts, dig
 async def sweep_unpublished(
     store: RegistryStore, artifacts: RegistryArtifacts, grace_s: float, *, bucket_orphans: bool = False
 ) -> tuple[int, int]:
-    """Deletes uploads older than grace_s that no version uses, and finishes deletions whose deleter died;
+    """Deletes uploads older than grace_s (> 0) that no version uses, and finishes deletions whose deleter died;
     bucket_orphans (`opentinker registry gc` only: it lists the bucket): also objects pushed to a bucket store
     and never published. Returns (artifacts, bytes) freed."""
     now = time.time()
     cutoff = int((now - grace_s) * 1000)
     collected = freed = 0
-    for digest in await store.uploads_before(cutoff):
+    for digest in await store.uploads_before(cutoff) if grace_s > 0 else ():  # 0: none are deleted
         if await store.claim_upload(digest, cutoff):
             freed += await delete_claimed(store, artifacts, digest)
             collected += 1

@@ -122,3 +122,10 @@ def publish_lora(
     )
     response: registry_pb2.PublishVersionResponse = stub.PublishVersion(request, timeout=timeout)
     return response.version
+
+
+def flip_bit(path: Path) -> None:
+    """Damages a stored file the way a failing disk does: one bit in its middle, size unchanged."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))

@@ -13,7 +13,7 @@ from typing import Any
 
 import grpc
 import pytest
-from registryutil import create_adapter, publish_lora, unique_name
+from registryutil import create_adapter, flip_bit, publish_lora, unique_name
 from samplerutil import greedy, prompt
 from serverproc import ServerProcess, opentinker_command, registry_store, start_registry, start_sampler
 from storeservers import StoreServer
@@ -42,12 +42,6 @@ def migrate(registry: ServerProcess, env: dict[str, str], *args: str) -> dict[st
     assert result.returncode == 1 and result.stdout, result.stderr
     report: dict[str, Any] = json.loads(result.stdout)
     return report
-
-
-def flip_bit(path: Path) -> None:
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    path.write_bytes(bytes(data))
 
 
 @pytest.mark.parametrize("backend", ["s3", "az"])

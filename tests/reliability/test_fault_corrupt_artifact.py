@@ -12,7 +12,7 @@ import grpc
 import pytest
 from faultutil import ForkedServer, fork_sampler, wait_for
 from metricsutil import metric, scrape
-from registryutil import create_adapter, publish_lora, unique_name
+from registryutil import create_adapter, flip_bit, publish_lora, unique_name
 from samplerutil import params, prompt, request, stats
 from serverproc import ServerProcess, registry_store
 from trainerutil import assert_status, rpc_error
@@ -21,12 +21,6 @@ from opentinker.v1 import registry_pb2, registry_pb2_grpc, sampler_pb2, sampler_
 
 FAILURES = "opentinker_sampler_reload_failures_total"
 WEIGHTS = "adapter_model.safetensors"
-
-
-def flip_bit(path: Path) -> None:
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    path.write_bytes(bytes(data))
 
 
 def truncate(path: Path) -> None:
