@@ -3,6 +3,7 @@ that talk to a running registry live with the other client tools in `opentinker.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Annotated
 
@@ -17,6 +18,7 @@ registry_app = typer.Typer(no_args_is_help=True)
 
 
 @registry_app.command("serve", cls=serve_command("registry", lambda params: store_environment(params.get("store"))))
+@opt.serve_flags(DEFAULT_PORT)
 def serve(
     redis_url: Annotated[
         str | None, typer.Option(help="Redis URL; default: a private embedded Redis under --data-dir.")
@@ -63,27 +65,16 @@ def serve(
             min=0, help="Calls one user tenant may have in flight at once (admins are not counted; 0: no limit)."
         ),
     ] = 64,
-    host: opt.Host = "127.0.0.1",
-    port: opt.Port = DEFAULT_PORT,
-    metrics_port: opt.MetricsPort = 0,
-    tokens_file: opt.TokensFile = None,
-    insecure_public: opt.InsecurePublic = False,
-    tls_cert: opt.TlsCert = None,
-    tls_key: opt.TlsKey = None,
-    ready_file: opt.ReadyFile = None,
-    log_level: opt.LogLevel = "INFO",
-    max_message_mb: opt.MaxMessageMb = 64,
-    config_file: opt.Config = None,
-    print_config: opt.PrintConfig = False,
+    *,
+    serving: opt.Serving,
 ) -> None:
     """Run the registry gRPC server (embedded Redis unless --redis-url)."""
     from opentinker.registry.build import build_registry
     from opentinker.registry.data_dir import default_data_dir
     from opentinker.registry.limits import RegistryLimits
-    from opentinker.rpc.process.startup import check_ports
     from opentinker.rpc.serving.server import configure_logging, serve_forever
 
-    configure_logging(log_level)
+    configure_logging(serving.log_level)
     limits = RegistryLimits(
         max_watches_per_tenant=max_watches_per_tenant,
         max_description_bytes=max_description_bytes,
@@ -93,19 +84,8 @@ def serve(
         tenant_storage_quota_bytes=tenant_storage_quota_mb << 20,
         upload_grace_s=upload_grace_s,
     )
-    options = opt.server_options(
-        host,
-        port,
-        metrics_port,
-        tokens_file,
-        insecure_public,
-        tls_cert,
-        tls_key,
-        ready_file,
-        max_message_mb,
-        max_calls_per_tenant,
-    )
-    check_ports(host, port, metrics_port)  # before the lock and Redis: a clash must not touch the data
+    options = dataclasses.replace(serving.server, max_calls_per_tenant=max_calls_per_tenant)
+    serving.check_ports()  # before the lock and Redis: a clash must not touch the data
     server = build_registry(redis_url, data_dir or default_data_dir(), store, events_maxlen, limits)
     try:
         serve_forever("registry", [server.binding], options, on_stop=server.on_stop)

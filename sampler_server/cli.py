@@ -16,6 +16,7 @@ sampler_app = typer.Typer(no_args_is_help=True)
 
 
 @sampler_app.command("serve", cls=serve_command("sampler", lambda params: store_environment(params.get("store"))))
+@opt.serve_flags(DEFAULT_PORT)
 def serve(
     model: Annotated[str, typer.Option(help="Base model: a local HF directory (or a cached HF id).")],
     registry: Annotated[str, typer.Option(envvar="OPENTINKER_REGISTRY", help="Registry address host:port.")],
@@ -155,18 +156,8 @@ def serve(
     registry_ca: opt.RegistryCa = None,
     cache_dir: opt.CacheDir = None,
     cache_max_mb: opt.CacheMaxMb = 0,
-    host: opt.Host = "127.0.0.1",
-    port: opt.Port = DEFAULT_PORT,
-    metrics_port: opt.MetricsPort = 0,
-    tokens_file: opt.TokensFile = None,
-    insecure_public: opt.InsecurePublic = False,
-    tls_cert: opt.TlsCert = None,
-    tls_key: opt.TlsKey = None,
-    ready_file: opt.ReadyFile = None,
-    log_level: opt.LogLevel = "INFO",
-    max_message_mb: opt.MaxMessageMb = 64,
-    config_file: opt.Config = None,
-    print_config: opt.PrintConfig = False,
+    *,
+    serving: opt.Serving,
 ) -> None:
     """Run the sampler gRPC server."""
     from opentinker.rpc.process.memory import limit_malloc_arenas
@@ -176,17 +167,14 @@ def serve(
     # interval a burst of arriving RPCs holds back the first prefill (bench/streaming.py: time-to-first-token
     # overhead +30 -> +16 ms at 0.5 ms, wall unchanged).
     sys.setswitchinterval(0.0005)
-    from opentinker.rpc.process.startup import check_ports
-    from opentinker.rpc.serving.server import configure_logging, exit_if_unsafe
+    from opentinker.rpc.serving.server import configure_logging
     from opentinker.sampler_server.build import BadOption, CpuGemm, Dtype, SamplerConfig, serve_sampler
     from opentinker.sampler_server.kernels import Backend
     from opentinker.weights.model_check import check_model
 
-    configure_logging(log_level)
-    # Refuse an unsafe exposure before loading the model, not after.
-    exposure = opt.server_options(host, port, metrics_port, tokens_file, insecure_public, tls_cert, tls_key, ready_file)
-    exit_if_unsafe("sampler", exposure)
-    check_ports(host, port, metrics_port)  # a busy port or a missing model: found before the model loads
+    configure_logging(serving.log_level)
+    serving.refuse_unsafe_exposure("sampler")
+    serving.check_ports()  # a busy port or a missing model: found before the model loads
     check_model(model, revision, served_model_name)
     if dtype not in ("auto", "float32", "bfloat16"):
         raise typer.BadParameter("dtype must be auto, float32 or bfloat16", param_hint="--dtype")
@@ -211,9 +199,6 @@ def serve(
             f"{max_pinned_per_tenant} is more than --max-slots ({max_slots}); 0 means no limit",
             param_hint="--max-pinned-per-tenant",
         )
-    options = opt.server_options(
-        host, port, metrics_port, tokens_file, insecure_public, tls_cert, tls_key, ready_file, max_message_mb
-    )
     config = SamplerConfig(
         model=model,
         revision=revision,
@@ -222,7 +207,7 @@ def serve(
         store=store,
         cache_dir=cache_dir,
         cache_max_bytes=cache_max_mb << 20,
-        server=options,
+        server=serving.server,
         registry_token=registry_token,
         registry_ca=registry_ca,
         device=device,

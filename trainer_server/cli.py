@@ -16,6 +16,7 @@ trainer_app = typer.Typer(no_args_is_help=True)
 
 
 @trainer_app.command("serve", cls=serve_command("trainer", lambda params: store_environment(params.get("store"))))
+@opt.serve_flags(DEFAULT_PORT)
 def serve(
     model: Annotated[str, typer.Option(help="Base model: a local HF directory (or a cached HF id).")],
     registry: Annotated[str, typer.Option(envvar="OPENTINKER_REGISTRY", help="Registry address host:port.")],
@@ -84,33 +85,20 @@ def serve(
     registry_ca: opt.RegistryCa = None,
     cache_dir: opt.CacheDir = None,
     cache_max_mb: opt.CacheMaxMb = 0,
-    host: opt.Host = "127.0.0.1",
-    port: opt.Port = DEFAULT_PORT,
-    metrics_port: opt.MetricsPort = 0,
-    tokens_file: opt.TokensFile = None,
-    insecure_public: opt.InsecurePublic = False,
-    tls_cert: opt.TlsCert = None,
-    tls_key: opt.TlsKey = None,
-    ready_file: opt.ReadyFile = None,
-    log_level: opt.LogLevel = "INFO",
-    max_message_mb: opt.MaxMessageMb = 64,
-    config_file: opt.Config = None,
-    print_config: opt.PrintConfig = False,
+    *,
+    serving: opt.Serving,
 ) -> None:
     """Run the trainer gRPC server."""
     from opentinker.rpc.process.memory import limit_malloc_arenas
 
     limit_malloc_arenas()  # first, before torch and gRPC start their threads: freed adapters can be trimmed
-    from opentinker.rpc.process.startup import check_ports
-    from opentinker.rpc.serving.server import configure_logging, exit_if_unsafe
+    from opentinker.rpc.serving.server import configure_logging
     from opentinker.trainer_server.build import TrainerConfig, serve_trainer
     from opentinker.weights.model_check import check_model
 
-    configure_logging(log_level)
-    # Refuse an unsafe exposure before loading the model, not after.
-    exposure = opt.server_options(host, port, metrics_port, tokens_file, insecure_public, tls_cert, tls_key, ready_file)
-    exit_if_unsafe("trainer", exposure)
-    check_ports(host, port, metrics_port)  # a busy port or a missing model: found before the model loads
+    configure_logging(serving.log_level)
+    serving.refuse_unsafe_exposure("trainer")
+    serving.check_ports()  # a busy port or a missing model: found before the model loads
     check_model(model, revision, served_model_name)
     if dtype not in ("auto", "float32", "bfloat16"):
         raise typer.BadParameter("dtype must be auto, float32 or bfloat16", param_hint="--dtype")
@@ -126,9 +114,6 @@ def serve(
         raise typer.BadParameter("must be at least 1", param_hint="--max-batch-positions")
     if max_serving_rank < 0:
         raise typer.BadParameter("must be at least 0 (0: no check)", param_hint="--max-serving-rank")
-    options = opt.server_options(
-        host, port, metrics_port, tokens_file, insecure_public, tls_cert, tls_key, ready_file, max_message_mb
-    )
     config = TrainerConfig(
         model=model,
         revision=revision,
@@ -137,7 +122,7 @@ def serve(
         store=store,
         cache_dir=cache_dir,
         cache_max_bytes=cache_max_mb << 20,
-        server=options,
+        server=serving.server,
         registry_token=registry_token,
         registry_ca=registry_ca,
         device=device,

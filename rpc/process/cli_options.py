@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -94,3 +98,79 @@ def server_options(
         max_message_bytes=max_message_mb << 20,
         max_calls_per_tenant=max_calls_per_tenant,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class Serving:
+    """The flags every server takes (how it listens and logs), parsed once by `serve_flags`."""
+
+    server: ServerOptions
+    log_level: str
+
+    def refuse_unsafe_exposure(self, label: str) -> None:
+        """Exits with one line when the server would listen publicly without authentication: before the model
+        (or the data) is touched, not after."""
+        from opentinker.rpc.serving.server import exit_if_unsafe
+
+        exit_if_unsafe(label, self.server)
+
+    def check_ports(self) -> None:
+        """A busy port is found now, before the model loads or the data is locked."""
+        from opentinker.rpc.process.startup import check_ports
+
+        metrics_port = -1 if self.server.metrics_port is None else self.server.metrics_port
+        check_ports(self.server.host, self.server.port, metrics_port)
+
+
+# name, type with its typer.Option, default: the flags of `serve_flags`, after each server's own.
+_SHARED: tuple[tuple[str, Any, Any], ...] = (
+    ("host", Host, "127.0.0.1"),
+    ("port", Port, None),  # the server's own port
+    ("metrics_port", MetricsPort, 0),
+    ("tokens_file", TokensFile, None),
+    ("insecure_public", InsecurePublic, False),
+    ("tls_cert", TlsCert, None),
+    ("tls_key", TlsKey, None),
+    ("ready_file", ReadyFile, None),
+    ("log_level", LogLevel, "INFO"),
+    ("max_message_mb", MaxMessageMb, 64),
+    ("config_file", Config, None),
+    ("print_config", PrintConfig, False),
+)
+
+
+def serve_flags(default_port: int) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Adds the shared flags to a `serve` command, declared here once: the command's function takes its own
+    flags and `serving: Serving` (typer reads the signature this returns; the function gets the parsed record)."""
+
+    def decorate(command: Callable[..., None]) -> Callable[..., None]:
+        own = inspect.signature(command, eval_str=True)
+        kept = [p for p in own.parameters.values() if p.name != "serving"]
+        keyword = inspect.Parameter.KEYWORD_ONLY
+        shared = [
+            inspect.Parameter(name, keyword, annotation=kind, default=default_port if name == "port" else default)
+            for name, kind, default in _SHARED
+        ]
+
+        @functools.wraps(command)
+        def serve(**flags: Any) -> None:
+            values = {name: flags.pop(name) for name, _kind, _default in _SHARED}
+            options = server_options(
+                values["host"],
+                values["port"],
+                values["metrics_port"],
+                values["tokens_file"],
+                values["insecure_public"],
+                values["tls_cert"],
+                values["tls_key"],
+                values["ready_file"],
+                values["max_message_mb"],
+            )
+            command(**flags, serving=Serving(options, values["log_level"]))
+
+        parameters = [*kept, *shared]
+        serve.__signature__ = own.replace(parameters=parameters)  # type: ignore[attr-defined]
+        serve.__annotations__ = {p.name: p.annotation for p in parameters} | {"return": None}
+        return serve
+
+    return decorate
