@@ -33,13 +33,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TypedDict, Unpack
 
 from rich.progress import Progress
 
 from opentinker.client.envs import DEFAULT_MAX_TURNS, EnvFactory, MultiAgentEnvFactory
 from opentinker.client.rl_loop import RLConfig, StepMetrics, multi_agent_rl, single_agent_rl
 from opentinker.client.sampling_types import SamplingParams
-from opentinker.client.sansio import run, run_async
+from opentinker.client.sansio import Program, run, run_async
 from opentinker.client.service_client import ServiceClient
 from opentinker.client.sft import SFTStepMetrics, train_sft
 from opentinker.client.training_client import TrainingClient
@@ -56,29 +57,87 @@ __all__ = [
 ]
 
 
-def _rl_config(
-    steps: int,
-    group_size: int,
-    groups_per_step: int,
-    sampling: SamplingParams | None,
-    adam: AdamParams | None,
-    loss_fn: str,
-    loss_fn_config: Mapping[str, float] | None,
-    normalize_std: bool,
-    max_turns: int,
-    seed: int,
-) -> RLConfig:
-    return RLConfig(
+class RLOptions(TypedDict, total=False):
+    """The keyword options every RL loop takes (single- and multi-agent, sync and async), declared once;
+    the defaults are `_resolve`'s."""
+
+    group_size: int  # episodes per group (8)
+    groups_per_step: int  # groups per step (4)
+    sampling: SamplingParams | None  # None: SamplingParams(); logprobs are forced on
+    adam: AdamParams | None  # None: the adapter's defaults
+    loss_fn: str  # "importance_sampling" (default), "ppo", "cispo"
+    loss_fn_config: Mapping[str, float] | None  # e.g. clip thresholds
+    lora: LoraConfig | None  # of the adapter(s) the loop creates
+    normalize_std: bool  # divide group advantages by their standard deviation (False)
+    max_turns: int  # turns per episode at most (DEFAULT_MAX_TURNS)
+    seed: int  # task seeds and the adapters' initialisation (0)
+    metrics_path: Path | str | None  # one JSON line per step appended here
+    progress: bool | Progress  # True: a rich progress bar; or a started Progress shared by several runs
+    run_id: str | None  # part of every trace id (None: a fresh one)
+
+
+def _resolve(steps: int, options: RLOptions) -> tuple[RLConfig, RLOptions]:
+    """The loop's config from the options, with their defaults; refuses a name that is no option (a typo
+    would otherwise be ignored: type checkers see it, plain Python does not)."""
+    unknown = sorted(set(options) - set(RLOptions.__annotations__))
+    if unknown:
+        raise TypeError(f"unknown option(s) {unknown}; the options are {sorted(RLOptions.__annotations__)}")
+    config = RLConfig(
         steps=steps,
-        group_size=group_size,
-        groups_per_step=groups_per_step,
-        sampling=sampling or SamplingParams(),
-        adam=adam,
-        loss_fn=loss_fn,
-        loss_fn_config=loss_fn_config,
-        normalize_std=normalize_std,
-        max_turns=max_turns,
-        seed=seed,
+        group_size=options.get("group_size", 8),
+        groups_per_step=options.get("groups_per_step", 4),
+        sampling=options.get("sampling") or SamplingParams(),
+        adam=options.get("adam"),
+        loss_fn=options.get("loss_fn", "importance_sampling"),
+        loss_fn_config=options.get("loss_fn_config"),
+        normalize_std=options.get("normalize_std", False),
+        max_turns=options.get("max_turns", DEFAULT_MAX_TURNS),
+        seed=options.get("seed", 0),
+    )
+    return config, options
+
+
+def _single_agent(
+    service: ServiceClient,
+    adapter: str,
+    env_factory: EnvFactory,
+    steps: int,
+    training_client: TrainingClient | None,
+    options: RLOptions,
+) -> Program[list[StepMetrics]]:
+    config, o = _resolve(steps, options)
+    return single_agent_rl(
+        service,
+        adapter,
+        env_factory,
+        config,
+        o.get("lora"),
+        training_client,
+        o.get("metrics_path"),
+        o.get("progress", False),
+        o.get("run_id"),
+    )
+
+
+def _multi_agent(
+    service: ServiceClient,
+    adapters: Mapping[str, str],
+    env_factory: MultiAgentEnvFactory,
+    steps: int,
+    training_clients: Mapping[str, TrainingClient] | None,
+    options: RLOptions,
+) -> Program[dict[str, list[StepMetrics]]]:
+    config, o = _resolve(steps, options)
+    return multi_agent_rl(
+        service,
+        adapters,
+        env_factory,
+        config,
+        o.get("lora"),
+        training_clients,
+        o.get("metrics_path"),
+        o.get("progress", False),
+        o.get("run_id"),
     )
 
 
@@ -91,20 +150,8 @@ def train_rl(
     env_factory: EnvFactory,
     *,
     steps: int,
-    group_size: int = 8,
-    groups_per_step: int = 4,
-    sampling: SamplingParams | None = None,
-    adam: AdamParams | None = None,
-    loss_fn: str = "importance_sampling",
-    loss_fn_config: Mapping[str, float] | None = None,
-    lora: LoraConfig | None = None,
-    normalize_std: bool = False,
-    max_turns: int = DEFAULT_MAX_TURNS,
-    seed: int = 0,
     training_client: TrainingClient | None = None,
-    metrics_path: Path | str | None = None,
-    progress: bool | Progress = False,
-    run_id: str | None = None,
+    **options: Unpack[RLOptions],
 ) -> list[StepMetrics]:
     """On-policy RL of ``adapter`` on ``env_factory``'s tasks for ``steps`` steps; returns each step's metrics.
 
@@ -114,13 +161,9 @@ def train_rl(
     ``seed + (s - 1) * groups_per_step + g``), with ``sampling`` (logprobs forced on) for at most
     ``max_turns`` turns each; trace ids are ``{adapter}:{run_id}:s{step}:g{group}/{i}``. ``loss_fn``:
     "importance_sampling", "ppo", "cispo" (``loss_fn_config`` e.g. clip thresholds). ``adam`` None: the
-    adapter's defaults.
+    adapter's defaults. The options and their defaults: `RLOptions`.
     """
-    config = _rl_config(
-        steps, group_size, groups_per_step, sampling, adam, loss_fn, loss_fn_config, normalize_std, max_turns, seed
-    )
-    core = single_agent_rl(service, adapter, env_factory, config, lora, training_client, metrics_path, progress, run_id)
-    return run(core)
+    return run(_single_agent(service, adapter, env_factory, steps, training_client, options))
 
 
 async def train_rl_async(
@@ -129,28 +172,12 @@ async def train_rl_async(
     env_factory: EnvFactory,
     *,
     steps: int,
-    group_size: int = 8,
-    groups_per_step: int = 4,
-    sampling: SamplingParams | None = None,
-    adam: AdamParams | None = None,
-    loss_fn: str = "importance_sampling",
-    loss_fn_config: Mapping[str, float] | None = None,
-    lora: LoraConfig | None = None,
-    normalize_std: bool = False,
-    max_turns: int = DEFAULT_MAX_TURNS,
-    seed: int = 0,
     training_client: TrainingClient | None = None,
-    metrics_path: Path | str | None = None,
-    progress: bool | Progress = False,
-    run_id: str | None = None,
+    **options: Unpack[RLOptions],
 ) -> list[StepMetrics]:
     """train_rl on the async SDK methods (a step's rollout requests are sent concurrently); run several
     adapters at once with asyncio.gather."""
-    config = _rl_config(
-        steps, group_size, groups_per_step, sampling, adam, loss_fn, loss_fn_config, normalize_std, max_turns, seed
-    )
-    core = single_agent_rl(service, adapter, env_factory, config, lora, training_client, metrics_path, progress, run_id)
-    return await run_async(core)
+    return await run_async(_single_agent(service, adapter, env_factory, steps, training_client, options))
 
 
 # Multi-agent RL
@@ -162,33 +189,15 @@ def train_multi_agent_rl(
     env_factory: MultiAgentEnvFactory,
     *,
     steps: int,
-    group_size: int = 8,
-    groups_per_step: int = 4,
-    sampling: SamplingParams | None = None,
-    adam: AdamParams | None = None,
-    loss_fn: str = "importance_sampling",
-    loss_fn_config: Mapping[str, float] | None = None,
-    lora: LoraConfig | None = None,
-    normalize_std: bool = False,
-    max_turns: int = DEFAULT_MAX_TURNS,
-    seed: int = 0,
     training_clients: Mapping[str, TrainingClient] | None = None,
-    metrics_path: Path | str | None = None,
-    progress: bool | Progress = False,
-    run_id: str | None = None,
+    **options: Unpack[RLOptions],
 ) -> dict[str, list[StepMetrics]]:
     """RL of one adapter per role of a MultiAgentEnv (``adapters``: role -> adapter name, each created on
     the trainer; or ``training_clients``: role -> an existing client). Each step plays the groups with every
     role sampled from its adapter's exact current version, then trains each role's adapter on its own
     trajectories (group advantages per role). Returns each role's step metrics (all roles' lines go to
-    metrics_path, told apart by "adapter")."""
-    config = _rl_config(
-        steps, group_size, groups_per_step, sampling, adam, loss_fn, loss_fn_config, normalize_std, max_turns, seed
-    )
-    core = multi_agent_rl(
-        service, adapters, env_factory, config, lora, training_clients, metrics_path, progress, run_id
-    )
-    return run(core)
+    metrics_path, told apart by "adapter"). The options and their defaults: `RLOptions`."""
+    return run(_multi_agent(service, adapters, env_factory, steps, training_clients, options))
 
 
 async def train_multi_agent_rl_async(
@@ -197,26 +206,8 @@ async def train_multi_agent_rl_async(
     env_factory: MultiAgentEnvFactory,
     *,
     steps: int,
-    group_size: int = 8,
-    groups_per_step: int = 4,
-    sampling: SamplingParams | None = None,
-    adam: AdamParams | None = None,
-    loss_fn: str = "importance_sampling",
-    loss_fn_config: Mapping[str, float] | None = None,
-    lora: LoraConfig | None = None,
-    normalize_std: bool = False,
-    max_turns: int = DEFAULT_MAX_TURNS,
-    seed: int = 0,
     training_clients: Mapping[str, TrainingClient] | None = None,
-    metrics_path: Path | str | None = None,
-    progress: bool | Progress = False,
-    run_id: str | None = None,
+    **options: Unpack[RLOptions],
 ) -> dict[str, list[StepMetrics]]:
     """train_multi_agent_rl on the async SDK methods; the roles' updates run concurrently."""
-    config = _rl_config(
-        steps, group_size, groups_per_step, sampling, adam, loss_fn, loss_fn_config, normalize_std, max_turns, seed
-    )
-    core = multi_agent_rl(
-        service, adapters, env_factory, config, lora, training_clients, metrics_path, progress, run_id
-    )
-    return await run_async(core)
+    return await run_async(_multi_agent(service, adapters, env_factory, steps, training_clients, options))
