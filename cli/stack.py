@@ -335,6 +335,14 @@ def run_up(config_path: Path, workdir: Path | None, as_json: bool, store: str | 
         print(json.dumps({"event": "stopped", "exit_codes": codes}, sort_keys=True), flush=True)
     else:
         print("stopped " + ", ".join(f"{s} (exit {c})" for s, c in codes.items()), flush=True)
-    if code == 0 and any(c != 0 for c in codes.values()):
+    failed = {service: c for service, c in codes.items() if c != 0}
+    for service, returncode in failed.items():  # a stop that went wrong names who and where to look
+        print(
+            f"opentinker up: the {service} exited with {returncode} while stopping (its log: "
+            f"{stack.servers[service].log_path})",
+            file=sys.stderr,
+            flush=True,
+        )
+    if code == 0 and failed:
         code = 1
     return code

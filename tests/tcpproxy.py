@@ -1,6 +1,8 @@
 """A TCP proxy in front of a test server, to take it away and bring it back (same port, same state behind it) or
 to make it slow: ``down()`` refuses and cuts every connection, ``up()`` listens again, ``delay_s`` holds each
-request (the first bytes a client sends after the server last answered) that long before passing it on."""
+request (the first bytes a client sends after the server last answered) that long before passing it on, and
+while ``cuts_left`` > 0 each answer to a GET is cut (both sockets closed) after ``cut_after`` bytes, the way a
+flaky network or a store's load balancer breaks a download mid-body. ``heads`` keeps the start of each request."""
 
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ class TcpProxy:
         self.upstream_port = upstream_port
         self.delay_s = 0.0
         self.requests = 0  # requests passed on (or held) since start
+        self.heads: list[str] = []  # the first bytes of each of those requests
+        self.cut_after, self.cuts_left, self.cuts = 0, 0, 0
         self._lock = threading.Lock()
         self._connections: set[socket.socket] = set()
         self._listener: socket.socket | None = None
@@ -49,6 +53,13 @@ class TcpProxy:
     def close(self) -> None:
         self.down()
 
+    def _cut(self, answered: int) -> bool:
+        with self._lock:
+            if self.cuts_left <= 0 or answered <= self.cut_after:
+                return False
+            self.cuts_left, self.cuts = self.cuts_left - 1, self.cuts + 1
+            return True
+
     def _accept(self, listener: socket.socket) -> None:
         while True:
             try:
@@ -62,20 +73,26 @@ class TcpProxy:
                 continue
             with self._lock:
                 self._connections |= {client, server}
-            turn = {"client": True}  # the client speaks next: its next bytes start a request
+            turn = {"client": True, "get": False, "sent": 0}  # the client speaks next: its bytes start a request
             threading.Thread(target=self._pump, args=(client, server, turn, True), daemon=True).start()
             threading.Thread(target=self._pump, args=(server, client, turn, False), daemon=True).start()
 
-    def _pump(self, source: socket.socket, sink: socket.socket, turn: dict[str, bool], from_client: bool) -> None:
+    def _pump(self, source: socket.socket, sink: socket.socket, turn: dict[str, int], from_client: bool) -> None:
         try:
             while data := source.recv(1 << 16):
                 if from_client and turn["client"]:
-                    turn["client"] = False
-                    self.requests += 1
+                    turn.update(client=False, get=data.startswith(b"GET "), sent=0)
+                    with self._lock:
+                        self.requests += 1
+                        self.heads.append(data[:2000].decode("latin-1"))
                     if self.delay_s:
                         time.sleep(self.delay_s)
                 elif not from_client:
                     turn["client"] = True
+                    if turn["get"] and self._cut(turn["sent"] + len(data)):
+                        sink.sendall(data[: max(0, self.cut_after - turn["sent"])])
+                        return  # the finally below closes both sockets mid-body
+                    turn["sent"] += len(data)
                 sink.sendall(data)
         except OSError:
             pass

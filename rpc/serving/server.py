@@ -8,6 +8,7 @@ NOT_SERVING, a drain pause so load balancers notice, then stop with a grace peri
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import ipaddress
 import json
 import logging
@@ -214,6 +215,9 @@ def serve_forever(
     on_stop: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
     """Process entry point: run the server; a configuration refusal exits 2 with one clear line."""
+    # A crash in native code (grpc, torch) kills the process with a signal and no Python traceback; this puts the
+    # stacks of every thread in the server's log (stderr) instead, so an exit code like -11 has a cause to read.
+    faulthandler.enable()
     try:
         asyncio.run(run_server(component, bindings, options, on_stop=on_stop))
     except ServerConfigError as exc:
