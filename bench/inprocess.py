@@ -40,21 +40,37 @@ def build_engine(
     runner = LlamaForCausalLM.from_pretrained(model, device=device, dtype=torch.float32)
     if cpu_gemm == "onednn":
         runner.pack_for_cpu()
-    blocks = -(-max_len // BLOCK_SIZE)  # per sequence; + one sequence's for ComputeLogprobs, as the server
-    cache = KVCache(runner.config, (max_seqs + 1) * blocks, BLOCK_SIZE, device, torch.float32)
     pool = SlotPool(runner.linear_shapes(), max_slots=max_slots, max_rank=RANK, device=device)
     eos = runner.config.eos_token_ids if stop_on_eos else ()
-    engine = Engine(
+    engine = engine_over(
+        runner, pool, max_seqs=max_seqs, max_len=max_len, max_batch_tokens=max_batch_tokens, eos_token_ids=eos
+    )
+    return engine, pool
+
+
+def engine_over(
+    runner: LlamaForCausalLM,
+    pool: SlotPool,
+    *,
+    max_seqs: int,
+    max_len: int,
+    max_batch_tokens: int,
+    eos_token_ids: tuple[int, ...],
+) -> Engine:
+    """An engine (not started) over a loaded model and slot pool, with a CPU KV cache and a scheduler of its own:
+    several engines can share one runner and pool."""
+    blocks = -(-max_len // BLOCK_SIZE)  # per sequence; + one sequence's for ComputeLogprobs, as the server
+    cache = KVCache(runner.config, (max_seqs + 1) * blocks, BLOCK_SIZE, torch.device("cpu"), torch.float32)
+    return Engine(
         runner,
         cache,
         pool.tensors,
         Scheduler(max_seqs=max_seqs, max_batch_tokens=max_batch_tokens),
         release=pool.release,
         max_len=max_len,
-        eos_token_ids=eos,
+        eos_token_ids=eos_token_ids,
         kernel="auto",
     )
-    return engine, pool
 
 
 def fill_slots(pool: SlotPool, adapters: list[Weights]) -> list[int]:

@@ -8,7 +8,7 @@ import asyncio
 import concurrent.futures
 import math
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -31,12 +31,17 @@ class Stack:
     store: ArtifactStore
 
     def stop(self) -> None:
-        for proc in [*self.samplers.values(), self.registry]:
-            try:
-                proc.terminate()
-            except Exception:
-                proc.kill()
+        stop_servers([*self.samplers.values(), self.registry])
         self.client.close()
+
+
+def stop_servers(servers: Iterable[ServerProcess]) -> None:
+    """Terminates each server in turn (killing the ones that do not stop cleanly)."""
+    for server in servers:
+        try:
+            server.terminate()
+        except Exception:
+            server.kill()
 
 
 def start_stack(work: Path, model: Path, samplers: dict[str, list[str]], *, threads: int = 1) -> Stack:
