@@ -45,6 +45,7 @@ class ServiceFailed(Exception):
     def __init__(self, service: str, returncode: int | None, reason: str, log_path: Path) -> None:
         how = f"exit {returncode}" if returncode is not None else "timed out"
         super().__init__(f"the {service} failed to start ({how}): {reason}; its log: {log_path}")
+        self.service = service
         self.returncode = returncode
 
 
@@ -301,6 +302,7 @@ def run_up(config_path: Path, workdir: Path | None, as_json: bool, store: str | 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     stack = Stack(plan, quiet=as_json, stop_requested=stop)
     code = 0
+    reported: set[str] = set()  # servers whose exit was already named; the stop report does not repeat them
     try:
         try:
             stack.start()
@@ -310,6 +312,7 @@ def run_up(config_path: Path, workdir: Path | None, as_json: bool, store: str | 
             if not stop.is_set():
                 print(f"opentinker up: {exc}", file=sys.stderr, flush=True)
                 code = CONFIG_ERROR_EXIT if exc.returncode == CONFIG_ERROR_EXIT else 1
+            reported.add(exc.service)
         if code == 0 and not stop.is_set():
             write_stack_file(plan.workdir, stack.describe(), plan.auth.token_file if plan.auth else None)
             _print_addresses(stack, as_json)
@@ -324,6 +327,7 @@ def run_up(config_path: Path, workdir: Path | None, as_json: bool, store: str | 
                         flush=True,
                     )
                     code = 1
+                    reported.add(gone)
                     break
     finally:
         remove_stack_file(plan.workdir)
@@ -335,7 +339,7 @@ def run_up(config_path: Path, workdir: Path | None, as_json: bool, store: str | 
         print(json.dumps({"event": "stopped", "exit_codes": codes}, sort_keys=True), flush=True)
     else:
         print("stopped " + ", ".join(f"{s} (exit {c})" for s, c in codes.items()), flush=True)
-    failed = {service: c for service, c in codes.items() if c != 0}
+    failed = {service: c for service, c in codes.items() if c != 0 and service not in reported}
     for service, returncode in failed.items():  # a stop that went wrong names who and where to look
         print(
             f"opentinker up: the {service} exited with {returncode} while stopping (its log: "

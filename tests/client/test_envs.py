@@ -5,25 +5,33 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Callable, Coroutine, Iterator, Sequence
-from typing import Any, cast
+from collections.abc import Callable, Coroutine, Iterator
+from typing import Any
 
 import pytest
 from registryutil import unique_name
+from rolloututil import (
+    BASE,
+    Conversation,
+    ScriptedSampler,
+    TwoRoles,
+    _BothAct,
+    _client,
+    _Factory,
+    _SlowSampler,
+    _trajectory,
+)
 from serverproc import ServerProcess
 
 from opentinker.client import (
     AdamParams,
     LoraConfig,
     Renderer,
-    SampledSequence,
     SampledVersion,
-    SampleResult,
     SamplingClient,
     SamplingParams,
     ServiceClient,
     Trajectory,
-    Transition,
     datums_for_group,
     trajectory_to_datums,
 )
@@ -54,8 +62,6 @@ from opentinker.client.tasks import (
     short_answer_reward,
     vowels_reward,
 )
-
-BASE = SampledVersion(adapter="", version=0, reference="base", sha256="")
 
 
 @pytest.fixture(scope="module")
@@ -146,10 +152,6 @@ def test_echo_game_turns_and_rewards(renderer: Renderer) -> None:
 # EnvGroup and the rollout engine on a scripted sampler (no server)
 
 
-def _trajectory(reward: float, trace_id: str) -> Trajectory:
-    return Trajectory((Transition((1, 2), (3, 4), (-1.0, -1.0), reward),), trace_id)
-
-
 def test_env_group_advantages_and_datums(renderer: Renderer) -> None:
     group = EnvGroup(DigitsTask.factory(renderer), group_size=4)
     envs = group.make(seed=2)
@@ -169,59 +171,6 @@ def test_env_group_advantages_and_datums(renderer: Renderer) -> None:
     assert EnvGroup(DigitsTask.factory(renderer), 2).advantages([_trajectory(1, "a"), _trajectory(1, "b")]) == [0, 0]
     with pytest.raises(ValueError):
         EnvGroup(DigitsTask.factory(renderer), 0)
-
-
-class ScriptedSampler:
-    """Stands in for a SamplingClient: answers each request with ``num_samples`` scripted sequences and
-    records the requests."""
-
-    def __init__(self, version: SampledVersion = BASE) -> None:
-        self.version = version
-        self.requests: list[tuple[tuple[int, ...], int]] = []
-
-    def sample(self, prompt: Sequence[int], params: SamplingParams | None = None, num_samples: int = 1) -> SampleResult:
-        assert params is not None and params.logprobs  # rollouts always ask for logprobs
-        self.requests.append((tuple(prompt), num_samples))
-        sequences = tuple(
-            SampledSequence(
-                tokens=(100 + i, 200 + len(prompt)),
-                logprobs=(-0.5, -0.25),
-                text=f"s{i}",
-                stop_reason="length",
-                version=self.version,
-            )
-            for i in range(num_samples)
-        )
-        return SampleResult(sequences=sequences, prompt_logprobs=None, prompt_tokens=len(prompt))
-
-    async def sample_async(
-        self, prompt: Sequence[int], params: SamplingParams | None = None, num_samples: int = 1
-    ) -> SampleResult:
-        return self.sample(prompt, params, num_samples)
-
-
-class Conversation:
-    """A multi-turn Env: each turn appends the action and a 2-token environment reply; reward = turn index;
-    the episode ends after ``turns`` turns."""
-
-    def __init__(self, turns: int) -> None:
-        self.turns = turns
-        self.context: tuple[int, ...] = (1, 2, 3)
-        self.played = 0
-
-    def initial_observation(self) -> tuple[int, ...]:
-        return self.context
-
-    def step(self, action: tuple[int, ...]) -> StepResult:
-        self.played += 1
-        self.context = (*self.context, *action, 7, 8)
-        if self.played == self.turns:
-            return StepResult(float(self.played), True)
-        return StepResult(float(self.played), False, self.context)
-
-
-def _client(fake: ScriptedSampler) -> SamplingClient:
-    return cast("SamplingClient", fake)
 
 
 def test_multi_turn_rollout_records_full_contexts() -> None:
@@ -259,31 +208,6 @@ def test_group_rollout_batches_shared_observations() -> None:
     assert len(again[0].transitions) == 2
 
 
-class TwoRoles:
-    """A scripted game: "a" acts, then "b", then "a" again; rewards go to the *other* role as well."""
-
-    roles = ("a", "b")
-
-    def __init__(self) -> None:
-        self.turn = 0
-        self.contexts: dict[str, tuple[int, ...]] = {"a": (1,), "b": (2,)}
-
-    def current_role(self) -> str:
-        return "ab"[self.turn % 2]
-
-    def observation(self, role: str) -> tuple[int, ...]:
-        return self.contexts[role]
-
-    def step(self, role: str, action: tuple[int, ...]) -> MultiStepResult:
-        self.turn += 1
-        self.contexts[role] = (*self.contexts[role], *action, 9)
-        if self.turn == 1:
-            return MultiStepResult({"b": 0.25}, done=False)  # before b has acted: lands on b's first turn
-        if self.turn == 2:
-            return MultiStepResult({"a": 1.0, "b": 2.0}, done=False)
-        return MultiStepResult({"a": 4.0}, done=True)
-
-
 def test_multi_agent_rewards_land_on_each_roles_turns() -> None:
     clients = {"a": _client(ScriptedSampler()), "b": _client(ScriptedSampler())}
     trajectories = rollout_multi_agent(TwoRoles(), clients, SamplingParams(), "game")
@@ -297,13 +221,6 @@ def test_multi_agent_rewards_land_on_each_roles_turns() -> None:
 
 
 # The sync and async twins come from one core: same trajectories, same requests, same errors.
-
-
-class _Factory:
-    """EnvFactory of Conversation(2) (the seed is ignored)."""
-
-    def __call__(self, seed: int) -> Env:
-        return Conversation(2)
 
 
 def test_rollout_twins_play_the_same_episodes() -> None:
@@ -381,41 +298,6 @@ def test_rollout_twins_raise_the_same_errors() -> None:
             plain()
         with pytest.raises(error, match=message):
             asyncio.run(twin())
-
-
-class _SlowSampler(ScriptedSampler):
-    """sample_async yields to the event loop mid-request and logs when each request starts and ends."""
-
-    def __init__(self, log: list[str], name: str) -> None:
-        super().__init__()
-        self.log = log
-        self.name = name
-
-    async def sample_async(
-        self, prompt: Sequence[int], params: SamplingParams | None = None, num_samples: int = 1
-    ) -> SampleResult:
-        self.log.append(f"start {self.name}")
-        await asyncio.sleep(0.01)
-        self.log.append(f"end {self.name}")
-        return self.sample(prompt, params, num_samples)
-
-
-class _BothAct:
-    """Two games: in one "a" acts first, in the other "b"; one turn each."""
-
-    roles = ("a", "b")
-
-    def __init__(self, first: str) -> None:
-        self.first = first
-
-    def current_role(self) -> str:
-        return self.first
-
-    def observation(self, role: str) -> tuple[int, ...]:
-        return (1,)
-
-    def step(self, role: str, action: tuple[int, ...]) -> MultiStepResult:
-        return MultiStepResult({role: 1.0}, done=True)
 
 
 def test_async_rollouts_send_a_turns_requests_concurrently() -> None:

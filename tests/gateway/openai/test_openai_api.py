@@ -7,31 +7,26 @@ bodies."""
 from __future__ import annotations
 
 import asyncio
-import json
 import math
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import openai
 import pytest
-from gatewayutil import KEY_A, KEY_B, base_url
-from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
+from badrequestutil import HONOURED, REFUSED, assert_bad_requests_refused
+from chatutil import MESSAGES, chats_at_once, extra, hang_up_early, repeating_greedy_chat, stream_chat, wait_until_idle
+from gatewayutil import KEY_A, KEY_B
 from openaiutil import async_openai_client, openai_client, train_adapter
 from samplerutil import PeftReference
 from serverproc import ServerProcess, registry_store
+from toplogprobsutil import assert_alternatives, assert_completion_alternatives, assert_same_alternatives, top_k
 from transformers import AutoTokenizer
 
 from opentinker.client import SamplingParams, ServiceClient
 
 AGENT = "gw-a/oai-agent"
 OTHER = "gw-b/oai-other"
-MESSAGES: list[ChatCompletionMessageParam] = [
-    {"role": "system", "content": "You are terse."},
-    {"role": "user", "content": "What is 2 plus 3?"},
-]
 
 
 @pytest.fixture(scope="module")
@@ -63,39 +58,6 @@ def client_b(gateway: ServerProcess) -> Iterator[openai.OpenAI]:
 @pytest.fixture(scope="module")
 def reference(tiny_model: Path) -> PeftReference:
     return PeftReference(tiny_model)
-
-
-def top_k(model: Any, prompt: list[int], sampled: list[int], k: int) -> list[tuple[list[int], list[float]]]:
-    """The oracle: at each sampled token's position, the k most likely ids and their logprobs (log_softmax of the
-    logits at temperature 1) in a direct transformers forward of the prompt and the sampled prefix, fp32."""
-    import torch
-
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + sampled])).logits[0].float()  # [L, V]
-    positions = logits[len(prompt) - 1 : len(prompt) - 1 + len(sampled)].log_softmax(-1)  # [T, V]
-    values, ids = positions.topk(k, dim=-1)
-    return list(zip(ids.tolist(), values.tolist(), strict=True))
-
-
-def assert_alternatives(
-    entries: list[Any], expected: list[tuple[list[int], list[float]]], tokenizer: Any, k: int
-) -> None:
-    """Each chat logprobs entry's top_logprobs: the oracle's k most likely tokens, in its order, its logprobs."""
-    assert len(entries) == len(expected)
-    for entry, (ids, values) in zip(entries, expected, strict=True):
-        top = entry.top_logprobs
-        assert len(top) == k
-        assert [t.logprob for t in top] == pytest.approx(values, abs=1e-4)
-        assert [t.token for t in top] == [tokenizer.decode([i]) for i in ids]
-        assert all(t.bytes == list(t.token.encode()) for t in top)
-        if entry.token in [t.token for t in top]:  # the chosen token's entry is its own logprob
-            assert next(t.logprob for t in top if t.token == entry.token) == pytest.approx(entry.logprob, abs=1e-6)
-
-
-def extra(obj: object, name: str) -> Any:
-    """A vLLM-style extra field the SDK keeps on its pydantic models."""
-    extras = getattr(obj, "model_extra", None) or {}
-    return extras[name]
 
 
 def test_models_are_listed_per_tenant(
@@ -172,18 +134,7 @@ def test_streamed_chat_equals_the_answer(
 ) -> None:
     request: dict[str, Any] = {"model": AGENT, "messages": MESSAGES, "max_tokens": 10, "seed": 11, "temperature": 0.9}
     whole = client_a.chat.completions.create(**request, extra_body={"return_token_ids": True})
-
-    async def streamed() -> tuple[list[Any], str, list[int], list[Any]]:
-        async with async_openai_client(gateway, KEY_A) as client:
-            stream = await client.chat.completions.create(
-                **request, stream=True, stream_options={"include_usage": True}, extra_body={"return_token_ids": True}
-            )
-            chunks = [chunk async for chunk in stream]
-        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-        tokens = [t for c in chunks if c.choices for t in extra(c.choices[0], "token_ids")]
-        return chunks, text, tokens, [c.choices[0].finish_reason for c in chunks if c.choices]
-
-    chunks, text, tokens, reasons = asyncio.run(streamed())
+    chunks, text, tokens, reasons = stream_chat(gateway, KEY_A, request)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert extra(chunks[0], "prompt_token_ids") == extra(whole, "prompt_token_ids")
     assert {c.model for c in chunks} == {whole.model} == {f"{AGENT}@{versions[AGENT]}"}
@@ -252,18 +203,6 @@ def test_completions_with_token_and_text_prompts(
     assert "".join(c.choices[0].text for c in chunks if c.choices) == sampled.text
 
 
-def _completion_tops(expected: list[tuple[list[int], list[float]]], tokenizer: Any) -> list[dict[str, float]]:
-    """OpenAI's completions form of the oracle under greedy decoding (the chosen token ranks first, so it is in):
-    per position {token: logprob} of the k most likely, the likelier of two ids with one text kept."""
-    tops = []
-    for ids, values in expected:
-        ranked: dict[str, float] = {}
-        for token_id, logprob in zip(ids, values, strict=True):
-            ranked.setdefault(tokenizer.decode([token_id]), logprob)
-        tops.append(ranked)
-    return tops
-
-
 def test_top_logprobs_are_the_models_alternatives(
     client_a: openai.OpenAI, gateway: ServerProcess, reference: PeftReference, tiny_model: Path
 ) -> None:
@@ -290,10 +229,7 @@ def test_top_logprobs_are_the_models_alternatives(
     # Streamed: the same entries, chunk by chunk.
     chunks = list(client_a.chat.completions.create(**chat, top_logprobs=5, stream=True))
     streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content or []]
-    assert [[t.token for t in e.top_logprobs] for e in streamed] == [[t.token for t in e.top_logprobs] for e in content]
-    assert [t.logprob for e in streamed for t in e.top_logprobs] == pytest.approx(
-        [t.logprob for e in content for t in e.top_logprobs], abs=1e-5
-    )
+    assert_same_alternatives(streamed, content)
 
     # top_logprobs 0 (or absent): the chosen tokens' logprobs only, the same tokens.
     plain = client_a.chat.completions.create(**chat)
@@ -310,20 +246,8 @@ def test_top_logprobs_are_the_models_alternatives(
         "temperature": 0.0,
         "extra_body": {"return_token_ids": True},
     }
-    legacy = client_a.completions.create(**text, logprobs=3)
-    assert extra(legacy.choices[0], "token_ids") == tokens
-    tops = legacy.choices[0].logprobs.top_logprobs
-    oracle = _completion_tops(top_k(model, prompt, tokens, 3), tokenizer)
-    assert tops is not None and [list(t) for t in tops] == [list(t) for t in oracle]
-    assert [v for t in tops for v in t.values()] == pytest.approx([v for t in oracle for v in t.values()], abs=1e-4)
-    chunks_text = list(client_a.completions.create(**text, logprobs=3, stream=True))
-    streamed_tops = [
-        t for c in chunks_text if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.top_logprobs or []
-    ]
-    assert [list(t) for t in streamed_tops] == [list(t) for t in tops]
-    zero = client_a.completions.create(**text, logprobs=0)
-    assert zero.choices[0].logprobs is not None and zero.choices[0].logprobs.top_logprobs is None
-    assert zero.choices[0].logprobs.token_logprobs == pytest.approx([e.logprob for e in content], abs=1e-5)
+    chosen = [e.logprob for e in content]
+    assert_completion_alternatives(client_a, text, tokens, top_k(model, prompt, tokens, 3), tokenizer, chosen)
 
     # Beyond OpenAI's bounds: 400 naming the field.
     with pytest.raises(openai.BadRequestError) as refused:
@@ -355,13 +279,7 @@ def test_a_batch_mixing_top_logprobs_gives_each_what_it_asked(
         }
 
     alone = {name: client_a.chat.completions.create(**body(name)) for name in asks}
-
-    async def together() -> dict[str, Any]:
-        async with async_openai_client(gateway, KEY_A) as client:
-            replies = await asyncio.gather(*(client.chat.completions.create(**body(name)) for name in asks))
-        return dict(zip(asks, replies, strict=True))
-
-    both = asyncio.run(together())
+    both = chats_at_once(gateway, KEY_A, {name: body(name) for name in asks})
     for name in asks:
         choice = both[name].choices[0]
         assert extra(choice, "token_ids") == extra(alone[name].choices[0], "token_ids")
@@ -394,34 +312,7 @@ def test_other_tenants_models_wrong_keys_and_bad_bodies(
             wrong.models.list()
         assert denied.value.code == "invalid_api_key"
 
-    bad: list[dict[str, object]] = [
-        {"messages": "hello"},
-        {"messages": []},
-        {"messages": [{"role": "robot", "content": "x"}]},
-        {"temperature": "hot"},
-        {"n": 0},
-        {"max_tokens": -1},
-        {"stop": [1, 2]},
-        {"top_logprobs": 3},
-        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-        {"metadata": {"episode_id": "no spaces allowed"}},
-    ]
-    for fields in bad:
-        body = {"model": AGENT, "messages": MESSAGES, "max_tokens": 2, **fields}
-        with pytest.raises(openai.BadRequestError) as refused:
-            client_a.post("/chat/completions", body=body, cast_to=httpx.Response)
-        assert refused.value.type == "invalid_request_error", fields
-    raw = httpx.post(
-        f"{base_url(gateway)}/v1/chat/completions", content=b"{not json", headers={"Authorization": f"Bearer {KEY_A}"}
-    )
-    assert raw.status_code == 400 and set(json.loads(raw.text)["error"]) == {"message", "type", "param", "code"}
-    with pytest.raises(openai.BadRequestError):
-        client_a.chat.completions.create(
-            model=AGENT,
-            messages=MESSAGES,
-            max_tokens=2,
-            extra_headers={"X-OpenTinker-Episode": "a b"},
-        )
+    assert_bad_requests_refused(client_a, gateway, KEY_A, AGENT)
     # still serving
     ok = client_a.chat.completions.create(model=AGENT, messages=MESSAGES, max_tokens=2)
     assert ok.choices[0].message.role == "assistant"
@@ -431,22 +322,7 @@ def test_penalties_change_greedy_output_as_the_samplers_do(
     client_a: openai.OpenAI, service: ServiceClient, versions: dict[str, int]
 ) -> None:
     base_id = next(iter(client_a.models.list())).id
-    for i in range(40):
-        messages = [{"role": "user", "content": f"Say {i} again."}]
-        chat: dict[str, Any] = {
-            "model": base_id,
-            "messages": messages,
-            "max_tokens": 16,
-            "temperature": 0.0,
-            "extra_body": {"return_token_ids": True},
-        }
-        plain = client_a.chat.completions.create(**chat)
-        tokens = extra(plain.choices[0], "token_ids")
-        repeated = [t for t in set(tokens) if tokens.count(t) >= 2]
-        if repeated:
-            break
-    else:
-        raise AssertionError("no chat whose greedy reply repeats a token")
+    chat, plain, tokens, repeated = repeating_greedy_chat(client_a, base_id)
     prompt = extra(plain, "prompt_token_ids")
     sampler = service.create_sampling_client("base")
 
@@ -481,36 +357,20 @@ def test_what_cannot_be_honoured_is_refused_naming_the_parameter(
     """No parameter is silently ignored: values the gateway cannot honour are 400s naming the parameter, and
     nothing is sampled for them."""
     base_id = next(iter(client_a.models.list())).id
-    tools: list[ChatCompletionToolParam] = [
-        {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
-    ]
-    refused: list[tuple[dict[str, Any], str]] = [
-        ({"presence_penalty": 2.5}, "presence_penalty"),
-        ({"frequency_penalty": -3}, "frequency_penalty"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": {}}}}, "response_format"),
-        ({"tools": tools, "tool_choice": "required"}, "tool_choice"),
-        ({"tools": tools, "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "tool_choice"),
-        ({"top_p": 0}, "top_p"),
-    ]
     sampler = service.create_sampling_client("base")
     before = sampler.stats().tokens_generated
-    for fields, param in refused:
+    for fields, param in REFUSED:
         with pytest.raises(openai.BadRequestError) as caught:
             client_a.chat.completions.create(model=base_id, messages=MESSAGES, max_tokens=2, **fields)
         assert caught.value.param == param and caught.value.type == "invalid_request_error", (fields, caught.value)
         assert param in caught.value.message
-    for fields, param in refused[:4]:
+    for fields, param in REFUSED[:4]:
         with pytest.raises(openai.BadRequestError) as caught:
             client_a.completions.create(model=base_id, prompt="Hi", max_tokens=2, extra_body=fields)
         assert caught.value.param == param, (fields, caught.value)
     assert sampler.stats().tokens_generated == before
     # What is honoured is served: text, auto, none.
-    for fields in (
-        {"response_format": {"type": "text"}},
-        {"tools": tools, "tool_choice": "auto"},
-        {"tools": tools, "tool_choice": "none"},
-    ):
+    for fields in HONOURED:
         ok = client_a.chat.completions.create(model=base_id, messages=MESSAGES, max_tokens=2, **fields)
         assert ok.choices[0].message.role == "assistant"
 
@@ -527,16 +387,9 @@ def test_a_client_that_goes_away_cancels_its_samples(
     sampler = service.create_sampling_client("base")
     before = sampler.stats().tokens_generated
     body["stream"] = True
-    headers = {"Authorization": f"Bearer {KEY_A}"}
-    with httpx.stream("POST", f"{base_url(gateway)}/v1/chat/completions", json=body, headers=headers) as reply:
-        assert reply.status_code == 200
-        lines = reply.iter_lines()
-        assert next(line for line in lines if line.startswith("data: ")).startswith("data: {")
+    hang_up_early(gateway, KEY_A, body)
     # The sample ends when the gateway's next write fails: well before its 1,900 tokens.
-    deadline = time.monotonic() + 60
-    while (stats := sampler.stats()).running_requests or stats.waiting_requests:
-        assert time.monotonic() < deadline, stats
-        time.sleep(0.1)
+    stats = wait_until_idle(sampler, 60)
     assert stats.tokens_generated - before < 1900, stats
     ok = client.chat.completions.create(model=AGENT, messages=MESSAGES, max_tokens=2)
     assert ok.choices[0].message.role == "assistant"
