@@ -27,15 +27,12 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
-from registryutil import lora_files, upload
 from serverproc import ServerProcess, registry_store
 
 from opentinker.cli.launch import tree_memory
-from opentinker.v1 import common_pb2, registry_pb2, registry_pb2_grpc, sampler_pb2, sampler_pb2_grpc
+from opentinker.v1 import sampler_pb2, sampler_pb2_grpc
 
 SOAK = os.environ.get("OPENTINKER_SOAK") == "1"
 HERE = Path(__file__).resolve().parent
@@ -363,44 +360,3 @@ def long_prompt(sampler: sampler_pb2_grpc.SamplerServiceStub, reference: str, ma
         if stop == sampler_pb2.STOP_REASON_LENGTH:
             return prompt
     raise AssertionError(f"no prompt of 20 runs {max_tokens} greedy tokens under {reference}")
-
-
-@dataclass
-class Publisher:
-    """One client of a publish burst: what it got acknowledged and every failure it saw on the way."""
-
-    index: int
-    acked: dict[str, registry_pb2.Version] = field(default_factory=dict)  # request id -> version
-    uris: dict[str, str] = field(default_factory=dict)  # request id -> uploaded artifact uri
-    failures: list[tuple[grpc.StatusCode, str]] = field(default_factory=list)  # (code, ErrorInfo reason)
-
-
-def publish_burst(
-    stub: registry_pb2_grpc.RegistryServiceStub, model: Path, name: str, me: Publisher, count: int
-) -> None:
-    """Uploads and publishes `count` distinct snapshots, each with its own request id, retrying through
-    UNAVAILABLE with the same request id (a publish that did land is then replayed, not repeated). Stops at
-    the first other failure, which the caller sees in `failures`."""
-    from opentinker.rpc.serving.errors import error_info
-
-    for n in range(count):
-        request_id = f"p{me.index}-{n}"
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                if request_id not in me.uris:  # an acknowledged upload is committed and survives restarts
-                    me.uris[request_id] = upload(stub, lora_files(model, seed=1000 * me.index + n), timeout=30)
-                request = registry_pb2.PublishVersionRequest(
-                    adapter=name,
-                    artifact_uri=me.uris[request_id],
-                    request_id=request_id,
-                    lora_config=common_pb2.LoraConfig(rank=4, alpha=4.0, target_modules=["q_proj", "v_proj"]),
-                )
-                me.acked[request_id] = stub.PublishVersion(request, timeout=30).version
-                break
-            except grpc.RpcError as error:
-                info = error_info(error)
-                me.failures.append((error.code(), info.reason if info else ""))
-                if error.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
-                    return
-                time.sleep(0.05)

@@ -20,7 +20,8 @@ from typing import Any
 import grpc
 import pytest
 import redis
-from faultutil import SOAK, ForkedServer, Publisher, fork_sampler, kill_delays, publish_burst, wait_for
+from faultutil import SOAK, ForkedServer, fork_sampler, kill_delays, wait_for
+from publishburst import Publisher, publish_burst
 from registryutil import create_adapter, publish_lora, unique_name
 from serverproc import registry_store, start_registry
 

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from faultutil import SOAK, Publisher, publish_burst
+from faultutil import SOAK
+from publishburst import Publisher, publish_burst
 from registryutil import create_adapter, unique_name
 from serverproc import ServerProcess, registry_store, start_registry
 

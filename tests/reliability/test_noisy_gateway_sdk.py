@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import pytest
 import tinker
-from test_noisy_gateway import KEY_A, KEY_B, TOKENS, Gateway, MiB, _datums, gateway  # noqa: F401 (a fixture)
+from noisygateway import KEY_A, KEY_B, TOKENS, Gateway, MiB, _datums
+from test_noisy_gateway import gateway  # noqa: F401 (a fixture)
 from tinker import types
 
 ABSURD_LEARNING_RATES = (1e30, 1e12, 3e38)

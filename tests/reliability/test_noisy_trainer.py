@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 import json
-import re
 import secrets
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -20,12 +19,25 @@ import torch
 import trainerutil
 from safetensors.torch import load, save
 from serverproc import ServerProcess, registry_store, start_registry, start_trainer
-from trainerabuse import Tenant, beside, fresh, memory_mib, seeded_training, status, tenant
+from trainerabuse import (
+    Refusal,
+    Tenant,
+    _snapshot,
+    beside,
+    fresh,
+    memory_mib,
+    micro_groups,
+    padded,
+    refusal,
+    seeded_training,
+    status,
+    team_adapters,
+    tenant,
+)
 from trainerutil import assert_same, random_tokens, read_state, sft_batch, sft_datum
 
 from opentinker.client import Datum, LoraConfig, ModelInput, ServiceClient
-from opentinker.rpc.serving.errors import error_info
-from opentinker.v1 import common_pb2, trainer_pb2
+from opentinker.v1 import trainer_pb2
 from opentinker.weights.artifact_store import ArtifactStore
 
 T = TypeVar("T")
@@ -151,12 +163,6 @@ def test_snapshot_refuses_out_of_range_weights_of_a_loaded_state(stack: Stack) -
 # --- case 7: a state resumed into another adapter trains and snapshots from that adapter's own history ---------
 
 
-def _snapshot(who: Tenant, name: str) -> tuple[int, int]:
-    """(version, lineage parent) of a new snapshot of `name`."""
-    version = who.call("SaveSnapshot", trainer_pb2.SaveSnapshotRequest(adapter=name)).version
-    return int(version.version), int(version.lineage.parent_version)
-
-
 def test_resumed_state_snapshots_in_its_own_history(stack: Stack, alone: list[float]) -> None:
     a = stack["team-a"]
     source, copy = fresh("team-a"), fresh("team-a")
@@ -207,22 +213,6 @@ def test_resume_into_another_adapter_through_the_sdk(stack: Stack) -> None:
 # --- case 8: another tenant's saved states and versions are unreachable, and their existence is not revealed ----
 
 
-Refusal = tuple[grpc.StatusCode | None, str, str]
-
-
-def refusal(call: Callable[[], object], *ids: str) -> Refusal:
-    """(code, reason, message with the given ids and its request id blanked) of a refused call."""
-    try:
-        call()
-    except grpc.RpcError as error:
-        info = error_info(error)
-        message = re.sub(r" \(request [^)]*\)$", "", str(error.details()))  # each call has its own id
-        for value in ids:
-            message = message.replace(value, "<id>")
-        return error.code(), info.reason if info is not None else "", message
-    return None, "", ""
-
-
 def test_states_and_versions_of_another_tenant_are_unreachable(stack: Stack, alone: list[float]) -> None:
     a, b, admin = stack["team-a"], stack["team-b"], stack[ADMIN]
     victim = fresh("team-b")
@@ -271,11 +261,6 @@ def test_states_and_versions_of_another_tenant_are_unreachable(stack: Stack, alo
 DEFAULT_MAX_BATCH_POSITIONS = 131072  # the trainer's --max-batch-positions default (64 x 2048)
 
 
-def padded(short: int) -> list[common_pb2.Datum]:
-    """One 2,047-position datum and `short` one-position datums: few real tokens, (short + 1) x 2047 padded."""
-    return [sft_datum(random_tokens(1, 2048)), *(sft_datum([5, 6]) for _ in range(short))]
-
-
 def test_padded_batches_are_bounded(stack: Stack, alone: list[float], figure: Callable[[str, object], None]) -> None:
     a = stack["team-a"]
     name = fresh("team-a")
@@ -303,11 +288,6 @@ def test_padded_batches_are_bounded(stack: Stack, alone: list[float], figure: Ca
 # --- case 11: a tenant's adapters are bounded in number, and deleting them gives the memory back ---------------
 
 QUOTA = 24  # the module's --max-adapters-per-tenant (the default is 64)
-
-
-def team_adapters(who: Tenant) -> list[str]:
-    listing = who.call("ListAdapters", trainer_pb2.TrainerServiceListAdaptersRequest(prefix=f"{who.name}/"))
-    return [adapter.name for adapter in listing.adapters]
 
 
 def test_adapter_quota_and_memory_after_delete(
@@ -353,17 +333,6 @@ def test_adapter_quota_and_memory_after_delete(
 
 MICRO = 4096  # the module's --micro-batch-positions (also the default)
 LENGTHS = [700, 300, 900, 50, 1000, 400, 800, 200, 600, 100, 500, 1000]  # 12 x 1000 padded: over MICRO
-
-
-def micro_groups(lengths: list[int], limit: int) -> list[list[int]]:
-    """Consecutive datums, each group padded to its longest within `limit` (the trainer's rule)."""
-    groups: list[list[int]] = []
-    for index, length in enumerate(lengths):
-        if groups and (len(groups[-1]) + 1) * max(length, *(lengths[i] for i in groups[-1])) <= limit:
-            groups[-1].append(index)
-        else:
-            groups.append([index])
-    return groups
 
 
 def test_big_request_runs_in_micro_batches(

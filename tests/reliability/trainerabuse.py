@@ -4,6 +4,7 @@ the status a refused call got, and the trainer's memory."""
 from __future__ import annotations
 
 import concurrent.futures
+import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -11,7 +12,7 @@ from typing import Any, TypeVar
 
 import grpc
 from serverproc import ServerProcess
-from trainerutil import adam, logprobs, lora, sft_batch
+from trainerutil import adam, logprobs, lora, random_tokens, sft_batch, sft_datum
 
 from opentinker.cli.launch import tree_memory
 from opentinker.rpc.serving.errors import error_info
@@ -112,3 +113,49 @@ def beside(team_b: Tenant, abuse: Callable[[], T], reference: list[float]) -> T:
     result, outputs = alongside(abuse, lambda: seeded_training(team_b, fresh("team-b")))
     assert outputs == reference, "team-b's seeded training changed while team-a abused the trainer"
     return result
+
+
+# --- helpers of single cases of test_noisy_trainer.py (cases 7, 8, 3 and 11) ----------------------------------
+
+
+def _snapshot(who: Tenant, name: str) -> tuple[int, int]:
+    """(version, lineage parent) of a new snapshot of `name`."""
+    version = who.call("SaveSnapshot", trainer_pb2.SaveSnapshotRequest(adapter=name)).version
+    return int(version.version), int(version.lineage.parent_version)
+
+
+Refusal = tuple[grpc.StatusCode | None, str, str]
+
+
+def refusal(call: Callable[[], object], *ids: str) -> Refusal:
+    """(code, reason, message with the given ids and its request id blanked) of a refused call."""
+    try:
+        call()
+    except grpc.RpcError as error:
+        info = error_info(error)
+        message = re.sub(r" \(request [^)]*\)$", "", str(error.details()))  # each call has its own id
+        for value in ids:
+            message = message.replace(value, "<id>")
+        return error.code(), info.reason if info is not None else "", message
+    return None, "", ""
+
+
+def padded(short: int) -> list[common_pb2.Datum]:
+    """One 2,047-position datum and `short` one-position datums: few real tokens, (short + 1) x 2047 padded."""
+    return [sft_datum(random_tokens(1, 2048)), *(sft_datum([5, 6]) for _ in range(short))]
+
+
+def team_adapters(who: Tenant) -> list[str]:
+    listing = who.call("ListAdapters", trainer_pb2.TrainerServiceListAdaptersRequest(prefix=f"{who.name}/"))
+    return [adapter.name for adapter in listing.adapters]
+
+
+def micro_groups(lengths: list[int], limit: int) -> list[list[int]]:
+    """Consecutive datums, each group padded to its longest within `limit` (the trainer's rule)."""
+    groups: list[list[int]] = []
+    for index, length in enumerate(lengths):
+        if groups and (len(groups[-1]) + 1) * max(length, *(lengths[i] for i in groups[-1])) <= limit:
+            groups[-1].append(index)
+        else:
+            groups.append([index])
+    return groups
