@@ -17,13 +17,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
+    from opentinker.rpc.process.model_server_setup import ModelServerSetup
     from opentinker.rpc.serving.server import ServerOptions, ServiceBinding
     from opentinker.sampler_server.engine import Engine
     from opentinker.sampler_server.engine_api import EngineAPI
     from opentinker.sampler_server.kernels import Backend
 
 log = logging.getLogger("opentinker.sampler")
-Dtype = Literal["auto", "float32", "bfloat16"]
 CpuGemm = Literal["onednn", "torch"]  # float32 CPU base matmuls: oneDNN packed weights or torch's dense GEMM
 # The default bound of a text prompt: a prompt_text of more bytes than this per token of the context would hardly
 # fit it anyway (English runs ~4 bytes a token, CJK ~3), and tokenizing it costs CPU and memory per byte.
@@ -40,16 +40,8 @@ class BadOption(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class SamplerConfig:
-    model: str  # a local HF directory or a cached HF id
-    registry: str  # host:port
-    store: str | Path  # a folder, or a bucket URL (artifact_bucket.py)
+    setup: ModelServerSetup  # the base model, the registry, the store (shared with the trainer)
     server: ServerOptions
-    registry_token: str | None = None
-    registry_ca: Path | None = None
-    revision: str | None = None  # of a hub id: the cached snapshot to use (None: main)
-    served_model_name: str | None = None  # the public name of a model given as a directory (served_name.py)
-    device: str = "auto"  # auto, cpu or cuda
-    dtype: Dtype = "auto"  # auto: bfloat16 on CUDA, float32 on the CPU
     max_slots: int = 32
     max_rank: int = 64
     max_seqs: int = 64
@@ -130,20 +122,20 @@ def build_sampler(config: SamplerConfig) -> BuiltSampler:
     from opentinker.weights.model_config import load_config
     from opentinker.weights.served_name import served_model_name
 
-    c = config
-    model, registry, registry_token, registry_ca = c.model, c.registry, c.registry_token, c.registry_ca
+    c, setup = config, config.setup
+    model, registry, registry_token, registry_ca = setup.model, setup.registry, setup.registry_token, setup.registry_ca
     max_seqs, max_batch_tokens = c.max_seqs, c.max_batch_tokens
     per_tenant = default_tenant_slots(max_seqs) if c.max_seqs_per_tenant is None else c.max_seqs_per_tenant
     queued = default_tenant_queue(c.max_waiting) if c.max_queued_per_tenant is None else c.max_queued_per_tenant
     pins = default_tenant_pins(c.max_slots) if c.max_pinned_per_tenant is None else c.max_pinned_per_tenant
-    torch_device = torch.device(pick_device(c.device))
+    torch_device = torch.device(pick_device(setup.device))
     mixed = c.mixed_prefill_tokens
     mixed = default_mixed_prefill_tokens(torch_device.type) if mixed is None else mixed
-    dtype = pick_dtype(c.dtype, torch_device.type)
+    dtype = pick_dtype(setup.dtype, torch_device.type)
     torch_dtype = torch.float32 if dtype == "float32" else torch.bfloat16
     lora_kernel = resolve_kernel(c.kernel, torch_device.type)  # the engine runs it, GetSamplerInfo reports it
-    model_dir = resolve_model_dir(model, c.revision)
-    served_name = served_model_name(model, c.served_model_name, model_dir)  # refused before the load
+    model_dir = resolve_model_dir(model, setup.revision)
+    served_name = served_model_name(model, setup.served_model_name, model_dir)  # refused before the load
     model_config = load_config(model_dir)
     context = c.max_len or min(model_config.context_length, 4096)
     shapes = linear_shapes(model_config)
@@ -208,7 +200,7 @@ def build_sampler(config: SamplerConfig) -> BuiltSampler:
     else:
         with spinner(f"loading {model} on {torch_device}"):
             engine = build_engine(pool.release, None, pool.tensors)
-    artifacts, bucket = open_artifacts(str(c.store), c.cache_dir, c.cache_max_bytes)
+    artifacts, bucket = open_artifacts(str(setup.store), setup.cache_dir, setup.cache_max_bytes)
     artifacts.cleanup_temp()
     digest = model_digest(model_dir)
     info = common_pb2.BaseModelInfo(

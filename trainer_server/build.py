@@ -10,25 +10,18 @@ from __future__ import annotations
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from opentinker.rpc.process.model_server_setup import ModelServerSetup
     from opentinker.rpc.serving.server import ServerOptions, ServiceBinding
     from opentinker.trainer_server.trainer import Trainer
 
 
 @dataclass(frozen=True, slots=True)
 class TrainerConfig:
-    model: str  # a local HF directory or a cached HF id
-    registry: str  # host:port
-    store: str | Path  # a folder, or a bucket URL (artifact_bucket.py)
+    setup: ModelServerSetup  # the base model, the registry, the store (shared with the sampler)
     server: ServerOptions
-    registry_token: str | None = None
-    registry_ca: Path | None = None
-    revision: str | None = None  # of a hub id: the cached snapshot to use (None: main)
-    served_model_name: str | None = None  # the public name of a model given as a directory (served_name.py)
-    device: str = "auto"  # auto, cpu or cuda
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bfloat16 on CUDA, float32 on the CPU
     max_resident_adapters: int = 0  # 0: no limit
     spill_dir: Path | None = None  # None: <store>/../trainer-spill
     max_batch_tokens: int = 1 << 20
@@ -39,8 +32,6 @@ class TrainerConfig:
     max_queued_per_tenant: int = 64  # compute jobs per tenant queued or running; 0: no limit (admission.py)
     max_serving_rank: int = 64  # the samplers' --max-rank (start_point.py); 0: no check
     persist_state: bool = False  # a full state with every snapshot, for an exact resume after a restart
-    cache_dir: Path | None = None  # with a bucket store: the verified local copies
-    cache_max_bytes: int = 0  # 0: unbounded
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,30 +60,31 @@ def build_trainer(config: TrainerConfig) -> BuiltTrainer:
     from opentinker.weights.artifact_bucket import open_artifacts
     from opentinker.weights.base_model import pick_device, pick_dtype
 
-    c = config
-    model, store, registry, registry_token, registry_ca = c.model, c.store, c.registry, c.registry_token, c.registry_ca
+    c, setup = config, config.setup
     # No fault hook unless a test arms one.
-    artifacts, bucket = open_artifacts(str(store), c.cache_dir, c.cache_max_bytes, fault_hook=faults.configure())
+    artifacts, bucket = open_artifacts(
+        str(setup.store), setup.cache_dir, setup.cache_max_bytes, fault_hook=faults.configure()
+    )
     artifacts.cleanup_temp()
-    with spinner(f"loading {model}"):
-        device = pick_device(c.device)
+    with spinner(f"loading {setup.model}"):
+        device = pick_device(setup.device)
         base = BaseModel(
-            model,
+            setup.model,
             device=device,
-            dtype=pick_dtype(c.dtype, device),
-            revision=c.revision,
-            served_name=c.served_model_name,
+            dtype=pick_dtype(setup.dtype, device),
+            revision=setup.revision,
+            served_name=setup.served_model_name,
         )
     spill_dir = c.spill_dir or artifacts.root.parent / "trainer-spill"
     trainer = Trainer(base, artifacts, max_resident=c.max_resident_adapters, spill_dir=spill_dir, bucket=bucket)
     scheduler = AdapterScheduler()
     REGISTRY.register(TrainerCollector(trainer, scheduler))
-    metadata = bearer_metadata(registry_token) or None
+    metadata = bearer_metadata(setup.registry_token) or None
     state: dict[str, object] = {}
 
     def add(server: grpc.aio.Server) -> None:
         # The aio channel must be created inside the server's event loop.
-        channel = registry_channel(registry, registry_ca)
+        channel = registry_channel(setup.registry, setup.registry_ca)
         state["channel"] = channel
         scheduler.start()
         servicer = TrainerServicer(

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal, cast
+from typing import Annotated
 
 import typer
 
 from opentinker.rpc.process import cli_options as opt
 from opentinker.rpc.process.config import serve_command
+from opentinker.rpc.process.model_server_setup import ModelServerSetup
 from opentinker.weights.artifact_bucket import store_environment
 
 DEFAULT_PORT = 7071
@@ -17,22 +18,8 @@ trainer_app = typer.Typer(no_args_is_help=True)
 
 @trainer_app.command("serve", cls=serve_command("trainer", lambda params: store_environment(params.get("store"))))
 @opt.serve_flags(DEFAULT_PORT)
+@opt.model_server_flags("trainer")
 def serve(
-    model: Annotated[str, typer.Option(help="Base model: a local HF directory (or a cached HF id).")],
-    registry: Annotated[str, typer.Option(envvar="OPENTINKER_REGISTRY", help="Registry address host:port.")],
-    store: opt.Store,
-    registry_token: Annotated[
-        str | None,
-        typer.Option(envvar="OPENTINKER_REGISTRY_TOKEN", help="Token the trainer uses with the registry."),
-    ] = None,
-    device: Annotated[str, typer.Option(help="auto (CUDA when present), cpu or cuda.")] = "auto",
-    revision: Annotated[
-        str | None, typer.Option(help="Of a hub id --model: the cached commit, branch or tag (as `hf download`).")
-    ] = None,
-    served_model_name: opt.ServedModelName = None,
-    dtype: Annotated[
-        str, typer.Option(help="auto (bfloat16 on CUDA, float32 on the CPU), float32 or bfloat16.")
-    ] = "auto",
     max_resident_adapters: Annotated[
         int, typer.Option(help="Adapters kept on the device; idle ones move off LRU (0: no limit).")
     ] = 0,
@@ -82,10 +69,8 @@ def serve(
             "attaching after a trainer restart resumes it exactly."
         ),
     ] = False,
-    registry_ca: opt.RegistryCa = None,
-    cache_dir: opt.CacheDir = None,
-    cache_max_mb: opt.CacheMaxMb = 0,
     *,
+    setup: ModelServerSetup,
     serving: opt.Serving,
 ) -> None:
     """Run the trainer gRPC server."""
@@ -99,9 +84,7 @@ def serve(
     configure_logging(serving.log_level)
     serving.refuse_unsafe_exposure("trainer")
     serving.check_ports()  # a busy port or a missing model: found before the model loads
-    check_model(model, revision, served_model_name)
-    if dtype not in ("auto", "float32", "bfloat16"):
-        raise typer.BadParameter("dtype must be auto, float32 or bfloat16", param_hint="--dtype")
+    check_model(setup.model, setup.revision, setup.served_model_name)
     if max_adapters_per_tenant < 0:
         raise typer.BadParameter("must be at least 0 (0: no limit)", param_hint="--max-adapters-per-tenant")
     if max_tenant_memory_mb < 0:
@@ -115,18 +98,8 @@ def serve(
     if max_serving_rank < 0:
         raise typer.BadParameter("must be at least 0 (0: no check)", param_hint="--max-serving-rank")
     config = TrainerConfig(
-        model=model,
-        revision=revision,
-        served_model_name=served_model_name,
-        registry=registry,
-        store=store,
-        cache_dir=cache_dir,
-        cache_max_bytes=cache_max_mb << 20,
+        setup=setup,
         server=serving.server,
-        registry_token=registry_token,
-        registry_ca=registry_ca,
-        device=device,
-        dtype=cast("Literal['auto', 'float32', 'bfloat16']", dtype),
         max_resident_adapters=max_resident_adapters,
         spill_dir=spill_dir,
         max_batch_tokens=max_batch_tokens,

@@ -12,6 +12,7 @@ from typing import Annotated, Any
 import typer
 
 from opentinker.rpc.process.config import load_config_file
+from opentinker.rpc.process.model_server_setup import ModelServerSetup
 from opentinker.rpc.serving.server import ServerOptions
 
 Host = Annotated[str, typer.Option(help="Address to bind; non-loopback needs tokens or --insecure-public.")]
@@ -69,6 +70,13 @@ CacheMaxMb = Annotated[
     int,
     typer.Option(min=0, help="With a bucket --store: MiB the cache may hold; least recently used out (0: no bound)."),
 ]
+Model = Annotated[str, typer.Option(help="Base model: a local HF directory (or a cached HF id).")]
+Registry = Annotated[str, typer.Option(envvar="OPENTINKER_REGISTRY", help="Registry address host:port.")]
+Device = Annotated[str, typer.Option(help="auto (CUDA when present), cpu or cuda.")]
+Revision = Annotated[
+    str | None, typer.Option(help="Of a hub id --model: the cached commit, branch or tag (as `hf download`).")
+]
+DtypeFlag = Annotated[str, typer.Option(help="auto (bfloat16 on CUDA, float32 on the CPU), float32 or bfloat16.")]
 PrintConfig = Annotated[
     bool, typer.Option(help="Print the resolved flags and where each came from as JSON, then exit.")
 ]
@@ -143,34 +151,73 @@ def serve_flags(default_port: int) -> Callable[[Callable[..., None]], Callable[.
     """Adds the shared flags to a `serve` command, declared here once: the command's function takes its own
     flags and `serving: Serving` (typer reads the signature this returns; the function gets the parsed record)."""
 
-    def decorate(command: Callable[..., None]) -> Callable[..., None]:
-        own = inspect.signature(command, eval_str=True)
-        kept = [p for p in own.parameters.values() if p.name != "serving"]
-        keyword = inspect.Parameter.KEYWORD_ONLY
-        shared = [
-            inspect.Parameter(name, keyword, annotation=kind, default=default_port if name == "port" else default)
-            for name, kind, default in _SHARED
-        ]
+    def parse(values: dict[str, Any]) -> Serving:
+        options = server_options(
+            values["host"],
+            values["port"],
+            values["metrics_port"],
+            values["tokens_file"],
+            values["insecure_public"],
+            values["tls_cert"],
+            values["tls_key"],
+            values["ready_file"],
+            values["max_message_mb"],
+        )
+        return Serving(options, values["log_level"])
 
-        @functools.wraps(command)
-        def serve(**flags: Any) -> None:
-            values = {name: flags.pop(name) for name, _kind, _default in _SHARED}
-            options = server_options(
-                values["host"],
-                values["port"],
-                values["metrics_port"],
-                values["tokens_file"],
-                values["insecure_public"],
-                values["tls_cert"],
-                values["tls_key"],
-                values["ready_file"],
-                values["max_message_mb"],
-            )
-            command(**flags, serving=Serving(options, values["log_level"]))
+    flags = tuple((name, kind, default_port if name == "port" else default) for name, kind, default in _SHARED)
+    return functools.partial(_with_flags, flags=flags, record="serving", parse=parse)
 
-        parameters = [*kept, *shared]
-        serve.__signature__ = own.replace(parameters=parameters)  # type: ignore[attr-defined]
-        serve.__annotations__ = {p.name: p.annotation for p in parameters} | {"return": None}
-        return serve
 
-    return decorate
+def model_server_flags(role: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Adds the flags the trainer and the sampler share (the base model, the registry, the store) to `serve`:
+    the command's function takes `setup: ModelServerSetup` instead of them."""
+    token = Annotated[
+        str | None,
+        typer.Option(envvar="OPENTINKER_REGISTRY_TOKEN", help=f"Token the {role} uses with the registry."),
+    ]
+    flags: tuple[tuple[str, Any, Any], ...] = (
+        ("model", Model, inspect.Parameter.empty),
+        ("registry", Registry, inspect.Parameter.empty),
+        ("store", Store, inspect.Parameter.empty),
+        ("registry_token", token, None),
+        ("device", Device, "auto"),
+        ("revision", Revision, None),
+        ("served_model_name", ServedModelName, None),
+        ("dtype", DtypeFlag, "auto"),
+        ("registry_ca", RegistryCa, None),
+        ("cache_dir", CacheDir, None),
+        ("cache_max_mb", CacheMaxMb, 0),
+    )
+
+    def parse(values: dict[str, Any]) -> ModelServerSetup:
+        if values["dtype"] not in ("auto", "float32", "bfloat16"):
+            raise typer.BadParameter("dtype must be auto, float32 or bfloat16", param_hint="--dtype")
+        cache_max_bytes = values.pop("cache_max_mb") << 20
+        return ModelServerSetup(**values, cache_max_bytes=cache_max_bytes)
+
+    return functools.partial(_with_flags, flags=flags, record="setup", parse=parse)
+
+
+def _with_flags(
+    command: Callable[..., None],
+    flags: tuple[tuple[str, Any, Any], ...],
+    record: str,
+    parse: Callable[[dict[str, Any]], Any],
+) -> Callable[..., None]:
+    """`command` with `flags` (name, type with its typer.Option, default) in place of its parameter `record`:
+    typer reads the signature returned; the command gets the record `parse` makes of the flags' values."""
+    own = inspect.signature(command, eval_str=True)
+    kept = [p for p in own.parameters.values() if p.name != record]
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    added = [inspect.Parameter(name, keyword, annotation=kind, default=default) for name, kind, default in flags]
+
+    @functools.wraps(command)
+    def with_flags(**values: Any) -> None:
+        mine = {name: values.pop(name) for name, _kind, _default in flags}
+        command(**values, **{record: parse(mine)})
+
+    parameters = [*kept, *added]
+    with_flags.__signature__ = own.replace(parameters=parameters)  # type: ignore[attr-defined]
+    with_flags.__annotations__ = {p.name: p.annotation for p in parameters} | {"return": None}
+    return with_flags

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from opentinker.rpc.process.model_server_setup import ModelServerSetup
 from opentinker.rpc.serving.server import ServerOptions
 from opentinker.sampler_server.build import BadOption, SamplerConfig, build_sampler
 from opentinker.sampler_server.engine import Engine
@@ -18,9 +19,7 @@ def config(tiny_model: Path, tmp_path: Path, **overrides: object) -> SamplerConf
     values: dict[str, object] = {"max_slots": 2, "max_seqs": 2, "engine_process": False, "kernel": "reference"}
     values.update(overrides)
     return SamplerConfig(
-        model=str(tiny_model),
-        registry="127.0.0.1:1",
-        store=tmp_path / "store",
+        setup=ModelServerSetup(model=str(tiny_model), registry="127.0.0.1:1", store=tmp_path / "store"),
         server=ServerOptions(port=0),
         **values,  # type: ignore[arg-type]
     )

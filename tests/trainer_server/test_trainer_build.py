@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from opentinker.rpc.process.model_server_setup import ModelServerSetup
 from opentinker.rpc.serving.errors import InvalidArgument
 from opentinker.rpc.serving.server import ServerOptions
 from opentinker.trainer_server.base_model import BaseModel
@@ -20,11 +21,10 @@ from opentinker.trainer_server.build import TrainerConfig, build_trainer
 def test_build_trainer(tiny_model: Path, tmp_path: Path) -> None:
     built = build_trainer(
         TrainerConfig(
-            model=str(tiny_model),
-            registry="127.0.0.1:1",
-            store=tmp_path / "store",
+            setup=ModelServerSetup(
+                model=str(tiny_model), registry="127.0.0.1:1", store=tmp_path / "store", device="cpu"
+            ),
             server=ServerOptions(port=0),
-            device="cpu",
         )
     )
     assert [b.name for b in built.bindings] == ["opentinker.v1.TrainerService"]
