@@ -107,39 +107,31 @@ def start_trainer(
     workdir: Path, model: Path, registry: ServerProcess, *extra: str, env: dict[str, str] | None = None
 ) -> ServerProcess:
     """A trainer process on the given model, sharing the registry's artifact store."""
-    args = opentinker_command(
-        "trainer",
-        "serve",
-        "--model",
-        str(model),
-        "--registry",
-        registry.address,
-        "--store",
-        str(registry_store(registry)),
-        "--port",
-        "0",
-        "--device",
-        "cpu",
-        "--spill-dir",
-        str(workdir / "spill"),
-        *extra,
-    )
-    return ServerProcess(args, workdir, timeout=120, env=env)
+    return _model_server("trainer", workdir, model, registry, "--spill-dir", str(workdir / "spill"), *extra, env=env)
 
 
 def start_sampler(
     workdir: Path, model: Path, registry: ServerProcess, *extra: str, env: dict[str, str] | None = None
 ) -> ServerProcess:
     """A sampler process on the given model, sharing the registry's artifact store."""
+    return _model_server("sampler", workdir, model, registry, *extra, env=env)
+
+
+def _model_server(
+    role: str, workdir: Path, model: Path, registry: ServerProcess, *extra: str, env: dict[str, str] | None
+) -> ServerProcess:
+    """`opentinker <role> serve` on the CPU, any free port, the model and the registry's store: the flags
+    model_server_flags gives both servers."""
+    store = str(registry_store(registry))
     args = opentinker_command(
-        "sampler",
+        role,
         "serve",
         "--model",
         str(model),
         "--registry",
         registry.address,
         "--store",
-        str(registry_store(registry)),
+        store,
         "--port",
         "0",
         "--device",
