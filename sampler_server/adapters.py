@@ -235,7 +235,15 @@ class AdapterLoader:
             )
         try:
             try:
-                await fetch_artifact(self.registry, self.store, version.artifact_uri, self.metadata, bucket=self.bucket)
+                await fetch_artifact(
+                    self.registry,
+                    self.store,
+                    version.artifact_uri,
+                    self.metadata,
+                    bucket=self.bucket,
+                    guess=(CONFIG_FILE, WEIGHTS_FILE),  # a peft adapter's files, fetched with its manifest
+                    size_hint=version.artifact_size_bytes,
+                )
             except DataLoss as error:  # the digest alone does not tell a caller which version is damaged
                 named = f"{version.adapter}@{version.version}: {error.message}"
                 raise DataLoss(named, reason=error.reason, **error.metadata) from None

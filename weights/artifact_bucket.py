@@ -23,7 +23,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,15 +84,16 @@ class Bucket:
         never the default executor that every other handler's file and registry work shares."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args))
 
-    def pull(self, uri: str, kind: Kind = "snapshot") -> int:
+    def pull(self, uri: str, kind: Kind = "snapshot", *, guess: Sequence[str] = (), size_hint: int = 0) -> int:
         """Makes ``uri`` present in the cache (fetching and verifying it if absent); returns the bytes fetched.
-        A cached copy is verified first: a damaged one is dropped and fetched again rather than refused."""
+        A cached copy is verified first: a damaged one is dropped and fetched again rather than refused.
+        ``guess`` and ``size_hint``: the files expected and the artifact's size (see artifact_remote.pull)."""
         if self.cache.exists(uri):
             try:
                 self.cache.ref(uri)
             except DataLoss:
                 self.cache.delete(uri)
-        fetched = self._call(lambda: pull(self._remote(kind), self.cache, uri))
+        fetched = self._call(lambda: pull(self._remote(kind), self.cache, uri, guess=guess, size_hint=size_hint))
         with self._lock:
             self.stats.pulls += 1 if fetched else 0
             self.stats.bytes_pulled += fetched
@@ -197,7 +198,8 @@ def open_artifacts(
         return ArtifactStore(Path(location.prefix), fault_hook=fault_hook), None
     if cache_dir is None:
         raise InvalidArgument(f"--store {location.url} needs --cache-dir: a local folder for verified copies")
-    cache = ArtifactStore(cache_dir, fault_hook=fault_hook)
+    # No fsyncs in the cache: the bucket holds the durable copy, and every read of the cache verifies it.
+    cache = ArtifactStore(cache_dir, fault_hook=fault_hook, durable=False)
     return cache, Bucket(ObjectStore(location), cache, cache_max_bytes)
 
 

@@ -23,11 +23,12 @@ def open_nofollow(path: Path) -> io.BufferedReader:
     return open(fd, "rb")
 
 
-def write_synced(path: Path, data: bytes) -> None:
+def write_synced(path: Path, data: bytes, *, sync: bool = True) -> None:
     with open(path, "xb") as handle:
         handle.write(data)
         handle.flush()
-        os.fsync(handle.fileno())
+        if sync:
+            os.fsync(handle.fileno())
 
 
 def fsync_dir(path: Path) -> None:

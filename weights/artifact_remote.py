@@ -12,7 +12,8 @@ changed byte anywhere is DataLoss(DIGEST_MISMATCH) and nothing is cached.
 from __future__ import annotations
 
 import hashlib
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from opentinker.rpc.serving.errors import DataLoss, NotFound, Unavailable
@@ -99,20 +100,30 @@ def check_remote(remote: ObjectStore, uri: str) -> ArtifactRef:
     return ArtifactRef(uri=format_uri(digest), sha256=digest, size_bytes=size)
 
 
-def pull(remote: ObjectStore, local: ArtifactStore, uri: str) -> int:
+def pull(remote: ObjectStore, local: ArtifactStore, uri: str, *, guess: Sequence[str] = (), size_hint: int = 0) -> int:
     """Fetches ``uri`` into the local store unless it is there already; returns the bytes fetched. Files up to
     PART_BYTES (configs, small adapters) are fetched all at once, in parallel, as soon as the manifest is read;
     larger ones stream in (ObjectStore.stream). Every file is hashed on the way; a mismatch is DataLoss and
-    leaves nothing."""
+    leaves nothing.
+
+    ``guess``: paths the caller expects the artifact to hold (a peft adapter's two files), fetched whole at the
+    same time as the manifest when ``size_hint`` (the artifact's bytes, from the registry) is at most PART_BYTES:
+    a small reload then waits on one round trip instead of two. Guesses are only bytes in hand: the manifest
+    read after them decides what the artifact is, and each is written (and hashed) as the file it lists."""
     if local.exists(uri):
         return 0
     digest = parse_uri(uri)
-    files = remote_manifest(remote, uri)
     fetched = 0
     with ThreadPoolExecutor(PARALLEL, thread_name_prefix="store-pull") as pool, local.begin() as writer:
+        guessed = (
+            {path: pool.submit(remote.get_bytes, object_key(digest, path)) for path in guess}
+            if 0 < size_hint <= PART_BYTES
+            else {}
+        )
+        files = remote_manifest(remote, uri)
         # One round trip for all the small files instead of one each: what a reload of a small adapter waits on.
         small = {
-            e.path: pool.submit(remote.get_range, object_key(digest, e.path), 0, e.size)
+            e.path: guessed.get(e.path) or pool.submit(remote.get_range, object_key(digest, e.path), 0, e.size)
             for e in files
             if 0 < e.size <= PART_BYTES
         }
@@ -120,8 +131,8 @@ def pull(remote: ObjectStore, local: ArtifactStore, uri: str) -> int:
             writer.add_file(entry.path, entry.size, entry.sha256)
             key = object_key(digest, entry.path)
             try:
-                chunks = [small[entry.path].result()] if entry.path in small else remote.stream(key, entry.size)
-                for chunk in chunks:
+                chunks = [_small_file(small[entry.path], digest, entry)] if entry.path in small else None
+                for chunk in chunks or remote.stream(key, entry.size):
                     writer.write(chunk)
                     fetched += len(chunk)
             except NotFound:
@@ -141,6 +152,15 @@ def pull(remote: ObjectStore, local: ArtifactStore, uri: str) -> int:
     if ref.sha256 != digest:  # cannot differ when the manifest parsed canonically; a guard, not a path
         raise DataLoss(f"artifact {uri} rebuilt as {ref.uri}", reason="DIGEST_MISMATCH", uri=uri)
     return fetched
+
+
+def _small_file(fetch: Future[bytes], digest: str, entry: ArtifactFile) -> bytes:
+    """A small file's bytes. A guessed GET reads the whole object, so its length is the stored size: another
+    size than the manifest's is the same DataLoss as a ranged GET that came up short."""
+    data = fetch.result()
+    if len(data) != entry.size:
+        raise _wrong_size(digest, entry, len(data))
+    return data
 
 
 def delete_remote(remote: ObjectStore, uri: str) -> int:

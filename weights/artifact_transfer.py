@@ -9,7 +9,8 @@ store verifies every digest.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+import functools
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 from opentinker.rpc.serving.errors import DataLoss
@@ -38,13 +39,16 @@ async def fetch_artifact(
     metadata: Metadata,
     *,
     bucket: Bucket | None = None,
+    guess: Sequence[str] = (),
+    size_hint: int = 0,
 ) -> None:
     """Downloads uri into store unless it is already there (then nothing moves): from the bucket when the
     process has one (the registry moves no bytes), else from the registry. A stream that breaks its
     protocol (bytes past the declared files, a short file, no manifest first) is DataLoss(DIGEST_MISMATCH),
-    like a file whose digest is wrong."""
+    like a file whose digest is wrong. ``guess``, ``size_hint``: the files the caller expects and the artifact's
+    size, which let a bucket fetch a small artifact's files with its manifest (artifact_remote.pull)."""
     if bucket is not None:
-        await bucket.run(bucket.pull, uri)
+        await bucket.run(functools.partial(bucket.pull, uri, guess=guess, size_hint=size_hint))
         return
     if await asyncio.to_thread(store.exists, uri):
         return

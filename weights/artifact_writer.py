@@ -42,8 +42,9 @@ class ArtifactWriter:
     the writer stays usable. ``add_bytes`` and ``copy_file`` add a whole file whose digest is whatever was
     written. Not thread-safe."""
 
-    def __init__(self, slot: TempSlot, fault: Callable[[str], None], publish: Publish) -> None:
+    def __init__(self, slot: TempSlot, fault: Callable[[str], None], publish: Publish, *, durable: bool = True) -> None:
         self._slot = slot
+        self._durable = durable  # False: no fsyncs (a verified cache; see ArtifactStore)
         self._fault = fault
         self._publish = publish
         self._files: list[ArtifactFile] = []
@@ -129,12 +130,11 @@ class ArtifactWriter:
             self._finish_file()
             manifest = manifest_bytes(self._files)
             digest = hashlib.sha256(manifest).hexdigest()
-            write_synced(self._slot.path / MANIFEST_NAME, manifest)
+            write_synced(self._slot.path / MANIFEST_NAME, manifest, sync=self._durable)
             self._fault("manifest_written")
             # The new entries in each directory must be durable before the rename makes them visible.
-            for directory in reversed(self._dirs):
+            for directory in (*reversed(self._dirs), self._slot.path) if self._durable else ():
                 fsync_dir(directory)
-            fsync_dir(self._slot.path)
             self._fault("before_rename")
             size = sum(entry.size for entry in self._files) + len(manifest)
             ref = ArtifactRef(uri=format_uri(digest), sha256=digest, size_bytes=size)
@@ -184,7 +184,8 @@ class ArtifactWriter:
         self._current = None
         try:
             current.file.flush()
-            os.fsync(current.file.fileno())
+            if self._durable:
+                os.fsync(current.file.fileno())
         finally:
             current.file.close()
         actual = current.hasher.hexdigest()

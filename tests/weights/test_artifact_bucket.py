@@ -4,6 +4,7 @@ what --store means (a folder needs no bucket; a bucket needs a cache folder)."""
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 
@@ -122,3 +123,27 @@ def test_what_store_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     shown = store_environment("s3://some-bucket/prefix")
     assert shown["AWS_SECRET_ACCESS_KEY"] == "***" and shown["AWS_ENDPOINT_URL"] == "http://127.0.0.1:9"
     assert store_environment(str(tmp_path)) == {}
+
+
+def test_a_bucket_cache_writes_without_fsync(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cache in front of a bucket skips fsync (the bucket is the durable copy; every cache read verifies);
+    a plain --store folder, the only copy, still syncs every file and directory."""
+    synced: list[int] = []
+    real_fsync = os.fsync
+
+    def counted_fsync(fd: int) -> None:
+        synced.append(fd)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", counted_fsync)
+    cache, bucket = open_artifacts("s3://some-bucket/prefix", tmp_path / "cache")
+    assert bucket is not None
+    synced.clear()
+    uri = _artifact(cache, 1)
+    assert synced == [] and cache.ref(uri).uri == uri
+    cache.delete(uri)
+    assert synced == []
+    folder, _ = open_artifacts(str(tmp_path / "artifacts"), None)
+    synced.clear()
+    _artifact(folder, 2)
+    assert len(synced) >= 4  # two files, the manifest, their directories

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -124,3 +125,54 @@ def test_bytes_sent_count_only_what_was_missing(store: ObjectStore, tmp_path: Pa
     sent = push(source, store, uri).bytes_sent
     assert sent == source.ref(uri).size_bytes - len(weights)
     assert os.path.basename(object_key(digest, "x")) == "x"
+
+
+def _count_gets(store: ObjectStore, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The keys this store is asked for, whole (get_bytes) or ranged (get_range), in call order."""
+    asked: list[str] = []
+    for name in ("get_bytes", "get_range"):
+        original = getattr(store, name)
+
+        def counted(key: str, *args: int, _original: Callable[..., bytes] = original, _name: str = name) -> bytes:
+            asked.append(f"{_name}:{os.path.basename(key)}")
+            return _original(key, *args)
+
+        monkeypatch.setattr(store, name, counted)
+    return asked
+
+
+def test_guessed_files_come_with_the_manifest(
+    store: ObjectStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A small artifact's expected files are fetched whole alongside its manifest, and land as the same cache
+    entry; a guess that is not in the artifact changes nothing, and a large artifact is not guessed at."""
+    source = ArtifactStore(tmp_path / "trainer")
+    uri, big = _artifact(source, 9), _artifact(source, 10, big=True)
+    push(source, store, uri)
+    push(source, store, big)
+    guess = ("adapter_config.json", "adapter_model.safetensors", "not_there.bin")
+    asked = _count_gets(store, monkeypatch)
+    cache = ArtifactStore(tmp_path / "sampler", durable=False)
+    fetched = pull(store, cache, uri, guess=guess, size_hint=source.ref(uri).size_bytes)
+    assert cache.ref(uri) == source.ref(uri)
+    assert fetched == source.ref(uri).size_bytes - len((source.path(uri) / MANIFEST_NAME).read_bytes())
+    # The guessed files are read whole, once; only the unguessed one is a ranged read.
+    assert sorted(a for a in asked if a.startswith("get_range")) == ["get_range:extra.bin"]
+    assert asked.count("get_bytes:adapter_model.safetensors") == 1
+    asked.clear()
+    pull(store, cache, big, guess=guess, size_hint=source.ref(big).size_bytes)
+    assert cache.ref(big) == source.ref(big)
+    assert not any(a.startswith("get_bytes:adapter") for a in asked)  # too large to guess at: streamed
+
+
+def test_a_guessed_file_of_another_size_is_data_loss(store: ObjectStore, tmp_path: Path) -> None:
+    source = ArtifactStore(tmp_path / "trainer")
+    uri = _artifact(source, 11)
+    push(source, store, uri)
+    key = object_key(parse_uri(uri), "adapter_model.safetensors")
+    store.put_bytes(key, store.get_bytes(key) + b"tail")  # a whole-object GET sees the extra bytes
+    cache = ArtifactStore(tmp_path / "sampler", durable=False)
+    with pytest.raises(DataLoss, match=r"adapter_model\.safetensors is 50004 bytes") as caught:
+        pull(store, cache, uri, guess=("adapter_model.safetensors",), size_hint=source.ref(uri).size_bytes)
+    assert caught.value.reason == "DIGEST_MISMATCH"
+    assert not cache.exists(uri)
