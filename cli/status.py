@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -25,6 +26,7 @@ from opentinker.client import OpenTinkerError, RegistryClient, SamplerStats
 from opentinker.client.connection import Connection
 from opentinker.client.wire import sampler_stats_from_proto
 from opentinker.v1 import sampler_pb2, sampler_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+from opentinker.weights.artifact_bucket import STORE_HEALTH
 
 TIMEOUT = 5.0
 RECENT_RELOADS = 5
@@ -40,12 +42,17 @@ def _dump(message: Message) -> dict[str, Any]:
     return MessageToDict(message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
 
 
-def _health(address: str, ca_cert: Path | None) -> str:
+def _health(address: str, ca_cert: Path | None, service: str = "") -> str | None:
+    """The server's health ("": the server itself), or a dependency's (STORE_HEALTH); None when the server
+    reports no such dependency (a trainer or sampler on a folder store)."""
     # The health service answers without a token, as load balancers ask it.
     connection = Connection(address, health_pb2_grpc.HealthStub, None, timeout=TIMEOUT, ca_cert=ca_cert)
+    request = health_pb2.HealthCheckRequest(service=service)
     try:
-        response = connection.unary("Check", health_pb2.HealthCheckRequest(), health_pb2.HealthCheckResponse)
+        response = connection.unary("Check", request, health_pb2.HealthCheckResponse)
     except OpenTinkerError as exc:
+        if service and exc.code == grpc.StatusCode.NOT_FOUND:
+            return None
         return f"DOWN ({describe(exc, ca_cert)})"
     finally:
         connection.close()
@@ -68,9 +75,12 @@ def show_status(
     for name, address in (("registry", registry), ("trainer", trainer), ("sampler", sampler)):
         if not address:
             continue
-        health = _health(address, ca_cert)
-        servers.add_row(name, address, health)
+        health = _health(address, ca_cert) or "DOWN"  # never None for the server itself
+        store = _health(address, ca_cert, STORE_HEALTH) if health == "SERVING" and name != "registry" else None
+        servers.add_row(name, address, health + (f" (store {store})" if store else ""))
         entry: dict[str, Any] = {"address": address, "health": health}
+        if store:
+            entry["store_health"] = store  # NOT_SERVING: its object store is down; what it holds still serves
         document["servers"][name] = entry
         if health != "SERVING":
             healthy = False

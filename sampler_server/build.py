@@ -11,8 +11,8 @@ import functools
 import logging
 import os
 import signal
-from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -74,6 +74,7 @@ class BuiltSampler:
     bindings: list[ServiceBinding]
     on_stop: Callable[[], Coroutine[Any, Any, None]]
     engine: EngineAPI
+    health_checks: dict[str, Callable[[], Awaitable[bool]]] = field(default_factory=dict)  # store_health_checks
 
 
 def load_tokenizer(model_dir: Path) -> Any | None:
@@ -117,7 +118,7 @@ def build_sampler(config: SamplerConfig) -> BuiltSampler:
         default_tenant_slots,
     )
     from opentinker.v1 import common_pb2, registry_pb2_grpc, sampler_pb2, sampler_pb2_grpc
-    from opentinker.weights.artifact_bucket import open_artifacts
+    from opentinker.weights.artifact_bucket import open_artifacts, store_health_checks
     from opentinker.weights.base_model import model_digest, pick_device, pick_dtype, resolve_model_dir
     from opentinker.weights.model_config import load_config
     from opentinker.weights.served_name import served_model_name
@@ -268,7 +269,7 @@ def build_sampler(config: SamplerConfig) -> BuiltSampler:
             await channel.close()
 
     binding = ServiceBinding(sampler_pb2.DESCRIPTOR.services_by_name["SamplerService"].full_name, add)
-    return BuiltSampler([binding], on_stop, engine)
+    return BuiltSampler([binding], on_stop, engine, store_health_checks(bucket))
 
 
 def kv_blocks(c: SamplerConfig, model_config: Any, context: int, dtype: Any) -> int:
@@ -301,6 +302,6 @@ def serve_sampler(config: SamplerConfig) -> None:
     from opentinker.sampler_server.engine_process import EngineProcess
 
     built = build_sampler(config)
-    serve_forever("sampler", built.bindings, config.server, on_stop=built.on_stop)
+    serve_forever("sampler", built.bindings, config.server, on_stop=built.on_stop, health_checks=built.health_checks)
     if isinstance(built.engine, EngineProcess) and built.engine.died:
         raise SystemExit(1)  # stopped because the engine process died: a supervisor should restart this server

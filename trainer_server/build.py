@@ -7,8 +7,8 @@ Heavy modules (torch, grpc) are imported inside the functions, so importing this
 
 from __future__ import annotations
 
-from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +39,7 @@ class BuiltTrainer:
     bindings: list[ServiceBinding]
     on_stop: Callable[[], Coroutine[Any, Any, None]]
     trainer: Trainer
+    health_checks: dict[str, Callable[[], Awaitable[bool]]] = field(default_factory=dict)  # store_health_checks
 
 
 def build_trainer(config: TrainerConfig) -> BuiltTrainer:
@@ -57,7 +58,7 @@ def build_trainer(config: TrainerConfig) -> BuiltTrainer:
     from opentinker.trainer_server.service import TrainerServicer
     from opentinker.trainer_server.trainer import Trainer
     from opentinker.v1 import registry_pb2_grpc, trainer_pb2, trainer_pb2_grpc
-    from opentinker.weights.artifact_bucket import open_artifacts
+    from opentinker.weights.artifact_bucket import open_artifacts, store_health_checks
     from opentinker.weights.base_model import pick_device, pick_dtype
 
     c, setup = config, config.setup
@@ -110,7 +111,7 @@ def build_trainer(config: TrainerConfig) -> BuiltTrainer:
             await channel.close()
 
     binding = ServiceBinding(trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"].full_name, add)
-    return BuiltTrainer([binding], on_stop, trainer)
+    return BuiltTrainer([binding], on_stop, trainer, store_health_checks(bucket))
 
 
 def serve_trainer(config: TrainerConfig) -> None:
@@ -118,4 +119,4 @@ def serve_trainer(config: TrainerConfig) -> None:
     from opentinker.rpc.serving.server import serve_forever
 
     built = build_trainer(config)
-    serve_forever("trainer", built.bindings, config.server, on_stop=built.on_stop)
+    serve_forever("trainer", built.bindings, config.server, on_stop=built.on_stop, health_checks=built.health_checks)

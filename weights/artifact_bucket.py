@@ -18,12 +18,13 @@ Recency survives restarts as the entry directory's mtime.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +40,8 @@ from opentinker.weights.artifact_store import ArtifactStore
 from opentinker.weights.object_store import ObjectStore, credential_env, parse_store_url
 
 HOLD_S: Final = 60.0
+STORE_HEALTH: Final = "opentinker.store"  # the store's name in a trainer's or sampler's health service
+PROBE_KEY: Final = "opentinker-health-probe"  # HEAD-ed by Bucket.healthy; need not exist
 STORE_THREADS: Final = 8  # store calls at once; each file's ranged reads add their own (object_store.PARALLEL)
 Kind = Literal["snapshot", "state"]
 _R = TypeVar("_R")
@@ -99,6 +102,15 @@ class Bucket:
             self.stats.bytes_pulled += fetched
         self._used(uri)
         return fetched
+
+    async def healthy(self) -> bool:
+        """For the health service (``opentinker.store``): False while the last call to the store failed. A store
+        marked down is asked again (a HEAD of a key that need not exist), so it is seen back without waiting
+        for the next load; one that is up costs nothing."""
+        if self.stats.last_error:
+            with contextlib.suppress(ServiceError):
+                await self.run(self._call, lambda: self.remote.head(PROBE_KEY))
+        return not self.stats.last_error
 
     def push(self, uri: str, kind: Kind = "snapshot") -> Pushed:
         """Uploads a cached artifact (what is already in the bucket is not sent again)."""
@@ -201,6 +213,11 @@ def open_artifacts(
     # No fsyncs in the cache: the bucket holds the durable copy, and every read of the cache verifies it.
     cache = ArtifactStore(cache_dir, fault_hook=fault_hook, durable=False)
     return cache, Bucket(ObjectStore(location), cache, cache_max_bytes)
+
+
+def store_health_checks(bucket: Bucket | None) -> dict[str, Callable[[], Awaitable[bool]]]:
+    """The health service's detail for a server with a bucket (rpc.serving.server.report_health); none without."""
+    return {} if bucket is None else {STORE_HEALTH: bucket.healthy}
 
 
 def store_metrics(prefix: str, bucket: Bucket | None) -> Iterator[Metric]:

@@ -66,9 +66,35 @@ CacheDir = Annotated[
     Path | None,
     typer.Option(help="With a bucket --store: the local folder of verified copies of what was pulled or pushed."),
 ]
-CacheMaxMb = Annotated[
+_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 1 << 10, "m": 10**6, "mb": 10**6, "mib": 1 << 20}
+_SIZE_UNITS |= {"g": 10**9, "gb": 10**9, "gib": 1 << 30, "t": 10**12, "tb": 10**12, "tib": 1 << 40}
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from ``20GiB``, ``512MB``, ``1.5G`` or a plain number of bytes (units: k, M, G, T in powers of
+    1000, KiB, MiB, GiB, TiB in powers of 1024, case-insensitive)."""
+    if isinstance(text, int):
+        return text
+    cleaned = text.strip().replace("_", "").replace(" ", "")
+    number = cleaned.rstrip("bBiIkKmMgGtT")
+    unit = _SIZE_UNITS.get(cleaned[len(number) :].lower())
+    try:
+        value = float(number) * unit if unit is not None and number else -1.0
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < 2**63:  # also refuses NaN and infinity
+        raise typer.BadParameter(f"{text!r} is not a size: bytes, or a number with a unit such as 512MiB or 20GiB")
+    return int(value)
+
+
+CacheMaxBytes = Annotated[
     int,
-    typer.Option(min=0, help="With a bucket --store: MiB the cache may hold; least recently used out (0: no bound)."),
+    typer.Option(
+        parser=parse_size,
+        metavar="SIZE",
+        help="With a bucket --store: what the cache may hold (bytes, or 512MiB, 20GiB ...); least recently used "
+        "out (0: no bound).",
+    ),
 ]
 Model = Annotated[str, typer.Option(help="Base model: a local HF directory (or a cached HF id).")]
 Registry = Annotated[str, typer.Option(envvar="OPENTINKER_REGISTRY", help="Registry address host:port.")]
@@ -187,14 +213,13 @@ def model_server_flags(role: str) -> Callable[[Callable[..., None]], Callable[..
         ("dtype", DtypeFlag, "auto"),
         ("registry_ca", RegistryCa, None),
         ("cache_dir", CacheDir, None),
-        ("cache_max_mb", CacheMaxMb, 0),
+        ("cache_max_bytes", CacheMaxBytes, 0),
     )
 
     def parse(values: dict[str, Any]) -> ModelServerSetup:
         if values["dtype"] not in ("auto", "float32", "bfloat16"):
             raise typer.BadParameter("dtype must be auto, float32 or bfloat16", param_hint="--dtype")
-        cache_max_bytes = values.pop("cache_max_mb") << 20
-        return ModelServerSetup(**values, cache_max_bytes=cache_max_bytes)
+        return ModelServerSetup(**values)
 
     return functools.partial(_with_flags, flags=flags, record="setup", parse=parse)
 

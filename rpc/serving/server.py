@@ -15,7 +15,7 @@ import logging
 import signal
 import socket
 import sys
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +30,10 @@ from opentinker.rpc.serving.auth import TokenTable
 from opentinker.rpc.serving.interceptor import ServiceInterceptor, TenantCalls
 
 log = logging.getLogger("opentinker.rpc")
+
+# A dependency's health, for the standard health service under the dependency's own name: True while it works.
+HealthCheck = Callable[[], Awaitable[bool]]
+HEALTH_CHECK_INTERVAL_S = 1.0
 
 # Weights never travel in one message (they move as files or chunked streams); 64 MiB bounds batches.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -176,20 +180,42 @@ async def run_server(
     options: ServerOptions,
     *,
     on_stop: Callable[[], Awaitable[None]] | None = None,
+    health_checks: Mapping[str, HealthCheck] | None = None,
 ) -> None:
-    """Serve until SIGTERM/SIGINT, then shut down gracefully and run on_stop."""
+    """Serve until SIGTERM/SIGINT, then shut down gracefully and run on_stop. ``health_checks``: dependencies
+    reported in the health service under their own names (see report_health)."""
     running = await start_server(component, bindings, options)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, running.request_stop)
+    reporter = asyncio.create_task(report_health(running.health, health_checks or {}))
     try:
         await running.stopping.wait()
         log.info("%s shutting down", component)
         await stop_server(running, options)
     finally:
+        reporter.cancel()
         if on_stop is not None:
             await on_stop()
     print(f"opentinker {component} stopped", flush=True)
+
+
+async def report_health(health: HealthServicer, checks: Mapping[str, HealthCheck]) -> None:
+    """Every second, each dependency's check as the health status of its name (``opentinker.store``: SERVING or
+    NOT_SERVING). The server's own status ("") is not touched: a sampler whose store is down still serves
+    every version it holds, so a load balancer must keep it; a prober asks for the dependency by name."""
+    for name in checks:
+        await health.set(name, health_pb2.HealthCheckResponse.SERVING)  # until a check says otherwise
+    while checks:
+        for name, check in checks.items():
+            try:
+                ok = await check()
+            except Exception:  # a check that breaks is a dependency not known to work
+                log.exception("health check %s failed", name)
+                ok = False
+            status = health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
+            await health.set(name, status)  # ignored once graceful shutdown has set everything NOT_SERVING
+        await asyncio.sleep(HEALTH_CHECK_INTERVAL_S)
 
 
 def configure_logging(level: str = "INFO") -> None:
@@ -213,13 +239,14 @@ def serve_forever(
     options: ServerOptions,
     *,
     on_stop: Callable[[], Awaitable[None]] | None = None,
+    health_checks: Mapping[str, HealthCheck] | None = None,
 ) -> None:
     """Process entry point: run the server; a configuration refusal exits 2 with one clear line."""
     # A crash in native code (grpc, torch) kills the process with a signal and no Python traceback; this puts the
     # stacks of every thread in the server's log (stderr) instead, so an exit code like -11 has a cause to read.
     faulthandler.enable()
     try:
-        asyncio.run(run_server(component, bindings, options, on_stop=on_stop))
+        asyncio.run(run_server(component, bindings, options, on_stop=on_stop, health_checks=health_checks))
     except ServerConfigError as exc:
         print(f"opentinker {component}: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None

@@ -259,3 +259,24 @@ def test_a_bucket_store_shows_its_credentials_masked(server: str, tmp_path: Path
     assert "s3cr3t-value" not in json.dumps(got)
     if server != "registry":
         assert got["values"]["cache_dir"] == "/var/cache/ot" and got["sources"]["cache_dir"] == "config"
+
+
+@pytest.mark.parametrize("server", ["trainer", "sampler"])
+def test_cache_max_bytes_takes_a_size_with_a_unit(server: str, tmp_path: Path) -> None:
+    def size(*args: str) -> int:
+        got: int = resolved(server, "--registry", "r:1", *args)["values"]["cache_max_bytes"]
+        return got
+
+    assert size() == 0  # no bound
+    assert size("--cache-max-bytes", "20GiB") == 20 << 30
+    assert size("--cache-max-bytes", "512mb") == 512 * 10**6
+    assert size("--cache-max-bytes", "1.5G") == 1_500_000_000
+    assert size("--cache-max-bytes", "4096") == 4096
+    path = tmp_path / "stack.toml"
+    path.write_text(f'[{server}]\ncache_max_bytes = "2 TiB"\n')
+    assert size("--config", str(path)) == 2 << 40
+    path.write_text(f"[{server}]\ncache_max_bytes = 1000\n")  # a plain number of bytes in the file
+    assert size("--config", str(path)) == 1000
+    for bad in ("-1", "12XB", "nan", "inf", "GiB"):
+        result = invoke(server, "--registry", "r:1", "--cache-max-bytes", bad, "--print-config")
+        assert result.exit_code == 2 and "is not a size" in result.output, (bad, result.output)

@@ -3,7 +3,8 @@ through their own TCP proxies, which a test takes down, brings back or slows to 
 
 - Store down for the trainer: SaveSnapshot is UNAVAILABLE naming the store (no secret), nothing is published,
   the adapter keeps its weights, and the same save succeeds once the store is back.
-- Store down for the sampler: loaded versions are still served, the hot reload of a new one is retried (store
+- Store down for the sampler: loaded versions are still served (health SERVING, its opentinker.store NOT_SERVING,
+  also in `opentinker status`), the hot reload of a new one is retried (store
   status and metrics say so), and it is served once the store is back.
 - Wrong credentials: PERMISSION_DENIED naming the store, never the secret; nothing published.
 - A slow store: one tenant's save and hot reload wait on it; the other tenant's training and sampling do not.
@@ -11,6 +12,7 @@ through their own TCP proxies, which a test takes down, brings back or slows to 
 
 from __future__ import annotations
 
+import json
 import secrets
 import threading
 from collections.abc import Iterator
@@ -19,6 +21,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from metricsutil import metric, scrape
 from registryutil import unique_name
 from samplerutil import Sampler, greedy, loaded, prompt, train, wait_until
@@ -28,11 +31,22 @@ from tcpproxy import TcpProxy
 from tlsutil import Bearer, write_tokens
 from trainerutil import Trainer, assert_status, create, get_adapter, rpc_error, sft_batch, train_step
 
+from opentinker.cli.status import show_status
 from opentinker.v1 import registry_pb2, registry_pb2_grpc, sampler_pb2, sampler_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+from opentinker.weights.artifact_bucket import STORE_HEALTH
 from opentinker.weights.object_store import ObjectStore, parse_store_url
 
 PRINCIPALS = {"team-a": "user", "team-b": "user", "svc": "admin"}
 SECRET_KEY = "AWS_SECRET_ACCESS_KEY"
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def _health(server: ServerProcess, service: str = "") -> int:
+    """What the standard health service says of the server ("") or of its store (STORE_HEALTH), as a prober asks."""
+    with grpc.insecure_channel(server.address) as channel:
+        request = health_pb2.HealthCheckRequest(service=service)
+        status: int = health_pb2_grpc.HealthStub(channel).Check(request, timeout=10).status
+        return status
 
 
 @dataclass
@@ -153,8 +167,12 @@ def test_store_down_for_the_trainer_fails_the_save_and_the_retry_publishes(stack
         assert _published(stack, "team-a", name) == []
         after = get_adapter(trainer, name)
         assert (after.step, after.last_snapshot_version) == (before.step, before.last_snapshot_version)
+        assert wait_until(lambda: _health(stack.trainer_server, STORE_HEALTH) == NOT_SERVING, timeout=10)
+        assert _health(stack.trainer_server) == SERVING  # the trainer itself still trains
     finally:
         stack.to_trainer.up()
+    # Seen back by the health probe alone, before any call of ours reaches the store.
+    assert wait_until(lambda: _health(stack.trainer_server, STORE_HEALTH) == SERVING, timeout=10)
     version = _save(trainer, name)  # the same weights, saved again
     assert version.version == 1 and version.lineage.trainer_step == before.step
     assert _published(stack, "team-a", name) == [1]
@@ -163,7 +181,9 @@ def test_store_down_for_the_trainer_fails_the_save_and_the_retry_publishes(stack
     assert metric(metrics, "opentinker_trainer_store_up") == 1
 
 
-def test_store_down_for_the_sampler_keeps_serving_and_catches_up(stack: StoreStack) -> None:
+def test_store_down_for_the_sampler_keeps_serving_and_catches_up(
+    stack: StoreStack, capsys: pytest.CaptureFixture[str]
+) -> None:
     trainer, sampler, admin = stack.trainer("team-a"), stack.sampler("team-a"), stack.sampler("svc")
     name = create(trainer, f"team-a/{unique_name('catch')}", seed=610).name
     train(trainer, name, seed=610, steps=1)
@@ -181,8 +201,14 @@ def test_store_down_for_the_sampler_keeps_serving_and_catches_up(stack: StoreSta
         assert f"{name}@2" not in loaded(admin)
         metrics = scrape(stack.sampler_server.metrics_address)
         assert metric(metrics, "opentinker_sampler_store_up") == 0
+        assert wait_until(lambda: _health(stack.sampler_server, STORE_HEALTH) == NOT_SERVING, timeout=10)
+        assert _health(stack.sampler_server) == SERVING  # a load balancer keeps sending: it still serves
+        assert show_status(None, None, stack.sampler_server.address, stack.tokens["svc"], as_json=True)
+        shown = json.loads(capsys.readouterr().out)["servers"]["sampler"]
+        assert (shown["health"], shown["store_health"]) == ("SERVING", "NOT_SERVING")
     finally:
         stack.to_sampler.up()
+    assert wait_until(lambda: _health(stack.sampler_server, STORE_HEALTH) == SERVING, timeout=10)
     assert wait_until(lambda: f"{name}@2" in loaded(admin), timeout=30), "the hot reload did not catch up"
     assert _store_status(admin).reachable
     assert _store_status(sampler).url == ""  # a tenant is not told about the store
