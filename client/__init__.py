@@ -32,6 +32,7 @@ from opentinker.client.episodes import (
     train_on_episodes,
 )
 from opentinker.client.errors import OpenTinkerError, from_rpc_error
+from opentinker.client.fleet_types import Replica, ReplicaChange, ReplicaLoad
 from opentinker.client.loops import (
     SFTStepMetrics,
     StepMetrics,
@@ -121,6 +122,9 @@ __all__ = [
     "RegistryClient",
     "RenderedConversation",
     "Renderer",
+    "Replica",
+    "ReplicaChange",
+    "ReplicaLoad",
     "ResetResult",
     "SFTStepMetrics",
     "SampleChunk",

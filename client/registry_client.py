@@ -23,6 +23,8 @@ from typing import Final
 
 from opentinker.client import registry_transfer
 from opentinker.client.connection import Connection, translated
+from opentinker.client.fleet_types import Replica, ReplicaChange, ReplicaRole
+from opentinker.client.fleet_wire import change_from_proto, replica_from_proto, role_to_proto
 from opentinker.client.registry_types import (
     Adapter,
     AliasMove,
@@ -57,6 +59,8 @@ __all__ = [
     "Lineage",
     "Reconcile",
     "RegistryClient",
+    "Replica",
+    "ReplicaChange",
     "ServingAliasMove",
     "Version",
 ]
@@ -325,6 +329,32 @@ class RegistryClient:
                     # Anything else is a message kind newer than this SDK: skip it.
         finally:
             # Runs on close() too (GeneratorExit at the yield): stop the server stream instead of leaking it.
+            call.cancel()
+
+    # The fleet
+
+    def list_replicas(self, role: ReplicaRole | None = None) -> list[Replica]:
+        """The live replicas (samplers and trainers that registered and keep beating), by id; ``role``: only
+        those. A user token sees only its own tenant's adapters among each replica's resident versions."""
+        request = registry_pb2.ListReplicasRequest(role=role_to_proto(role))
+        with translated():
+            response = self._stub.ListReplicas(request, timeout=self.timeout, metadata=self._connection.metadata)
+        return [replica_from_proto(r) for r in response.replicas]
+
+    def watch_replicas(
+        self, role: ReplicaRole | None = None, include_load: bool = False
+    ) -> Generator[ReplicaChange, None, None]:
+        """The fleet as it changes: first a snapshot of every live replica, then each join, leave and state
+        change (and, with ``include_load``, each new load report). A generator like watch_events: the RPC
+        starts at the first ``next()``, and closing the generator cancels it."""
+        request = registry_pb2.WatchReplicasRequest(role=role_to_proto(role), include_load=include_load)
+        with translated():
+            call = self._stub.WatchReplicas(request, metadata=self._connection.metadata)
+        try:
+            with translated():
+                for message in call:
+                    yield change_from_proto(message)
+        finally:
             call.cancel()
 
     # Garbage collection and artifacts

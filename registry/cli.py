@@ -72,7 +72,7 @@ def serve(
     from opentinker.registry.build import build_registry
     from opentinker.registry.data_dir import default_data_dir
     from opentinker.registry.limits import RegistryLimits
-    from opentinker.rpc.serving.server import configure_logging, serve_forever
+    from opentinker.rpc.serving.server import ServerHooks, configure_logging, serve_forever
 
     configure_logging(serving.log_level)
     limits = RegistryLimits(
@@ -88,6 +88,6 @@ def serve(
     serving.check_ports()  # before the lock and Redis: a clash must not touch the data
     server = build_registry(redis_url, data_dir or default_data_dir(), store, events_maxlen, limits)
     try:
-        serve_forever("registry", [server.binding], options, on_stop=server.on_stop)
+        serve_forever("registry", [server.binding], options, ServerHooks(on_stop=server.on_stop))
     finally:
         server.stop_redis()

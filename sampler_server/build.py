@@ -65,8 +65,10 @@ class SamplerConfig:
     engine_process: bool | None = None  # None: on for the CPU, off for CUDA
     follow: tuple[str, ...] = ()
     follow_window: float = 300.0
-    cache_dir: Path | None = None  # with a bucket store: the verified local copies
-    cache_max_bytes: int = 0  # 0: unbounded
+    advertise: str = ""  # host:port registered with the fleet; "": the bound address
+    zone: str = ""
+    heartbeat_s: float = 1.0  # fleet lease renewal; the lease is heartbeat_s x lease_beats
+    lease_beats: int = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +77,8 @@ class BuiltSampler:
     on_stop: Callable[[], Coroutine[Any, Any, None]]
     engine: EngineAPI
     health_checks: dict[str, Callable[[], Awaitable[bool]]] = field(default_factory=dict)  # store_health_checks
+    on_start: Callable[[str], Awaitable[None]] | None = None  # registers with the fleet (membership.py)
+    on_drain: Callable[[], Awaitable[None]] | None = None  # tells the fleet it drains, before health flips
 
 
 def load_tokenizer(model_dir: Path) -> Any | None:
@@ -104,6 +108,7 @@ def build_sampler(config: SamplerConfig) -> BuiltSampler:
     from opentinker.sampler_server.engine_process import EngineProcess
     from opentinker.sampler_server.follower import AliasFollower
     from opentinker.sampler_server.kernels import resolve_kernel
+    from opentinker.sampler_server.membership import Beat, MemberInfo, Membership, advertised
     from opentinker.sampler_server.metrics import SamplerCollector
     from opentinker.sampler_server.model.kv_cache import KVCache
     from opentinker.sampler_server.model.llama import LlamaForCausalLM
@@ -117,7 +122,7 @@ def build_sampler(config: SamplerConfig) -> BuiltSampler:
         default_tenant_queue,
         default_tenant_slots,
     )
-    from opentinker.v1 import common_pb2, registry_pb2_grpc, sampler_pb2, sampler_pb2_grpc
+    from opentinker.v1 import common_pb2, registry_pb2, registry_pb2_grpc, sampler_pb2, sampler_pb2_grpc
     from opentinker.weights.artifact_bucket import open_artifacts, store_health_checks
     from opentinker.weights.base_model import model_digest, pick_device, pick_dtype, resolve_model_dir
     from opentinker.weights.model_config import load_config
@@ -254,12 +259,45 @@ def build_sampler(config: SamplerConfig) -> BuiltSampler:
             max_prompt_bytes=c.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * context,
         )
         sampler_pb2_grpc.add_SamplerServiceServicer_to_server(servicer, server)
+        state["servicer"] = servicer
         if isinstance(engine, EngineProcess):
             engine.on_exit = functools.partial(os.kill, os.getpid(), signal.SIGTERM)  # see engine_process.py
         engine.start()
         REGISTRY.register(SamplerCollector(engine, loader))
 
+    def beat() -> Beat:
+        load = registry_pb2.ReplicaLoad(
+            slots_used=pool.used(),
+            slots_total=pool.capacity,
+            waiting_sequences=engine.num_waiting,
+            running_sequences=engine.num_running,
+            kv_blocks_used=engine.stats.blocks_used,
+            kv_blocks_total=engine.stats.blocks_total,
+            tokens_per_second=engine.stats.tokens_per_second(),
+        )
+        resident = [f"{s.key[0]}@{s.key[1]}" for s in pool.slots[1:] if s.key is not None and not s.loading]
+        return Beat(load, resident)
+
+    async def on_start(address: str) -> None:
+        channel = state["channel"]
+        assert isinstance(channel, grpc.aio.Channel)
+        member = MemberInfo(advertised(c.advertise, address), digest, c.max_slots, c.zone, c.heartbeat_s, c.lease_beats)
+        servicer = state["servicer"]
+        assert isinstance(servicer, SamplerServicer)
+        servicer.replica = member.address
+        membership = Membership(registry_pb2_grpc.RegistryServiceStub(channel), metadata, member, beat)
+        state["membership"] = membership
+        membership.start()
+
+    async def on_drain() -> None:
+        membership = state.get("membership")
+        if isinstance(membership, Membership):
+            await membership.drain()
+
     async def on_stop() -> None:
+        membership = state.get("membership")
+        if isinstance(membership, Membership):
+            await membership.stop()
         follower = state.get("follower")
         if isinstance(follower, AliasFollower):
             await follower.stop()
@@ -269,7 +307,7 @@ def build_sampler(config: SamplerConfig) -> BuiltSampler:
             await channel.close()
 
     binding = ServiceBinding(sampler_pb2.DESCRIPTOR.services_by_name["SamplerService"].full_name, add)
-    return BuiltSampler([binding], on_stop, engine, store_health_checks(bucket))
+    return BuiltSampler([binding], on_stop, engine, store_health_checks(bucket), on_start, on_drain)
 
 
 def kv_blocks(c: SamplerConfig, model_config: Any, context: int, dtype: Any) -> int:
@@ -298,10 +336,11 @@ def kv_blocks(c: SamplerConfig, model_config: Any, context: int, dtype: Any) -> 
 def serve_sampler(config: SamplerConfig) -> None:
     """Builds the sampler and serves it until SIGINT/SIGTERM; exits 1 when it stopped because its engine process
     died (a supervisor should restart it)."""
-    from opentinker.rpc.serving.server import serve_forever
+    from opentinker.rpc.serving.server import ServerHooks, serve_forever
     from opentinker.sampler_server.engine_process import EngineProcess
 
     built = build_sampler(config)
-    serve_forever("sampler", built.bindings, config.server, on_stop=built.on_stop, health_checks=built.health_checks)
+    hooks = ServerHooks(built.on_start, built.on_drain, built.on_stop, built.health_checks)
+    serve_forever("sampler", built.bindings, config.server, hooks)
     if isinstance(built.engine, EngineProcess) and built.engine.died:
         raise SystemExit(1)  # stopped because the engine process died: a supervisor should restart this server

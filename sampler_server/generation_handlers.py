@@ -118,7 +118,7 @@ class GenerationHandlers(ServicerState):
                         remaining -= 1
                         done.add(update.sample_index)
                         activity.running -= 1
-                    yield self._response(update, text, resolved, params, prompt, first)
+                    yield self._response(update, text, resolved, params, prompt, first, self.replica)
         finally:
             activity.running -= len(started - done)
             activity.waiting -= count - len(started)
@@ -148,9 +148,11 @@ class GenerationHandlers(ServicerState):
         params: SamplingParams,
         prompt: list[int],
         first: list[bool],
+        replica: str,
     ) -> sampler_pb2.SampleResponse:
         index = update.sample_index
         message = sampler_pb2.SampleResponse(
+            replica=replica,
             sample_index=index,
             tokens=update.tokens,
             version=resolved.message,
@@ -226,7 +228,7 @@ class GenerationHandlers(ServicerState):
         if self.engine.num_waiting + 1 > self.max_waiting:
             raise ResourceExhausted(f"the waiting queue is full ({self.max_waiting} sequences)", reason="QUEUE_FULL")
         resolved = await self.loader.resolve(request.model or "base")
-        response = sampler_pb2.ComputeLogprobsResponse(version=resolved.message)
+        response = sampler_pb2.ComputeLogprobsResponse(version=resolved.message, replica=self.replica)
         tenant = batch_tenant(principal, request.model)
         for tokens in sequences:  # one at a time: a request holds at most one seat of the batch
             activity.waiting += 1

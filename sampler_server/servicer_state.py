@@ -42,6 +42,7 @@ class ServicerState:
         self.max_queued_per_tenant = max_queued_per_tenant  # 0: no per-tenant bound, only max_waiting
         self.share_base_prefix_cache = share_base_prefix_cache  # base-model blocks shared across tenants
         self.tenants = TenantStats()  # each tenant's own GetStats figures
+        self.replica = ""  # the address registered with the fleet, named in every response (set once serving)
         # Tokenizing runs here, off the event loop, one prompt at a time (a fast tokenizer is not safe to share
         # between threads): a long prompt_text delays no other tenant's stream, only other text prompts.
         self._tokenize = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sampler-tokenize")

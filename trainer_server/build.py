@@ -116,7 +116,8 @@ def build_trainer(config: TrainerConfig) -> BuiltTrainer:
 
 def serve_trainer(config: TrainerConfig) -> None:
     """Builds the trainer and serves it until SIGINT/SIGTERM."""
-    from opentinker.rpc.serving.server import serve_forever
+    from opentinker.rpc.serving.server import ServerHooks, serve_forever
 
     built = build_trainer(config)
-    serve_forever("trainer", built.bindings, config.server, on_stop=built.on_stop, health_checks=built.health_checks)
+    hooks = ServerHooks(on_stop=built.on_stop, health_checks=built.health_checks)
+    serve_forever("trainer", built.bindings, config.server, hooks)

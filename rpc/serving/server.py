@@ -174,29 +174,41 @@ async def stop_server(running: RunningServer, options: ServerOptions) -> None:
     await running.server.stop(options.grace_seconds)
 
 
+@dataclass(frozen=True, slots=True)
+class ServerHooks:
+    """What a server runs around serving, in order: ``on_start(address)`` once it serves (the sampler registers
+    with the fleet there), ``on_drain()`` on SIGTERM before the health service flips (it tells the registry it
+    drains, so routers stop first), ``on_stop()`` after the last RPC. ``health_checks``: dependencies
+    reported in the health service under their own names (report_health)."""
+
+    on_start: Callable[[str], Awaitable[None]] | None = None
+    on_drain: Callable[[], Awaitable[None]] | None = None
+    on_stop: Callable[[], Awaitable[None]] | None = None
+    health_checks: Mapping[str, HealthCheck] = field(default_factory=dict)
+
+
 async def run_server(
-    component: str,
-    bindings: Sequence[ServiceBinding],
-    options: ServerOptions,
-    *,
-    on_stop: Callable[[], Awaitable[None]] | None = None,
-    health_checks: Mapping[str, HealthCheck] | None = None,
+    component: str, bindings: Sequence[ServiceBinding], options: ServerOptions, hooks: ServerHooks | None = None
 ) -> None:
-    """Serve until SIGTERM/SIGINT, then shut down gracefully and run on_stop. ``health_checks``: dependencies
-    reported in the health service under their own names (see report_health)."""
+    """Serve until SIGTERM/SIGINT, then shut down gracefully, running the hooks on the way."""
+    hooks = hooks or ServerHooks()
     running = await start_server(component, bindings, options)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, running.request_stop)
-    reporter = asyncio.create_task(report_health(running.health, health_checks or {}))
+    reporter = asyncio.create_task(report_health(running.health, hooks.health_checks))
     try:
+        if hooks.on_start is not None:
+            await hooks.on_start(running.address)
         await running.stopping.wait()
         log.info("%s shutting down", component)
+        if hooks.on_drain is not None:
+            await hooks.on_drain()
         await stop_server(running, options)
     finally:
         reporter.cancel()
-        if on_stop is not None:
-            await on_stop()
+        if hooks.on_stop is not None:
+            await hooks.on_stop()
     print(f"opentinker {component} stopped", flush=True)
 
 
@@ -237,16 +249,14 @@ def serve_forever(
     component: str,
     bindings: Sequence[ServiceBinding],
     options: ServerOptions,
-    *,
-    on_stop: Callable[[], Awaitable[None]] | None = None,
-    health_checks: Mapping[str, HealthCheck] | None = None,
+    hooks: ServerHooks | None = None,
 ) -> None:
     """Process entry point: run the server; a configuration refusal exits 2 with one clear line."""
     # A crash in native code (grpc, torch) kills the process with a signal and no Python traceback; this puts the
     # stacks of every thread in the server's log (stderr) instead, so an exit code like -11 has a cause to read.
     faulthandler.enable()
     try:
-        asyncio.run(run_server(component, bindings, options, on_stop=on_stop, health_checks=health_checks))
+        asyncio.run(run_server(component, bindings, options, hooks))
     except ServerConfigError as exc:
         print(f"opentinker {component}: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None

@@ -14,6 +14,7 @@ from opentinker.rpc.serving.errors import ERROR_DOMAIN, error_info
 from opentinker.v1 import registry_pb2, sampler_pb2, trainer_pb2
 
 COUNTS: Counter[str] = Counter()
+WATCHES = frozenset({"RegistryService/WatchEvents", "RegistryService/WatchReplicas"})
 CODES: Counter[tuple[str, str]] = Counter()
 
 
@@ -30,7 +31,7 @@ def call(fuzz: Fuzz, rpc: str, requests: list[bytes]) -> grpc.StatusCode:
     label, method = method_of(rpc)
     channel = fuzz.channels[label]
     path = f"/{method.containing_service.full_name}/{method.name}"
-    timeout = 0.3 if rpc == "RegistryService/WatchEvents" else 60.0  # a valid watch never ends
+    timeout = 0.3 if rpc in WATCHES else 60.0  # a valid watch never ends
     try:
         if method.client_streaming:
             channel.stream_unary(path, raw, raw)(iter(requests), timeout=timeout)
@@ -42,7 +43,7 @@ def call(fuzz: Fuzz, rpc: str, requests: list[bytes]) -> grpc.StatusCode:
     except grpc.RpcError as error:
         assert isinstance(error, grpc.Call)
         code = error.code()
-        if code == grpc.StatusCode.DEADLINE_EXCEEDED and rpc == "RegistryService/WatchEvents":
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED and rpc in WATCHES:
             return grpc.StatusCode.OK  # the watch was accepted and stayed open
         assert code in DELIBERATE, f"{rpc}: {code.name}: {error.details()}"
         info = error_info(error)

@@ -109,6 +109,9 @@ def fuzz(start_stack: Callable[..., dict[str, ServerProcess]]) -> Iterator[Fuzz]
             "target_modules": ["q_proj"],
             "key": ["weights", "clip_low_threshold", "beta", "loss"],
             "path": ["adapter_config.json"],
+            "replica_id": ["fuzz-replica"],
+            "address": ["127.0.0.1:9"],
+            "base_fingerprint": ["fuzz-base"],
         }
     )
     yield Fuzz(servers, channels, known, templates(uri, state_id))
@@ -135,6 +138,20 @@ def templates(uri: str, state_id: str) -> dict[str, Message]:
         "RegistryService/GetLineage": registry_pb2.GetLineageRequest(reference=ref, max_depth=3),
         "RegistryService/GarbageCollect": registry_pb2.GarbageCollectRequest(keep_last=5, dry_run=True),
         "RegistryService/DownloadArtifact": registry_pb2.DownloadArtifactRequest(artifact_uri=uri),
+        # An address no client dials and a fingerprint no base has: a fuzzed replica is never routed to.
+        "RegistryService/RegisterReplica": registry_pb2.RegisterReplicaRequest(
+            replica=registry_pb2.Replica(
+                replica_id="fuzz-replica",
+                role=registry_pb2.REPLICA_ROLE_SAMPLER,
+                address="127.0.0.1:9",
+                base_fingerprint="fuzz-base",
+                lease_seconds=0.5,
+                resident=[f"{KNOWN}@1"],
+            )
+        ),
+        "RegistryService/Heartbeat": registry_pb2.HeartbeatRequest(
+            replica_id="fuzz-replica", state=registry_pb2.REPLICA_STATE_DRAINING
+        ),
         "TrainerService/CreateAdapter": trainer_pb2.TrainerServiceCreateAdapterRequest(
             name="fuzz-new", lora_config=lora(), adam_params=adam(), init_from=ref
         ),

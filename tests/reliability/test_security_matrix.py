@@ -172,7 +172,7 @@ def test_every_rpc_needs_a_valid_token(secured: Secured, credential: str) -> Non
         try:
             if "Upload" in path:
                 channel.stream_unary(path, raw, raw)(iter([b""]), metadata=metadata, timeout=30)
-            elif path.endswith(("/Sample", "/WatchEvents", "/DownloadArtifact")):
+            elif path.endswith(("/Sample", "/WatchEvents", "/DownloadArtifact", "/WatchReplicas")):
                 list(channel.unary_stream(path, raw, raw)(b"", metadata=metadata, timeout=30))
             else:
                 channel.unary_unary(path, raw, raw)(b"", metadata=metadata, timeout=30)

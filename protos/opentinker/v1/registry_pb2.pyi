@@ -11,6 +11,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ReplicaRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REPLICA_ROLE_UNSPECIFIED: _ClassVar[ReplicaRole]
+    REPLICA_ROLE_SAMPLER: _ClassVar[ReplicaRole]
+    REPLICA_ROLE_TRAINER: _ClassVar[ReplicaRole]
+
+class ReplicaState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REPLICA_STATE_UNSPECIFIED: _ClassVar[ReplicaState]
+    REPLICA_STATE_SERVING: _ClassVar[ReplicaState]
+    REPLICA_STATE_DRAINING: _ClassVar[ReplicaState]
+
 class EventType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     EVENT_TYPE_UNSPECIFIED: _ClassVar[EventType]
@@ -21,6 +33,12 @@ class EventType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     EVENT_TYPE_ALIAS_DELETED: _ClassVar[EventType]
     EVENT_TYPE_ARTIFACT_DELETED: _ClassVar[EventType]
     EVENT_TYPE_SERVING_ALIAS_SET: _ClassVar[EventType]
+REPLICA_ROLE_UNSPECIFIED: ReplicaRole
+REPLICA_ROLE_SAMPLER: ReplicaRole
+REPLICA_ROLE_TRAINER: ReplicaRole
+REPLICA_STATE_UNSPECIFIED: ReplicaState
+REPLICA_STATE_SERVING: ReplicaState
+REPLICA_STATE_DRAINING: ReplicaState
 EVENT_TYPE_UNSPECIFIED: EventType
 EVENT_TYPE_ADAPTER_CREATED: EventType
 EVENT_TYPE_ADAPTER_DELETED: EventType
@@ -29,6 +47,112 @@ EVENT_TYPE_ALIAS_SET: EventType
 EVENT_TYPE_ALIAS_DELETED: EventType
 EVENT_TYPE_ARTIFACT_DELETED: EventType
 EVENT_TYPE_SERVING_ALIAS_SET: EventType
+
+class ReplicaLoad(_message.Message):
+    __slots__ = ("slots_used", "slots_total", "waiting_sequences", "running_sequences", "kv_blocks_used", "kv_blocks_total", "tokens_per_second")
+    SLOTS_USED_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    WAITING_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    slots_used: int
+    slots_total: int
+    waiting_sequences: int
+    running_sequences: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    tokens_per_second: float
+    def __init__(self, slots_used: _Optional[int] = ..., slots_total: _Optional[int] = ..., waiting_sequences: _Optional[int] = ..., running_sequences: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., tokens_per_second: _Optional[float] = ...) -> None: ...
+
+class Replica(_message.Message):
+    __slots__ = ("replica_id", "role", "address", "state", "base_fingerprint", "max_slots", "zone", "load", "resident", "lease_seconds", "register_time", "heartbeat_time")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    BASE_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    MAX_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    ZONE_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REGISTER_TIME_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_TIME_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    role: ReplicaRole
+    address: str
+    state: ReplicaState
+    base_fingerprint: str
+    max_slots: int
+    zone: str
+    load: ReplicaLoad
+    resident: _containers.RepeatedScalarFieldContainer[str]
+    lease_seconds: float
+    register_time: _timestamp_pb2.Timestamp
+    heartbeat_time: _timestamp_pb2.Timestamp
+    def __init__(self, replica_id: _Optional[str] = ..., role: _Optional[_Union[ReplicaRole, str]] = ..., address: _Optional[str] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., base_fingerprint: _Optional[str] = ..., max_slots: _Optional[int] = ..., zone: _Optional[str] = ..., load: _Optional[_Union[ReplicaLoad, _Mapping]] = ..., resident: _Optional[_Iterable[str]] = ..., lease_seconds: _Optional[float] = ..., register_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., heartbeat_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class RegisterReplicaRequest(_message.Message):
+    __slots__ = ("replica",)
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    replica: Replica
+    def __init__(self, replica: _Optional[_Union[Replica, _Mapping]] = ...) -> None: ...
+
+class RegisterReplicaResponse(_message.Message):
+    __slots__ = ("replica",)
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    replica: Replica
+    def __init__(self, replica: _Optional[_Union[Replica, _Mapping]] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("replica_id", "state", "load", "resident")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    state: ReplicaState
+    load: ReplicaLoad
+    resident: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, replica_id: _Optional[str] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., load: _Optional[_Union[ReplicaLoad, _Mapping]] = ..., resident: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("heartbeat_time",)
+    HEARTBEAT_TIME_FIELD_NUMBER: _ClassVar[int]
+    heartbeat_time: _timestamp_pb2.Timestamp
+    def __init__(self, heartbeat_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class ListReplicasRequest(_message.Message):
+    __slots__ = ("role",)
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    role: ReplicaRole
+    def __init__(self, role: _Optional[_Union[ReplicaRole, str]] = ...) -> None: ...
+
+class ListReplicasResponse(_message.Message):
+    __slots__ = ("replicas",)
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    replicas: _containers.RepeatedCompositeFieldContainer[Replica]
+    def __init__(self, replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ...) -> None: ...
+
+class WatchReplicasRequest(_message.Message):
+    __slots__ = ("role", "include_load")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_LOAD_FIELD_NUMBER: _ClassVar[int]
+    role: ReplicaRole
+    include_load: bool
+    def __init__(self, role: _Optional[_Union[ReplicaRole, str]] = ..., include_load: _Optional[bool] = ...) -> None: ...
+
+class WatchReplicasResponse(_message.Message):
+    __slots__ = ("snapshot", "replicas", "left")
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    LEFT_FIELD_NUMBER: _ClassVar[int]
+    snapshot: bool
+    replicas: _containers.RepeatedCompositeFieldContainer[Replica]
+    left: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, snapshot: _Optional[bool] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ..., left: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Adapter(_message.Message):
     __slots__ = ("name", "tenant", "lora_config", "base_model_digest", "aliases", "latest_version", "version_count", "create_time", "created_by", "labels", "description", "serving_alias")

@@ -124,6 +124,26 @@ class RegistryServiceStub:
                 request_serializer=opentinker_dot_v1_dot_registry__pb2.DownloadArtifactRequest.SerializeToString,
                 response_deserializer=opentinker_dot_v1_dot_registry__pb2.DownloadArtifactResponse.FromString,
                 _registered_method=True)
+        self.RegisterReplica = channel.unary_unary(
+                '/opentinker.v1.RegistryService/RegisterReplica',
+                request_serializer=opentinker_dot_v1_dot_registry__pb2.RegisterReplicaRequest.SerializeToString,
+                response_deserializer=opentinker_dot_v1_dot_registry__pb2.RegisterReplicaResponse.FromString,
+                _registered_method=True)
+        self.Heartbeat = channel.unary_unary(
+                '/opentinker.v1.RegistryService/Heartbeat',
+                request_serializer=opentinker_dot_v1_dot_registry__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=opentinker_dot_v1_dot_registry__pb2.HeartbeatResponse.FromString,
+                _registered_method=True)
+        self.ListReplicas = channel.unary_unary(
+                '/opentinker.v1.RegistryService/ListReplicas',
+                request_serializer=opentinker_dot_v1_dot_registry__pb2.ListReplicasRequest.SerializeToString,
+                response_deserializer=opentinker_dot_v1_dot_registry__pb2.ListReplicasResponse.FromString,
+                _registered_method=True)
+        self.WatchReplicas = channel.unary_stream(
+                '/opentinker.v1.RegistryService/WatchReplicas',
+                request_serializer=opentinker_dot_v1_dot_registry__pb2.WatchReplicasRequest.SerializeToString,
+                response_deserializer=opentinker_dot_v1_dot_registry__pb2.WatchReplicasResponse.FromString,
+                _registered_method=True)
 
 
 class RegistryServiceServicer:
@@ -311,6 +331,44 @@ class RegistryServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterReplica(self, request, context):
+        """Fleet membership (docs/fleet.md). A replica (a sampler) registers with its address and base model, then
+        renews its lease with Heartbeat; a replica that misses lease_seconds of beats is gone. Admin only (the
+        samplers' service token). Registering an id again replaces its record.
+        Errors: INVALID_ARGUMENT (INVALID_REPLICA), PERMISSION_DENIED (PERMISSION_DENIED).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Heartbeat(self, request, context):
+        """Renews a registered replica's lease with its current load, resident versions and state (SERVING, or
+        DRAINING from SIGTERM on). NOT_FOUND when the lease is gone (expired, or the registry's Redis was
+        emptied): register again. Admin only.
+        Errors: INVALID_ARGUMENT (INVALID_REPLICA), NOT_FOUND (REPLICA_NOT_FOUND), PERMISSION_DENIED (PERMISSION_DENIED).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListReplicas(self, request, context):
+        """The live replicas, by id. Any authenticated caller: a user tenant sees every replica's address, state
+        and load, and among the resident versions only its own adapters'.
+        Errors: INVALID_ARGUMENT (INVALID_REPLICA_ROLE).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchReplicas(self, request, context):
+        """The fleet as it changes: first every live replica (snapshot), then a message whenever one joins, leaves,
+        changes state or (with include_load) reports new load. Filtered per caller as ListReplicas.
+        Errors: INVALID_ARGUMENT (INVALID_REPLICA_ROLE), RESOURCE_EXHAUSTED (TOO_MANY_WATCHES).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RegistryServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -403,6 +461,26 @@ def add_RegistryServiceServicer_to_server(servicer, server):
                     servicer.DownloadArtifact,
                     request_deserializer=opentinker_dot_v1_dot_registry__pb2.DownloadArtifactRequest.FromString,
                     response_serializer=opentinker_dot_v1_dot_registry__pb2.DownloadArtifactResponse.SerializeToString,
+            ),
+            'RegisterReplica': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterReplica,
+                    request_deserializer=opentinker_dot_v1_dot_registry__pb2.RegisterReplicaRequest.FromString,
+                    response_serializer=opentinker_dot_v1_dot_registry__pb2.RegisterReplicaResponse.SerializeToString,
+            ),
+            'Heartbeat': grpc.unary_unary_rpc_method_handler(
+                    servicer.Heartbeat,
+                    request_deserializer=opentinker_dot_v1_dot_registry__pb2.HeartbeatRequest.FromString,
+                    response_serializer=opentinker_dot_v1_dot_registry__pb2.HeartbeatResponse.SerializeToString,
+            ),
+            'ListReplicas': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListReplicas,
+                    request_deserializer=opentinker_dot_v1_dot_registry__pb2.ListReplicasRequest.FromString,
+                    response_serializer=opentinker_dot_v1_dot_registry__pb2.ListReplicasResponse.SerializeToString,
+            ),
+            'WatchReplicas': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchReplicas,
+                    request_deserializer=opentinker_dot_v1_dot_registry__pb2.WatchReplicasRequest.FromString,
+                    response_serializer=opentinker_dot_v1_dot_registry__pb2.WatchReplicasResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -891,6 +969,114 @@ class RegistryService:
             '/opentinker.v1.RegistryService/DownloadArtifact',
             opentinker_dot_v1_dot_registry__pb2.DownloadArtifactRequest.SerializeToString,
             opentinker_dot_v1_dot_registry__pb2.DownloadArtifactResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterReplica(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/opentinker.v1.RegistryService/RegisterReplica',
+            opentinker_dot_v1_dot_registry__pb2.RegisterReplicaRequest.SerializeToString,
+            opentinker_dot_v1_dot_registry__pb2.RegisterReplicaResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Heartbeat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/opentinker.v1.RegistryService/Heartbeat',
+            opentinker_dot_v1_dot_registry__pb2.HeartbeatRequest.SerializeToString,
+            opentinker_dot_v1_dot_registry__pb2.HeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListReplicas(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/opentinker.v1.RegistryService/ListReplicas',
+            opentinker_dot_v1_dot_registry__pb2.ListReplicasRequest.SerializeToString,
+            opentinker_dot_v1_dot_registry__pb2.ListReplicasResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchReplicas(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/opentinker.v1.RegistryService/WatchReplicas',
+            opentinker_dot_v1_dot_registry__pb2.WatchReplicasRequest.SerializeToString,
+            opentinker_dot_v1_dot_registry__pb2.WatchReplicasResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -93,7 +93,7 @@ class SampleRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., prompt: _Optional[_Union[_common_pb2.ModelInput, _Mapping]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_samples: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., request_id: _Optional[str] = ..., prompt_text: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class SampleResponse(_message.Message):
-    __slots__ = ("sample_index", "tokens", "logprobs", "stop_reason", "version", "prompt_logprobs", "prompt_tokens", "text", "top_logprobs")
+    __slots__ = ("sample_index", "tokens", "logprobs", "stop_reason", "version", "prompt_logprobs", "prompt_tokens", "text", "top_logprobs", "replica")
     SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +103,7 @@ class SampleResponse(_message.Message):
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
     sample_index: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
@@ -112,7 +113,8 @@ class SampleResponse(_message.Message):
     prompt_tokens: int
     text: str
     top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
-    def __init__(self, sample_index: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., stop_reason: _Optional[_Union[StopReason, str]] = ..., version: _Optional[_Union[_common_pb2.ResolvedVersion, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_tokens: _Optional[int] = ..., text: _Optional[str] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ...) -> None: ...
+    replica: str
+    def __init__(self, sample_index: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., stop_reason: _Optional[_Union[StopReason, str]] = ..., version: _Optional[_Union[_common_pb2.ResolvedVersion, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_tokens: _Optional[int] = ..., text: _Optional[str] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., replica: _Optional[str] = ...) -> None: ...
 
 class TopLogprobs(_message.Message):
     __slots__ = ("token_ids", "logprobs")
@@ -139,12 +141,14 @@ class TokenLogprobs(_message.Message):
     def __init__(self, logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ComputeLogprobsResponse(_message.Message):
-    __slots__ = ("results", "version")
+    __slots__ = ("results", "version", "replica")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
     version: _common_pb2.ResolvedVersion
-    def __init__(self, results: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., version: _Optional[_Union[_common_pb2.ResolvedVersion, _Mapping]] = ...) -> None: ...
+    replica: str
+    def __init__(self, results: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., version: _Optional[_Union[_common_pb2.ResolvedVersion, _Mapping]] = ..., replica: _Optional[str] = ...) -> None: ...
 
 class LoadedAdapter(_message.Message):
     __slots__ = ("version", "slot", "rank", "pinned", "active_requests", "serving_aliases", "load_time", "last_used_time")

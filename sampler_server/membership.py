@@ -1,0 +1,158 @@
+"""The sampler as a member of the fleet: it registers with the registry once it serves, renews its lease every
+beat with its load and resident versions, and on SIGTERM says DRAINING before its health flips, so routers stop
+sending to it first. A beat answered NOT_FOUND (the lease ran out, or the registry came back on an empty Redis)
+registers again at once: the fleet is whole again within one beat of the registry's return."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Final
+
+import grpc
+
+from opentinker.v1 import registry_pb2, registry_pb2_grpc
+
+log = logging.getLogger("opentinker.sampler.membership")
+
+DRAIN_BEAT_TIMEOUT_S: Final = 2.0  # SIGTERM waits this long at most for the registry to hear DRAINING
+MAX_BACKOFF_S: Final = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class MemberInfo:
+    """What the replica registers once: who it is and what it serves."""
+
+    address: str  # host:port clients use
+    base_fingerprint: str  # BaseModelInfo.model_digest
+    max_slots: int
+    zone: str = ""
+    heartbeat_s: float = 1.0
+    lease_beats: int = 3
+
+
+@dataclass(frozen=True, slots=True)
+class Beat:
+    """What the replica reports every beat."""
+
+    load: registry_pb2.ReplicaLoad
+    resident: list[str]  # "adapter@N"
+
+
+def advertised(advertise: str, bound: str) -> str:
+    """The address to register: ``--advertise`` when given, else the bound one, with a wildcard host (0.0.0.0,
+    ::) replaced by this machine's name, since no client can dial a wildcard."""
+    if advertise:
+        return advertise
+    host, _, port = bound.rpartition(":")
+    if host in ("0.0.0.0", "[::]", "::"):
+        host = socket.getfqdn()
+    return f"{host}:{port}"
+
+
+class Membership:
+    """Registers and beats from the server's event loop; ``beat`` reads the engine's figures (cheap, no lock)."""
+
+    def __init__(
+        self,
+        registry: registry_pb2_grpc.RegistryServiceStub,
+        metadata: list[tuple[str, str]] | None,
+        info: MemberInfo,
+        beat: Callable[[], Beat],
+    ) -> None:
+        self.registry = registry
+        self.metadata = metadata
+        self.info = info
+        self.beat = beat
+        self.replica_id = f"sampler-{uuid.uuid4().hex[:16]}"
+        self.state: registry_pb2.ReplicaState = registry_pb2.REPLICA_STATE_SERVING
+        self.registered = False
+        self._task: asyncio.Task[None] | None = None
+        self._last_error = ""
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="fleet-membership")
+
+    async def drain(self) -> None:
+        """DRAINING in the registry now (bounded wait): called before the health service flips."""
+        self.state = registry_pb2.REPLICA_STATE_DRAINING
+        if not self.registered:
+            return
+        try:
+            await self._heartbeat(timeout=DRAIN_BEAT_TIMEOUT_S)
+        except grpc.RpcError as error:
+            log.warning("could not tell the registry this replica drains: %s", _describe(error))
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self) -> None:
+        backoff = self.info.heartbeat_s
+        while True:
+            try:
+                if not self.registered:
+                    await self._register()
+                    self.registered = True
+                    log.info("registered with the registry as %s at %s", self.replica_id, self.info.address)
+                else:
+                    await self._heartbeat(timeout=self.info.heartbeat_s * self.info.lease_beats)
+                self._last_error = ""
+                backoff = self.info.heartbeat_s
+                await asyncio.sleep(self.info.heartbeat_s)
+            except grpc.RpcError as error:
+                if error.code() == grpc.StatusCode.NOT_FOUND:
+                    log.info("the registry lost this replica's lease; registering again")
+                    self.registered = False
+                    continue
+                message = _describe(error)
+                if message != self._last_error:  # once per distinct failure, not every beat
+                    log.warning("fleet membership: %s (retrying)", message)
+                    self._last_error = message
+                if error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    # The registry is away: try every beat, so a restarted one has this replica back within a
+                    # lease. Any other refusal (a token without the admin role) will not pass sooner: back off.
+                    await asyncio.sleep(self.info.heartbeat_s)
+                    continue
+                await asyncio.sleep(backoff)
+                backoff = min(MAX_BACKOFF_S, backoff * 2)
+
+    async def _register(self) -> None:
+        beat = self.beat()
+        replica = registry_pb2.Replica(
+            replica_id=self.replica_id,
+            role=registry_pb2.REPLICA_ROLE_SAMPLER,
+            address=self.info.address,
+            state=self.state,
+            base_fingerprint=self.info.base_fingerprint,
+            max_slots=self.info.max_slots,
+            zone=self.info.zone,
+            load=beat.load,
+            resident=beat.resident,
+            lease_seconds=self.info.heartbeat_s * self.info.lease_beats,
+        )
+        await self.registry.RegisterReplica(
+            registry_pb2.RegisterReplicaRequest(replica=replica),
+            timeout=self.info.heartbeat_s * self.info.lease_beats,
+            metadata=self.metadata,
+        )
+
+    async def _heartbeat(self, *, timeout: float) -> None:
+        beat = self.beat()
+        request = registry_pb2.HeartbeatRequest(
+            replica_id=self.replica_id, state=self.state, load=beat.load, resident=beat.resident
+        )
+        await self.registry.Heartbeat(request, timeout=timeout, metadata=self.metadata)
+
+
+def _describe(error: grpc.RpcError) -> str:
+    code = error.code() if hasattr(error, "code") else None
+    details = error.details() if hasattr(error, "details") else str(error)
+    return f"{code.name if code else 'error'}: {details}"
