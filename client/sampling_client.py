@@ -29,7 +29,7 @@ from collections.abc import AsyncGenerator, Generator, Sequence
 from contextlib import aclosing, closing
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Final, TypeVar
+from typing import Any, Final, Protocol, TypeVar
 
 import grpc
 import grpc.aio
@@ -101,6 +101,25 @@ class SamplerConnection(Connection[sampler_pb2_grpc.SamplerServiceStub]):
         finally:
             if call is not None:
                 call.cancel()
+
+
+class SampleTransport(Protocol):
+    """What a SamplingClient sends its calls through: one sampler (SamplerConnection) or the fleet behind a
+    registry (fleet_sampling.FleetConnection, which routes, retries and continues streams)."""
+
+    address: str
+
+    def sample(self, request: sampler_pb2.SampleRequest) -> Generator[sampler_pb2.SampleResponse, None, None]: ...
+
+    def sample_async(self, request: sampler_pb2.SampleRequest) -> AsyncGenerator[sampler_pb2.SampleResponse, None]: ...
+
+    def unary(self, method: str, request: Message, response_type: type[_M]) -> _M: ...
+
+    async def unary_async(self, method: str, request: Message, response_type: type[_M]) -> _M: ...
+
+    def close(self) -> None: ...
+
+    async def aclose(self) -> None: ...
 
 
 # Requests and replies, shared by the sync and async methods
@@ -195,6 +214,7 @@ class _Collector:
                     stop_reason=stop,
                     version=chunks[0].version,
                     top_logprobs=tuple(top for c in chunks for top in c.top_logprobs),
+                    replicas=tuple(dict.fromkeys(c.replica for c in chunks if c.replica)),
                 )
             )
         return SampleResult(
@@ -224,13 +244,13 @@ class SamplingClient:
         self._setup(reference, connection, owns_connection=True)
 
     @classmethod
-    def _on(cls, reference: str, connection: SamplerConnection) -> SamplingClient:
+    def _on(cls, reference: str, connection: SampleTransport) -> SamplingClient:
         """A client on a connection someone else owns (a ServiceClient's)."""
         client = cls.__new__(cls)
         client._setup(reference, connection, owns_connection=False)
         return client
 
-    def _setup(self, reference: str, connection: SamplerConnection, *, owns_connection: bool) -> None:
+    def _setup(self, reference: str, connection: SampleTransport, *, owns_connection: bool) -> None:
         if not isinstance(reference, str) or not reference:
             raise ValueError("reference must be a non-empty string: base, name, name@alias or name@N")
         self.reference = reference

@@ -129,6 +129,8 @@ class SampledSequence:
     stop_reason: StopReason
     version: SampledVersion
     top_logprobs: tuple[TopLogprobs, ...] = ()
+    # The replicas that produced it, in order: one, or more when a stream moved on a failure (fleet_sampling).
+    replicas: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +148,7 @@ class SampleChunk:
     stop_reason: StopReason | None
     version: SampledVersion
     top_logprobs: tuple[TopLogprobs, ...] = ()
+    replica: str = ""  # the replica's address that produced these tokens
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,11 +7,12 @@
         training = service.create_training_client("team-a/agent", LoraConfig(rank=16))
         ...  # training.forward_backward / optim_step / save_snapshot (see TrainingClient)
         service.registry_client().resolve("team-a/agent@latest")
-        sampling = service.create_sampling_client("team-a/agent@latest")  # needs sampler=HOST:PORT
+        sampling = service.create_sampling_client("team-a/agent@latest")  # sampler=, or the registry's fleet
         sampling.sample("Hello", SamplingParams(max_tokens=16)).sequences[0].text
 
 Each service is optional: a method that needs one the client was not given an address for raises
-ValueError.
+ValueError. Without a sampler address, sampling goes through the registry's fleet (fleet_sampling.py): each
+request routed by adapter, retried or continued on another replica when one fails.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
 
+from opentinker.client.fleet_sampling import FleetConnection
 from opentinker.client.registry_client import RegistryClient
 from opentinker.client.sampling_client import SamplerConnection, SamplingClient
 from opentinker.client.training_client import TrainerConnection, TrainingClient
@@ -98,6 +100,7 @@ class ServiceClient:
         self._trainer = TrainerConnection(trainer, token, timeout=timeout, ca_cert=ca_cert) if trainer else None
         self._sampler = SamplerConnection(sampler, token, timeout=timeout, ca_cert=ca_cert) if sampler else None
         self._registry: RegistryClient | None = None
+        self._fleet: FleetConnection | None = None  # the fleet, when there is a registry and no sampler
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -216,9 +219,19 @@ class ServiceClient:
         """A client sampling from ``reference`` ("base", "name", "name@alias" or "name@N") on this client's
         sampler, sharing its channels. No call is made: an unknown reference fails at the first request
         (NOT_FOUND)."""
-        if self._sampler is None:
-            raise ValueError("this ServiceClient has no sampler address: pass sampler=HOST:PORT")
-        return SamplingClient._on(reference, self._sampler)
+        if self._sampler is not None:
+            return SamplingClient._on(reference, self._sampler)
+        if self.registry_address is None:
+            raise ValueError("this ServiceClient has no sampler or registry address: pass sampler= or registry=")
+        return SamplingClient._on(reference, self._fleet_connection())
+
+    def _fleet_connection(self) -> FleetConnection:
+        """Without a sampler address: every replica of the registry's fleet, routed by adapter (fleet_sampling)."""
+        registry = self.registry_client()
+        with self._lock:
+            if self._fleet is None:
+                self._fleet = FleetConnection(registry, self._token, timeout=self.timeout, ca_cert=self.ca_cert)
+            return self._fleet
 
     # Registry
 
@@ -240,7 +253,10 @@ class ServiceClient:
         if self._sampler is not None:
             self._sampler.close()
         with self._lock:
+            fleet, self._fleet = self._fleet, None
             registry, self._registry = self._registry, None
+        if fleet is not None:
+            fleet.close()
         if registry is not None:
             registry.close()
 
@@ -250,6 +266,8 @@ class ServiceClient:
             await self._trainer.aclose()
         if self._sampler is not None:
             await self._sampler.aclose()
+        if self._fleet is not None:
+            await self._fleet.aclose()
         self.close()
 
     def __enter__(self) -> ServiceClient:

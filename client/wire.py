@@ -238,6 +238,7 @@ def sample_chunk_from_proto(proto: sampler_pb2.SampleResponse) -> SampleChunk:
         stop_reason=stop_reason_from_proto(proto.stop_reason),
         version=sampled_version_from_proto(proto.version),
         top_logprobs=tuple(tuple(zip(top.token_ids, top.logprobs, strict=True)) for top in proto.top_logprobs),
+        replica=proto.replica,
     )
 
 
