@@ -13,7 +13,7 @@ import typer
 
 from opentinker.cli.failure import describe
 from opentinker.cli.options import CaCert, Token
-from opentinker.client import OpenTinkerError, Renderer, SamplingClient, SamplingParams
+from opentinker.client import OpenTinkerError, Renderer, SamplingClient, SamplingParams, ServiceClient
 from opentinker.client.sampling_client import Prompt
 
 DEFAULT_SAMPLER = "127.0.0.1:7072"
@@ -45,7 +45,16 @@ def sample_command(
         Path | None,
         typer.Option(help="With --chat: the model directory whose tokenizer renders (default: the sampler's model)."),
     ] = None,
-    sampler: Annotated[str, typer.Option(envvar="OPENTINKER_SAMPLER", help="Sampler address.")] = DEFAULT_SAMPLER,
+    sampler: Annotated[
+        str | None,
+        typer.Option(
+            envvar="OPENTINKER_SAMPLER", help=f"Sampler address (default {DEFAULT_SAMPLER} without --registry)."
+        ),
+    ] = None,
+    registry: Annotated[
+        str | None,
+        typer.Option(help="Sample through this registry's fleet (routed by adapter, failing over) when no --sampler."),
+    ] = None,
     token: Token = None,
     ca_cert: CaCert = None,
 ) -> None:
@@ -54,7 +63,10 @@ def sample_command(
         raise typer.BadParameter("--system and --tokenizer need --chat", param_hint="--chat")
     stop_reason = "?"
     version = ""
-    with SamplingClient(sampler, reference, token, ca_cert=ca_cert) as client:
+    if sampler is None and registry is None:
+        sampler = DEFAULT_SAMPLER
+    with ServiceClient(sampler=sampler, registry=registry, token=token, ca_cert=ca_cert) as service:
+        client = service.create_sampling_client(reference)
         try:
             request: Prompt = prompt
             stop_token_ids: tuple[int, ...] = ()

@@ -19,6 +19,7 @@ again for that version exactly.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import AsyncGenerator, Generator
@@ -228,7 +229,7 @@ class FleetConnection:
         stream, legs, skip = _Stream(request), [_Leg(request, list(range(request.num_samples or 1)))], set[str]()
         while legs:
             leg = legs.pop(0)
-            replica = self.order(leg.request.model, skip)[0]
+            replica = (await asyncio.to_thread(self.order, leg.request.model, skip))[0]  # off the event loop
             first = True
             try:
                 with self.router.holding(replica.address):
@@ -263,7 +264,7 @@ class FleetConnection:
     async def unary_async(self, method: str, request: Message, response_type: type[M]) -> M:
         skip: set[str] = set()
         while True:
-            replica = self.order(_reference_of(request), skip)[0]
+            replica = (await asyncio.to_thread(self.order, _reference_of(request), skip))[0]
             try:
                 with self.router.holding(replica.address):
                     return await self.connection(replica.address).unary_async(method, request, response_type)

@@ -17,7 +17,9 @@ import pytest
 from registryutil import create_adapter, publish_lora, unique_name
 from samplerutil import prompt, wait_until
 from serverproc import ServerProcess, start_registry, start_sampler
+from typer.testing import CliRunner
 
+from opentinker.cli.main import app
 from opentinker.client import SamplingParams, ServiceClient
 from opentinker.client.fleet_router import hash_order
 from opentinker.v1 import registry_pb2_grpc
@@ -83,6 +85,17 @@ def test_each_adapter_is_served_by_its_home_replica(fleet: Fleet) -> None:
             return result.sequences[0].replicas
 
         assert asyncio.run(on_the_async_channel()) == (hash_order(fleet.adapters[1], replicas)[0].address,)
+
+
+def test_opentinker_sample_goes_through_the_fleet(fleet: Fleet) -> None:
+    name = fleet.adapters[2]
+    args = ["sample", f"{name}@1", "hello", "--registry", fleet.registry.address, "--max-tokens", "4"]
+    result = CliRunner().invoke(app, [*args, "--temperature", "0"])
+    assert result.exit_code == 0, result.output
+    assert f"[{name}@1, stop:" in result.stderr
+    with ServiceClient(registry=fleet.registry.address) as client:
+        home = hash_order(name, client.registry_client().list_replicas("sampler"))[0]
+        assert f"{name}@1" in home.resident
 
 
 def test_sigkill_of_a_replica_fails_no_stream_and_greedy_output_is_unchanged(fleet: Fleet) -> None:
