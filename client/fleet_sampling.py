@@ -125,7 +125,9 @@ class FleetConnection:
         timeout: float | None = None,
         ca_cert: Path | None = None,
         router: FleetRouter | None = None,
+        owns_registry: bool = False,
     ) -> None:
+        """``owns_registry``: close ``registry`` with this connection (a ServiceClient closes its own)."""
         self.address = f"fleet of {registry.address}"
         self.registry = registry
         self.router = router or FleetRouter()
@@ -137,6 +139,7 @@ class FleetConnection:
         self._listing: tuple[float, list[Replica]] = (0.0, [])
         self._bases: dict[str, str] = {}
         self._floor: dict[str, int] = {}  # adapter -> highest version seen (the @latest floor)
+        self._owns_registry = owns_registry
 
     # -- where to send ----------------------------------------------------------------------------------
 
@@ -280,6 +283,8 @@ class FleetConnection:
             connections, self._connections = list(self._connections.values()), {}
         for connection in connections:
             connection.close()
+        if self._owns_registry:
+            self.registry.close()
 
     async def aclose(self) -> None:
         with self._lock:

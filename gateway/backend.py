@@ -6,7 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from opentinker.client.connection import Connection
-from opentinker.client.sampling_client import SamplerConnection
+from opentinker.client.fleet_sampling import FleetConnection
+from opentinker.client.registry_client import RegistryClient
+from opentinker.client.sampling_client import SamplerConnection, SampleTransport
 from opentinker.client.training_client import TrainerConnection
 from opentinker.v1 import registry_pb2_grpc, trainer_pb2
 
@@ -14,7 +16,7 @@ from opentinker.v1 import registry_pb2_grpc, trainer_pb2
 @dataclass(frozen=True, slots=True)
 class Backend:
     trainer: TrainerConnection
-    sampler: SamplerConnection
+    sampler: SampleTransport  # one sampler, or the registry's fleet (--sampler fleet)
     registry: Connection[registry_pb2_grpc.RegistryServiceStub]
 
 
@@ -33,6 +35,15 @@ class BaseModelInfo:
         return name in (self.model, self.started_as, self.started_as.rstrip("/").rsplit("/", 1)[-1])
 
 
+FLEET = "fleet"  # --sampler fleet: every replica of the registry's fleet, routed by adapter (client/fleet_sampling.py)
+
+
+def _sampler(sampler: str, registry: str, token: str | None) -> SampleTransport:
+    if sampler == FLEET:
+        return FleetConnection(RegistryClient(registry, token), token, owns_registry=True)
+    return SamplerConnection(sampler, token)
+
+
 class Backends:
     def __init__(self, trainer: str, sampler: str, registry: str) -> None:
         self.addresses = (trainer, sampler, registry)
@@ -45,7 +56,7 @@ class Backends:
             trainer, sampler, registry = self.addresses
             backend = Backend(
                 trainer=TrainerConnection(trainer, token),
-                sampler=SamplerConnection(sampler, token),
+                sampler=_sampler(sampler, registry, token),
                 registry=Connection(registry, registry_pb2_grpc.RegistryServiceStub, token, timeout=30.0),
             )
             self._by_token[token] = backend

@@ -28,7 +28,13 @@ log = logging.getLogger("opentinker.gateway")
 @app.command("serve", cls=serve_command(GATEWAY_SECTION))
 def serve(
     trainer: Annotated[str, typer.Option(envvar="OPENTINKER_TRAINER", help="Trainer address host:port.")],
-    sampler: Annotated[str, typer.Option(envvar="OPENTINKER_SAMPLER", help="Sampler address host:port.")],
+    sampler: Annotated[
+        str,
+        typer.Option(
+            envvar="OPENTINKER_SAMPLER",
+            help="Sampler address host:port, or 'fleet': every sampler of the registry's fleet, routed by adapter.",
+        ),
+    ],
     registry: Annotated[str, typer.Option(envvar="OPENTINKER_REGISTRY", help="Registry address host:port.")],
     keys_file: Annotated[
         Path | None,
