@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from registryutil import create_adapter, publish_lora, unique_name
 from samplerutil import greedy, prompt, wait_until
 from serverproc import ServerProcess, start_registry, start_sampler
+from storeservers import free_port
 from trainerutil import model_input
 from typer.testing import CliRunner
 
@@ -49,17 +49,11 @@ class Member:
         return [r for r in replicas if r.address == self.sampler_server.address]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def member(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Member]:
     workdir = tmp_path_factory.mktemp("membership")
     redis_server = EmbeddedRedis(workdir / "redis").start()
-    args = ("--redis-url", redis_server.url, "--port", str(_free_port()))  # one address across restarts
+    args = ("--redis-url", redis_server.url, "--port", str(free_port()))  # one address across restarts
     registry = start_registry(workdir / "registry", *args)
     flags = ("--heartbeat-s", str(BEAT_S), "--lease-beats", "3", "--zone", "zone-a", "--max-slots", "4")
     sampler = start_sampler(workdir / "sampler", tiny_model, registry, *flags)
