@@ -12,9 +12,10 @@ presence penalties (the delivered tokens become prompt, which penalties do not c
 that would have spanned the break. A text prompt (prompt_text) cannot be extended with token ids: it is
 retried only before its first token.
 
-Per client, `@latest` (or a bare name) never goes backwards across replicas: the highest version seen of each
-adapter is remembered, and a replica that answers with an older one (its hot reload not through yet) is asked
-again for that version exactly.
+Per client, `name@latest` never goes backwards across replicas: the highest version seen of each adapter is
+remembered (for FLOOR_TTL_S), and a replica that answers with an older one (its hot reload not through yet)
+is asked again for that version exactly. Other aliases and bare names are not held up: a rollback of them is
+meant to take effect at once.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ from opentinker.v1 import common_pb2, sampler_pb2
 M = TypeVar("M", bound=Message)
 
 LISTING_TTL_S: Final = 1.0  # the fleet listing is read again at most this often (a lease is ~3 s)
+# How long the @latest floor holds: far longer than replicas' hot reloads lag one another (tens of ms), short
+# enough that a rollback of latest reaches this client too.
+FLOOR_TTL_S: Final = 30.0
 # A replica answering these is skipped for this request: gone, restarting, or full.
 _FAILOVER: Final = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED})
 _FULL: Final = frozenset({"QUEUE_FULL", "TENANT_QUEUE_FULL"})
@@ -53,10 +57,10 @@ def adapter_of(reference: str) -> str | None:
     return None if name in ("", "base") else name
 
 
-def _floating(reference: str) -> bool:
-    """Whether the reference may resolve to another version later (a bare name or an alias, not name@N)."""
-    _, at, suffix = reference.partition("@")
-    return not (at and suffix.isdigit())
+def _follows_latest(reference: str) -> bool:
+    """Whether the @latest floor applies: `name@latest` only. Other aliases and bare names (the serving alias)
+    may be moved back on purpose (a rollback), and name@N is exact anyway."""
+    return reference.partition("@")[2] == "latest"
 
 
 def _should_fail_over(error: OpenTinkerError) -> bool:
@@ -138,7 +142,7 @@ class FleetConnection:
         self._connections: dict[str, SamplerConnection] = {}
         self._listing: tuple[float, list[Replica]] = (0.0, [])
         self._bases: dict[str, str] = {}
-        self._floor: dict[str, int] = {}  # adapter -> highest version seen (the @latest floor)
+        self._floor: dict[str, tuple[int, float]] = {}  # adapter -> (highest @latest version seen, when)
         self._owns_registry = owns_registry
 
     # -- where to send ----------------------------------------------------------------------------------
@@ -187,15 +191,14 @@ class FleetConnection:
         """A leg asking again for the floor version when a replica answered a floating reference with an older
         one; None when the message's version is acceptable (the floor is raised to it)."""
         version = message.version
-        if not version.adapter:
+        if not version.adapter or not _follows_latest(leg.request.model):
             return None
+        now = time.monotonic()
         with self._lock:
-            floor = self._floor.get(version.adapter, 0)
-            if version.version >= floor:
-                self._floor[version.adapter] = version.version
+            floor, seen_at = self._floor.get(version.adapter, (0, 0.0))
+            if version.version >= floor or now - seen_at > FLOOR_TTL_S:
+                self._floor[version.adapter] = (version.version, now)
                 return None
-        if not _floating(leg.request.model):
-            return None
         request = sampler_pb2.SampleRequest()
         request.CopyFrom(leg.request)
         request.model = f"{version.adapter}@{floor}"

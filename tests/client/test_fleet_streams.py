@@ -3,12 +3,14 @@ delivered, the cases that cannot be continued exactly, and the @latest floor."""
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 
 from opentinker.client import RegistryClient
 from opentinker.client.errors import OpenTinkerError
-from opentinker.client.fleet_sampling import FleetConnection, _Leg, _Stream, adapter_of
+from opentinker.client.fleet_sampling import FLOOR_TTL_S, FleetConnection, _Leg, _Stream, adapter_of
 from opentinker.v1 import common_pb2, sampler_pb2
 
 BROKEN = OpenTinkerError(grpc.StatusCode.UNAVAILABLE, "the replica went away")
@@ -77,5 +79,9 @@ def test_latest_never_goes_backwards_across_replicas() -> None:
         assert again is not None and again.request.model == "team/agent@4" and again.indexes == [0, 1]
         exact = _Leg(_request(model="team/agent@3"), [0])
         assert fleet._pinned(exact, older) is None  # name@N stays exact
+        for rolled_back in ("team/agent@stable", "team/agent"):  # a rollback of these must take effect
+            assert fleet._pinned(_Leg(_request(model=rolled_back), [0]), older) is None
+        fleet._floor["team/agent"] = (4, time.monotonic() - FLOOR_TTL_S - 1)  # long ago: a rollback of latest
+        assert fleet._pinned(leg, older) is None and fleet._floor["team/agent"][0] == 3
         fleet.close()
     assert adapter_of("base") is None and adapter_of("team/agent@7") == "team/agent" and adapter_of("a") == "a"
