@@ -32,6 +32,7 @@ SCRIPTS = (
     "noisy_neighbours.py",  # team-b latency during team-a abuse / alone
     "bf16_drift.py",  # sampler vs trainer logprobs in bfloat16, per model family
     "prefix_cache.py",  # multi-turn agents, prefix cache on / off; the paged KV memory figure
+    "fleet.py",  # F1-F4: adapter-affinity routing vs round robin over 3 samplers, a SIGKILL in the run
 )
 
 

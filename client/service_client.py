@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
 
+from opentinker.client.fleet_router import FleetRouter
 from opentinker.client.fleet_sampling import FleetConnection
 from opentinker.client.registry_client import RegistryClient
 from opentinker.client.sampling_client import SamplerConnection, SamplingClient
@@ -76,7 +77,8 @@ class ServiceClient:
     ``token`` is sent as ``authorization: Bearer <token>`` to every service. ``timeout`` (seconds) bounds
     each trainer and sampler call (a whole Sample stream included); None (the default) sets no deadline,
     since a training step or a long generation can take long. ``ca_cert`` (a PEM file of root certificates)
-    switches every connection to TLS verified against it. Channels
+    switches every connection to TLS verified against it. ``fleet_router``: how sampling picks a replica when
+    there is a registry and no sampler address (default: FleetRouter(), docs/fleet.md). Channels
     connect lazily. Thread-safe. Use as a context manager (``with`` or ``async with``), or call close()
     (aclose() from async code, which also closes the running loop's async channel cleanly).
     """
@@ -90,6 +92,7 @@ class ServiceClient:
         *,
         timeout: float | None = None,
         ca_cert: Path | None = None,
+        fleet_router: FleetRouter | None = None,
     ) -> None:
         self.trainer_address = trainer
         self.sampler_address = sampler
@@ -101,6 +104,7 @@ class ServiceClient:
         self._sampler = SamplerConnection(sampler, token, timeout=timeout, ca_cert=ca_cert) if sampler else None
         self._registry: RegistryClient | None = None
         self._fleet: FleetConnection | None = None  # the fleet, when there is a registry and no sampler
+        self._fleet_router = fleet_router  # None: FleetRouter() (rendezvous with bounded load, eps 0.25)
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -230,7 +234,9 @@ class ServiceClient:
         registry = self.registry_client()
         with self._lock:
             if self._fleet is None:
-                self._fleet = FleetConnection(registry, self._token, timeout=self.timeout, ca_cert=self.ca_cert)
+                self._fleet = FleetConnection(
+                    registry, self._token, timeout=self.timeout, ca_cert=self.ca_cert, router=self._fleet_router
+                )
             return self._fleet
 
     # Registry
