@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.stamp-$(shell cat pyproject.toml | sha256sum | cut -c1-16)-$(shell echo '$(TORCH_SPEC)' | sha256sum | cut -c1-8)
 
-.PHONY: venv azurite test lint typecheck imports linktree protos protos-check go-check demo bench bench-check soak clean
+.PHONY: venv azurite haproxy test lint typecheck imports linktree protos protos-check go-check demo bench bench-check soak clean
 
 venv: $(STAMP)
 
@@ -59,10 +59,14 @@ $(AZURITE_STAMP):
 	npm install --silent --no-audit --no-fund --prefix build/azurite azurite@$(AZURITE_VERSION)
 	@touch $@
 
+# Debian's haproxy, for the test of deploy/haproxy in front of a sampler fleet; installed only where absent.
+haproxy:
+	@deploy/haproxy/install.sh
+
 # Test modules run TEST_WORKERS-way parallel (pytest-xdist); a module's tests stay on one worker, in order,
 # sharing its server fixtures. TEST_WORKERS=0 runs them all in this process.
 TEST_WORKERS ?= 2
-test: $(STAMP) azurite lint typecheck imports protos-check
+test: $(STAMP) azurite haproxy lint typecheck imports protos-check
 	@# The slowest 15 tests close every run, so growth is visible.
 	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile --durations=15
 

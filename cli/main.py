@@ -62,6 +62,7 @@ def make_tiny_model_command(
 
 def _register_groups() -> None:
     from opentinker.cli.fleet import fleet_app
+    from opentinker.cli.fleet_haproxy import haproxy_command
     from opentinker.cli.registry_admin import add_admin_commands
     from opentinker.cli.sample import sample_command
     from opentinker.cli.trainer_admin import add_trainer_commands
@@ -76,6 +77,7 @@ def _register_groups() -> None:
     app.add_typer(trainer_app, name="trainer", help="Run and operate the trainer server.")
     app.add_typer(sampler_app, name="sampler", help="Run the sampler server.")
     app.add_typer(gateway_app, name="gateway", help="Run the Tinker-compatible HTTP gateway.")
+    fleet_app.command("haproxy")(haproxy_command)
     app.add_typer(fleet_app, name="fleet", help="See the fleet of replicas the registry knows.")
     app.command("sample")(sample_command)
 

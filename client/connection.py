@@ -66,6 +66,10 @@ class Connection(Generic[S]):
         sampler resolving through the registry) calls on a client's behalf: its logs and ours share the id."""
         return self._auth + request_ids.outgoing()
 
+    def call_metadata(self, request: Message) -> tuple[tuple[str, str], ...]:
+        """The metadata sent with ``request``: ``metadata``, plus what a subclass adds for routing."""
+        return self.metadata
+
     def check_open(self) -> None:
         if self._closed:
             raise OpenTinkerError(grpc.StatusCode.CANCELLED, "the client is closed", "CLIENT_CLOSED")
@@ -87,13 +91,13 @@ class Connection(Generic[S]):
     def unary(self, method: str, request: Message, response_type: type[M]) -> M:
         self.check_open()
         with translated():
-            response = getattr(self.stub, method)(request, timeout=self.timeout, metadata=self.metadata)
+            response = getattr(self.stub, method)(request, timeout=self.timeout, metadata=self.call_metadata(request))
         return checked(response, response_type)
 
     async def unary_async(self, method: str, request: Message, response_type: type[M]) -> M:
         stub = self.aio_stub()
         with translated():
-            response = await getattr(stub, method)(request, timeout=self.timeout, metadata=self.metadata)
+            response = await getattr(stub, method)(request, timeout=self.timeout, metadata=self.call_metadata(request))
         return checked(response, response_type)
 
     async def aclose(self) -> None:

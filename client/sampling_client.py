@@ -63,6 +63,18 @@ Prompt = ModelInput | Sequence[int] | str
 
 _STREAM_INCOMPLETE: Final = "INCOMPLETE_STREAM"
 
+ADAPTER_HEADER: Final = "x-opentinker-adapter"
+
+
+def adapter_header(model: str) -> tuple[tuple[str, str], ...]:
+    """``x-opentinker-adapter: <name>`` for a call on ``model`` ("name", "name@alias", "name@N"); none for the
+    base model, or for a name that cannot be a header value (the sampler refuses it with a precise status)."""
+    name = model.partition("@")[0]
+    if not name or name == "base" or not (name.isascii() and name.isprintable()):
+        return ()
+    return ((ADAPTER_HEADER, name),)
+
+
 _M = TypeVar("_M", bound=Message)
 
 
@@ -75,13 +87,18 @@ class SamplerConnection(Connection[sampler_pb2_grpc.SamplerServiceStub]):
     ) -> None:
         super().__init__(address, sampler_pb2_grpc.SamplerServiceStub, token, timeout=timeout, ca_cert=ca_cert)
 
+    def call_metadata(self, request: Message) -> tuple[tuple[str, str], ...]:
+        """Adds the adapter a load balancer in front of several samplers hashes on (deploy/haproxy): every
+        version of one adapter then lands on the same replica."""
+        return self.metadata + adapter_header(getattr(request, "model", ""))
+
     def sample(self, request: sampler_pb2.SampleRequest) -> Generator[sampler_pb2.SampleResponse, None, None]:
         """The Sample stream's messages; closing the generator cancels the call."""
         self.check_open()
         call: Any = None
         try:
             with translated():
-                call = self.stub.Sample(request, timeout=self.timeout, metadata=self.metadata)
+                call = self.stub.Sample(request, timeout=self.timeout, metadata=self.call_metadata(request))
                 for message in call:
                     yield checked(message, sampler_pb2.SampleResponse)
         finally:
@@ -95,7 +112,7 @@ class SamplerConnection(Connection[sampler_pb2_grpc.SamplerServiceStub]):
         call: Any = None
         try:
             with translated():
-                call = stub.Sample(request, timeout=self.timeout, metadata=self.metadata)
+                call = stub.Sample(request, timeout=self.timeout, metadata=self.call_metadata(request))
                 async for message in call:
                     yield checked(message, sampler_pb2.SampleResponse)
         finally:

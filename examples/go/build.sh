@@ -29,5 +29,6 @@ export GO111MODULE=off GOPATH="$out:/usr/share/gocode" GOPROXY=off GOFLAGS=
 [[ -n ${GOCACHE:-} || -n ${XDG_CACHE_HOME:-} || -n ${HOME:-} ]] || export GOCACHE=$out/cache
 cd "$root/examples/go"
 go vet .
+go test .
 go build -o "$out/bin/opentinker-go-example" .
 echo "built $out/bin/opentinker-go-example"

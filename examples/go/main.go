@@ -1,6 +1,6 @@
 // Command opentinker-go-example drives the three OpenTinker servers from Go through stubs generated from
 // protos/opentinker/v1: it creates an adapter, trains one step, publishes a snapshot, streams a sample from
-// that exact version, watches the registry announce it, and decodes the ErrorInfo of a refused call.
+// that exact version (from --sampler, or from the replica the fleet's routing rule picks), watches the registry announce it, and decodes the ErrorInfo of a refused call.
 //
 // Every result is one line ("adapter created ...", "loss ...", "version N ...", "sampled K tokens ...",
 // "event ...", "error ...") so that scripts and tests can check it. Any unexpected failure exits 1.
@@ -29,7 +29,7 @@ func parseFlags() options {
 	var o options
 	flag.StringVar(&o.registry, "registry", "127.0.0.1:7070", "registry address")
 	flag.StringVar(&o.trainer, "trainer", "127.0.0.1:7071", "trainer address")
-	flag.StringVar(&o.sampler, "sampler", "127.0.0.1:7072", "sampler address")
+	flag.StringVar(&o.sampler, "sampler", "127.0.0.1:7072", `sampler address, or "fleet": the replica the routing rule picks from the registry's ListReplicas`)
 	flag.StringVar(&o.adapter, "adapter", fmt.Sprintf("go-example-%x", time.Now().UnixNano()), "adapter name to create")
 	flag.StringVar(&o.token, "token", os.Getenv("OPENTINKER_TOKEN"), "bearer token (env OPENTINKER_TOKEN)")
 	flag.DurationVar(&o.timeout, "timeout", 60*time.Second, "deadline for the whole run")
@@ -64,8 +64,8 @@ func dial(ctx context.Context, address string) (*grpc.ClientConn, error) {
 }
 
 func run(ctx context.Context, o options) error {
-	var conns [3]*grpc.ClientConn
-	for i, address := range []string{o.registry, o.trainer, o.sampler} {
+	var conns [2]*grpc.ClientConn
+	for i, address := range []string{o.registry, o.trainer} {
 		conn, err := dial(ctx, address)
 		if err != nil {
 			return err
@@ -75,7 +75,13 @@ func run(ctx context.Context, o options) error {
 	}
 	registry := pb.NewRegistryServiceClient(conns[0])
 	trainer := pb.NewTrainerServiceClient(conns[1])
-	sampler := pb.NewSamplerServiceClient(conns[2])
+	if o.sampler != "fleet" { // dialled first, so that an unreachable sampler fails before any work
+		conn, err := dial(ctx, o.sampler)
+		if err != nil {
+			return err
+		}
+		conn.Close()
+	}
 
 	info, err := trainer.GetTrainerInfo(ctx, &pb.GetTrainerInfoRequest{})
 	if err != nil {
@@ -112,6 +118,18 @@ func run(ctx context.Context, o options) error {
 	if err != nil {
 		return err
 	}
+	samplerAddress := o.sampler
+	if samplerAddress == "fleet" {
+		if samplerAddress, err = fleetSampler(ctx, registry, o.adapter); err != nil {
+			return err
+		}
+	}
+	samplerConn, err := dial(ctx, samplerAddress)
+	if err != nil {
+		return err
+	}
+	defer samplerConn.Close()
+	sampler := pb.NewSamplerServiceClient(samplerConn)
 	if err := sampleVersion(ctx, sampler, fmt.Sprintf("%s@%d", o.adapter, version), vocab); err != nil {
 		return err
 	}

@@ -11,29 +11,10 @@ from contextlib import ExitStack
 from dataclasses import replace
 
 import pytest
+from fleetutil import BASE
+from fleetutil import replica as _replica
 
 from opentinker.client.fleet_router import FleetRouter, hash_order, load_bound, score
-from opentinker.client.fleet_types import Replica, ReplicaLoad
-
-BASE = "base-digest"
-
-
-def _replica(address: str, *, state: str = "serving", base: str = BASE, waiting: int = 0) -> Replica:
-    return Replica(
-        replica_id=f"id-{address}",
-        role="sampler",
-        address=address,
-        state=state,  # type: ignore[arg-type]
-        base_fingerprint=base,
-        max_slots=8,
-        zone="",
-        load=ReplicaLoad(waiting_sequences=waiting),
-        resident=(),
-        lease_seconds=3.0,
-        register_time=None,
-        heartbeat_time=None,
-    )
-
 
 FLEET = [_replica(f"10.0.0.{i}:7101") for i in range(1, 4)]
 

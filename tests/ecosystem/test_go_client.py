@@ -12,6 +12,8 @@ import pytest
 from registryutil import unique_name
 from serverproc import ROOT, ServerProcess
 
+from opentinker.client import ServiceClient
+from opentinker.client.fleet_router import FleetRouter
 from opentinker.v1 import common_pb2, registry_pb2, registry_pb2_grpc, sampler_pb2, sampler_pb2_grpc
 
 GOCODE = Path("/usr/share/gocode/src")
@@ -95,6 +97,30 @@ def test_go_client_trains_publishes_samples_and_decodes_errors(
     messages = list(sampler.Sample(request))
     assert [t for m in messages for t in m.tokens] == go_tokens
     assert {(m.version.adapter, m.version.version) for m in messages} == {(adapter, number)}
+
+
+def test_go_client_routes_by_the_fleet_rule_from_list_replicas(
+    go_example: Path,
+    registry_server: ServerProcess,
+    trainer_server: ServerProcess,
+    sampler_server: ServerProcess,
+) -> None:
+    """--sampler=fleet: the Go port of the routing rule (examples/go/route.go, unit-tested by `go test` in
+    build.sh against docs/fleet.md's test vector) picks the replica Python's FleetRouter picks."""
+    adapter = unique_name("gofleet")
+    flags = [f"--registry={registry_server.address}", f"--trainer={trainer_server.address}", "--sampler=fleet"]
+    result = subprocess.run(
+        [str(go_example), *flags, f"--adapter={adapter}"], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    routed = line(lines, rf"routed {re.escape(adapter)} to (\S+) of \d+ replicas")[1]
+    line(lines, rf"sampled 8 tokens from {re.escape(adapter)}@\d+ stop STOP_REASON_LENGTH tokens \[[\d ]+\]")
+    with ServiceClient(registry=registry_server.address) as client:
+        replicas = client.registry_client().list_replicas("sampler")
+        base = client.registry_client().get_adapter(adapter).base_model_digest
+    assert routed == FleetRouter().route(adapter, replicas, base)[0].address
+    assert routed == sampler_server.address  # the session's only sampler of this base
 
 
 def test_go_client_reports_an_unreachable_server(go_example: Path) -> None:
