@@ -23,7 +23,7 @@ import random
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -62,8 +62,12 @@ class RoundRobin(FleetRouter):
         self._turn = 0
         self._turn_lock = threading.Lock()
 
-    def route(self, adapter: str | None, replicas: Sequence[Replica], base_fingerprint: str = "") -> list[Replica]:
-        pool = sorted(candidates(replicas, base_fingerprint), key=lambda r: r.address)
+    def route(
+        self, adapter: str | None, replicas: Sequence[Replica], base_fingerprint: str = "", skip: Collection[str] = ()
+    ) -> list[Replica]:
+        pool = sorted(
+            (r for r in candidates(replicas, base_fingerprint) if r.address not in skip), key=lambda r: r.address
+        )
         with self._turn_lock:
             self._turn += 1
             turn = self._turn

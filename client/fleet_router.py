@@ -21,7 +21,7 @@ import hashlib
 import math
 import threading
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Final
 
@@ -63,13 +63,16 @@ class FleetRouter:
         if not eps > 0:
             raise ValueError("eps must be positive")
         self.eps = eps
-        self._lock = threading.Lock()
+        # Re-entrant: `placed` routes (which reads the counts) and counts under one hold.
+        self._lock = threading.RLock()
         self._in_flight: Counter[str] = Counter()
 
-    def route(self, adapter: str | None, replicas: Sequence[Replica], base_fingerprint: str = "") -> list[Replica]:
-        """Every candidate, best first: for an adapter the first in hash order under the load bound, then the
-        rest in hash order; for the base model, least loaded first."""
-        pool = candidates(replicas, base_fingerprint)
+    def route(
+        self, adapter: str | None, replicas: Sequence[Replica], base_fingerprint: str = "", skip: Collection[str] = ()
+    ) -> list[Replica]:
+        """Every candidate but those in ``skip`` (addresses), best first: for an adapter the first in hash order
+        under the load bound, then the rest in hash order; for the base model, least loaded first."""
+        pool = [r for r in candidates(replicas, base_fingerprint) if r.address not in skip]
         with self._lock:
             in_flight = dict(self._in_flight)
         if not adapter:
@@ -82,17 +85,29 @@ class FleetRouter:
         return ordered  # unreachable: the bound always leaves room somewhere
 
     @contextmanager
-    def holding(self, address: str) -> Iterator[None]:
-        """Counts one request in flight on ``address`` for the block."""
+    def placed(
+        self, adapter: str | None, replicas: Sequence[Replica], base_fingerprint: str = "", skip: Collection[str] = ()
+    ) -> Iterator[Replica | None]:
+        """The replica that takes one request (None: no candidate), counted in flight for the block. Chosen and
+        counted under one lock, so requests placed at the same moment see each other and the bound holds."""
         with self._lock:
-            self._in_flight[address] += 1
+            order = self.route(adapter, replicas, base_fingerprint, skip)
+            if not order:
+                chosen = None
+            else:
+                chosen = order[0]
+                self._in_flight[chosen.address] += 1
         try:
-            yield
+            yield chosen
         finally:
-            with self._lock:
-                self._in_flight[address] -= 1
-                if self._in_flight[address] <= 0:
-                    del self._in_flight[address]
+            if chosen is not None:
+                self._release(chosen.address)
+
+    def _release(self, address: str) -> None:
+        with self._lock:
+            self._in_flight[address] -= 1
+            if self._in_flight[address] <= 0:
+                del self._in_flight[address]
 
     def in_flight(self) -> dict[str, int]:
         with self._lock:

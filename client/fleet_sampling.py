@@ -23,8 +23,8 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncGenerator, Generator
-from contextlib import aclosing, closing
+from collections.abc import AsyncGenerator, Generator, Iterator
+from contextlib import aclosing, closing, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final, TypeVar
@@ -156,8 +156,9 @@ class FleetConnection:
                 self._listing = (time.monotonic(), listing)
         return listing
 
-    def order(self, reference: str, skip: set[str]) -> list[Replica]:
-        """Where to try ``reference``, best first, without the replicas this request already found failing."""
+    def route_inputs(self, reference: str, skip: set[str]) -> tuple[str | None, list[Replica], str]:
+        """What the router needs for ``reference``: its adapter, the fleet (read again once a replica failed this
+        request) and the adapter's base. Registry calls: off the event loop on the async paths."""
         adapter = adapter_of(reference)
         base = ""
         if adapter is not None:
@@ -167,17 +168,22 @@ class FleetConnection:
                 base = self.registry.get_adapter(adapter).base_model_digest
                 with self._lock:
                     self._bases[adapter] = base
-        ordered = [
-            r for r in self.router.route(adapter, self.replicas(fresh=bool(skip)), base) if r.address not in skip
-        ]
-        if not ordered:
-            raise OpenTinkerError(
-                grpc.StatusCode.UNAVAILABLE,
-                f"no serving sampler replica for {reference!r} in the fleet of registry {self.registry.address}"
-                + (f" (failing: {', '.join(sorted(skip))})" if skip else ""),
-                "NO_REPLICA",
-            )
-        return ordered
+        return adapter, self.replicas(fresh=bool(skip)), base
+
+    @contextmanager
+    def placed(self, reference: str, skip: set[str], inputs: tuple[str | None, list[Replica], str]) -> Iterator[str]:
+        """The address of the replica taking ``reference``, counted in flight for the block, without the
+        replicas this request already found failing; NO_REPLICA when none is left."""
+        adapter, replicas, base = inputs
+        with self.router.placed(adapter, replicas, base, skip) as replica:
+            if replica is None:
+                raise OpenTinkerError(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"no serving sampler replica for {reference!r} in the fleet of registry {self.registry.address}"
+                    + (f" (failing: {', '.join(sorted(skip))})" if skip else ""),
+                    "NO_REPLICA",
+                )
+            yield replica.address
 
     def connection(self, address: str) -> SamplerConnection:
         with self._lock:
@@ -210,12 +216,13 @@ class FleetConnection:
         stream, legs, skip = _Stream(request), [_Leg(request, list(range(request.num_samples or 1)))], set[str]()
         while legs:
             leg = legs.pop(0)
-            replica = self.order(leg.request.model, skip)[0]
+            inputs = self.route_inputs(leg.request.model, skip)
+            address: str | None = None
             first = True
             try:
                 with (
-                    self.router.holding(replica.address),
-                    closing(self.connection(replica.address).sample(leg.request)) as messages,
+                    self.placed(leg.request.model, skip, inputs) as address,
+                    closing(self.connection(address).sample(leg.request)) as messages,
                 ):
                     for message in messages:
                         if first and (again := self._pinned(leg, message)) is not None:
@@ -224,9 +231,9 @@ class FleetConnection:
                         first = False
                         yield stream.received(leg, message)
             except OpenTinkerError as error:
-                if not _should_fail_over(error):
+                if address is None or not _should_fail_over(error):
                     raise
-                skip.add(replica.address)
+                skip.add(address)
                 legs[0:0] = stream.continuations(leg, error)
 
     async def sample_async(
@@ -235,11 +242,12 @@ class FleetConnection:
         stream, legs, skip = _Stream(request), [_Leg(request, list(range(request.num_samples or 1)))], set[str]()
         while legs:
             leg = legs.pop(0)
-            replica = (await asyncio.to_thread(self.order, leg.request.model, skip))[0]  # off the event loop
+            inputs = await asyncio.to_thread(self.route_inputs, leg.request.model, skip)
+            address: str | None = None
             first = True
             try:
-                with self.router.holding(replica.address):
-                    async with aclosing(self.connection(replica.address).sample_async(leg.request)) as messages:
+                with self.placed(leg.request.model, skip, inputs) as address:
+                    async with aclosing(self.connection(address).sample_async(leg.request)) as messages:
                         async for message in messages:
                             if first and (again := self._pinned(leg, message)) is not None:
                                 legs.insert(0, again)
@@ -247,9 +255,9 @@ class FleetConnection:
                             first = False
                             yield stream.received(leg, message)
             except OpenTinkerError as error:
-                if not _should_fail_over(error):
+                if address is None or not _should_fail_over(error):
                     raise
-                skip.add(replica.address)
+                skip.add(address)
                 legs[0:0] = stream.continuations(leg, error)
 
     # -- unary calls -------------------------------------------------------------------------------------
@@ -257,27 +265,30 @@ class FleetConnection:
     def unary(self, method: str, request: Message, response_type: type[M]) -> M:
         """On the request's replica; an idempotent call that meets a failing replica goes to the next."""
         skip: set[str] = set()
+        reference = _reference_of(request)
         while True:
-            replica = self.order(_reference_of(request), skip)[0]
+            address: str | None = None
             try:
-                with self.router.holding(replica.address):
-                    return self.connection(replica.address).unary(method, request, response_type)
+                with self.placed(reference, skip, self.route_inputs(reference, skip)) as address:
+                    return self.connection(address).unary(method, request, response_type)
             except OpenTinkerError as error:
-                if method not in _IDEMPOTENT or not _should_fail_over(error):
+                if address is None or method not in _IDEMPOTENT or not _should_fail_over(error):
                     raise
-                skip.add(replica.address)
+                skip.add(address)
 
     async def unary_async(self, method: str, request: Message, response_type: type[M]) -> M:
         skip: set[str] = set()
+        reference = _reference_of(request)
         while True:
-            replica = (await asyncio.to_thread(self.order, _reference_of(request), skip))[0]
+            address: str | None = None
+            inputs = await asyncio.to_thread(self.route_inputs, reference, skip)
             try:
-                with self.router.holding(replica.address):
-                    return await self.connection(replica.address).unary_async(method, request, response_type)
+                with self.placed(reference, skip, inputs) as address:
+                    return await self.connection(address).unary_async(method, request, response_type)
             except OpenTinkerError as error:
-                if method not in _IDEMPOTENT or not _should_fail_over(error):
+                if address is None or method not in _IDEMPOTENT or not _should_fail_over(error):
                     raise
-                skip.add(replica.address)
+                skip.add(address)
 
     # -- lifetime ----------------------------------------------------------------------------------------
 

@@ -40,8 +40,13 @@ def upload(stub: registry_pb2_grpc.RegistryServiceStub, files: dict[str, bytes],
     return response.artifact_uri
 
 
-def create_adapter(stub: registry_pb2_grpc.RegistryServiceStub, name: str, **kw: object) -> registry_pb2.Adapter:
-    request = registry_pb2.CreateAdapterRequest(name=name, lora_config=common_pb2.LoraConfig(rank=8))
+def create_adapter(
+    stub: registry_pb2_grpc.RegistryServiceStub, name: str, base_model_digest: str = "", **kw: object
+) -> registry_pb2.Adapter:
+    """kw: call options (metadata, timeout)."""
+    request = registry_pb2.CreateAdapterRequest(
+        name=name, lora_config=common_pb2.LoraConfig(rank=8), base_model_digest=base_model_digest
+    )
     response: registry_pb2.CreateAdapterResponse = stub.CreateAdapter(request, **kw)
     return response.adapter
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import threading
 from collections import Counter
 from contextlib import ExitStack
 from dataclasses import replace
@@ -56,7 +57,7 @@ def test_a_request_passes_a_replica_only_when_that_one_is_at_the_bound() -> None
             assert all(counts.get(a, 0) >= bound for a in passed) and counts.get(chosen.address, 0) < bound
             spilled += bool(passed)
             request = ExitStack()
-            request.enter_context(router.holding(chosen.address))
+            assert request.enter_context(router.placed(adapter, FLEET, BASE)) == chosen
             open_requests.append(request)
             if len(open_requests) > 12:
                 open_requests.pop(rng.randrange(len(open_requests))).close()
@@ -71,8 +72,7 @@ def test_a_hot_adapter_spills_within_the_load_bound(eps: float) -> None:
     router = FleetRouter(eps)
     with ExitStack() as held:
         for _ in range(60):
-            chosen = router.route("team/hot", FLEET, BASE)[0]
-            held.enter_context(router.holding(chosen.address))
+            held.enter_context(router.placed("team/hot", FLEET, BASE))
         counts = router.in_flight()
     assert sum(counts.values()) == 60 and len(counts) >= 2  # it spilled
     assert max(counts.values()) <= (1 + eps) * 60 / 3 + 1, counts
@@ -110,7 +110,37 @@ def test_base_model_requests_go_to_the_least_loaded() -> None:
     router = FleetRouter()
     fleet = [_replica("a:1", waiting=5), _replica("b:1", waiting=0), _replica("c:1", waiting=2)]
     assert [r.address for r in router.route(None, fleet, BASE)] == ["b:1", "c:1", "a:1"]
-    with router.holding("b:1"), router.holding("b:1"):
+    with router.placed(None, fleet[1:2], BASE), router.placed(None, fleet[1:2], BASE):
         assert router.route(None, fleet, BASE)[0].address == "c:1"  # this router's own requests count first
     with pytest.raises(ValueError):
         FleetRouter(eps=0)
+
+
+def test_requests_placed_at_the_same_moment_see_each_other() -> None:
+    """60 threads place a request for one hot adapter at once and hold it: choosing and counting are one step,
+    so the bound holds as it does one at a time; a skipped replica is never chosen, and none left is None."""
+    router = FleetRouter()
+    start, placed_all, release = threading.Barrier(60), threading.Barrier(61), threading.Event()
+    chosen: list[str] = []
+
+    def place() -> None:
+        start.wait(10)
+        with router.placed("team/hot", FLEET, BASE, skip={FLEET[0].address}) as replica:
+            assert replica is not None
+            chosen.append(replica.address)
+            placed_all.wait(10)
+            release.wait(10)  # held until the counts are read
+
+    threads = [threading.Thread(target=place) for _ in range(60)]
+    for thread in threads:
+        thread.start()
+    placed_all.wait(10)
+    counts = router.in_flight()
+    release.set()
+    for thread in threads:
+        thread.join(10)
+    assert len(chosen) == 60 and FLEET[0].address not in chosen
+    assert sum(counts.values()) == 60 and max(counts.values()) <= load_bound(59, 2, router.eps), counts
+    with router.placed("team/hot", FLEET, BASE, skip={r.address for r in FLEET}) as nothing:
+        assert nothing is None
+    assert router.in_flight() == {}
