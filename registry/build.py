@@ -29,6 +29,7 @@ class RegistryServer:
     async def on_stop(self) -> None:
         """After the server stopped: stop the event reader, close the Redis connections, then the embedded Redis."""
         await self.servicer.events.close()
+        await self.servicer.replica_hub.close()
         await self.servicer.sweeper.close()
         await self.store.close()
         self.stop_redis()

@@ -7,6 +7,7 @@ from typing import Any
 from opentinker.registry.artifact_backend import RegistryArtifacts
 from opentinker.registry.event_hub import EventHub
 from opentinker.registry.limits import RegistryLimits, WatchSlots
+from opentinker.registry.replica_hub import ReplicaHub
 from opentinker.registry.store import RegistryStore
 from opentinker.registry.uploads import UploadSweeper
 from opentinker.v1 import registry_pb2_grpc
@@ -20,5 +21,6 @@ class Handlers(registry_pb2_grpc.RegistryServiceServicer):
     limits: RegistryLimits
     max_artifact_bytes: int
     events: EventHub
+    replica_hub: ReplicaHub
     sweeper: UploadSweeper
     watches: WatchSlots

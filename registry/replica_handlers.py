@@ -3,7 +3,6 @@ authenticated lists or watches them, a user tenant seeing only its own adapters 
 
 from __future__ import annotations
 
-import asyncio
 import re
 from collections.abc import AsyncIterator, Iterable
 from typing import Any, Final
@@ -17,7 +16,6 @@ from opentinker.weights.names import check_adapter_name
 DEFAULT_LEASE_S: Final = 3.0  # three missed beats of one second
 MIN_LEASE_S, MAX_LEASE_S = 0.1, 60.0
 MAX_RESIDENT: Final = 4096  # far above any --max-slots
-WATCH_POLL_S: Final = 0.25  # how often a WatchReplicas stream compares the fleet with what it last sent
 
 _ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _ADDRESS_RE = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]{1,253}):(\d{1,5})$")
@@ -135,17 +133,18 @@ class ReplicaHandlers(Handlers):
         role = _check_role_filter(request.role)
         principal = current_principal()
         with self.watches.hold(principal):
-            replicas = await self._visible(principal, role)
-            yield registry_pb2.WatchReplicasResponse(snapshot=True, replicas=replicas)
-            sent = {r.replica_id: _comparable(r, request.include_load) for r in replicas}
-            while True:
-                await asyncio.sleep(WATCH_POLL_S)
-                now = {r.replica_id: r for r in await self._visible(principal, role)}
-                changed = [r for i, r in now.items() if sent.get(i) != _comparable(r, request.include_load)]
-                left = sorted(set(sent) - set(now))
-                if changed or left:
+            sent: dict[str, bytes] | None = None
+            async for listing in self.replica_hub.listings():  # one reader of Redis for every watch
+                now = {r.replica_id: visible_replica(principal, r) for r in listing if not role or r.role == role}
+                if sent is None:
+                    yield registry_pb2.WatchReplicasResponse(snapshot=True, replicas=list(now.values()))
+                else:
+                    changed = [r for i, r in now.items() if sent.get(i) != _comparable(r, request.include_load)]
+                    left = sorted(set(sent) - set(now))
+                    if not (changed or left):
+                        continue
                     yield registry_pb2.WatchReplicasResponse(replicas=changed, left=left)
-                    sent = {i: _comparable(r, request.include_load) for i, r in now.items()}
+                sent = {i: _comparable(r, request.include_load) for i, r in now.items()}
 
     async def _visible(self, principal: Principal, role: int) -> list[registry_pb2.Replica]:
         replicas = await self.store.list_replicas()

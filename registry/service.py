@@ -15,6 +15,7 @@ from opentinker.registry.artifact_handlers import ArtifactHandlers
 from opentinker.registry.event_hub import EventHub
 from opentinker.registry.limits import RegistryLimits, WatchSlots
 from opentinker.registry.replica_handlers import ReplicaHandlers
+from opentinker.registry.replica_hub import ReplicaHub
 from opentinker.registry.store import RegistryStore
 from opentinker.registry.uploads import UploadSweeper
 from opentinker.registry.version_handlers import VersionHandlers
@@ -32,5 +33,6 @@ class RegistryServicer(
         self.limits = limits or RegistryLimits()
         self.max_artifact_bytes = self.limits.max_artifact_bytes
         self.events = EventHub(store)
+        self.replica_hub = ReplicaHub(store)
         self.sweeper = UploadSweeper(store, artifacts, self.limits.upload_grace_s)
         self.watches = WatchSlots(self.limits.max_watches_per_tenant)

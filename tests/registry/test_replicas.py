@@ -12,10 +12,12 @@ from typing import Any
 
 import grpc
 import pytest
+import redis
 from registryrpcutil import Stub, assert_status, rpc_error
 from serverproc import ServerProcess, start_registry
 from tlsutil import Bearer, write_tokens
 
+from opentinker.registry.embedded_redis import EmbeddedRedis
 from opentinker.v1 import registry_pb2, registry_pb2_grpc
 
 
@@ -156,14 +158,31 @@ def test_watch_sends_the_fleet_then_joins_state_changes_and_leaves(registry: Stu
 
 @pytest.fixture(scope="module")
 def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, dict[str, str]]]:
-    work = tmp_path_factory.mktemp("fleet-registry")
-    tokens = {"team-a": "tok-fleet-a", "svc": "tok-fleet-svc"}
-    tokens_file = write_tokens(
-        work / "tokens.json", {tokens["team-a"]: ("team-a", "user"), tokens["svc"]: ("ops", "admin")}
-    )
-    server = start_registry(work / "registry", "--tokens-file", str(tokens_file))
+    server, tokens = _secured_registry(tmp_path_factory)
     yield server, tokens
     server.terminate()
+
+
+@pytest.fixture(scope="module")
+def secured_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, dict[str, str], int]]:
+    """A registry with tokens on a Redis of its own whose command counts the test can read."""
+    redis = EmbeddedRedis(tmp_path_factory.mktemp("fleet-redis")).start()
+    server, tokens = _secured_registry(tmp_path_factory, "--redis-url", redis.url)
+    yield server, tokens, redis.port
+    server.terminate()
+    redis.stop()
+
+
+def _secured_registry(tmp_path_factory: pytest.TempPathFactory, *flags: str) -> tuple[ServerProcess, dict[str, str]]:
+    work = tmp_path_factory.mktemp("fleet-registry")
+    tokens = {"team-a": "tok-fleet-a", "team-b": "tok-fleet-b", "svc": "tok-fleet-svc"}
+    users = {
+        tokens["team-a"]: ("team-a", "user"),
+        tokens["team-b"]: ("team-b", "user"),
+        tokens["svc"]: ("ops", "admin"),
+    }
+    tokens_file = write_tokens(work / "tokens.json", users)
+    return start_registry(work / "registry", "--tokens-file", str(tokens_file), *flags), tokens
 
 
 def _stub(server: ServerProcess, token: str) -> tuple[Stub, grpc.Channel]:
@@ -196,3 +215,56 @@ def test_a_user_tenant_lists_load_but_only_its_own_resident_versions(
     finally:
         admin_channel.close()
         user_channel.close()
+
+
+def _fleet_reads(redis_port: int) -> int:
+    """How often the registry has read the fleet (each listing sweeps expired leases first)."""
+    client = redis.Redis(port=redis_port)
+    try:
+        stats: dict[str, Any] = client.info("commandstats")
+        return int(stats.get("cmdstat_zremrangebyscore", {}).get("calls", 0))
+    finally:
+        client.close()
+
+
+def _fleet_read_rate(redis_port: int, seconds: float = 2.0) -> float:
+    before = _fleet_reads(redis_port)
+    time.sleep(seconds)
+    return (_fleet_reads(redis_port) - before) / seconds
+
+
+def test_one_tenants_many_watches_neither_load_redis_nor_delay_another_tenants_watch(
+    secured_redis: tuple[ServerProcess, dict[str, str], int],
+) -> None:
+    """Two tenants on one registry: team-a opens as many fleet watches as it may (16) and reads none of them;
+    team-b's watch still hears of a new replica at once, and Redis reads the fleet as often as with one watch
+    (one reader per registry process, shared by every watch)."""
+    server, tokens, redis_port = secured_redis
+    admin, admin_channel = _stub(server, tokens["svc"])
+    victim, victim_channel = _stub(server, tokens["team-b"])
+    abuser, abuser_channel = _stub(server, tokens["team-a"])
+    calls: list[Any] = []
+    try:
+        watch = victim.WatchReplicas(registry_pb2.WatchReplicasRequest(include_load=True), timeout=60)
+        calls.append(watch)
+        assert next(watch).snapshot
+        one_watch = _fleet_read_rate(redis_port)
+        for _ in range(16):
+            calls.append(abuser.WatchReplicas(registry_pb2.WatchReplicasRequest(include_load=True), timeout=60))
+        for call in calls[1:]:
+            assert call.initial_metadata() is not None  # each stream is open on the server
+        many_watches = _fleet_read_rate(redis_port)
+        assert many_watches <= 2 * one_watch + 2, (one_watch, many_watches)
+        sent = _replica()
+        began = time.monotonic()
+        admin.RegisterReplica(registry_pb2.RegisterReplicaRequest(replica=sent))
+        for message in watch:
+            if any(r.replica_id == sent.replica_id for r in message.replicas):
+                break
+        assert time.monotonic() - began < 5
+        print(f"fleet reads/s: {one_watch:.1f} with one watch, {many_watches:.1f} with 17")
+    finally:
+        for call in calls:
+            call.cancel()
+        for channel in (admin_channel, victim_channel, abuser_channel):
+            channel.close()
