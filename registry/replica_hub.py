@@ -18,7 +18,7 @@ from collections.abc import AsyncGenerator
 from typing import Final
 
 from opentinker.registry.store import RegistryStore
-from opentinker.rpc.serving.errors import ServiceError
+from opentinker.rpc.serving.errors import ServiceError, Unavailable
 from opentinker.v1 import registry_pb2
 
 log = logging.getLogger(__name__)
@@ -32,23 +32,17 @@ class ReplicaHub:
     def __init__(self, store: RegistryStore, poll_s: float = POLL_S) -> None:
         self.store = store
         self.poll_s = poll_s
-        self.reads = 0  # listings read from the store (tests compare it with the number of watches)
         self._listing: Listing | ServiceError = []
         self._generation = 0  # bumped on every read
         self._fresh = asyncio.Condition()
         self._watchers = 0
         self._reader: asyncio.Task[None] | None = None
 
-    @property
-    def watcher_count(self) -> int:
-        return self._watchers
-
     async def listings(self) -> AsyncGenerator[Listing, None]:
         """A listing read now, then each newer one as the shared reader gets it (the newest when this
         consumer was slower than the poll), until the caller stops iterating."""
         self._watchers += 1
         try:
-            self.reads += 1
             yield await self.store.list_replicas()  # the snapshot: fresh, not the reader's last (up to a poll old)
             if self._reader is None or self._reader.done():
                 self._reader = asyncio.create_task(self._poll(), name="registry-replica-hub")
@@ -68,11 +62,13 @@ class ReplicaHub:
         while self._watchers:
             await asyncio.sleep(self.poll_s)
             try:
-                self.reads += 1
                 listing: Listing | ServiceError = await self.store.list_replicas()
             except ServiceError as error:
                 log.warning("fleet reader stopped: %s", error.message)
                 listing = error
+            except Exception as error:  # any failure must end the watches: a dead reader would leave them waiting
+                log.exception("fleet reader failed")
+                listing = Unavailable(f"the registry could not read the fleet: {type(error).__name__}")
             async with self._fresh:
                 self._listing, self._generation = listing, self._generation + 1
                 self._fresh.notify_all()
