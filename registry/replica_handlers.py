@@ -47,8 +47,10 @@ def _check_resident(resident: Iterable[str]) -> list[str]:
         raise _bad(f"{len(versions)} resident versions are more than {MAX_RESIDENT}")
     for entry in versions:
         adapter, at, number = entry.rpartition("@")
-        if not at or not number.isdigit() or int(number) < 1:
-            raise _bad(f"resident version {entry[:300]!r} is not 'adapter@N'")
+        if not at:  # a trainer's: an adapter it holds, at no published version
+            adapter = entry
+        elif not number.isdigit() or int(number) < 1:
+            raise _bad(f"resident version {entry[:300]!r} is not 'adapter@N' or 'adapter'")
         try:
             check_adapter_name(adapter)
         except ServiceError as error:
@@ -96,7 +98,7 @@ def visible_replica(principal: Principal, replica: registry_pb2.Replica) -> regi
     shown = registry_pb2.Replica()
     shown.CopyFrom(replica)
     del shown.resident[:]
-    shown.resident.extend(v for v in replica.resident if principal.can_access(v.rpartition("@")[0]))
+    shown.resident.extend(v for v in replica.resident if principal.can_access(v.partition("@")[0]))
     return shown
 
 

@@ -65,10 +65,6 @@ class SamplerConfig:
     engine_process: bool | None = None  # None: on for the CPU, off for CUDA
     follow: tuple[str, ...] = ()
     follow_window: float = 300.0
-    advertise: str = ""  # host:port registered with the fleet; "": the bound address
-    zone: str = ""
-    heartbeat_s: float = 1.0  # fleet lease renewal; the lease is heartbeat_s x lease_beats
-    lease_beats: int = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +96,7 @@ def build_sampler(config: SamplerConfig) -> BuiltSampler:
 
     from opentinker.rpc.process.progress import spinner
     from opentinker.rpc.serving.channel import bearer_metadata
+    from opentinker.rpc.serving.membership import Beat, MemberInfo, Membership, advertised
     from opentinker.rpc.serving.registry_link import registry_channel
     from opentinker.rpc.serving.server import ServiceBinding
     from opentinker.sampler_server.adapters import AdapterLoader
@@ -108,7 +105,6 @@ def build_sampler(config: SamplerConfig) -> BuiltSampler:
     from opentinker.sampler_server.engine_process import EngineProcess
     from opentinker.sampler_server.follower import AliasFollower
     from opentinker.sampler_server.kernels import resolve_kernel
-    from opentinker.sampler_server.membership import Beat, MemberInfo, Membership, advertised
     from opentinker.sampler_server.metrics import SamplerCollector
     from opentinker.sampler_server.model.kv_cache import KVCache
     from opentinker.sampler_server.model.llama import LlamaForCausalLM
@@ -281,7 +277,15 @@ def build_sampler(config: SamplerConfig) -> BuiltSampler:
     async def on_start(address: str) -> None:
         channel = state["channel"]
         assert isinstance(channel, grpc.aio.Channel)
-        member = MemberInfo(advertised(c.advertise, address), digest, c.max_slots, c.zone, c.heartbeat_s, c.lease_beats)
+        member = MemberInfo(
+            registry_pb2.REPLICA_ROLE_SAMPLER,
+            advertised(setup.advertise, address),
+            digest,
+            c.max_slots,
+            setup.zone,
+            setup.heartbeat_s,
+            setup.lease_beats,
+        )
         servicer = state["servicer"]
         assert isinstance(servicer, SamplerServicer)
         servicer.replica = member.address

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import sys
 from typing import Annotated, cast
 
@@ -142,20 +141,6 @@ def serve(
     follow_window: Annotated[
         float, typer.Option(help="Also preload adapters that had requests in the last N seconds.")
     ] = 300.0,
-    advertise: Annotated[
-        str,
-        typer.Option(
-            help="host:port clients use to reach this sampler, registered with the fleet; default the bound "
-            "address (a wildcard host becomes this machine's name)."
-        ),
-    ] = "",
-    zone: Annotated[str, typer.Option(help="Free-text zone registered with the fleet (at most 64 bytes).")] = "",
-    heartbeat_s: Annotated[
-        float, typer.Option(min=0.05, max=20.0, help="Seconds between the fleet lease's renewals.")
-    ] = 1.0,
-    lease_beats: Annotated[
-        int, typer.Option(min=1, max=60, help="Missed beats after which the registry drops this replica.")
-    ] = 3,
     *,
     setup: ModelServerSetup,
     serving: opt.Serving,
@@ -193,14 +178,6 @@ def serve(
             f"{max_queued_per_tenant} is more than --max-waiting ({max_waiting}); 0 means no limit",
             param_hint="--max-queued-per-tenant",
         )
-    if advertise and not re.fullmatch(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):\d{1,5}", advertise):
-        raise typer.BadParameter(f"{advertise!r} is not host:port", param_hint="--advertise")
-    if len(zone.encode()) > 64:
-        raise typer.BadParameter("at most 64 bytes", param_hint="--zone")
-    if heartbeat_s * lease_beats > 60:
-        raise typer.BadParameter(
-            "the lease (--heartbeat-s x --lease-beats) is at most 60 s", param_hint="--lease-beats"
-        )
     if max_pinned_per_tenant is not None and max_pinned_per_tenant > max_slots:
         raise typer.BadParameter(
             f"{max_pinned_per_tenant} is more than --max-slots ({max_slots}); 0 means no limit",
@@ -232,10 +209,6 @@ def serve(
         engine_process=engine_process,
         follow=tuple(follow or ()),
         follow_window=follow_window,
-        advertise=advertise,
-        zone=zone,
-        heartbeat_s=heartbeat_s,
-        lease_beats=lease_beats,
     )
     try:
         serve_sampler(config)

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+MAX_REPORTED_ADAPTERS = 4096  # the registry's bound on a replica's resident list (replica_handlers.py)
+
 if TYPE_CHECKING:
     from opentinker.rpc.process.model_server_setup import ModelServerSetup
     from opentinker.rpc.serving.server import ServerOptions, ServiceBinding
@@ -40,6 +42,8 @@ class BuiltTrainer:
     on_stop: Callable[[], Coroutine[Any, Any, None]]
     trainer: Trainer
     health_checks: dict[str, Callable[[], Awaitable[bool]]] = field(default_factory=dict)  # store_health_checks
+    on_start: Callable[[str], Awaitable[None]] | None = None  # registers with the fleet (membership.py)
+    on_drain: Callable[[], Awaitable[None]] | None = None  # DRAINING in the registry before health flips
 
 
 def build_trainer(config: TrainerConfig) -> BuiltTrainer:
@@ -50,6 +54,7 @@ def build_trainer(config: TrainerConfig) -> BuiltTrainer:
     from opentinker.rpc.process import faults
     from opentinker.rpc.process.progress import spinner
     from opentinker.rpc.serving.channel import bearer_metadata
+    from opentinker.rpc.serving.membership import Beat, MemberInfo, Membership, advertised
     from opentinker.rpc.serving.registry_link import registry_channel
     from opentinker.rpc.serving.server import ServiceBinding
     from opentinker.trainer_server.base_model import BaseModel
@@ -57,7 +62,7 @@ def build_trainer(config: TrainerConfig) -> BuiltTrainer:
     from opentinker.trainer_server.scheduler import AdapterScheduler
     from opentinker.trainer_server.service import TrainerServicer
     from opentinker.trainer_server.trainer import Trainer
-    from opentinker.v1 import registry_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+    from opentinker.v1 import registry_pb2, registry_pb2_grpc, trainer_pb2, trainer_pb2_grpc
     from opentinker.weights.artifact_bucket import open_artifacts, store_health_checks
     from opentinker.weights.base_model import pick_device, pick_dtype
 
@@ -104,14 +109,49 @@ def build_trainer(config: TrainerConfig) -> BuiltTrainer:
         )
         trainer_pb2_grpc.add_TrainerServiceServicer_to_server(servicer, server)
 
+    def beat() -> Beat:
+        # slots: the adapters this trainer holds (on the device or spilled), of --max-resident-adapters.
+        # list() copies the keys in one step under the GIL, while the compute thread may add an adapter.
+        held = sorted(list(trainer.adapters))
+        load = registry_pb2.ReplicaLoad(
+            slots_used=len(held),
+            slots_total=c.max_resident_adapters,
+            waiting_sequences=scheduler.queued,
+        )
+        return Beat(load, held[:MAX_REPORTED_ADAPTERS])
+
+    async def on_start(address: str) -> None:
+        channel = state["channel"]
+        assert isinstance(channel, grpc.aio.Channel)
+        member = MemberInfo(
+            registry_pb2.REPLICA_ROLE_TRAINER,
+            advertised(setup.advertise, address),
+            base.digest,
+            c.max_resident_adapters,
+            setup.zone,
+            setup.heartbeat_s,
+            setup.lease_beats,
+        )
+        membership = Membership(registry_pb2_grpc.RegistryServiceStub(channel), metadata, member, beat)
+        state["membership"] = membership
+        membership.start()
+
+    async def on_drain() -> None:
+        membership = state.get("membership")
+        if isinstance(membership, Membership):
+            await membership.drain()
+
     async def on_stop() -> None:
+        membership = state.get("membership")
+        if isinstance(membership, Membership):
+            await membership.stop()
         await scheduler.stop()
         channel = state.get("channel")
         if isinstance(channel, grpc.aio.Channel):
             await channel.close()
 
     binding = ServiceBinding(trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"].full_name, add)
-    return BuiltTrainer([binding], on_stop, trainer, store_health_checks(bucket))
+    return BuiltTrainer([binding], on_stop, trainer, store_health_checks(bucket), on_start, on_drain)
 
 
 def serve_trainer(config: TrainerConfig) -> None:
@@ -119,5 +159,7 @@ def serve_trainer(config: TrainerConfig) -> None:
     from opentinker.rpc.serving.server import ServerHooks, serve_forever
 
     built = build_trainer(config)
-    hooks = ServerHooks(on_stop=built.on_stop, health_checks=built.health_checks)
+    hooks = ServerHooks(
+        on_start=built.on_start, on_drain=built.on_drain, on_stop=built.on_stop, health_checks=built.health_checks
+    )
     serve_forever("trainer", built.bindings, config.server, hooks)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,6 +104,11 @@ Revision = Annotated[
     str | None, typer.Option(help="Of a hub id --model: the cached commit, branch or tag (as `hf download`).")
 ]
 DtypeFlag = Annotated[str, typer.Option(help="auto (bfloat16 on CUDA, float32 on the CPU), float32 or bfloat16.")]
+Zone = Annotated[str, typer.Option(help="Free-text zone registered with the fleet (at most 64 bytes).")]
+HeartbeatS = Annotated[float, typer.Option(min=0.05, max=20.0, help="Seconds between the fleet lease's renewals.")]
+LeaseBeats = Annotated[
+    int, typer.Option(min=1, max=60, help="Missed beats after which the registry drops this replica.")
+]
 PrintConfig = Annotated[
     bool, typer.Option(help="Print the resolved flags and where each came from as JSON, then exit.")
 ]
@@ -202,6 +208,13 @@ def model_server_flags(role: str) -> Callable[[Callable[..., None]], Callable[..
         str | None,
         typer.Option(envvar="OPENTINKER_REGISTRY_TOKEN", help=f"Token the {role} uses with the registry."),
     ]
+    advertise = Annotated[
+        str,
+        typer.Option(
+            help=f"host:port clients use to reach this {role}, registered with the fleet; default the bound "
+            "address (a wildcard host becomes this machine's name)."
+        ),
+    ]
     flags: tuple[tuple[str, Any, Any], ...] = (
         ("model", Model, inspect.Parameter.empty),
         ("registry", Registry, inspect.Parameter.empty),
@@ -214,14 +227,30 @@ def model_server_flags(role: str) -> Callable[[Callable[..., None]], Callable[..
         ("registry_ca", RegistryCa, None),
         ("cache_dir", CacheDir, None),
         ("cache_max_bytes", CacheMaxBytes, 0),
+        ("advertise", advertise, ""),
+        ("zone", Zone, ""),
+        ("heartbeat_s", HeartbeatS, 1.0),
+        ("lease_beats", LeaseBeats, 3),
     )
 
     def parse(values: dict[str, Any]) -> ModelServerSetup:
         if values["dtype"] not in ("auto", "float32", "bfloat16"):
             raise typer.BadParameter("dtype must be auto, float32 or bfloat16", param_hint="--dtype")
+        check_fleet_flags(values["advertise"], values["zone"], values["heartbeat_s"], values["lease_beats"])
         return ModelServerSetup(**values)
 
     return functools.partial(_with_flags, flags=flags, record="setup", parse=parse)
+
+
+def check_fleet_flags(advertise: str, zone: str, heartbeat_s: float, lease_beats: int) -> None:
+    if advertise and not re.fullmatch(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):\d{1,5}", advertise):
+        raise typer.BadParameter(f"{advertise!r} is not host:port", param_hint="--advertise")
+    if len(zone.encode()) > 64:
+        raise typer.BadParameter("at most 64 bytes", param_hint="--zone")
+    if heartbeat_s * lease_beats > 60:
+        raise typer.BadParameter(
+            "the lease (--heartbeat-s x --lease-beats) is at most 60 s", param_hint="--lease-beats"
+        )
 
 
 def _with_flags(

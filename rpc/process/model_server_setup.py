@@ -24,3 +24,7 @@ class ModelServerSetup:
     dtype: Dtype = "auto"  # auto: bfloat16 on CUDA, float32 on the CPU
     cache_dir: Path | None = None  # with a bucket store: the verified local copies
     cache_max_bytes: int = 0  # 0: unbounded
+    advertise: str = ""  # host:port registered with the fleet; "": the bound address
+    zone: str = ""
+    heartbeat_s: float = 1.0  # fleet lease renewal; the lease is heartbeat_s x lease_beats
+    lease_beats: int = 3

@@ -100,7 +100,8 @@ def test_beats_keep_a_short_lease_alive(registry: Stub) -> None:
         {"lease_seconds": 61.0},
         {"lease_seconds": float("nan")},
         {"state": 7},
-        {"resident": ["no-version"]},
+        {"resident": ["BAD NAME"]},
+        {"resident": ["a@"]},
         {"resident": ["a@0"]},
         {"resident": ["BAD NAME@1"]},
         {"resident": [f"a@{i}" for i in range(1, 4099)]},
@@ -197,15 +198,18 @@ def test_a_user_tenant_lists_load_but_only_its_own_resident_versions(
     admin, admin_channel = _stub(server, tokens["svc"])
     user, user_channel = _stub(server, tokens["team-a"])
     try:
-        sent = _replica(resident=["team-a/policy@3", "team-b/secret@1", "untenanted@2"])
+        # A sampler's versions and, as a trainer reports them, adapters at no version.
+        resident = ["team-a/policy@3", "team-b/secret@1", "untenanted@2", "team-a/trained", "team-b/trained"]
+        sent = _replica(resident=resident)
         admin.RegisterReplica(registry_pb2.RegisterReplicaRequest(replica=sent))
         seen = {r.replica_id: r for r in user.ListReplicas(registry_pb2.ListReplicasRequest()).replicas}
-        assert list(seen[sent.replica_id].resident) == ["team-a/policy@3"]
+        assert list(seen[sent.replica_id].resident) == ["team-a/policy@3", "team-a/trained"]
         assert seen[sent.replica_id].address == sent.address and seen[sent.replica_id].max_slots == 8
         everything = {r.replica_id: r for r in admin.ListReplicas(registry_pb2.ListReplicasRequest()).replicas}
-        assert len(everything[sent.replica_id].resident) == 3
+        assert len(everything[sent.replica_id].resident) == 5
         watched = next(user.WatchReplicas(registry_pb2.WatchReplicasRequest(), timeout=10))
-        assert [list(r.resident) for r in watched.replicas if r.replica_id == sent.replica_id] == [["team-a/policy@3"]]
+        mine = [list(r.resident) for r in watched.replicas if r.replica_id == sent.replica_id]
+        assert mine == [["team-a/policy@3", "team-a/trained"]]
         for call, request in (
             (user.RegisterReplica, registry_pb2.RegisterReplicaRequest(replica=_replica())),
             (user.Heartbeat, registry_pb2.HeartbeatRequest(replica_id=sent.replica_id)),

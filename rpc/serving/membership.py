@@ -1,7 +1,8 @@
-"""The sampler as a member of the fleet: it registers with the registry once it serves, renews its lease every
-beat with its load and resident versions, and on SIGTERM says DRAINING before its health flips, so routers stop
-sending to it first. A beat answered NOT_FOUND (the lease ran out, or the registry came back on an empty Redis)
-registers again at once: the fleet is whole again within one beat of the registry's return."""
+"""A model server (a sampler or a trainer) as a member of the fleet: it registers with the registry once it
+serves, renews its lease every beat with its load and resident adapters, and on SIGTERM says DRAINING before its
+health flips, so routers stop sending to it first. A beat answered NOT_FOUND (the lease ran out, or the
+registry came back on an empty Redis) registers again at once: the fleet is whole again within one beat of the
+registry's return."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import grpc
 
 from opentinker.v1 import registry_pb2, registry_pb2_grpc
 
-log = logging.getLogger("opentinker.sampler.membership")
+log = logging.getLogger("opentinker.membership")
 
 DRAIN_BEAT_TIMEOUT_S: Final = 2.0  # SIGTERM waits this long at most for the registry to hear DRAINING
 MAX_BACKOFF_S: Final = 30.0
@@ -28,9 +29,10 @@ MAX_BACKOFF_S: Final = 30.0
 class MemberInfo:
     """What the replica registers once: who it is and what it serves."""
 
+    role: registry_pb2.ReplicaRole  # REPLICA_ROLE_SAMPLER or REPLICA_ROLE_TRAINER
     address: str  # host:port clients use
     base_fingerprint: str  # BaseModelInfo.model_digest
-    max_slots: int
+    max_slots: int  # adapter slots (a sampler) or resident adapters (a trainer; 0: no limit)
     zone: str = ""
     heartbeat_s: float = 1.0
     lease_beats: int = 3
@@ -41,7 +43,7 @@ class Beat:
     """What the replica reports every beat."""
 
     load: registry_pb2.ReplicaLoad
-    resident: list[str]  # "adapter@N"
+    resident: list[str]  # "adapter@N" (a sampler's slots) or "adapter" (a trainer's resident adapters)
 
 
 def advertised(advertise: str, bound: str) -> str:
@@ -69,7 +71,8 @@ class Membership:
         self.metadata = metadata
         self.info = info
         self.beat = beat
-        self.replica_id = f"sampler-{uuid.uuid4().hex[:16]}"
+        kind = "trainer" if info.role == registry_pb2.REPLICA_ROLE_TRAINER else "sampler"
+        self.replica_id = f"{kind}-{uuid.uuid4().hex[:16]}"
         self.state: registry_pb2.ReplicaState = registry_pb2.REPLICA_STATE_SERVING
         self.registered = False
         self._task: asyncio.Task[None] | None = None
@@ -128,7 +131,7 @@ class Membership:
         beat = self.beat()
         replica = registry_pb2.Replica(
             replica_id=self.replica_id,
-            role=registry_pb2.REPLICA_ROLE_SAMPLER,
+            role=self.info.role,
             address=self.info.address,
             state=self.state,
             base_fingerprint=self.info.base_fingerprint,
