@@ -96,7 +96,7 @@ def build_sampler(config: SamplerConfig) -> BuiltSampler:
 
     from opentinker.rpc.process.progress import spinner
     from opentinker.rpc.serving.channel import bearer_metadata
-    from opentinker.rpc.serving.membership import Beat, MemberInfo, Membership, advertised
+    from opentinker.rpc.serving.membership import Beat, FleetMember
     from opentinker.rpc.serving.registry_link import registry_channel
     from opentinker.rpc.serving.server import ServiceBinding
     from opentinker.sampler_server.adapters import AdapterLoader
@@ -274,34 +274,15 @@ def build_sampler(config: SamplerConfig) -> BuiltSampler:
         resident = [f"{s.key[0]}@{s.key[1]}" for s in pool.slots[1:] if s.key is not None and not s.loading]
         return Beat(load, resident)
 
-    async def on_start(address: str) -> None:
-        channel = state["channel"]
-        assert isinstance(channel, grpc.aio.Channel)
-        member = MemberInfo(
-            registry_pb2.REPLICA_ROLE_SAMPLER,
-            advertised(setup.advertise, address),
-            digest,
-            c.max_slots,
-            setup.zone,
-            setup.heartbeat_s,
-            setup.lease_beats,
-        )
-        servicer = state["servicer"]
-        assert isinstance(servicer, SamplerServicer)
-        servicer.replica = member.address
-        membership = Membership(registry_pb2_grpc.RegistryServiceStub(channel), metadata, member, beat)
-        state["membership"] = membership
-        membership.start()
+    member = FleetMember(registry_pb2.REPLICA_ROLE_SAMPLER, digest, c.max_slots, beat, setup)
 
-    async def on_drain() -> None:
-        membership = state.get("membership")
-        if isinstance(membership, Membership):
-            await membership.drain()
+    async def on_start(address: str) -> None:
+        channel, servicer = state["channel"], state["servicer"]
+        assert isinstance(channel, grpc.aio.Channel) and isinstance(servicer, SamplerServicer)
+        servicer.replica = member.join(registry_pb2_grpc.RegistryServiceStub(channel), metadata, address)
 
     async def on_stop() -> None:
-        membership = state.get("membership")
-        if isinstance(membership, Membership):
-            await membership.stop()
+        await member.leave()
         follower = state.get("follower")
         if isinstance(follower, AliasFollower):
             await follower.stop()
@@ -311,7 +292,7 @@ def build_sampler(config: SamplerConfig) -> BuiltSampler:
             await channel.close()
 
     binding = ServiceBinding(sampler_pb2.DESCRIPTOR.services_by_name["SamplerService"].full_name, add)
-    return BuiltSampler([binding], on_stop, engine, store_health_checks(bucket), on_start, on_drain)
+    return BuiltSampler([binding], on_stop, engine, store_health_checks(bucket), on_start, member.drain)
 
 
 def kv_blocks(c: SamplerConfig, model_config: Any, context: int, dtype: Any) -> int:

@@ -54,7 +54,7 @@ def build_trainer(config: TrainerConfig) -> BuiltTrainer:
     from opentinker.rpc.process import faults
     from opentinker.rpc.process.progress import spinner
     from opentinker.rpc.serving.channel import bearer_metadata
-    from opentinker.rpc.serving.membership import Beat, MemberInfo, Membership, advertised
+    from opentinker.rpc.serving.membership import Beat, FleetMember
     from opentinker.rpc.serving.registry_link import registry_channel
     from opentinker.rpc.serving.server import ServiceBinding
     from opentinker.trainer_server.base_model import BaseModel
@@ -120,38 +120,22 @@ def build_trainer(config: TrainerConfig) -> BuiltTrainer:
         )
         return Beat(load, held[:MAX_REPORTED_ADAPTERS])
 
+    member = FleetMember(registry_pb2.REPLICA_ROLE_TRAINER, base.digest, c.max_resident_adapters, beat, setup)
+
     async def on_start(address: str) -> None:
         channel = state["channel"]
         assert isinstance(channel, grpc.aio.Channel)
-        member = MemberInfo(
-            registry_pb2.REPLICA_ROLE_TRAINER,
-            advertised(setup.advertise, address),
-            base.digest,
-            c.max_resident_adapters,
-            setup.zone,
-            setup.heartbeat_s,
-            setup.lease_beats,
-        )
-        membership = Membership(registry_pb2_grpc.RegistryServiceStub(channel), metadata, member, beat)
-        state["membership"] = membership
-        membership.start()
-
-    async def on_drain() -> None:
-        membership = state.get("membership")
-        if isinstance(membership, Membership):
-            await membership.drain()
+        member.join(registry_pb2_grpc.RegistryServiceStub(channel), metadata, address)
 
     async def on_stop() -> None:
-        membership = state.get("membership")
-        if isinstance(membership, Membership):
-            await membership.stop()
+        await member.leave()
         await scheduler.stop()
         channel = state.get("channel")
         if isinstance(channel, grpc.aio.Channel):
             await channel.close()
 
     binding = ServiceBinding(trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"].full_name, add)
-    return BuiltTrainer([binding], on_stop, trainer, store_health_checks(bucket), on_start, on_drain)
+    return BuiltTrainer([binding], on_stop, trainer, store_health_checks(bucket), on_start, member.drain)
 
 
 def serve_trainer(config: TrainerConfig) -> None:

@@ -13,7 +13,7 @@ import socket
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, Protocol
 
 import grpc
 
@@ -153,6 +153,57 @@ class Membership:
             replica_id=self.replica_id, state=self.state, load=beat.load, resident=beat.resident
         )
         await self.registry.Heartbeat(request, timeout=timeout, metadata=self.metadata)
+
+
+class FleetFlags(Protocol):
+    """The fleet flags both model servers take (ModelServerSetup has them)."""
+
+    @property
+    def advertise(self) -> str: ...
+    @property
+    def zone(self) -> str: ...
+    @property
+    def heartbeat_s(self) -> float: ...
+    @property
+    def lease_beats(self) -> int: ...
+
+
+class FleetMember:
+    """A server's place in the fleet over its life, for its ServerHooks: ``join`` once it serves (registers and
+    beats), ``drain`` on SIGTERM, ``leave`` on stop; drain and leave do nothing before join."""
+
+    def __init__(
+        self,
+        role: registry_pb2.ReplicaRole,
+        base_fingerprint: str,
+        max_slots: int,
+        beat: Callable[[], Beat],
+        flags: FleetFlags,
+    ) -> None:
+        self.role, self.base_fingerprint, self.max_slots, self.beat = role, base_fingerprint, max_slots, beat
+        self.flags = flags
+        self.membership: Membership | None = None
+
+    def join(
+        self, registry: registry_pb2_grpc.RegistryServiceStub, metadata: list[tuple[str, str]] | None, bound: str
+    ) -> str:
+        """Starts registering from the running event loop; returns the address registered."""
+        f = self.flags
+        address = advertised(f.advertise, bound)
+        info = MemberInfo(
+            self.role, address, self.base_fingerprint, self.max_slots, f.zone, f.heartbeat_s, f.lease_beats
+        )
+        self.membership = Membership(registry, metadata, info, self.beat)
+        self.membership.start()
+        return address
+
+    async def drain(self) -> None:
+        if self.membership is not None:
+            await self.membership.drain()
+
+    async def leave(self) -> None:
+        if self.membership is not None:
+            await self.membership.stop()
 
 
 def _describe(error: grpc.RpcError) -> str:

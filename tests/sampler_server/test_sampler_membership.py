@@ -5,7 +5,6 @@ on an emptied Redis, and on SIGTERM is DRAINING in the registry before its healt
 from __future__ import annotations
 
 import json
-import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -14,7 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 import redis
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from memberutil import assert_drains_before_health_flips
 from registryutil import create_adapter, publish_lora, unique_name
 from samplerutil import greedy, prompt, wait_until
 from serverproc import ServerProcess, start_registry, start_sampler
@@ -136,15 +135,4 @@ def test_membership_comes_back_after_a_registry_restart_on_an_empty_redis(member
 
 def test_sigterm_drains_in_the_registry_before_health_flips(member: Member) -> None:
     assert wait_until(lambda: len(member.listed()) == 1, timeout=20)
-    channel = grpc.insecure_channel(member.sampler_server.address)
-    health = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=60)
-    assert next(health).status == health_pb2.HealthCheckResponse.SERVING
-    member.sampler_server.process.send_signal(signal.SIGTERM)
-    for update in health:
-        if update.status != health_pb2.HealthCheckResponse.SERVING:
-            break
-    # The moment health says NOT_SERVING, the registry already has it draining: routers stopped first.
-    (replica,) = member.listed()
-    assert replica.state == registry_pb2.REPLICA_STATE_DRAINING
-    channel.close()
-    assert member.sampler_server.process.wait(30) == 0
+    assert_drains_before_health_flips(member.sampler_server, member.listed)

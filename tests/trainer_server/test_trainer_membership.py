@@ -6,14 +6,13 @@ DRAINING in the registry before its health says NOT_SERVING."""
 from __future__ import annotations
 
 import json
-import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from memberutil import assert_drains_before_health_flips
 from registryutil import unique_name
 from samplerutil import wait_until
 from serverproc import ServerProcess, start_registry, start_trainer
@@ -87,6 +86,9 @@ def test_the_sdk_and_the_cli_list_the_trainer(member: Member) -> None:
     assert result.exit_code == 0, result.output
     (shown,) = [r for r in json.loads(result.stdout) if r["address"] == member.trainer_server.address]
     assert shown["role"] == "trainer" and shown["state"] == "serving"
+    args = ["fleet", "status", "--registry", member.registry.address, "--role", "trainer"]
+    table = CliRunner().invoke(app, args, env={"COLUMNS": "250"})
+    assert table.exit_code == 0 and shown["replica_id"] in table.stdout and "zone-t" in table.stdout
 
 
 def test_a_bad_advertise_flag_is_refused_before_the_model_loads(tiny_model: Path) -> None:
@@ -97,14 +99,4 @@ def test_a_bad_advertise_flag_is_refused_before_the_model_loads(tiny_model: Path
 
 def test_sigterm_drains_in_the_registry_before_health_flips(member: Member) -> None:
     assert wait_until(lambda: len(member.listed()) == 1, timeout=20)
-    channel = grpc.insecure_channel(member.trainer_server.address)
-    health = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=60)
-    assert next(health).status == health_pb2.HealthCheckResponse.SERVING
-    member.trainer_server.process.send_signal(signal.SIGTERM)
-    for update in health:
-        if update.status != health_pb2.HealthCheckResponse.SERVING:
-            break
-    (replica,) = member.listed()
-    assert replica.state == registry_pb2.REPLICA_STATE_DRAINING
-    channel.close()
-    assert member.trainer_server.process.wait(30) == 0
+    assert_drains_before_health_flips(member.trainer_server, member.listed)
