@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import math
 import random
 import tempfile
 import threading
@@ -195,7 +196,8 @@ def main() -> None:
         finally:
             for mode in modes:
                 mode.stop()
-    capacity = (KV_BLOCKS - -(-CLIENTS // REPLICAS) * -(-MAX_LEN // BLOCK)) // (PREFIX // BLOCK)
+    running_blocks = math.ceil(CLIENTS / REPLICAS) * math.ceil(MAX_LEN / BLOCK)  # a replica's sequences at most
+    capacity = (KV_BLOCKS - running_blocks) // (PREFIX // BLOCK)  # prefixes a replica's pool keeps cached
     ceiling = ideal_hit_rates(draws[:steady_end], warm_end, capacity)
     report(setup, figures, ceiling, capacity, (warm_end, steady_end), kill_at, sum(len(m.failed) for m in modes))
     for mode in modes:

