@@ -1,4 +1,4 @@
-"""`opentinker trainer adapters|show|delete|reset|save-state`: operate a running trainer through the SDK's
+"""`opentinker trainer adapters|show|delete|reset|save-state|move`: operate a running trainer through the SDK's
 ServiceClient. Tenant-scoped by the token: a tenant sees and touches only its own adapters (others answer
 PERMISSION_DENIED). A failed call prints one line, `error: CODE: message [REASON]`, and exits 1."""
 
@@ -17,7 +17,7 @@ from rich.table import Table
 from opentinker.cli import registry_json as out
 from opentinker.cli.console import table_console
 from opentinker.cli.failure import reported
-from opentinker.cli.options import AsJson, CaCert, Token
+from opentinker.cli.options import DEFAULT_REGISTRY, AsJson, CaCert, RegistryAddr, Token
 from opentinker.client import ServiceClient, TrainingAdapterInfo
 
 TRAINER_PORT = 7071
@@ -171,6 +171,33 @@ def save_state(
         console.print(f"{name}: state {saved.state_id} (step {saved.step}, {saved.size_bytes} bytes)", highlight=False)
 
 
+def move(
+    name: str,
+    to: Annotated[
+        str, typer.Option("--to", help="The trainer to move it to: host:port or replica id (default: least loaded).")
+    ] = "",
+    registry: RegistryAddr = DEFAULT_REGISTRY,
+    token: Token = None,
+    ca_cert: CaCert = None,
+    as_json: AsJson = False,
+) -> None:
+    """Trainer pool: hand an adapter to another trainer with no step lost (save, fence, load); its training
+    clients follow on their next call."""
+    with (
+        ServiceClient(registry=registry, token=token, timeout=None, ca_cert=ca_cert) as client,
+        reported(ca_cert),
+    ):
+        moved = client.move_training_adapter(name, to)
+    if as_json:
+        print_json(moved)
+    else:
+        console.print(
+            f"{name}: moved from {moved.from_address} to {moved.to_address} (epoch {moved.epoch}, state at step "
+            f"{moved.state_step})",
+            highlight=False,
+        )
+
+
 def add_trainer_commands(trainer_app: typer.Typer) -> None:
     """Adds the operations to the `trainer` group (next to `serve`)."""
     commands: list[tuple[str, Callable[..., None]]] = [
@@ -179,6 +206,7 @@ def add_trainer_commands(trainer_app: typer.Typer) -> None:
         ("delete", delete),
         ("reset", reset),
         ("save-state", save_state),
+        ("move", move),
     ]
     for name, command in commands:
         trainer_app.command(name)(command)

@@ -12,11 +12,14 @@
 
 Each service is optional: a method that needs one the client was not given an address for raises
 ValueError. Without a sampler address, sampling goes through the registry's fleet (fleet_sampling.py): each
-request routed by adapter, retried or continued on another replica when one fails.
+request routed by adapter, retried or continued on another replica when one fails. Without a trainer address,
+create_training_client and training_client go through the registry's trainer pool (trainer_pool.py): the
+registry places the adapter, and a dead trainer's adapter continues on another with no step lost.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Mapping
 from pathlib import Path
@@ -26,6 +29,14 @@ from opentinker.client.fleet_router import FleetRouter
 from opentinker.client.fleet_sampling import FleetConnection
 from opentinker.client.registry_client import RegistryClient
 from opentinker.client.sampling_client import SamplerConnection, SamplingClient
+from opentinker.client.trainer_pool import (
+    DEFAULT_JOURNAL_MAX_BYTES,
+    DEFAULT_JOURNAL_MAX_STEPS,
+    CreateArgs,
+    Move,
+    PoolConnections,
+    move_adapter,
+)
 from opentinker.client.training_client import TrainerConnection, TrainingClient
 from opentinker.client.training_types import (
     AdamParams,
@@ -93,6 +104,8 @@ class ServiceClient:
         timeout: float | None = None,
         ca_cert: Path | None = None,
         fleet_router: FleetRouter | None = None,
+        journal_max_steps: int = DEFAULT_JOURNAL_MAX_STEPS,
+        journal_max_bytes: int = DEFAULT_JOURNAL_MAX_BYTES,
     ) -> None:
         self.trainer_address = trainer
         self.sampler_address = sampler
@@ -105,6 +118,9 @@ class ServiceClient:
         self._registry: RegistryClient | None = None
         self._fleet: FleetConnection | None = None  # the fleet, when there is a registry and no sampler
         self._fleet_router = fleet_router  # None: FleetRouter() (rendezvous with bounded load, eps 0.25)
+        # Without a trainer address, training goes through the registry's trainer pool (trainer_pool.py).
+        self._pool: PoolConnections | None = None
+        self._journal = (journal_max_steps, journal_max_bytes)
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -112,6 +128,17 @@ class ServiceClient:
             f"ServiceClient(trainer={self.trainer_address!r}, sampler={self.sampler_address!r}, "
             f"registry={self.registry_address!r})"
         )
+
+    def _pool_connections(self) -> PoolConnections | None:
+        """The trainer pool's channels when training goes through the registry (no trainer address)."""
+        if self._trainer is not None or self.registry_address is None:
+            return None
+        with self._lock:
+            if self._pool is None:
+                self._pool = PoolConnections(
+                    self.registry_address, self._token, timeout=self.timeout, ca_cert=self.ca_cert
+                )
+            return self._pool
 
     def _trainer_connection(self) -> TrainerConnection:
         if self._trainer is None:
@@ -143,8 +170,15 @@ class ServiceClient:
         optimizer included); fresh: with attach_existing, fresh weights instead. The client's
         ``started_from`` says what the adapter started from; its next snapshot's parent is that version.
         """
-        connection = self._trainer_connection()
         request = _create_request(adapter, lora, adam, seed, init_from, resume_state, attach_existing, labels, fresh)
+        if (pool := self._pool_connections()) is not None:
+            route = pool.route(
+                adapter, CreateArgs(request.lora_config, request.adam_params, seed, dict(labels or {})), *self._journal
+            )
+            response = route.create_adapter(request)
+            assert route.connection is not None
+            return TrainingClient(adapter, route.connection, started_from_proto(response.started_from), pool=route)
+        connection = self._trainer_connection()
         response = connection.unary("CreateAdapter", request, trainer_pb2.TrainerServiceCreateAdapterResponse)
         return TrainingClient(adapter, connection, started_from_proto(response.started_from))
 
@@ -161,7 +195,20 @@ class ServiceClient:
         labels: Mapping[str, str] | None = None,
         fresh: bool = False,
     ) -> TrainingClient:
-        """create_training_client on the async channel."""
+        """create_training_client on the async channel (in the trainer pool: on a worker thread)."""
+        if self._pool_connections() is not None:
+            return await asyncio.to_thread(
+                self.create_training_client,
+                adapter,
+                lora,
+                adam=adam,
+                seed=seed,
+                init_from=init_from,
+                resume_state=resume_state,
+                attach_existing=attach_existing,
+                labels=labels,
+                fresh=fresh,
+            )
         connection = self._trainer_connection()
         request = _create_request(adapter, lora, adam, seed, init_from, resume_state, attach_existing, labels, fresh)
         response = await connection.unary_async(
@@ -170,11 +217,25 @@ class ServiceClient:
         return TrainingClient(adapter, connection, started_from_proto(response.started_from))
 
     def training_client(self, adapter: str) -> TrainingClient:
-        """A client of an adapter the trainer already holds (NOT_FOUND otherwise)."""
+        """A client of an adapter the trainer already holds (NOT_FOUND otherwise); in the trainer pool, of a
+        placed adapter, on its owner (resumed there from its recorded state if the owner lacks it)."""
+        if (pool := self._pool_connections()) is not None:
+            route = pool.route(adapter, CreateArgs(pool.adapter_lora(adapter), None, 0), *self._journal)
+            route.attach()
+            assert route.connection is not None
+            return TrainingClient(adapter, route.connection, pool=route)
         connection = self._trainer_connection()
         request = trainer_pb2.TrainerServiceGetAdapterRequest(name=adapter)
         connection.unary("GetAdapter", request, trainer_pb2.TrainerServiceGetAdapterResponse)
         return TrainingClient(adapter, connection)
+
+    def move_training_adapter(self, adapter: str, to: str = "") -> Move:
+        """Trainer pool: hands ``adapter`` to the trainer ``to`` (an address or replica id; "": the registry
+        chooses) with no step lost: saved on its owner, fenced by the registry, loaded on the new one."""
+        pool = self._pool_connections()
+        if pool is None:
+            raise ValueError("moving an adapter needs the registry's trainer pool: pass registry= without trainer=")
+        return move_adapter(pool, adapter, to)
 
     def get_trainer_info(self) -> TrainerInfo:
         """The trainer's base model and the loss functions it offers."""
@@ -261,6 +322,9 @@ class ServiceClient:
         with self._lock:
             fleet, self._fleet = self._fleet, None
             registry, self._registry = self._registry, None
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close()
         if fleet is not None:
             fleet.close()
         if registry is not None:

@@ -20,9 +20,10 @@ server's ErrorInfo reason.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, Protocol, TypeVar
 
 from google.protobuf.message import Message
 
@@ -157,27 +158,73 @@ _M = TypeVar("_M", bound=Message)
 _Reply = TypeVar("_Reply")
 
 
+class PoolRoute(Protocol):
+    """What a TrainingClient in the trainer pool sends its calls through (trainer_pool.PoolRoute)."""
+
+    @property
+    def connection(self) -> TrainerConnection | None: ...
+    @property
+    def failovers(self) -> list[Any]: ...  # trainer_pool.Failover records
+    @property
+    def journal_bytes(self) -> int: ...
+    @property
+    def journal_steps(self) -> int: ...
+    def call(self, method: str, request: Message, response_type: type[_M]) -> _M: ...
+
+
 class TrainingClient:
     """Trains one adapter on one trainer. Obtain it from `ServiceClient.create_training_client` (or
     `ServiceClient.training_client` for an adapter the trainer already holds); it shares the
     ServiceClient's channels, so closing the ServiceClient ends it too. Thread-safe.
+
+    Made by a ServiceClient with a registry and no trainer address, it trains in the trainer pool
+    (trainer_pool.py): calls follow the adapter to its owner, and a dead owner's adapter continues on another
+    trainer with nothing lost (``failovers`` lists each change; ``journal_bytes`` is what the journal holds).
     """
 
-    def __init__(self, adapter: str, connection: TrainerConnection, started_from: StartedFrom | None = None) -> None:
+    def __init__(
+        self,
+        adapter: str,
+        connection: TrainerConnection,
+        started_from: StartedFrom | None = None,
+        *,
+        pool: PoolRoute | None = None,
+    ) -> None:
         self.adapter = adapter
         self._connection = connection
+        self._pool = pool
         # What create_training_client started the adapter from (None for training_client(name)).
         self.started_from = started_from
 
     def __repr__(self) -> str:
-        return f"TrainingClient({self.adapter!r}, trainer={self._connection.address!r})"
+        return f"TrainingClient({self.adapter!r}, trainer={self.trainer_address!r})"
+
+    @property
+    def trainer_address(self) -> str:
+        """The trainer this adapter trains on now (in the pool: its current owner)."""
+        connection = self._pool.connection if self._pool is not None else None
+        return (connection or self._connection).address
+
+    @property
+    def failovers(self) -> list[Any]:
+        """Each change of trainer so far, oldest first (pool mode; always empty with an explicit trainer)."""
+        return list(self._pool.failovers) if self._pool is not None else []
+
+    @property
+    def journal_bytes(self) -> int:
+        """Bytes of requests the pool's failover journal holds (0 with an explicit trainer)."""
+        return self._pool.journal_bytes if self._pool is not None else 0
 
     def _call(self, method: str, request: Message, response_type: type[_M], convert: Callable[[_M], _Reply]) -> _Reply:
+        if self._pool is not None:
+            return convert(self._pool.call(method, request, response_type))
         return convert(self._connection.unary(method, request, response_type))
 
     async def _call_async(
         self, method: str, request: Message, response_type: type[_M], convert: Callable[[_M], _Reply]
     ) -> _Reply:
+        if self._pool is not None:  # one ordered history: the journal's calls run one at a time, on a thread
+            return convert(await asyncio.to_thread(self._pool.call, method, request, response_type))
         return convert(await self._connection.unary_async(method, request, response_type))
 
     # Training

@@ -17,6 +17,7 @@ from opentinker.registry.store_base import (
     encode_token,
     leases_key,
     now_ms,
+    placement_key,
     redis_errors,
     refs_key,
     text,
@@ -90,7 +91,9 @@ class AdapterStore(StoreBase):
     async def delete_adapter(self, name: str, actor: str) -> str:
         key = adapter_key(name)
         keys = [key, ADAPTERS_KEY, f"{key}:aliases", EVENTS_KEY]
-        return text(await self._run("DELETE_ADAPTER", keys, [name, now_ms(), actor, self.events_maxlen]))
+        event_id = text(await self._run("DELETE_ADAPTER", keys, [name, now_ms(), actor, self.events_maxlen]))
+        await self._run("DROP_PLACEMENT", [placement_key(name)], [name])  # a trainer pool's owner lets go
+        return event_id
 
     # Versions
 
@@ -104,9 +107,11 @@ class AdapterStore(StoreBase):
         request_id: str,
         expected_latest: int | None,
         lease_id: str,
+        owner_epoch: int = 0,
     ) -> tuple[registry_pb2.Version, str, bool]:
         """Returns (version, event id, replayed): replayed when request_id was already published.
-        lease_id: a lease on the artifact (lease_artifact), taken before its bytes were verified."""
+        lease_id: a lease on the artifact (lease_artifact), taken before its bytes were verified.
+        owner_epoch: a pool trainer's placement epoch (0: unfenced); FailedPrecondition(STALE_EPOCH) if stale."""
         name = version.adapter
         record = registry_pb2.Version()
         record.CopyFrom(version)
@@ -124,6 +129,7 @@ class AdapterStore(StoreBase):
             f"{key}:history:",
             leases_key(version.artifact_sha256),
             UPLOADS_KEY,
+            placement_key(name),
         ]
         args: list[str | bytes | int] = [
             name,
@@ -136,6 +142,7 @@ class AdapterStore(StoreBase):
             "1" if skip_latest else "0",
             "" if expected_latest is None else expected_latest,
             lease_id,
+            owner_epoch,
             *aliases,
         ]
         result = await self._run("PUBLISH_VERSION", keys, args)

@@ -130,7 +130,10 @@ class ReplicaHandlers(Handlers):
         state = _check_state(request.state)
         resident = _check_resident(request.resident)
         record = await self.store.heartbeat(replica_id, state, request.load, resident)
-        return registry_pb2.HeartbeatResponse(heartbeat_time=record.heartbeat_time)
+        placements = (
+            await self.store.placements_of(replica_id) if record.role == registry_pb2.REPLICA_ROLE_TRAINER else []
+        )
+        return registry_pb2.HeartbeatResponse(heartbeat_time=record.heartbeat_time, placements=placements)
 
     async def ListReplicas(self, request: registry_pb2.ListReplicasRequest, context: Context) -> Any:
         role = _check_role_filter(request.role)

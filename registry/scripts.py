@@ -113,9 +113,9 @@ return emit(KEYS[4], ARGV[4], {type='ADAPTER_DELETED', adapter=ARGV[1], time=ARG
 )
 
 # KEYS: adapter, seq, versions, aliases, requests, events, artifact_refs, version_prefix, history_prefix,
-#       artifact_leases, uploads
+#       artifact_leases, uploads, placement (placement_scripts.py)
 # ARGV: name, proto, artifact_sha256, now_ms, actor, maxlen, request_id, skip_latest(0|1),
-#       expected_latest('' = none), lease_id, alias1, alias2, ...
+#       expected_latest('' = none), lease_id, owner_epoch (0 = unfenced), alias1, alias2, ...
 # The lease was taken before the bytes were verified; if it is gone, a claim decided to delete them since.
 PUBLISH_VERSION = (
     _EMIT
@@ -124,6 +124,13 @@ local err = live_adapter(KEYS[1], ARGV[1]); if err then return err end
 if ARGV[7] ~= '' then
   local done = redis.call('HGET', KEYS[5], ARGV[7])
   if done then return {'REPLAY', done} end
+end
+if ARGV[11] ~= '0' then
+  local epoch = redis.call('HGET', KEYS[12], 'epoch') or '0'
+  if tonumber(epoch) ~= tonumber(ARGV[11]) then
+    return redis.error_reply('STALE_EPOCH ' .. ARGV[1] .. ' is at placement epoch ' .. epoch .. ', not ' ..
+      ARGV[11] .. ': another trainer owns it now')
+  end
 end
 local newest = tonumber(redis.call('GET', KEYS[2]) or '0')
 if ARGV[9] ~= '' and tonumber(ARGV[9]) ~= newest then
@@ -143,7 +150,7 @@ redis.call('ZREM', KEYS[10], ARGV[10])
 redis.call('ZREM', KEYS[11], ARGV[3])  -- published: the version GC owns the bytes from now on, not the sweep
 local moved = {}
 if ARGV[8] ~= '1' then table.insert(moved, 'latest') end
-for i = 11, #ARGV do table.insert(moved, ARGV[i]) end
+for i = 12, #ARGV do table.insert(moved, ARGV[i]) end
 for _, alias in ipairs(moved) do
   local prev = redis.call('HGET', KEYS[4], alias)
   if prev and tonumber(prev) ~= v then

@@ -3,7 +3,7 @@
 Artifact files never pass through Redis: they live in the content-addressed ArtifactStore or a bucket
 (artifact_backend.py), and a version is only published after every file of its artifact has been checked.
 The handlers are grouped by what they serve: adapter_handlers.py, version_handlers.py, alias_handlers.py,
-watch_handlers.py, artifact_handlers.py, replica_handlers.py (the fleet).
+watch_handlers.py, artifact_handlers.py, replica_handlers.py (the fleet), placement_handlers.py (the trainer pool).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from opentinker.registry.artifact_backend import RegistryArtifacts
 from opentinker.registry.artifact_handlers import ArtifactHandlers
 from opentinker.registry.event_hub import EventHub
 from opentinker.registry.limits import RegistryLimits, WatchSlots
+from opentinker.registry.placement_handlers import PlacementHandlers
 from opentinker.registry.replica_handlers import ReplicaHandlers
 from opentinker.registry.replica_hub import ReplicaHub
 from opentinker.registry.store import RegistryStore
@@ -23,7 +24,7 @@ from opentinker.registry.watch_handlers import WatchHandlers
 
 
 class RegistryServicer(
-    AdapterHandlers, VersionHandlers, AliasHandlers, WatchHandlers, ArtifactHandlers, ReplicaHandlers
+    AdapterHandlers, VersionHandlers, AliasHandlers, WatchHandlers, ArtifactHandlers, ReplicaHandlers, PlacementHandlers
 ):
     def __init__(
         self, store: RegistryStore, artifacts: RegistryArtifacts, limits: RegistryLimits | None = None

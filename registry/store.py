@@ -2,8 +2,9 @@
 
 Hashes are the truth; every change and its event are written by one Lua script (registry/scripts.py).
 The store's parts turn requests into script calls and Redis records back into protos: adapter_store.py,
-alias_store.py, artifact_records.py, event_store.py, replica_store.py (store_base.py holds the keys and the
-script runner). It knows nothing about gRPC besides raising `ServiceError`s the interceptor maps to statuses.
+alias_store.py, artifact_records.py, event_store.py, replica_store.py, placement_store.py (the trainer pool;
+store_base.py holds the keys and the script runner). It knows nothing about gRPC besides raising
+`ServiceError`s the interceptor maps to statuses.
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ from opentinker.registry.adapter_store import AdapterStore
 from opentinker.registry.alias_store import AliasStore
 from opentinker.registry.artifact_records import ArtifactRecords
 from opentinker.registry.event_store import EventStore
-from opentinker.registry.replica_store import ReplicaStore
+from opentinker.registry.placement_store import PlacementStore
 from opentinker.registry.store_base import redis_errors
 
 
-class RegistryStore(AdapterStore, AliasStore, ArtifactRecords, EventStore, ReplicaStore):
+class RegistryStore(AdapterStore, AliasStore, ArtifactRecords, EventStore, PlacementStore):
     @classmethod
     def from_url(cls, url: str, *, events_maxlen: int = 100_000) -> RegistryStore:
         client = aioredis.Redis.from_url(url, decode_responses=False, socket_timeout=10, socket_connect_timeout=5)

@@ -14,7 +14,7 @@ import redis
 import redis.asyncio as aioredis
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from opentinker.registry import scripts
+from opentinker.registry import placement_scripts, scripts
 from opentinker.rpc.serving.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -39,11 +39,21 @@ _ERRORS: dict[str, type[ServiceError]] = {
     "ALIAS_SERVING": FailedPrecondition,
     "ARTIFACT_NOT_FOUND": NotFound,
     "ARTIFACT_LEASE_EXPIRED": Unavailable,
+    "STALE_EPOCH": FailedPrecondition,
+    "PLACEMENT_NOT_FOUND": NotFound,
 }
 
 
 def adapter_key(name: str) -> str:
     return f"ot:adapter:{name}"
+
+
+def placement_key(adapter: str) -> str:
+    return f"ot:placement:{adapter}"
+
+
+def placements_key(replica_id: str) -> str:
+    return f"ot:placements:{replica_id}"
 
 
 def version_prefix(name: str) -> str:
@@ -150,6 +160,8 @@ class StoreBase:
                 "RECORD_UPLOAD",
             )
         }
+        for name in ("PLACE_ADAPTER", "MOVE_PLACEMENT", "RECORD_PLACEMENT_STATE", "DROP_PLACEMENT"):
+            self._scripts[name] = client.register_script(getattr(placement_scripts, name))
 
     async def _run(self, script: str, keys: Sequence[str], args: Sequence[object]) -> Any:
         with redis_errors():

@@ -78,6 +78,7 @@ class VersionHandlers(Handlers):
             request_id=request.request_id,
             expected_latest=request.expected_latest_version if request.HasField("expected_latest_version") else None,
             lease_id=lease_id,
+            owner_epoch=request.owner_epoch,
         )
         return registry_pb2.PublishVersionResponse(version=published, event_id=event_id)
 

@@ -10,7 +10,8 @@ from opentinker.rpc.serving.auth import Principal, current_principal, require_ac
 from opentinker.rpc.serving.errors import AlreadyExists, DataLoss, FailedPrecondition, NotFound
 from opentinker.rpc.serving.registry_link import registry_call
 from opentinker.trainer_server.adapter_config import AdamParams, LoraConfig, check_adam, check_lora
-from opentinker.trainer_server.handler_base import Context, Handlers, follow
+from opentinker.trainer_server.handler_base import Context, follow
+from opentinker.trainer_server.pool_handlers import PoolHandlers
 from opentinker.trainer_server.quota import lora_parameters
 from opentinker.trainer_server.start_point import StartPlan, check_serving_rank, check_start, started_from
 from opentinker.trainer_server.wire import adam_of, adapter_message, lora_of
@@ -18,7 +19,7 @@ from opentinker.v1 import registry_pb2, trainer_pb2
 from opentinker.weights.names import check_adapter_name
 
 
-class AdapterHandlers(Handlers):
+class AdapterHandlers(PoolHandlers):
     async def CreateAdapter(self, request: trainer_pb2.TrainerServiceCreateAdapterRequest, context: Context) -> Any:
         name = check_adapter_name(request.name)
         principal = require_access(name)
@@ -36,10 +37,29 @@ class AdapterHandlers(Handlers):
                 f"(`opentinker trainer delete {name}`)",
                 reason="ADAPTER_EXISTS",
             )
+        if request.placement_epoch:
+            await self._confirm_placement(name, request.placement_epoch)
         shapes = self.trainer.base.module_shapes()  # weighed before anything is allocated
         num_parameters = lora_parameters(lora.rank, [shapes[t] for t in targets])
         with self.quota.reserve(principal, name, self.trainer.adapters, num_parameters):
-            return await self._create(name, principal, request, lora, adam)
+            response = await self._create(name, principal, request, lora, adam)
+        if request.placement_epoch:
+            await self._join_pool(name, request.placement_epoch, resumed=bool(request.resume_state))
+        return response
+
+    async def _join_pool(self, name: str, epoch: int, *, resumed: bool) -> None:
+        """A pool adapter: leased here from now on; one that did not resume from a state saves one at once, so a
+        failover before its first autosave has a state to resume from."""
+        self.pool.grant(name, epoch)
+        if self.member is not None:
+            await self.member.beat_now()
+        if not resumed:
+            try:
+                await self._save_and_record(name, epoch, "autosave")
+            except BaseException:
+                self.pool.forget(name)
+                await self.scheduler.run(name, lambda: self.trainer.delete(name))
+                raise
 
     async def _create(
         self,
@@ -143,4 +163,6 @@ class AdapterHandlers(Handlers):
     async def DeleteAdapter(self, request: trainer_pb2.TrainerServiceDeleteAdapterRequest, context: Context) -> Any:
         name = self._known(request.name)
         await self.scheduler.run(name, lambda: self.trainer.delete(name))
+        self.pool.forget(name)
+        self.autosaves.pop(name, None)
         return trainer_pb2.TrainerServiceDeleteAdapterResponse()

@@ -34,6 +34,7 @@ class TrainerConfig:
     max_queued_per_tenant: int = 64  # compute jobs per tenant queued or running; 0: no limit (admission.py)
     max_serving_rank: int = 64  # the samplers' --max-rank (start_point.py); 0: no check
     persist_state: bool = False  # a full state with every snapshot, for an exact resume after a restart
+    autosave_every: int = 50  # a pool adapter's full state every N steps (pool_handlers.py); 0: at creation only
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +89,26 @@ def build_trainer(config: TrainerConfig) -> BuiltTrainer:
     metadata = bearer_metadata(setup.registry_token) or None
     state: dict[str, object] = {}
 
+    def beat() -> Beat:
+        # slots: the adapters this trainer holds (on the device or spilled), of --max-resident-adapters.
+        # list() copies the keys in one step under the GIL, while the compute thread may add an adapter.
+        held = sorted(list(trainer.adapters))
+        load = registry_pb2.ReplicaLoad(
+            slots_used=len(held),
+            slots_total=c.max_resident_adapters,
+            waiting_sequences=scheduler.queued,
+        )
+        return Beat(load, held[:MAX_REPORTED_ADAPTERS])
+
+    def on_beat(response: registry_pb2.HeartbeatResponse, sent_at: float) -> None:
+        servicer = state.get("servicer")
+        if isinstance(servicer, TrainerServicer):
+            servicer.on_beat(response, sent_at)  # renews the pool adapters' leases
+
+    member = FleetMember(
+        registry_pb2.REPLICA_ROLE_TRAINER, base.digest, c.max_resident_adapters, beat, setup, on_beat=on_beat
+    )
+
     def add(server: grpc.aio.Server) -> None:
         # The aio channel must be created inside the server's event loop.
         channel = registry_channel(setup.registry, setup.registry_ca)
@@ -106,21 +127,11 @@ def build_trainer(config: TrainerConfig) -> BuiltTrainer:
             max_queued_per_tenant=c.max_queued_per_tenant,
             max_serving_rank=c.max_serving_rank,
             persist_state=c.persist_state,
+            member=member,
+            autosave_every=c.autosave_every,
         )
+        state["servicer"] = servicer
         trainer_pb2_grpc.add_TrainerServiceServicer_to_server(servicer, server)
-
-    def beat() -> Beat:
-        # slots: the adapters this trainer holds (on the device or spilled), of --max-resident-adapters.
-        # list() copies the keys in one step under the GIL, while the compute thread may add an adapter.
-        held = sorted(list(trainer.adapters))
-        load = registry_pb2.ReplicaLoad(
-            slots_used=len(held),
-            slots_total=c.max_resident_adapters,
-            waiting_sequences=scheduler.queued,
-        )
-        return Beat(load, held[:MAX_REPORTED_ADAPTERS])
-
-    member = FleetMember(registry_pb2.REPLICA_ROLE_TRAINER, base.digest, c.max_resident_adapters, beat, setup)
 
     async def on_start(address: str) -> None:
         channel = state["channel"]
@@ -134,8 +145,14 @@ def build_trainer(config: TrainerConfig) -> BuiltTrainer:
         if isinstance(channel, grpc.aio.Channel):
             await channel.close()
 
+    async def on_drain() -> None:
+        await member.drain()  # DRAINING first: the registry places nothing new here
+        servicer = state.get("servicer")
+        if isinstance(servicer, TrainerServicer):
+            await servicer.move_all_away()  # then the pool adapters go to other trainers
+
     binding = ServiceBinding(trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"].full_name, add)
-    return BuiltTrainer([binding], on_stop, trainer, store_health_checks(bucket), on_start, member.drain)
+    return BuiltTrainer([binding], on_stop, trainer, store_health_checks(bucket), on_start, on_drain)
 
 
 def serve_trainer(config: TrainerConfig) -> None:

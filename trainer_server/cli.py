@@ -69,6 +69,13 @@ def serve(
             "attaching after a trainer restart resumes it exactly."
         ),
     ] = False,
+    autosave_every: Annotated[
+        int,
+        typer.Option(
+            help="A pool adapter (placed by the registry) saves its full state every N optimizer steps, recorded "
+            "in the registry: a failover resumes there and the SDK replays the calls since (0: only at creation)."
+        ),
+    ] = 50,
     *,
     setup: ModelServerSetup,
     serving: opt.Serving,
@@ -95,6 +102,8 @@ def serve(
         raise typer.BadParameter("must be at least 1", param_hint="--micro-batch-positions")
     if max_batch_positions < 1:
         raise typer.BadParameter("must be at least 1", param_hint="--max-batch-positions")
+    if autosave_every < 0:
+        raise typer.BadParameter("must be at least 0 (0: only at creation)", param_hint="--autosave-every")
     if max_serving_rank < 0:
         raise typer.BadParameter("must be at least 0 (0: no check)", param_hint="--max-serving-rank")
     config = TrainerConfig(
@@ -110,5 +119,6 @@ def serve(
         max_queued_per_tenant=max_queued_per_tenant,
         max_serving_rank=max_serving_rank,
         persist_state=persist_state,
+        autosave_every=autosave_every,
     )
     serve_trainer(config)

@@ -12,8 +12,9 @@ from opentinker.rpc.serving.errors import InvalidArgument, NotFound
 from opentinker.rpc.serving.registry_link import registry_call
 from opentinker.trainer_server.adapter import AdapterState
 from opentinker.trainer_server.admission import queued
-from opentinker.trainer_server.handler_base import Context, Handlers, follow
+from opentinker.trainer_server.handler_base import Context, follow
 from opentinker.trainer_server.ownership import state_owner
+from opentinker.trainer_server.pool_handlers import PoolHandlers
 from opentinker.trainer_server.wire import adapter_message, batch_record_message, lora_message
 from opentinker.v1 import registry_pb2, trainer_pb2
 from opentinker.weights.artifact_transfer import push_artifact
@@ -25,14 +26,16 @@ def _retrieve(task: asyncio.Future[Any]) -> None:
         task.exception()
 
 
-class SnapshotHandlers(Handlers):
+class SnapshotHandlers(PoolHandlers):
     @queued
     async def SaveSnapshot(self, request: trainer_pb2.SaveSnapshotRequest, context: Context) -> Any:
-        name = self._known(request.adapter)
+        name = request.adapter
+        epoch = await self._training(name)
         aliases = list(request.aliases)
         owner = state_owner(name, current_principal())
 
         def write() -> tuple[Any, registry_pb2.Lineage]:
+            self.pool.check(name)
             state = self.trainer.get(name)
             ref = self.trainer.write_snapshot(name)
             # In the same lane job as the snapshot: the state is exactly the version's weights, plus optimizer.
@@ -74,6 +77,7 @@ class SnapshotHandlers(Handlers):
                     aliases=aliases,
                     skip_latest=request.skip_latest,
                     request_id=request.request_id,
+                    owner_epoch=epoch,  # the registry refuses it if another trainer owns the adapter now
                 )
                 try:
                     response = await registry_call(self.registry.PublishVersion(publish, metadata=self.metadata))
@@ -110,10 +114,14 @@ class SnapshotHandlers(Handlers):
         name = self._known(request.adapter)
         label = request.label or "state"
         owner = state_owner(name, current_principal())
+        epoch = self.pool.epoch(name)
         ref, step = await self.scheduler.run(
             name, lambda: (self.trainer.save_state(name, label, owner=owner), self.trainer.get(name).step)
         )
-        await self._push_state(ref.uri)  # off the compute thread: a slow store delays only this call
+        if epoch:  # a pool adapter's next owner resumes from here (and the SDK's journal starts again here)
+            await self._record_state(name, epoch, ref.uri, step)
+        else:
+            await self._push_state(ref.uri)  # off the compute thread: a slow store delays only this call
         fault_point("save_state/before_reply")
         return trainer_pb2.SaveStateResponse(state_id=ref.uri, step=step, size_bytes=ref.size_bytes)
 

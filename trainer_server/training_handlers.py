@@ -12,14 +12,15 @@ from opentinker.trainer_server.adapter_config import check_adam
 from opentinker.trainer_server.admission import queued
 from opentinker.trainer_server.batch import Batch, build_batch, split_batch
 from opentinker.trainer_server.forward_backward import GradientMark, StepOutput
-from opentinker.trainer_server.handler_base import Context, Handlers
+from opentinker.trainer_server.handler_base import Context
 from opentinker.trainer_server.losses import resolve_config
 from opentinker.trainer_server.micro_batch import merge_outputs, release_after
+from opentinker.trainer_server.pool_handlers import PoolHandlers
 from opentinker.trainer_server.wire import adam_of, datums_of, loss_outputs
 from opentinker.v1 import common_pb2, trainer_pb2
 
 
-class TrainingHandlers(Handlers):
+class TrainingHandlers(PoolHandlers):
     def _batch(self, datums: Iterable[common_pb2.Datum], loss_fn: str, config: dict[str, float]) -> Batch:
         base = self.trainer.base
         batch = build_batch(
@@ -40,10 +41,12 @@ class TrainingHandlers(Handlers):
 
     @queued
     async def ForwardBackward(self, request: trainer_pb2.ForwardBackwardRequest, context: Context) -> Any:
-        name = self._known(request.adapter)
+        name = request.adapter
+        epoch = await self._training(name)  # 0: not a pool adapter
         config = resolve_config(request.loss_fn, dict(request.loss_fn_config))
         batch = await asyncio.to_thread(self._batch, request.datums, request.loss_fn, config)
         trace_ids = list(request.trace_ids)
+        saved = await self._autosave_if_due(name, epoch)
 
         parts = split_batch(batch, self.micro_batch_positions)
 
@@ -51,6 +54,8 @@ class TrainingHandlers(Handlers):
         # in the ledger and reads the step (in the adapter's lane: after the reply, a pipelined OptimStep may run).
         def part(index: int) -> Callable[[], tuple[GradientMark | None, StepOutput, int]]:
             def run() -> tuple[GradientMark | None, StepOutput, int]:
+                if index == 0:
+                    self.pool.check(name)  # still this trainer's, now that its turn came
                 mark = self.trainer.gradient_mark(name) if index == 0 else None
                 output = self.trainer.accumulate(name, parts[index], request.loss_fn, config)
                 release_after(parts[index])
@@ -69,7 +74,11 @@ class TrainingHandlers(Handlers):
         done = await self.scheduler.run_parts(name, [part(i) for i in range(len(parts))], undo=undo)
         result, step = merge_outputs(parts, [output for _, output, _ in done]), done[-1][2]
         return trainer_pb2.ForwardBackwardResponse(
-            loss_fn_outputs=loss_outputs(result), metrics=result.metrics, batch_digest=batch.digest, step=step
+            loss_fn_outputs=loss_outputs(result),
+            metrics=result.metrics,
+            batch_digest=batch.digest,
+            step=step,
+            saved_state_id=saved,
         )
 
     @queued
@@ -94,9 +103,15 @@ class TrainingHandlers(Handlers):
 
     @queued
     async def OptimStep(self, request: trainer_pb2.OptimStepRequest, context: Context) -> Any:
-        name = self._known(request.adapter)
+        name = request.adapter
+        await self._training(name)
         adam = adam_of(request.adam_params) if request.HasField("adam_params") else None
         if adam is not None:
             check_adam(adam)
-        step, metrics = await self.scheduler.run(name, lambda: self.trainer.optim_step(name, adam))
+
+        def step_once() -> tuple[int, dict[str, float]]:
+            self.pool.check(name)
+            return self.trainer.optim_step(name, adam)
+
+        step, metrics = await self.scheduler.run(name, step_once)
         return trainer_pb2.OptimStepResponse(step=step, metrics=metrics)

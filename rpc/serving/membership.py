@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -57,6 +58,9 @@ def advertised(advertise: str, bound: str) -> str:
     return f"{host}:{port}"
 
 
+BeatHook = Callable[[registry_pb2.HeartbeatResponse, float], None]  # (the answer, time.monotonic() when sent)
+
+
 class Membership:
     """Registers and beats from the server's event loop; ``beat`` reads the engine's figures (cheap, no lock)."""
 
@@ -66,11 +70,13 @@ class Membership:
         metadata: list[tuple[str, str]] | None,
         info: MemberInfo,
         beat: Callable[[], Beat],
+        on_beat: BeatHook | None = None,
     ) -> None:
         self.registry = registry
         self.metadata = metadata
         self.info = info
         self.beat = beat
+        self.on_beat = on_beat
         kind = "trainer" if info.role == registry_pb2.REPLICA_ROLE_TRAINER else "sampler"
         self.replica_id = f"{kind}-{uuid.uuid4().hex[:16]}"
         self.state: registry_pb2.ReplicaState = registry_pb2.REPLICA_STATE_SERVING
@@ -147,12 +153,35 @@ class Membership:
             metadata=self.metadata,
         )
 
+    async def beat_now(self) -> bool:
+        """One beat now, registering again first when the registry lost this replica (a trainer checking a lease
+        that ran out: after a SIGSTOP, say); False when the registry could not be reached or refused."""
+        timeout = self.info.heartbeat_s * self.info.lease_beats
+        try:
+            if not self.registered:
+                await self._register()
+                self.registered = True
+            try:
+                await self._heartbeat(timeout=timeout)
+            except grpc.RpcError as error:
+                if error.code() != grpc.StatusCode.NOT_FOUND:
+                    raise
+                await self._register()
+                await self._heartbeat(timeout=timeout)
+            return True
+        except grpc.RpcError as error:
+            log.warning("fleet membership: an immediate beat failed: %s", _describe(error))
+            return False
+
     async def _heartbeat(self, *, timeout: float) -> None:
         beat = self.beat()
         request = registry_pb2.HeartbeatRequest(
             replica_id=self.replica_id, state=self.state, load=beat.load, resident=beat.resident
         )
-        await self.registry.Heartbeat(request, timeout=timeout, metadata=self.metadata)
+        sent = time.monotonic()
+        response = await self.registry.Heartbeat(request, timeout=timeout, metadata=self.metadata)
+        if self.on_beat is not None:
+            self.on_beat(response, sent)
 
 
 class FleetFlags(Protocol):
@@ -179,10 +208,23 @@ class FleetMember:
         max_slots: int,
         beat: Callable[[], Beat],
         flags: FleetFlags,
+        on_beat: BeatHook | None = None,
     ) -> None:
         self.role, self.base_fingerprint, self.max_slots, self.beat = role, base_fingerprint, max_slots, beat
-        self.flags = flags
+        self.flags, self.on_beat = flags, on_beat
         self.membership: Membership | None = None
+
+    @property
+    def lease_s(self) -> float:
+        return self.flags.heartbeat_s * self.flags.lease_beats
+
+    @property
+    def replica_id(self) -> str:
+        """ "" before join."""
+        return self.membership.replica_id if self.membership is not None else ""
+
+    async def beat_now(self) -> bool:
+        return self.membership is not None and await self.membership.beat_now()
 
     def join(
         self, registry: registry_pb2_grpc.RegistryServiceStub, metadata: list[tuple[str, str]] | None, bound: str
@@ -193,7 +235,7 @@ class FleetMember:
         info = MemberInfo(
             self.role, address, self.base_fingerprint, self.max_slots, f.zone, f.heartbeat_s, f.lease_beats
         )
-        self.membership = Membership(registry, metadata, info, self.beat)
+        self.membership = Membership(registry, metadata, info, self.beat, self.on_beat)
         self.membership.start()
         return address
 

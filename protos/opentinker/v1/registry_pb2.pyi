@@ -119,10 +119,100 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, replica_id: _Optional[str] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., load: _Optional[_Union[ReplicaLoad, _Mapping]] = ..., resident: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("heartbeat_time",)
+    __slots__ = ("heartbeat_time", "placements")
     HEARTBEAT_TIME_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENTS_FIELD_NUMBER: _ClassVar[int]
     heartbeat_time: _timestamp_pb2.Timestamp
-    def __init__(self, heartbeat_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    placements: _containers.RepeatedCompositeFieldContainer[Placement]
+    def __init__(self, heartbeat_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., placements: _Optional[_Iterable[_Union[Placement, _Mapping]]] = ...) -> None: ...
+
+class Placement(_message.Message):
+    __slots__ = ("adapter", "replica_id", "address", "epoch", "state_id", "state_step", "rank", "place_time")
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STATE_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_STEP_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    PLACE_TIME_FIELD_NUMBER: _ClassVar[int]
+    adapter: str
+    replica_id: str
+    address: str
+    epoch: int
+    state_id: str
+    state_step: int
+    rank: int
+    place_time: _timestamp_pb2.Timestamp
+    def __init__(self, adapter: _Optional[str] = ..., replica_id: _Optional[str] = ..., address: _Optional[str] = ..., epoch: _Optional[int] = ..., state_id: _Optional[str] = ..., state_step: _Optional[int] = ..., rank: _Optional[int] = ..., place_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class PlaceAdapterRequest(_message.Message):
+    __slots__ = ("adapter", "rank", "base_fingerprint")
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    BASE_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    adapter: str
+    rank: int
+    base_fingerprint: str
+    def __init__(self, adapter: _Optional[str] = ..., rank: _Optional[int] = ..., base_fingerprint: _Optional[str] = ...) -> None: ...
+
+class PlaceAdapterResponse(_message.Message):
+    __slots__ = ("placement", "placed")
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    PLACED_FIELD_NUMBER: _ClassVar[int]
+    placement: Placement
+    placed: bool
+    def __init__(self, placement: _Optional[_Union[Placement, _Mapping]] = ..., placed: _Optional[bool] = ...) -> None: ...
+
+class GetPlacementRequest(_message.Message):
+    __slots__ = ("adapter",)
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    adapter: str
+    def __init__(self, adapter: _Optional[str] = ...) -> None: ...
+
+class GetPlacementResponse(_message.Message):
+    __slots__ = ("placement",)
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    placement: Placement
+    def __init__(self, placement: _Optional[_Union[Placement, _Mapping]] = ...) -> None: ...
+
+class MovePlacementRequest(_message.Message):
+    __slots__ = ("adapter", "expected_epoch", "to_replica_id", "state_id", "state_step")
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    TO_REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_STEP_FIELD_NUMBER: _ClassVar[int]
+    adapter: str
+    expected_epoch: int
+    to_replica_id: str
+    state_id: str
+    state_step: int
+    def __init__(self, adapter: _Optional[str] = ..., expected_epoch: _Optional[int] = ..., to_replica_id: _Optional[str] = ..., state_id: _Optional[str] = ..., state_step: _Optional[int] = ...) -> None: ...
+
+class MovePlacementResponse(_message.Message):
+    __slots__ = ("placement",)
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    placement: Placement
+    def __init__(self, placement: _Optional[_Union[Placement, _Mapping]] = ...) -> None: ...
+
+class RecordPlacementStateRequest(_message.Message):
+    __slots__ = ("adapter", "epoch", "state_id", "state_step")
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STATE_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_STEP_FIELD_NUMBER: _ClassVar[int]
+    adapter: str
+    epoch: int
+    state_id: str
+    state_step: int
+    def __init__(self, adapter: _Optional[str] = ..., epoch: _Optional[int] = ..., state_id: _Optional[str] = ..., state_step: _Optional[int] = ...) -> None: ...
+
+class RecordPlacementStateResponse(_message.Message):
+    __slots__ = ("placement",)
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    placement: Placement
+    def __init__(self, placement: _Optional[_Union[Placement, _Mapping]] = ...) -> None: ...
 
 class ListReplicasRequest(_message.Message):
     __slots__ = ("role",)
@@ -341,7 +431,7 @@ class DeleteAdapterResponse(_message.Message):
     def __init__(self, event_id: _Optional[str] = ...) -> None: ...
 
 class PublishVersionRequest(_message.Message):
-    __slots__ = ("adapter", "artifact_uri", "artifact_sha256", "artifact_size_bytes", "lora_config", "lineage", "aliases", "skip_latest", "request_id", "expected_latest_version")
+    __slots__ = ("adapter", "artifact_uri", "artifact_sha256", "artifact_size_bytes", "lora_config", "lineage", "aliases", "skip_latest", "request_id", "expected_latest_version", "owner_epoch")
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     ARTIFACT_URI_FIELD_NUMBER: _ClassVar[int]
     ARTIFACT_SHA256_FIELD_NUMBER: _ClassVar[int]
@@ -352,6 +442,7 @@ class PublishVersionRequest(_message.Message):
     SKIP_LATEST_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_LATEST_VERSION_FIELD_NUMBER: _ClassVar[int]
+    OWNER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     adapter: str
     artifact_uri: str
     artifact_sha256: str
@@ -362,7 +453,8 @@ class PublishVersionRequest(_message.Message):
     skip_latest: bool
     request_id: str
     expected_latest_version: int
-    def __init__(self, adapter: _Optional[str] = ..., artifact_uri: _Optional[str] = ..., artifact_sha256: _Optional[str] = ..., artifact_size_bytes: _Optional[int] = ..., lora_config: _Optional[_Union[_common_pb2.LoraConfig, _Mapping]] = ..., lineage: _Optional[_Union[Lineage, _Mapping]] = ..., aliases: _Optional[_Iterable[str]] = ..., skip_latest: _Optional[bool] = ..., request_id: _Optional[str] = ..., expected_latest_version: _Optional[int] = ...) -> None: ...
+    owner_epoch: int
+    def __init__(self, adapter: _Optional[str] = ..., artifact_uri: _Optional[str] = ..., artifact_sha256: _Optional[str] = ..., artifact_size_bytes: _Optional[int] = ..., lora_config: _Optional[_Union[_common_pb2.LoraConfig, _Mapping]] = ..., lineage: _Optional[_Union[Lineage, _Mapping]] = ..., aliases: _Optional[_Iterable[str]] = ..., skip_latest: _Optional[bool] = ..., request_id: _Optional[str] = ..., expected_latest_version: _Optional[int] = ..., owner_epoch: _Optional[int] = ...) -> None: ...
 
 class PublishVersionResponse(_message.Message):
     __slots__ = ("version", "event_id")

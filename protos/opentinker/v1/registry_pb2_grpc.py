@@ -144,6 +144,26 @@ class RegistryServiceStub:
                 request_serializer=opentinker_dot_v1_dot_registry__pb2.WatchReplicasRequest.SerializeToString,
                 response_deserializer=opentinker_dot_v1_dot_registry__pb2.WatchReplicasResponse.FromString,
                 _registered_method=True)
+        self.PlaceAdapter = channel.unary_unary(
+                '/opentinker.v1.RegistryService/PlaceAdapter',
+                request_serializer=opentinker_dot_v1_dot_registry__pb2.PlaceAdapterRequest.SerializeToString,
+                response_deserializer=opentinker_dot_v1_dot_registry__pb2.PlaceAdapterResponse.FromString,
+                _registered_method=True)
+        self.GetPlacement = channel.unary_unary(
+                '/opentinker.v1.RegistryService/GetPlacement',
+                request_serializer=opentinker_dot_v1_dot_registry__pb2.GetPlacementRequest.SerializeToString,
+                response_deserializer=opentinker_dot_v1_dot_registry__pb2.GetPlacementResponse.FromString,
+                _registered_method=True)
+        self.MovePlacement = channel.unary_unary(
+                '/opentinker.v1.RegistryService/MovePlacement',
+                request_serializer=opentinker_dot_v1_dot_registry__pb2.MovePlacementRequest.SerializeToString,
+                response_deserializer=opentinker_dot_v1_dot_registry__pb2.MovePlacementResponse.FromString,
+                _registered_method=True)
+        self.RecordPlacementState = channel.unary_unary(
+                '/opentinker.v1.RegistryService/RecordPlacementState',
+                request_serializer=opentinker_dot_v1_dot_registry__pb2.RecordPlacementStateRequest.SerializeToString,
+                response_deserializer=opentinker_dot_v1_dot_registry__pb2.RecordPlacementStateResponse.FromString,
+                _registered_method=True)
 
 
 class RegistryServiceServicer:
@@ -369,6 +389,47 @@ class RegistryServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PlaceAdapter(self, request, context):
+        """Trainer pool (docs/deploy.md). Places an adapter on one trainer: its owner while that trainer's lease lives
+        (sticky), else the serving trainer of the adapter's base with the least rank placed and room (max_slots),
+        under a new fencing epoch. The adapter's own tenant may (admins for any).
+        Errors: INVALID_ARGUMENT (INVALID_ADAPTER_NAME, INVALID_PLACEMENT), FAILED_PRECONDITION (NO_TRAINER),
+        PERMISSION_DENIED (PERMISSION_DENIED).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetPlacement(self, request, context):
+        """The adapter's placement as it stands (nothing changes). The adapter's own tenant may.
+        Errors: INVALID_ARGUMENT (INVALID_ADAPTER_NAME), NOT_FOUND (PLACEMENT_NOT_FOUND),
+        PERMISSION_DENIED (PERMISSION_DENIED).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def MovePlacement(self, request, context):
+        """Hands an adapter from its owner to another trainer (to_replica_id; "" lets the registry choose, never the
+        owner) under a new epoch, with the state the owner saved for it. Compare-and-set on the epoch: a fenced owner
+        cannot move what it no longer owns. Admin only (the trainers' service token).
+        Errors: INVALID_ARGUMENT (INVALID_ADAPTER_NAME, INVALID_PLACEMENT), NOT_FOUND (PLACEMENT_NOT_FOUND),
+        FAILED_PRECONDITION (STALE_EPOCH, NO_TRAINER), PERMISSION_DENIED (PERMISSION_DENIED).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RecordPlacementState(self, request, context):
+        """The owner records the newest full state it saved of an adapter (autosave, SaveState), fenced by its epoch:
+        where the next owner resumes from. Admin only.
+        Errors: INVALID_ARGUMENT (INVALID_ADAPTER_NAME, INVALID_PLACEMENT), NOT_FOUND (PLACEMENT_NOT_FOUND),
+        FAILED_PRECONDITION (STALE_EPOCH), PERMISSION_DENIED (PERMISSION_DENIED).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RegistryServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -481,6 +542,26 @@ def add_RegistryServiceServicer_to_server(servicer, server):
                     servicer.WatchReplicas,
                     request_deserializer=opentinker_dot_v1_dot_registry__pb2.WatchReplicasRequest.FromString,
                     response_serializer=opentinker_dot_v1_dot_registry__pb2.WatchReplicasResponse.SerializeToString,
+            ),
+            'PlaceAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.PlaceAdapter,
+                    request_deserializer=opentinker_dot_v1_dot_registry__pb2.PlaceAdapterRequest.FromString,
+                    response_serializer=opentinker_dot_v1_dot_registry__pb2.PlaceAdapterResponse.SerializeToString,
+            ),
+            'GetPlacement': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetPlacement,
+                    request_deserializer=opentinker_dot_v1_dot_registry__pb2.GetPlacementRequest.FromString,
+                    response_serializer=opentinker_dot_v1_dot_registry__pb2.GetPlacementResponse.SerializeToString,
+            ),
+            'MovePlacement': grpc.unary_unary_rpc_method_handler(
+                    servicer.MovePlacement,
+                    request_deserializer=opentinker_dot_v1_dot_registry__pb2.MovePlacementRequest.FromString,
+                    response_serializer=opentinker_dot_v1_dot_registry__pb2.MovePlacementResponse.SerializeToString,
+            ),
+            'RecordPlacementState': grpc.unary_unary_rpc_method_handler(
+                    servicer.RecordPlacementState,
+                    request_deserializer=opentinker_dot_v1_dot_registry__pb2.RecordPlacementStateRequest.FromString,
+                    response_serializer=opentinker_dot_v1_dot_registry__pb2.RecordPlacementStateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1077,6 +1158,114 @@ class RegistryService:
             '/opentinker.v1.RegistryService/WatchReplicas',
             opentinker_dot_v1_dot_registry__pb2.WatchReplicasRequest.SerializeToString,
             opentinker_dot_v1_dot_registry__pb2.WatchReplicasResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PlaceAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/opentinker.v1.RegistryService/PlaceAdapter',
+            opentinker_dot_v1_dot_registry__pb2.PlaceAdapterRequest.SerializeToString,
+            opentinker_dot_v1_dot_registry__pb2.PlaceAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetPlacement(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/opentinker.v1.RegistryService/GetPlacement',
+            opentinker_dot_v1_dot_registry__pb2.GetPlacementRequest.SerializeToString,
+            opentinker_dot_v1_dot_registry__pb2.GetPlacementResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MovePlacement(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/opentinker.v1.RegistryService/MovePlacement',
+            opentinker_dot_v1_dot_registry__pb2.MovePlacementRequest.SerializeToString,
+            opentinker_dot_v1_dot_registry__pb2.MovePlacementResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RecordPlacementState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/opentinker.v1.RegistryService/RecordPlacementState',
+            opentinker_dot_v1_dot_registry__pb2.RecordPlacementStateRequest.SerializeToString,
+            opentinker_dot_v1_dot_registry__pb2.RecordPlacementStateResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -23,6 +23,22 @@ START_KIND_FRESH: StartKind
 START_KIND_VERSION: StartKind
 START_KIND_STATE: StartKind
 
+class MoveAdapterRequest(_message.Message):
+    __slots__ = ("adapter", "to")
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    TO_FIELD_NUMBER: _ClassVar[int]
+    adapter: str
+    to: str
+    def __init__(self, adapter: _Optional[str] = ..., to: _Optional[str] = ...) -> None: ...
+
+class MoveAdapterResponse(_message.Message):
+    __slots__ = ("placement", "state_id")
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    STATE_ID_FIELD_NUMBER: _ClassVar[int]
+    placement: _registry_pb2.Placement
+    state_id: str
+    def __init__(self, placement: _Optional[_Union[_registry_pb2.Placement, _Mapping]] = ..., state_id: _Optional[str] = ...) -> None: ...
+
 class GetTrainerInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -68,7 +84,7 @@ class TrainingAdapter(_message.Message):
     def __init__(self, name: _Optional[str] = ..., lora_config: _Optional[_Union[_common_pb2.LoraConfig, _Mapping]] = ..., adam_params: _Optional[_Union[_common_pb2.AdamParams, _Mapping]] = ..., seed: _Optional[int] = ..., step: _Optional[int] = ..., tokens_trained: _Optional[int] = ..., datums_trained: _Optional[int] = ..., pending_batches: _Optional[int] = ..., last_snapshot_version: _Optional[int] = ..., num_parameters: _Optional[int] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., resident: _Optional[bool] = ..., parent_adapter: _Optional[str] = ...) -> None: ...
 
 class TrainerServiceCreateAdapterRequest(_message.Message):
-    __slots__ = ("name", "lora_config", "adam_params", "seed", "init_from", "resume_state", "attach_existing", "labels", "fresh")
+    __slots__ = ("name", "lora_config", "adam_params", "seed", "init_from", "resume_state", "attach_existing", "labels", "fresh", "placement_epoch")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +101,7 @@ class TrainerServiceCreateAdapterRequest(_message.Message):
     ATTACH_EXISTING_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
     FRESH_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_EPOCH_FIELD_NUMBER: _ClassVar[int]
     name: str
     lora_config: _common_pb2.LoraConfig
     adam_params: _common_pb2.AdamParams
@@ -94,7 +111,8 @@ class TrainerServiceCreateAdapterRequest(_message.Message):
     attach_existing: bool
     labels: _containers.ScalarMap[str, str]
     fresh: bool
-    def __init__(self, name: _Optional[str] = ..., lora_config: _Optional[_Union[_common_pb2.LoraConfig, _Mapping]] = ..., adam_params: _Optional[_Union[_common_pb2.AdamParams, _Mapping]] = ..., seed: _Optional[int] = ..., init_from: _Optional[str] = ..., resume_state: _Optional[str] = ..., attach_existing: _Optional[bool] = ..., labels: _Optional[_Mapping[str, str]] = ..., fresh: _Optional[bool] = ...) -> None: ...
+    placement_epoch: int
+    def __init__(self, name: _Optional[str] = ..., lora_config: _Optional[_Union[_common_pb2.LoraConfig, _Mapping]] = ..., adam_params: _Optional[_Union[_common_pb2.AdamParams, _Mapping]] = ..., seed: _Optional[int] = ..., init_from: _Optional[str] = ..., resume_state: _Optional[str] = ..., attach_existing: _Optional[bool] = ..., labels: _Optional[_Mapping[str, str]] = ..., fresh: _Optional[bool] = ..., placement_epoch: _Optional[int] = ...) -> None: ...
 
 class StartedFrom(_message.Message):
     __slots__ = ("kind", "adapter", "version", "state_id", "description")
@@ -187,7 +205,7 @@ class ForwardBackwardRequest(_message.Message):
     def __init__(self, adapter: _Optional[str] = ..., datums: _Optional[_Iterable[_Union[_common_pb2.Datum, _Mapping]]] = ..., loss_fn: _Optional[str] = ..., loss_fn_config: _Optional[_Mapping[str, float]] = ..., trace_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ForwardBackwardResponse(_message.Message):
-    __slots__ = ("loss_fn_outputs", "metrics", "batch_digest", "step")
+    __slots__ = ("loss_fn_outputs", "metrics", "batch_digest", "step", "saved_state_id")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -199,11 +217,13 @@ class ForwardBackwardResponse(_message.Message):
     METRICS_FIELD_NUMBER: _ClassVar[int]
     BATCH_DIGEST_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    SAVED_STATE_ID_FIELD_NUMBER: _ClassVar[int]
     loss_fn_outputs: _containers.RepeatedCompositeFieldContainer[LossFnOutput]
     metrics: _containers.ScalarMap[str, float]
     batch_digest: str
     step: int
-    def __init__(self, loss_fn_outputs: _Optional[_Iterable[_Union[LossFnOutput, _Mapping]]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., batch_digest: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+    saved_state_id: str
+    def __init__(self, loss_fn_outputs: _Optional[_Iterable[_Union[LossFnOutput, _Mapping]]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., batch_digest: _Optional[str] = ..., step: _Optional[int] = ..., saved_state_id: _Optional[str] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
     __slots__ = ("adapter", "datums", "loss_fn", "loss_fn_config")

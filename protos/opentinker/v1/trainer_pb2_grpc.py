@@ -99,6 +99,11 @@ class TrainerServiceStub:
                 request_serializer=opentinker_dot_v1_dot_trainer__pb2.DeleteStateRequest.SerializeToString,
                 response_deserializer=opentinker_dot_v1_dot_trainer__pb2.DeleteStateResponse.FromString,
                 _registered_method=True)
+        self.MoveAdapter = channel.unary_unary(
+                '/opentinker.v1.TrainerService/MoveAdapter',
+                request_serializer=opentinker_dot_v1_dot_trainer__pb2.MoveAdapterRequest.SerializeToString,
+                response_deserializer=opentinker_dot_v1_dot_trainer__pb2.MoveAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class TrainerServiceServicer:
@@ -168,7 +173,10 @@ class TrainerServiceServicer:
         between them: the same outputs and gradients as separate requests of those datums.
         Errors: INVALID_ARGUMENT (INVALID_ADAPTER_NAME, UNKNOWN_LOSS_FN, INVALID_LOSS_CONFIG, EMPTY_BATCH,
         INVALID_DATUM, SEQUENCE_TOO_LONG, TOKEN_OUT_OF_RANGE), NOT_FOUND (ADAPTER_NOT_FOUND),
-        RESOURCE_EXHAUSTED (BATCH_TOO_LARGE), PERMISSION_DENIED (PERMISSION_DENIED).
+        RESOURCE_EXHAUSTED (BATCH_TOO_LARGE), PERMISSION_DENIED (PERMISSION_DENIED),
+        FAILED_PRECONDITION (NOT_OWNER: a pool adapter now owned by another trainer, named in the details),
+        UNAVAILABLE (OWNERSHIP_UNCONFIRMED: the lease ran out and the registry cannot be reached to renew it).
+        A pool adapter autosaves before the first ForwardBackward after every --autosave-every steps (saved_state_id).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -189,7 +197,8 @@ class TrainerServiceServicer:
         weight non-finite or beyond the magnitude rule (weights/peft.py: |w| <= 1e4) is undone: weights, gradients,
         AdamW moments and step stay bitwise as before the call (WEIGHTS_OUT_OF_RANGE).
         Errors: INVALID_ARGUMENT (INVALID_ADAPTER_NAME, INVALID_ADAM_PARAMS), NOT_FOUND (ADAPTER_NOT_FOUND),
-        FAILED_PRECONDITION (NO_GRADIENTS, WEIGHTS_OUT_OF_RANGE), PERMISSION_DENIED (PERMISSION_DENIED).
+        FAILED_PRECONDITION (NO_GRADIENTS, WEIGHTS_OUT_OF_RANGE, NOT_OWNER), PERMISSION_DENIED (PERMISSION_DENIED),
+        UNAVAILABLE (OWNERSHIP_UNCONFIRMED).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -199,7 +208,7 @@ class TrainerServiceServicer:
         """Writes the adapter's weights to the artifact store (peft format) and publishes a registry version
         with its lineage. Weights that break the magnitude rule (e.g. from a loaded state) are refused.
         Errors: INVALID_ARGUMENT (INVALID_ADAPTER_NAME, INVALID_ALIAS, INVALID_REQUEST_ID), NOT_FOUND (ADAPTER_NOT_FOUND),
-        FAILED_PRECONDITION (WEIGHTS_OUT_OF_RANGE), RESOURCE_EXHAUSTED (STORAGE_FULL), PERMISSION_DENIED (PERMISSION_DENIED), UNAVAILABLE (REGISTRY_UNAVAILABLE).
+        FAILED_PRECONDITION (WEIGHTS_OUT_OF_RANGE, NOT_OWNER, STALE_EPOCH), RESOURCE_EXHAUSTED (STORAGE_FULL), PERMISSION_DENIED (PERMISSION_DENIED), UNAVAILABLE (REGISTRY_UNAVAILABLE).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -244,6 +253,19 @@ class TrainerServiceServicer:
         answers exactly as a state that does not exist; deleting it twice answers NOT_FOUND the second time.
         Errors: INVALID_ARGUMENT (INVALID_STATE_ID, INVALID_ARTIFACT_URI), NOT_FOUND (STATE_NOT_FOUND),
         DATA_LOSS (DIGEST_MISMATCH), PERMISSION_DENIED (PERMISSION_DENIED).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def MoveAdapter(self, request, context):
+        """Hands a pool adapter to another trainer on purpose (rebalancing, draining): after the calls queued before it,
+        saves its full state, moves its placement in the registry (to: a trainer's address or replica id; "" lets
+        the registry choose), drops it here, and loads it on the new owner. Calls after it are refused with
+        FAILED_PRECONDITION NOT_OWNER naming the new owner, which the SDK follows.
+        Errors: INVALID_ARGUMENT (INVALID_ADAPTER_NAME), NOT_FOUND (ADAPTER_NOT_FOUND, TRAINER_NOT_FOUND),
+        FAILED_PRECONDITION (NOT_PLACED, NOT_OWNER, STALE_EPOCH, NO_TRAINER), PERMISSION_DENIED (PERMISSION_DENIED),
+        UNAVAILABLE (REGISTRY_UNAVAILABLE).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -316,6 +338,11 @@ def add_TrainerServiceServicer_to_server(servicer, server):
                     servicer.DeleteState,
                     request_deserializer=opentinker_dot_v1_dot_trainer__pb2.DeleteStateRequest.FromString,
                     response_serializer=opentinker_dot_v1_dot_trainer__pb2.DeleteStateResponse.SerializeToString,
+            ),
+            'MoveAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.MoveAdapter,
+                    request_deserializer=opentinker_dot_v1_dot_trainer__pb2.MoveAdapterRequest.FromString,
+                    response_serializer=opentinker_dot_v1_dot_trainer__pb2.MoveAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -669,6 +696,33 @@ class TrainerService:
             '/opentinker.v1.TrainerService/DeleteState',
             opentinker_dot_v1_dot_trainer__pb2.DeleteStateRequest.SerializeToString,
             opentinker_dot_v1_dot_trainer__pb2.DeleteStateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MoveAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/opentinker.v1.TrainerService/MoveAdapter',
+            opentinker_dot_v1_dot_trainer__pb2.MoveAdapterRequest.SerializeToString,
+            opentinker_dot_v1_dot_trainer__pb2.MoveAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,
