@@ -33,6 +33,7 @@ SCRIPTS = (
     "bf16_drift.py",  # sampler vs trainer logprobs in bfloat16, per model family
     "prefix_cache.py",  # multi-turn agents, prefix cache on / off; the paged KV memory figure
     "fleet.py",  # F1-F4: adapter-affinity routing vs round robin over 3 samplers, a SIGKILL in the run
+    "trainer_pool.py",  # the pool's cost (pool / direct), 4 adapters on 1 vs 2 trainers, SIGKILL to next step
 )
 
 
