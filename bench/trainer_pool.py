@@ -113,11 +113,14 @@ def main() -> None:
                 (failover,) = four_two[0].failovers
                 lease = 3 * BEAT_S
                 print(
-                    f"failover: SIGKILL to the next completed step {recovery:.2f} s (lease {lease:.1f} s; the SDK's "
-                    f"follow {failover.seconds:.2f} s incl. waiting out the lease: placement, state at step "
-                    f"{failover.state_step} loaded, {failover.calls_replayed} calls replayed)"
+                    f"failover: SIGKILL to the next completed step {recovery:.2f} s (lease {lease:.1f} s); the SDK: "
+                    f"placed elsewhere after {failover.placed_s:.2f} s, state at step {failover.state_step} loaded "
+                    f"in {failover.load_s:.2f} s, {failover.calls_replayed} calls replayed in {failover.replay_s:.2f} s"
                 )
                 record("trainer pool: SIGKILL to next step (s)", recovery, unit="s")
+                record("trainer pool: failover, placed elsewhere (s)", failover.placed_s, unit="s")
+                record("trainer pool: failover, state load (s)", failover.load_s, unit="s")
+                record("trainer pool: failover, replay (s)", failover.replay_s, unit="s")
         finally:
             for server in servers:
                 server.kill()

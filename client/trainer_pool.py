@@ -55,7 +55,10 @@ class Failover:
     to_address: str
     state_step: int  # the step of the state the new owner resumed from
     calls_replayed: int
-    seconds: float  # from the first failed attempt to the replayed journal
+    seconds: float  # from the first failed attempt to the replayed journal, made of:
+    placed_s: float  # until the registry placed the adapter elsewhere (the old owner's lease running out)
+    load_s: float  # the new owner loading the recorded state
+    replay_s: float  # replaying the journal's calls since that state
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,18 +259,22 @@ class PoolRoute:
                 raise error
             time.sleep(RETRY_PAUSE_S)
             return
+        placed = time.monotonic()
         connection = self.connect(placement.address)
         position = self._resume_on(connection, placement)
         if self.connection is None:  # attaching: this client's history starts here, nothing to replay
             self._at(connection, placement.epoch, position)
             self.base = position
             return
+        loaded = time.monotonic()
         replayed = self._replay(connection, position)
         self._at(connection, placement.epoch, self.position)
-        if error is not None or previous:
-            self.failovers.append(
-                Failover(previous, placement.address, position[0], replayed, round(time.monotonic() - started, 3))
-            )
+        done = time.monotonic()
+        times = (done - started, placed - started, loaded - placed, done - loaded)
+        seconds, placed_s, load_s, replay_s = (round(t, 3) for t in times)
+        self.failovers.append(
+            Failover(previous, placement.address, position[0], replayed, seconds, placed_s, load_s, replay_s)
+        )
 
     def _resume_on(self, connection: TrainerConnection, placement: registry_pb2.Placement) -> Position:
         """The adapter's position on the new owner: as it holds it, or loaded there from the recorded state."""

@@ -119,6 +119,8 @@ def test_a_killed_trainer_loses_no_step_and_the_result_is_bitwise_a_clean_run(po
         moved = [f for t in on_victim for f in t.failovers]
         assert moved and all(f.from_address == victim.address and f.to_address != victim.address for f in moved)
         assert all(f.calls_replayed >= 0 and f.state_step <= 4 for f in moved), moved
+        for f in moved:  # the parts add up to the whole
+            assert f.seconds == pytest.approx(f.placed_s + f.load_s + f.replay_s, abs=0.01), f
         # The same adapters without a fault, on the surviving trainers.
         clean = [client.create_training_client(unique_name("clean"), LORA, seed=7 + i) for i in range(3)]
         for step in range(8):
