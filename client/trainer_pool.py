@@ -215,10 +215,10 @@ class PoolRoute:
             self.position = (response.step, 0)
         elif isinstance(response, trainer_pb2.SaveStateResponse):
             self._rebase(self.position)
-        elif method in _REBASING:
-            adapter = getattr(response, "adapter", None)
-            step = adapter.step if adapter is not None else self.position[0]
-            self.position = (step, 0)
+        elif isinstance(response, trainer_pb2.LoadStateResponse | trainer_pb2.ResetAdapterResponse):
+            # Another history from here: nothing journaled before it can be replayed onto it.
+            self.journal = []
+            self.position = (response.adapter.step, response.adapter.pending_batches)
 
     def _append(self, method: str, request: Message, response_type: type[Message]) -> None:
         self.journal.append(_Entry(method, request, response_type, self.position, request.ByteSize()))

@@ -21,10 +21,10 @@ DEFAULT_RANK: Final = 32  # LoraConfig()'s
 MAX_TRIES: Final = 8  # compare-and-set rounds before giving up (each lost to a concurrent change of the fleet)
 
 
-def _placement(flat: list[bytes | str]) -> registry_pb2.Placement:
-    fields = {text(flat[i]): text(flat[i + 1]) for i in range(0, len(flat), 2)}
+def _placement(adapter: str, fields: dict[str, str]) -> registry_pb2.Placement:
+    """A placement hash (placement_scripts.py) as its proto."""
     placement = registry_pb2.Placement(
-        adapter=fields.get("adapter", ""),
+        adapter=adapter,
         replica_id=fields.get("replica_id", ""),
         address=fields.get("address", ""),
         epoch=int(fields.get("epoch", "0")),
@@ -34,6 +34,12 @@ def _placement(flat: list[bytes | str]) -> registry_pb2.Placement:
     )
     placement.place_time.CopyFrom(timestamp(int(fields.get("place_ms", "0") or 0)))
     return placement
+
+
+def _from_script(adapter: str, flat: object) -> registry_pb2.Placement:
+    """A script's HGETALL reply (a flat list of fields and values) as the placement."""
+    assert isinstance(flat, list)
+    return _placement(adapter, {text(flat[i]): text(flat[i + 1]) for i in range(0, len(flat), 2)})
 
 
 def _no_trainer(adapter: str, base: str) -> FailedPrecondition:
@@ -48,20 +54,21 @@ def _no_trainer(adapter: str, base: str) -> FailedPrecondition:
 class PlacementStore(ReplicaStore):
     async def get_placement(self, adapter: str) -> registry_pb2.Placement | None:
         with redis_errors():
-            flat = await self.redis.hgetall(placement_key(adapter))
-        if not flat:
-            return None
-        placement = _placement([x for kv in flat.items() for x in kv])
-        placement.adapter = adapter
-        return placement
+            found = await self.redis.hgetall(placement_key(adapter))
+        return _placement(adapter, {text(k): text(v) for k, v in found.items()}) if found else None
 
     async def placements_of(self, replica_id: str) -> list[registry_pb2.Placement]:
         """What is placed on one trainer (its beat's answer), by adapter; index entries of adapters that moved
         on since are left out."""
         with redis_errors():
             adapters = sorted(text(a) for a in await self.redis.hkeys(placements_key(replica_id)))
-        found = [await self.get_placement(a) for a in adapters]
-        return [p for p in found if p is not None and p.replica_id == replica_id]
+            async with self.redis.pipeline(transaction=False) as pipe:  # one round trip per beat, not one each
+                for adapter in adapters:
+                    pipe.hgetall(placement_key(adapter))
+                hashes = await pipe.execute() if adapters else []
+        pairs = zip(adapters, hashes, strict=True)
+        found = [_placement(a, {text(k): text(v) for k, v in h.items()}) for a, h in pairs if h]
+        return [p for p in found if p.replica_id == replica_id]
 
     async def place_adapter(self, adapter: str, rank: int, base: str) -> tuple[registry_pb2.Placement, bool]:
         """(placement, placed): the live owner's (placed False), else a new one on the least loaded trainer."""
@@ -78,7 +85,7 @@ class PlacementStore(ReplicaStore):
             args = [adapter, current.epoch if current else 0, target.replica_id, target.address]
             result = await self._run("PLACE_ADAPTER", keys, [*args, rank or DEFAULT_RANK, now_ms()])
             if result not in (b"RACE", "RACE"):
-                return self._parsed(adapter, result), True
+                return _from_script(adapter, result), True
         raise FailedPrecondition(f"adapter {adapter!r}'s placement kept changing; retry", reason="PLACEMENT_RACE")
 
     async def move_placement(
@@ -104,14 +111,14 @@ class PlacementStore(ReplicaStore):
             args = [adapter, expected_epoch, target.replica_id, target.address, now_ms(), state_id, state_step]
             result = await self._run("MOVE_PLACEMENT", [*keys, replica_key(target.replica_id)], args)
             if result not in (b"RACE", "RACE"):
-                return self._parsed(adapter, result)
+                return _from_script(adapter, result)
         raise FailedPrecondition(f"adapter {adapter!r}'s placement kept changing; retry", reason="PLACEMENT_RACE")
 
     async def record_placement_state(
         self, adapter: str, epoch: int, state_id: str, state_step: int
     ) -> registry_pb2.Placement:
         args = [adapter, epoch, state_id, state_step]
-        return self._parsed(adapter, await self._run("RECORD_PLACEMENT_STATE", [placement_key(adapter)], args))
+        return _from_script(adapter, await self._run("RECORD_PLACEMENT_STATE", [placement_key(adapter)], args))
 
     async def _alive(self, replica_id: str) -> bool:
         with redis_errors():
@@ -140,10 +147,3 @@ class PlacementStore(ReplicaStore):
             if best is None or score < best:
                 best, chosen = score, replica
         return chosen
-
-    @staticmethod
-    def _parsed(adapter: str, flat: object) -> registry_pb2.Placement:
-        assert isinstance(flat, list)
-        placement = _placement(flat)
-        placement.adapter = adapter
-        return placement
