@@ -2,7 +2,7 @@
 on the adapter's epoch, so two registries (or two racing callers) never both hand an adapter out.
 
 Redis layout:
-    ot:placement:{adapter}         hash: replica_id, address, epoch, rank, place_ms, state_id, state_step
+    ot:placement:{adapter}         hash: replica_id, address, epoch, rank, place_ms, state_id, state_step, base
     ot:placements:{replica_id}     hash adapter -> rank: what is placed on a trainer (its load, its beat's list)
 
 Which trainer is least loaded is chosen in Python (replica records are protos Lua cannot read); the scripts
@@ -23,7 +23,7 @@ end
 """
 
 # KEYS: placement, old owner's index, new owner's index, old owner's replica key, new owner's replica key
-# ARGV: adapter, expected epoch ('0': none yet), replica_id, address, rank, now_ms
+# ARGV: adapter, expected epoch ('0': none yet), replica_id, address, rank, now_ms, the new owner's base
 # 'RACE' when what the choice read has changed (the caller reads again and retries).
 PLACE_ADAPTER = (
     _HAND_OVER
@@ -32,6 +32,7 @@ local epoch = tonumber(redis.call('HGET', KEYS[1], 'epoch') or '0')
 if epoch ~= tonumber(ARGV[2]) then return 'RACE' end
 if epoch > 0 and redis.call('EXISTS', KEYS[4]) == 1 then return 'RACE' end
 if redis.call('EXISTS', KEYS[5]) == 0 then return 'RACE' end
+redis.call('HSET', KEYS[1], 'base', ARGV[7])
 return hand_over(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[3], ARGV[4], epoch + 1, ARGV[5], ARGV[6])
 """
 )

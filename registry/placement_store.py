@@ -31,6 +31,7 @@ def _placement(adapter: str, fields: dict[str, str]) -> registry_pb2.Placement:
         state_id=fields.get("state_id", ""),
         state_step=int(fields.get("state_step", "0") or 0),
         rank=int(fields.get("rank", "0") or 0),
+        base_fingerprint=fields.get("base", ""),
     )
     placement.place_time.CopyFrom(timestamp(int(fields.get("place_ms", "0") or 0)))
     return placement
@@ -82,8 +83,8 @@ class PlacementStore(ReplicaStore):
             old = current.replica_id if current is not None else ""
             keys = [placement_key(adapter), placements_key(old), placements_key(target.replica_id)]
             keys += [replica_key(old), replica_key(target.replica_id)]
-            args = [adapter, current.epoch if current else 0, target.replica_id, target.address]
-            result = await self._run("PLACE_ADAPTER", keys, [*args, rank or DEFAULT_RANK, now_ms()])
+            args = [adapter, current.epoch if current else 0, target.replica_id, target.address, rank or DEFAULT_RANK]
+            result = await self._run("PLACE_ADAPTER", keys, [*args, now_ms(), target.base_fingerprint])
             if result not in (b"RACE", "RACE"):
                 return _from_script(adapter, result), True
         raise FailedPrecondition(f"adapter {adapter!r}'s placement kept changing; retry", reason="PLACEMENT_RACE")
@@ -91,22 +92,24 @@ class PlacementStore(ReplicaStore):
     async def move_placement(
         self, adapter: str, expected_epoch: int, to_replica_id: str, state_id: str, state_step: int
     ) -> registry_pb2.Placement:
-        """Hands the adapter to `to_replica_id` (a live serving trainer; "": the least loaded other one)."""
+        """Hands the adapter to `to_replica_id` (a live serving trainer; "": the least loaded other one), of the
+        base it was placed for: its state loads only onto that base."""
         for _ in range(MAX_TRIES):
             current = await self.get_placement(adapter)
             if current is None:
                 raise NotFound(f"adapter {adapter!r} is not placed", reason="PLACEMENT_NOT_FOUND")
             if to_replica_id:
-                target = next((r for r in await self._trainers("") if r.replica_id == to_replica_id), None)
+                trainers = await self._trainers(current.base_fingerprint)
+                target = next((r for r in trainers if r.replica_id == to_replica_id), None)
                 if target is None or to_replica_id == current.replica_id:
                     raise FailedPrecondition(
-                        f"{to_replica_id!r} is not a serving trainer other than the adapter's owner",
+                        f"{to_replica_id!r} is not a serving trainer of the adapter's base other than its owner",
                         reason="NO_TRAINER",
                     )
             else:
-                target = await self._least_loaded("", exclude=current.replica_id)
+                target = await self._least_loaded(current.base_fingerprint, exclude=current.replica_id)
                 if target is None:
-                    raise _no_trainer(adapter, "")
+                    raise _no_trainer(adapter, current.base_fingerprint)
             keys = [placement_key(adapter), placements_key(current.replica_id), placements_key(target.replica_id)]
             args = [adapter, expected_epoch, target.replica_id, target.address, now_ms(), state_id, state_step]
             result = await self._run("MOVE_PLACEMENT", [*keys, replica_key(target.replica_id)], args)

@@ -111,8 +111,12 @@ def test_a_move_is_a_compare_and_set_on_the_epoch(registry: Stub) -> None:
     base = _base()
     name = f"move-{uuid.uuid4().hex[:8]}"
     a = _trainer(registry, base)
-    assert _place(registry, name, base).placement.replica_id == a
+    first = _place(registry, name, base).placement
+    assert (first.replica_id, first.base_fingerprint) == (a, base)
+    other_base = _trainer(registry, _base())  # idle, so the least loaded: but its base cannot load the state
     b = _trainer(registry, base)
+    to_other_base = registry_pb2.MovePlacementRequest(adapter=name, expected_epoch=1, to_replica_id=other_base)
+    assert_status(rpc_error(registry.MovePlacement, to_other_base), grpc.StatusCode.FAILED_PRECONDITION, "NO_TRAINER")
     to_self = registry_pb2.MovePlacementRequest(adapter=name, expected_epoch=1, to_replica_id=a)
     assert_status(rpc_error(registry.MovePlacement, to_self), grpc.StatusCode.FAILED_PRECONDITION, "NO_TRAINER")
     moved = registry.MovePlacement(

@@ -127,7 +127,7 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, heartbeat_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., placements: _Optional[_Iterable[_Union[Placement, _Mapping]]] = ...) -> None: ...
 
 class Placement(_message.Message):
-    __slots__ = ("adapter", "replica_id", "address", "epoch", "state_id", "state_step", "rank", "place_time")
+    __slots__ = ("adapter", "replica_id", "address", "epoch", "state_id", "state_step", "rank", "place_time", "base_fingerprint")
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +136,7 @@ class Placement(_message.Message):
     STATE_STEP_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     PLACE_TIME_FIELD_NUMBER: _ClassVar[int]
+    BASE_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     adapter: str
     replica_id: str
     address: str
@@ -144,7 +145,8 @@ class Placement(_message.Message):
     state_step: int
     rank: int
     place_time: _timestamp_pb2.Timestamp
-    def __init__(self, adapter: _Optional[str] = ..., replica_id: _Optional[str] = ..., address: _Optional[str] = ..., epoch: _Optional[int] = ..., state_id: _Optional[str] = ..., state_step: _Optional[int] = ..., rank: _Optional[int] = ..., place_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    base_fingerprint: str
+    def __init__(self, adapter: _Optional[str] = ..., replica_id: _Optional[str] = ..., address: _Optional[str] = ..., epoch: _Optional[int] = ..., state_id: _Optional[str] = ..., state_step: _Optional[int] = ..., rank: _Optional[int] = ..., place_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., base_fingerprint: _Optional[str] = ...) -> None: ...
 
 class PlaceAdapterRequest(_message.Message):
     __slots__ = ("adapter", "rank", "base_fingerprint")
