@@ -101,6 +101,7 @@ def build_sampler(config: SamplerConfig) -> BuiltSampler:
     from opentinker.rpc.serving.server import ServiceBinding
     from opentinker.sampler_server.adapters import AdapterLoader
     from opentinker.sampler_server.block_manager import BLOCK_SIZE
+    from opentinker.sampler_server.constraint import Grammars
     from opentinker.sampler_server.engine import Engine
     from opentinker.sampler_server.engine_process import EngineProcess
     from opentinker.sampler_server.follower import AliasFollower
@@ -150,6 +151,9 @@ def build_sampler(config: SamplerConfig) -> BuiltSampler:
     # On CUDA the engine process is opt-in until it has been measured on a GPU (docs/performance.md).
     in_process = not (c.engine_process if c.engine_process is not None else torch_device.type == "cpu")
     tokenizer = load_tokenizer(model_dir)  # loading starts no thread; a forked engine process inherits it
+    # Each process compiles its own grammars (a matcher cannot cross the pipe): the edge to check a request, the
+    # engine's submit for its samples; the llguidance tokenizer is made on first use, after the fork.
+    grammars = Grammars(tokenizer, model_config.vocab_size, tuple(model_config.eos_token_ids))
     # Nothing in this process runs a torch op before the engine process is forked (see SlotPool's `shared`), nor
     # touches CUDA: its pool is in CPU shared memory and the engine process keeps a device copy (SlotMirror).
     pool_device = torch_device if in_process else torch.device("cpu")
@@ -184,6 +188,7 @@ def build_sampler(config: SamplerConfig) -> BuiltSampler:
             burst_wait=c.burst_wait_ms / 1000,
             prefix_cache=prefix_cache,
             on_iteration=on_iteration,
+            grammars=grammars,
         )
 
     engine: EngineAPI
@@ -253,6 +258,7 @@ def build_sampler(config: SamplerConfig) -> BuiltSampler:
             max_queued_per_tenant=queued,
             share_base_prefix_cache=c.share_base_prefix_cache,
             max_prompt_bytes=c.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * context,
+            grammars=grammars,
         )
         sampler_pb2_grpc.add_SamplerServiceServicer_to_server(servicer, server)
         state["servicer"] = servicer

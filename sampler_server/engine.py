@@ -46,7 +46,9 @@ from collections.abc import Callable
 import torch
 
 from opentinker.sampler_server.block_manager import BlockManager
+from opentinker.sampler_server.constraint import Grammars
 from opentinker.sampler_server.engine_stats import EngineStats
+from opentinker.sampler_server.grammar_masks import MaskWorker, consume
 from opentinker.sampler_server.inbox import Abort, Finish, Inbox, Message, Submit
 from opentinker.sampler_server.kernels import Backend, Kernel, resolve_kernel
 from opentinker.sampler_server.kernels.segments import RunViews
@@ -86,6 +88,7 @@ class Engine:
         burst_wait: float = 0.002,
         prefix_cache: bool = True,
         on_iteration: Callable[[], None] | None = None,
+        grammars: Grammars | None = None,
     ) -> None:
         self.model = model
         self.cache = cache
@@ -109,6 +112,8 @@ class Engine:
         self.burst_wait = burst_wait  # seconds without a new request that end a burst; the whole wait is at most 10x
         self.on_iteration = on_iteration  # called on the engine thread after each round of inbox + step
         self.device = cache.device
+        self.grammars = grammars  # constrained decoding's compiler (constraint.py); None: no constraint accepted
+        self.masks = MaskWorker(model.config.vocab_size)
         self.stats = EngineStats(blocks_total=self.blocks.num_blocks, block_size=cache.block_size)
         self._inbox = Inbox()
         self._score_ids = itertools.count()
@@ -120,6 +125,21 @@ class Engine:
     # Thread-safe entry points
 
     def submit(self, sequences: list[Sequence], on_update: UpdateCallback) -> None:
+        """On the caller's thread: a constrained sample's matcher is made here (compiled, or from the cache),
+        never on the engine thread."""
+        for seq in sequences:
+            constraint = seq.params.constraint
+            if constraint is not None and seq.matcher is None:
+                try:
+                    if self.grammars is None:
+                        raise ValueError("this engine has no grammar compiler")
+                    seq.matcher = self.grammars.matcher(constraint)
+                except Exception as exc:  # the edge compiled it already: a cache evicted since, a broken library
+                    log.warning("request %s: its constraint did not compile: %s", seq.request_id, exc)
+                    for each in sequences:  # never queued: their pins on the slot end here
+                        self.release(each.lora_slot)
+                        on_update(failed_update(each, f"the constraint did not compile: {exc}"[:2000]))
+                    return
         self._inbox.put(Submit(sequences, on_update))
 
     def abort(self, request_id: str) -> None:
@@ -169,6 +189,7 @@ class Engine:
         self._inbox.put(None)
         if self._thread is not None:
             self._thread.join(30)
+        self.masks.stop()
 
     # Engine thread
 
@@ -224,6 +245,7 @@ class Engine:
         ]
         for src, dst, rows in self.blocks.take_copies():  # copy-on-write of shared partial blocks
             self.cache.copy_block(src, dst, rows)
+        masks = self.masks.start(sampling)  # the grammar masks compute while the forward runs
         forward, token_slots, row_slots = prepare_forward(computed, self.device)
         logits = self.model.forward(forward, self.cache, self._lora_hook(token_slots, row_slots))  # [M, V]
         last = last_logits(computed, logits)  # [E, V]: each ending sequence's last-position row
@@ -233,7 +255,7 @@ class Engine:
             last = last[picked.to(last.device)]  # [S, V]: a sample holding its leader's prompt takes its row
             self._share_prompts(sampling)
         self.stats.prompt_tokens_computed += batch.prefill_tokens
-        draw = sample(last, sampling) if sampling else None
+        draw = sample(last, sampling, masks.result() if masks else None) if sampling else None
         failed = set() if draw is None else {sampling[row].request_id for row in draw.failed}
         for request_id in failed:  # only those requests end; the step goes on for every other row
             self._fail_request(request_id, NON_FINITE_MESSAGE, NON_FINITE_OUTPUT)
@@ -252,10 +274,15 @@ class Engine:
         ):
             if seq.request_id in failed:
                 continue
+            accepted, grammar_ended = consume(seq, token)
+            if not accepted:  # a mask allowed what the grammar refuses: a library bug, this request alone ends
+                failed.add(seq.request_id)
+                self._fail_request(seq.request_id, f"the grammar refused token {token}", "GRAMMAR_REFUSED")
+                continue
             seq.num_cached = seq.num_tokens
             self.blocks.register(seq)  # its newly filled blocks join the prefix cache
             top = None if draw is None else draw.top.get(row)
-            update = append_token(seq, token, logprob, top, self.eos_token_ids, self.max_len)
+            update = append_token(seq, token, logprob, top, self.eos_token_ids, self.max_len, grammar_ended)
             self._emit(seq, update, finished=update.finished)
             appended += 1
         self.stats.steps += 1

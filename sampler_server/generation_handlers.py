@@ -7,6 +7,7 @@ produced its tokens, whatever aliases do meanwhile."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import math
 import os
@@ -18,8 +19,9 @@ from opentinker.rpc.serving.auth import Principal, current_principal
 from opentinker.rpc.serving.errors import FailedPrecondition, Internal, InvalidArgument, ResourceExhausted
 from opentinker.rpc.serving.model_input import tokens_of
 from opentinker.sampler_server.adapters import Resolved
+from opentinker.sampler_server.constraint import Constraint, invalid
 from opentinker.sampler_server.detokenizer import StreamText
-from opentinker.sampler_server.sample_request import STOP_REASONS, cache_salt, sampling_params
+from opentinker.sampler_server.sample_request import STOP_REASONS, cache_salt, constraint_of, sampling_params
 from opentinker.sampler_server.sequence import SamplingParams, Sequence
 from opentinker.sampler_server.servicer_state import Context, ServicerState
 from opentinker.sampler_server.tenant_stats import TenantActivity, batch_tenant
@@ -53,6 +55,10 @@ class GenerationHandlers(ServicerState):
         salt = cache_salt(request.cache_salt)
         prompt = await self._prompt(request)
         params = sampling_params(request.sampling_params, vocab_size=self.info.vocab_size)
+        constraint = constraint_of(request)
+        if constraint is not None:
+            await self._check_constraint(constraint)
+            params = dataclasses.replace(params, constraint=constraint)
         if len(prompt) + params.max_tokens > self.engine.max_len:
             raise InvalidArgument(
                 f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) exceeds the context "
@@ -243,6 +249,15 @@ class GenerationHandlers(ServicerState):
                 raise _non_finite(resolved)
             response.results.append(sampler_pb2.TokenLogprobs(logprobs=logprobs))
         return response
+
+    async def _check_constraint(self, constraint: Constraint) -> None:
+        """Compiles the grammar once (off the event loop, unless cached) so that a bad one is refused before
+        anything is queued; the engine's submit takes each sample's matcher from the same cache."""
+        grammars = self.grammars
+        if grammars is None:
+            raise invalid("this sampler does not do constrained decoding")
+        if not grammars.cached(constraint):
+            await asyncio.get_running_loop().run_in_executor(self._compile, grammars.matcher, constraint)
 
     async def _prompt(self, request: sampler_pb2.SampleRequest) -> list[int]:
         tokens = tokens_of(request.prompt)

@@ -9,6 +9,7 @@ import hashlib
 import math
 
 from opentinker.rpc.serving.errors import InvalidArgument
+from opentinker.sampler_server.constraint import Constraint, invalid, json_schema
 from opentinker.sampler_server.sequence import SamplingParams, StopReason
 from opentinker.v1 import sampler_pb2
 
@@ -97,3 +98,26 @@ def sampling_params(message: sampler_pb2.SamplingParams, *, vocab_size: int) -> 
         frequency_penalty=message.frequency_penalty,
         presence_penalty=message.presence_penalty,
     )
+
+
+def constraint_of(message: sampler_pb2.SampleRequest) -> Constraint | None:
+    """A request's constraint as the engine's record (its grammar is compiled later, off the event loop); with stop
+    strings: INVALID_CONSTRAINT (a stop string could end the output where the grammar may not)."""
+    kind = message.constraint.WhichOneof("kind")
+    if kind is None:
+        return None
+    if message.sampling_params.stop_strings:
+        raise invalid(
+            "a constraint cannot be combined with stop strings: a stop string could cut the output where the "
+            "grammar may not end (the grammar itself says where the output ends)"
+        )
+    if kind == "json_schema":
+        return json_schema(message.constraint.json_schema)
+    if kind == "json_object":
+        if not message.constraint.json_object:
+            raise invalid("constraint.json_object must be true when set")
+        return Constraint("json_object")
+    source: str = getattr(message.constraint, kind)
+    if not source:
+        raise invalid(f"constraint.{kind} is empty")
+    return Constraint(kind, source)

@@ -20,7 +20,8 @@ greedy rows take the argmax of the penalized scores.
 Reported logprobs are the model's own (the log-softmax of the raw logits, temperature 1, before penalties, top-k and
 top-p), so that they are comparable to the trainer's logprobs for importance sampling. A row whose params ask for
 `top_logprobs` also gets its position's most likely tokens in that same sense: one topk over the rows that ask,
-at the largest k asked, each row keeping its own k.
+at the largest k asked, each row keeping its own k. A constrained row's (grammar_masks.py) are of the masked,
+renormalized distribution instead, and its top tokens are only ones its grammar allowed.
 
 A row whose logits are not finite (an adapter whose delta overflowed the residual stream), or whose
 probabilities are not after the temperature (finite logits that overflow when divided by it), draws no token:
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from opentinker.sampler_server.grammar_masks import StepMasks, apply_masks
 from opentinker.sampler_server.sequence import SamplingParams, Sequence, TopLogprobs
 
 
@@ -46,13 +48,16 @@ class Draw:
     top: dict[int, TopLogprobs]  # row -> its most likely tokens, for the rows that asked (and did not fail)
 
 
-def sample(logits: torch.Tensor, sequences: list[Sequence]) -> Draw:
-    """logits: [B, V] float32, one row per sequence -> (token, logprob) per sequence, and the rows that failed."""
+def sample(logits: torch.Tensor, sequences: list[Sequence], masks: StepMasks | None = None) -> Draw:
+    """logits: [B, V] float32, one row per sequence -> (token, logprob) per sequence, and the rows that failed.
+    A constrained row (masks) samples among its grammar's tokens, and its logprobs are of that masked,
+    renormalized distribution: what it was actually drawn from."""
     params = [seq.params for seq in sequences]
     device = logits.device
     # A row is finite iff its max and min are (NaN propagates through both): two cheap reductions, where
     # isfinite().all() writes a [B, V] mask first (1 ms a step for 32 rows of 8k on this CPU).
-    ok = logits.amax(-1).isfinite() & logits.amin(-1).isfinite()  # [B]
+    ok = logits.amax(-1).isfinite() & logits.amin(-1).isfinite()  # [B], of the model's logits before any mask
+    logits = apply_masks(logits, masks)  # [B, V]
     scores = _penalized(logits, sequences)  # [B, V]
     if all(p.greedy for p in params):
         tokens = scores.argmax(-1)  # [B]
@@ -87,7 +92,8 @@ def sample(logits: torch.Tensor, sequences: list[Sequence]) -> Draw:
             continue
         own = min(params[row].top_logprobs, k)
         ids_at, values_at = offset + i * k, offset + len(asking) * k + i * k
-        top[row] = TopLogprobs([int(t) for t in host[ids_at : ids_at + own]], host[values_at : values_at + own])
+        kept = [v for v in host[values_at : values_at + own] if v != float("-inf")]  # not a grammar's masked tokens
+        top[row] = TopLogprobs([int(t) for t in host[ids_at : ids_at + len(kept)]], kept)
     return Draw(token_ids, picked, failed, top)
 
 

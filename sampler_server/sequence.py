@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+
+from opentinker.sampler_server.constraint import Constraint
 
 GREEDY_BELOW_TEMPERATURE = 1e-5
 
@@ -39,6 +42,7 @@ class SamplingParams:
     top_logprobs: int = 0  # the most likely tokens to report at each sampled position (0: none)
     frequency_penalty: float = 0.0  # subtracted from a token's score once per time the sample generated it
     presence_penalty: float = 0.0  # subtracted from a token's score once the sample generated it at all
+    constraint: Constraint | None = None  # the grammar every sample follows (constraint.py); None: free
 
     @property
     def penalized(self) -> bool:
@@ -90,6 +94,7 @@ class Sequence:
     stop_reason: StopReason = StopReason.UNSPECIFIED
     seed: int | None = None  # sampling seed of this sample (None: greedy); the engine makes its generator
     generator: torch.Generator | None = None
+    matcher: Any = None  # a constrained sample's llguidance matcher, made on the engine's side (grammar_masks.py)
     emitted_tokens: int = 0  # tokens already sent to the client
     # Tokens by where their K/V came from, summed over its admissions (a preempted one's recompute included)
     tokens_cached: int = 0  # found in the prefix cache

@@ -8,6 +8,7 @@ import concurrent.futures
 from typing import Any
 
 from opentinker.sampler_server.adapters import AdapterLoader
+from opentinker.sampler_server.constraint import Grammars
 from opentinker.sampler_server.engine_api import EngineAPI
 from opentinker.sampler_server.follower import AliasFollower
 from opentinker.sampler_server.tenant_stats import TenantStats
@@ -30,6 +31,7 @@ class ServicerState:
         max_prompt_bytes: int = 65536,
         max_queued_per_tenant: int = 0,
         share_base_prefix_cache: bool = False,
+        grammars: Grammars | None = None,
     ) -> None:
         self.engine = engine
         self.pool = loader.pool  # the slot books: which version is in which slot, pins, references
@@ -46,5 +48,9 @@ class ServicerState:
         # Tokenizing runs here, off the event loop, one prompt at a time (a fast tokenizer is not safe to share
         # between threads): a long prompt_text delays no other tenant's stream, only other text prompts.
         self._tokenize = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sampler-tokenize")
+        # Grammars compile off the event loop too, on threads of their own: a tenant's slow schema holds up
+        # neither text prompts nor a cached grammar (which skips the compile), and at most two slow compiles run.
+        self.grammars = grammars
+        self._compile = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="sampler-grammar")
         self._seq_ids = iter(range(1, 1 << 62))
         self._mailbox: Mailbox | None = None

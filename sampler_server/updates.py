@@ -39,15 +39,17 @@ def append_token(
     top: TopLogprobs | None,
     eos_token_ids: set[int],
     max_len: int,
+    grammar_ended: bool = False,
 ) -> SequenceUpdate:
     """Appends one sampled token to seq, ends it on a stop token, its max_tokens or the context (stop checks on
-    token ids only: stop strings are the server's, detokenizer.py) -> the tokens it has not emitted yet."""
+    token ids only: stop strings are the server's, detokenizer.py) or where its grammar ended (grammar_masks.py)
+    -> the tokens it has not emitted yet."""
     seq.output.append(token)
     seq.output_logprobs.append(logprob)
     if top is not None:
         seq.output_top.append(top)
     params = seq.params
-    if token in params.stop_token_ids or token in eos_token_ids:
+    if token in params.stop_token_ids or token in eos_token_ids or grammar_ended:
         seq.stop_reason = StopReason.STOP_TOKEN
     elif len(seq.output) >= params.max_tokens:
         seq.stop_reason = StopReason.LENGTH

@@ -26,7 +26,7 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from opentinker.v1 import common_pb2 as opentinker_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bopentinker/v1/sampler.proto\x12\ropentinker.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1aopentinker/v1/common.proto\"\x17\n\x15GetSamplerInfoRequest\"\xcf\x01\n\x16GetSamplerInfoResponse\x12\x30\n\nbase_model\x18\x01 \x01(\x0b\x32\x1c.opentinker.v1.BaseModelInfo\x12\x11\n\tmax_slots\x18\x02 \x01(\r\x12\x10\n\x08max_rank\x18\x03 \x01(\r\x12\x10\n\x08max_seqs\x18\x04 \x01(\r\x12\x18\n\x10max_batch_tokens\x18\x05 \x01(\r\x12\x13\n\x0blora_kernel\x18\x06 \x01(\t\x12\x1d\n\x15max_pinned_per_tenant\x18\x07 \x01(\r\"\x93\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x01\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x03\x12\x14\n\x0cstop_strings\x18\x07 \x03(\t\x12\x10\n\x08logprobs\x18\x08 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\t \x01(\r\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x02\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x42\x0e\n\x0c_temperatureB\x07\n\x05_seed\"\xec\x01\n\rSampleRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12)\n\x06prompt\x18\x02 \x01(\x0b\x32\x19.opentinker.v1.ModelInput\x12\x36\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1d.opentinker.v1.SamplingParams\x12\x13\n\x0bnum_samples\x18\x04 \x01(\r\x12\x17\n\x0fprompt_logprobs\x18\x05 \x01(\x08\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x13\n\x0bprompt_text\x18\x07 \x01(\t\x12\x12\n\ncache_salt\x18\x08 \x01(\t\"\xaa\x02\n\x0eSampleResponse\x12\x14\n\x0csample_index\x18\x01 \x01(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\x03\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12.\n\x0bstop_reason\x18\x04 \x01(\x0e\x32\x19.opentinker.v1.StopReason\x12/\n\x07version\x18\x05 \x01(\x0b\x32\x1e.opentinker.v1.ResolvedVersion\x12\x17\n\x0fprompt_logprobs\x18\x06 \x03(\x02\x12\x15\n\rprompt_tokens\x18\x07 \x01(\r\x12\x0c\n\x04text\x18\x08 \x01(\t\x12\x30\n\x0ctop_logprobs\x18\t \x03(\x0b\x32\x1a.opentinker.v1.TopLogprobs\x12\x0f\n\x07replica\x18\n \x01(\t\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"f\n\x16\x43omputeLogprobsRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12)\n\x06inputs\x18\x02 \x03(\x0b\x32\x19.opentinker.v1.ModelInput\x12\x12\n\ncache_salt\x18\x03 \x01(\t\"!\n\rTokenLogprobs\x12\x10\n\x08logprobs\x18\x01 \x03(\x02\"\x8a\x01\n\x17\x43omputeLogprobsResponse\x12-\n\x07results\x18\x01 \x03(\x0b\x32\x1c.opentinker.v1.TokenLogprobs\x12/\n\x07version\x18\x02 \x01(\x0b\x32\x1e.opentinker.v1.ResolvedVersion\x12\x0f\n\x07replica\x18\x03 \x01(\t\"\x81\x02\n\rLoadedAdapter\x12/\n\x07version\x18\x01 \x01(\x0b\x32\x1e.opentinker.v1.ResolvedVersion\x12\x0c\n\x04slot\x18\x02 \x01(\r\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x0e\n\x06pinned\x18\x04 \x01(\x08\x12\x17\n\x0f\x61\x63tive_requests\x18\x05 \x01(\r\x12\x17\n\x0fserving_aliases\x18\x06 \x03(\t\x12-\n\tload_time\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x32\n\x0elast_used_time\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"4\n\x12LoadAdapterRequest\x12\x11\n\treference\x18\x01 \x01(\t\x12\x0b\n\x03pin\x18\x02 \x01(\x08\"D\n\x13LoadAdapterResponse\x12-\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x1c.opentinker.v1.LoadedAdapter\")\n\x14UnloadAdapterRequest\x12\x11\n\treference\x18\x01 \x01(\t\"*\n\x15UnloadAdapterResponse\x12\x11\n\tfreed_now\x18\x01 \x01(\x08\"\x13\n\x11ListLoadedRequest\"Y\n\x12ListLoadedResponse\x12.\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x1c.opentinker.v1.LoadedAdapter\x12\x13\n\x0bslots_total\x18\x02 \x01(\r\"\xb6\x01\n\x0cReloadRecord\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\r\n\x05\x61lias\x18\x02 \x01(\t\x12\x14\n\x0c\x66rom_version\x18\x03 \x01(\x04\x12\x12\n\nto_version\x18\x04 \x01(\x04\x12\x17\n\x0flatency_seconds\x18\x05 \x01(\x01\x12\n\n\x02ok\x18\x06 \x01(\x08\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12(\n\x04time\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\x11\n\x0fGetStatsRequest\"\xfe\x05\n\x10GetStatsResponse\x12\x18\n\x10running_requests\x18\x01 \x01(\r\x12\x18\n\x10waiting_requests\x18\x02 \x01(\r\x12\x13\n\x0bmax_waiting\x18\x03 \x01(\r\x12\x12\n\nslots_used\x18\x04 \x01(\r\x12\x13\n\x0bslots_total\x18\x05 \x01(\r\x12\x18\n\x10tokens_generated\x18\x06 \x01(\x04\x12 \n\x18\x64\x65\x63ode_tokens_per_second\x18\x07 \x01(\x01\x12\x16\n\x0ekv_cache_usage\x18\x08 \x01(\x01\x12\x15\n\rreloads_total\x18\t \x01(\x04\x12\x1d\n\x15reload_failures_total\x18\n \x01(\x04\x12\x15\n\rlast_event_id\x18\x0b \x01(\t\x12\x33\n\x0erecent_reloads\x18\x0c \x03(\x0b\x32\x1b.opentinker.v1.ReloadRecord\x12\x1b\n\x13\x61\x64\x61pter_loads_total\x18\r \x01(\x04\x12\x1e\n\x16prompt_tokens_computed\x18\x46 \x01(\x04\x12\x1c\n\x14prompt_tokens_cached\x18G \x01(\x04\x12\x1c\n\x14prompt_tokens_shared\x18H \x01(\x04\x12\x17\n\x0fkv_blocks_total\x18I \x01(\r\x12\x16\n\x0ekv_blocks_used\x18J \x01(\r\x12\x18\n\x10kv_blocks_cached\x18K \x01(\r\x12\x19\n\x11kv_blocks_evicted\x18L \x01(\x04\x12\x19\n\x11preemptions_total\x18M \x01(\x04\x12\x15\n\rkv_block_size\x18N \x01(\r\x12 \n\x18own_prompt_tokens_cached\x18U \x01(\x04\x12\"\n\x1aown_prompt_tokens_computed\x18V \x01(\x04\x12 \n\x18own_prompt_tokens_shared\x18W \x01(\x04\x12)\n\x05store\x18X \x01(\x0b\x32\x1a.opentinker.v1.StoreStatus\"\x8a\x01\n\x0bStoreStatus\x12\x0b\n\x03url\x18\x01 \x01(\t\x12\x11\n\treachable\x18\x02 \x01(\x08\x12\x12\n\nlast_error\x18\x03 \x01(\t\x12\x16\n\x0e\x66\x61ilures_total\x18\x04 \x01(\x04\x12\x1a\n\x12\x62ytes_pulled_total\x18\x05 \x01(\x04\x12\x13\n\x0b\x63\x61\x63he_bytes\x18\x06 \x01(\x04*\x9a\x01\n\nStopReason\x12\x1b\n\x17STOP_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12STOP_REASON_LENGTH\x10\x01\x12\x1a\n\x16STOP_REASON_STOP_TOKEN\x10\x02\x12\x1b\n\x17STOP_REASON_STOP_STRING\x10\x03\x12\x1e\n\x1aSTOP_REASON_CONTEXT_LENGTH\x10\x04\x32\xec\x04\n\x0eSamplerService\x12]\n\x0eGetSamplerInfo\x12$.opentinker.v1.GetSamplerInfoRequest\x1a%.opentinker.v1.GetSamplerInfoResponse\x12G\n\x06Sample\x12\x1c.opentinker.v1.SampleRequest\x1a\x1d.opentinker.v1.SampleResponse0\x01\x12`\n\x0f\x43omputeLogprobs\x12%.opentinker.v1.ComputeLogprobsRequest\x1a&.opentinker.v1.ComputeLogprobsResponse\x12T\n\x0bLoadAdapter\x12!.opentinker.v1.LoadAdapterRequest\x1a\".opentinker.v1.LoadAdapterResponse\x12Z\n\rUnloadAdapter\x12#.opentinker.v1.UnloadAdapterRequest\x1a$.opentinker.v1.UnloadAdapterResponse\x12Q\n\nListLoaded\x12 .opentinker.v1.ListLoadedRequest\x1a!.opentinker.v1.ListLoadedResponse\x12K\n\x08GetStats\x12\x1e.opentinker.v1.GetStatsRequest\x1a\x1f.opentinker.v1.GetStatsResponseBDZBgithub.com/opentinker/opentinker/gen/go/opentinker/v1;opentinkerv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bopentinker/v1/sampler.proto\x12\ropentinker.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1aopentinker/v1/common.proto\"\x17\n\x15GetSamplerInfoRequest\"\xcf\x01\n\x16GetSamplerInfoResponse\x12\x30\n\nbase_model\x18\x01 \x01(\x0b\x32\x1c.opentinker.v1.BaseModelInfo\x12\x11\n\tmax_slots\x18\x02 \x01(\r\x12\x10\n\x08max_rank\x18\x03 \x01(\r\x12\x10\n\x08max_seqs\x18\x04 \x01(\r\x12\x18\n\x10max_batch_tokens\x18\x05 \x01(\r\x12\x13\n\x0blora_kernel\x18\x06 \x01(\t\x12\x1d\n\x15max_pinned_per_tenant\x18\x07 \x01(\r\"\x93\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x01\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x03\x12\x14\n\x0cstop_strings\x18\x07 \x03(\t\x12\x10\n\x08logprobs\x18\x08 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\t \x01(\r\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x02\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x42\x0e\n\x0c_temperatureB\x07\n\x05_seed\"\x9b\x02\n\rSampleRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12)\n\x06prompt\x18\x02 \x01(\x0b\x32\x19.opentinker.v1.ModelInput\x12\x36\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1d.opentinker.v1.SamplingParams\x12\x13\n\x0bnum_samples\x18\x04 \x01(\r\x12\x17\n\x0fprompt_logprobs\x18\x05 \x01(\x08\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x13\n\x0bprompt_text\x18\x07 \x01(\t\x12\x12\n\ncache_salt\x18\x08 \x01(\t\x12-\n\nconstraint\x18\t \x01(\x0b\x32\x19.opentinker.v1.Constraint\"c\n\nConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x0e\n\x04lark\x18\x04 \x01(\tH\x00\x42\x06\n\x04kind\"\xaa\x02\n\x0eSampleResponse\x12\x14\n\x0csample_index\x18\x01 \x01(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\x03\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12.\n\x0bstop_reason\x18\x04 \x01(\x0e\x32\x19.opentinker.v1.StopReason\x12/\n\x07version\x18\x05 \x01(\x0b\x32\x1e.opentinker.v1.ResolvedVersion\x12\x17\n\x0fprompt_logprobs\x18\x06 \x03(\x02\x12\x15\n\rprompt_tokens\x18\x07 \x01(\r\x12\x0c\n\x04text\x18\x08 \x01(\t\x12\x30\n\x0ctop_logprobs\x18\t \x03(\x0b\x32\x1a.opentinker.v1.TopLogprobs\x12\x0f\n\x07replica\x18\n \x01(\t\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"f\n\x16\x43omputeLogprobsRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12)\n\x06inputs\x18\x02 \x03(\x0b\x32\x19.opentinker.v1.ModelInput\x12\x12\n\ncache_salt\x18\x03 \x01(\t\"!\n\rTokenLogprobs\x12\x10\n\x08logprobs\x18\x01 \x03(\x02\"\x8a\x01\n\x17\x43omputeLogprobsResponse\x12-\n\x07results\x18\x01 \x03(\x0b\x32\x1c.opentinker.v1.TokenLogprobs\x12/\n\x07version\x18\x02 \x01(\x0b\x32\x1e.opentinker.v1.ResolvedVersion\x12\x0f\n\x07replica\x18\x03 \x01(\t\"\x81\x02\n\rLoadedAdapter\x12/\n\x07version\x18\x01 \x01(\x0b\x32\x1e.opentinker.v1.ResolvedVersion\x12\x0c\n\x04slot\x18\x02 \x01(\r\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x0e\n\x06pinned\x18\x04 \x01(\x08\x12\x17\n\x0f\x61\x63tive_requests\x18\x05 \x01(\r\x12\x17\n\x0fserving_aliases\x18\x06 \x03(\t\x12-\n\tload_time\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x32\n\x0elast_used_time\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"4\n\x12LoadAdapterRequest\x12\x11\n\treference\x18\x01 \x01(\t\x12\x0b\n\x03pin\x18\x02 \x01(\x08\"D\n\x13LoadAdapterResponse\x12-\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x1c.opentinker.v1.LoadedAdapter\")\n\x14UnloadAdapterRequest\x12\x11\n\treference\x18\x01 \x01(\t\"*\n\x15UnloadAdapterResponse\x12\x11\n\tfreed_now\x18\x01 \x01(\x08\"\x13\n\x11ListLoadedRequest\"Y\n\x12ListLoadedResponse\x12.\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x1c.opentinker.v1.LoadedAdapter\x12\x13\n\x0bslots_total\x18\x02 \x01(\r\"\xb6\x01\n\x0cReloadRecord\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\r\n\x05\x61lias\x18\x02 \x01(\t\x12\x14\n\x0c\x66rom_version\x18\x03 \x01(\x04\x12\x12\n\nto_version\x18\x04 \x01(\x04\x12\x17\n\x0flatency_seconds\x18\x05 \x01(\x01\x12\n\n\x02ok\x18\x06 \x01(\x08\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12(\n\x04time\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\x11\n\x0fGetStatsRequest\"\xfe\x05\n\x10GetStatsResponse\x12\x18\n\x10running_requests\x18\x01 \x01(\r\x12\x18\n\x10waiting_requests\x18\x02 \x01(\r\x12\x13\n\x0bmax_waiting\x18\x03 \x01(\r\x12\x12\n\nslots_used\x18\x04 \x01(\r\x12\x13\n\x0bslots_total\x18\x05 \x01(\r\x12\x18\n\x10tokens_generated\x18\x06 \x01(\x04\x12 \n\x18\x64\x65\x63ode_tokens_per_second\x18\x07 \x01(\x01\x12\x16\n\x0ekv_cache_usage\x18\x08 \x01(\x01\x12\x15\n\rreloads_total\x18\t \x01(\x04\x12\x1d\n\x15reload_failures_total\x18\n \x01(\x04\x12\x15\n\rlast_event_id\x18\x0b \x01(\t\x12\x33\n\x0erecent_reloads\x18\x0c \x03(\x0b\x32\x1b.opentinker.v1.ReloadRecord\x12\x1b\n\x13\x61\x64\x61pter_loads_total\x18\r \x01(\x04\x12\x1e\n\x16prompt_tokens_computed\x18\x46 \x01(\x04\x12\x1c\n\x14prompt_tokens_cached\x18G \x01(\x04\x12\x1c\n\x14prompt_tokens_shared\x18H \x01(\x04\x12\x17\n\x0fkv_blocks_total\x18I \x01(\r\x12\x16\n\x0ekv_blocks_used\x18J \x01(\r\x12\x18\n\x10kv_blocks_cached\x18K \x01(\r\x12\x19\n\x11kv_blocks_evicted\x18L \x01(\x04\x12\x19\n\x11preemptions_total\x18M \x01(\x04\x12\x15\n\rkv_block_size\x18N \x01(\r\x12 \n\x18own_prompt_tokens_cached\x18U \x01(\x04\x12\"\n\x1aown_prompt_tokens_computed\x18V \x01(\x04\x12 \n\x18own_prompt_tokens_shared\x18W \x01(\x04\x12)\n\x05store\x18X \x01(\x0b\x32\x1a.opentinker.v1.StoreStatus\"\x8a\x01\n\x0bStoreStatus\x12\x0b\n\x03url\x18\x01 \x01(\t\x12\x11\n\treachable\x18\x02 \x01(\x08\x12\x12\n\nlast_error\x18\x03 \x01(\t\x12\x16\n\x0e\x66\x61ilures_total\x18\x04 \x01(\x04\x12\x1a\n\x12\x62ytes_pulled_total\x18\x05 \x01(\x04\x12\x13\n\x0b\x63\x61\x63he_bytes\x18\x06 \x01(\x04*\x9a\x01\n\nStopReason\x12\x1b\n\x17STOP_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12STOP_REASON_LENGTH\x10\x01\x12\x1a\n\x16STOP_REASON_STOP_TOKEN\x10\x02\x12\x1b\n\x17STOP_REASON_STOP_STRING\x10\x03\x12\x1e\n\x1aSTOP_REASON_CONTEXT_LENGTH\x10\x04\x32\xec\x04\n\x0eSamplerService\x12]\n\x0eGetSamplerInfo\x12$.opentinker.v1.GetSamplerInfoRequest\x1a%.opentinker.v1.GetSamplerInfoResponse\x12G\n\x06Sample\x12\x1c.opentinker.v1.SampleRequest\x1a\x1d.opentinker.v1.SampleResponse0\x01\x12`\n\x0f\x43omputeLogprobs\x12%.opentinker.v1.ComputeLogprobsRequest\x1a&.opentinker.v1.ComputeLogprobsResponse\x12T\n\x0bLoadAdapter\x12!.opentinker.v1.LoadAdapterRequest\x1a\".opentinker.v1.LoadAdapterResponse\x12Z\n\rUnloadAdapter\x12#.opentinker.v1.UnloadAdapterRequest\x1a$.opentinker.v1.UnloadAdapterResponse\x12Q\n\nListLoaded\x12 .opentinker.v1.ListLoadedRequest\x1a!.opentinker.v1.ListLoadedResponse\x12K\n\x08GetStats\x12\x1e.opentinker.v1.GetStatsRequest\x1a\x1f.opentinker.v1.GetStatsResponseBDZBgithub.com/opentinker/opentinker/gen/go/opentinker/v1;opentinkerv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,8 +34,8 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'opentinker.v1.sampler_pb2',
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'ZBgithub.com/opentinker/opentinker/gen/go/opentinker/v1;opentinkerv1'
-  _globals['_STOPREASON']._serialized_start=3190
-  _globals['_STOPREASON']._serialized_end=3344
+  _globals['_STOPREASON']._serialized_start=3338
+  _globals['_STOPREASON']._serialized_end=3492
   _globals['_GETSAMPLERINFOREQUEST']._serialized_start=107
   _globals['_GETSAMPLERINFOREQUEST']._serialized_end=130
   _globals['_GETSAMPLERINFORESPONSE']._serialized_start=133
@@ -43,39 +43,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS']._serialized_start=343
   _globals['_SAMPLINGPARAMS']._serialized_end=618
   _globals['_SAMPLEREQUEST']._serialized_start=621
-  _globals['_SAMPLEREQUEST']._serialized_end=857
-  _globals['_SAMPLERESPONSE']._serialized_start=860
-  _globals['_SAMPLERESPONSE']._serialized_end=1158
-  _globals['_TOPLOGPROBS']._serialized_start=1160
-  _globals['_TOPLOGPROBS']._serialized_end=1210
-  _globals['_COMPUTELOGPROBSREQUEST']._serialized_start=1212
-  _globals['_COMPUTELOGPROBSREQUEST']._serialized_end=1314
-  _globals['_TOKENLOGPROBS']._serialized_start=1316
-  _globals['_TOKENLOGPROBS']._serialized_end=1349
-  _globals['_COMPUTELOGPROBSRESPONSE']._serialized_start=1352
-  _globals['_COMPUTELOGPROBSRESPONSE']._serialized_end=1490
-  _globals['_LOADEDADAPTER']._serialized_start=1493
-  _globals['_LOADEDADAPTER']._serialized_end=1750
-  _globals['_LOADADAPTERREQUEST']._serialized_start=1752
-  _globals['_LOADADAPTERREQUEST']._serialized_end=1804
-  _globals['_LOADADAPTERRESPONSE']._serialized_start=1806
-  _globals['_LOADADAPTERRESPONSE']._serialized_end=1874
-  _globals['_UNLOADADAPTERREQUEST']._serialized_start=1876
-  _globals['_UNLOADADAPTERREQUEST']._serialized_end=1917
-  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=1919
-  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=1961
-  _globals['_LISTLOADEDREQUEST']._serialized_start=1963
-  _globals['_LISTLOADEDREQUEST']._serialized_end=1982
-  _globals['_LISTLOADEDRESPONSE']._serialized_start=1984
-  _globals['_LISTLOADEDRESPONSE']._serialized_end=2073
-  _globals['_RELOADRECORD']._serialized_start=2076
-  _globals['_RELOADRECORD']._serialized_end=2258
-  _globals['_GETSTATSREQUEST']._serialized_start=2260
-  _globals['_GETSTATSREQUEST']._serialized_end=2277
-  _globals['_GETSTATSRESPONSE']._serialized_start=2280
-  _globals['_GETSTATSRESPONSE']._serialized_end=3046
-  _globals['_STORESTATUS']._serialized_start=3049
-  _globals['_STORESTATUS']._serialized_end=3187
-  _globals['_SAMPLERSERVICE']._serialized_start=3347
-  _globals['_SAMPLERSERVICE']._serialized_end=3967
+  _globals['_SAMPLEREQUEST']._serialized_end=904
+  _globals['_CONSTRAINT']._serialized_start=906
+  _globals['_CONSTRAINT']._serialized_end=1005
+  _globals['_SAMPLERESPONSE']._serialized_start=1008
+  _globals['_SAMPLERESPONSE']._serialized_end=1306
+  _globals['_TOPLOGPROBS']._serialized_start=1308
+  _globals['_TOPLOGPROBS']._serialized_end=1358
+  _globals['_COMPUTELOGPROBSREQUEST']._serialized_start=1360
+  _globals['_COMPUTELOGPROBSREQUEST']._serialized_end=1462
+  _globals['_TOKENLOGPROBS']._serialized_start=1464
+  _globals['_TOKENLOGPROBS']._serialized_end=1497
+  _globals['_COMPUTELOGPROBSRESPONSE']._serialized_start=1500
+  _globals['_COMPUTELOGPROBSRESPONSE']._serialized_end=1638
+  _globals['_LOADEDADAPTER']._serialized_start=1641
+  _globals['_LOADEDADAPTER']._serialized_end=1898
+  _globals['_LOADADAPTERREQUEST']._serialized_start=1900
+  _globals['_LOADADAPTERREQUEST']._serialized_end=1952
+  _globals['_LOADADAPTERRESPONSE']._serialized_start=1954
+  _globals['_LOADADAPTERRESPONSE']._serialized_end=2022
+  _globals['_UNLOADADAPTERREQUEST']._serialized_start=2024
+  _globals['_UNLOADADAPTERREQUEST']._serialized_end=2065
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=2067
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=2109
+  _globals['_LISTLOADEDREQUEST']._serialized_start=2111
+  _globals['_LISTLOADEDREQUEST']._serialized_end=2130
+  _globals['_LISTLOADEDRESPONSE']._serialized_start=2132
+  _globals['_LISTLOADEDRESPONSE']._serialized_end=2221
+  _globals['_RELOADRECORD']._serialized_start=2224
+  _globals['_RELOADRECORD']._serialized_end=2406
+  _globals['_GETSTATSREQUEST']._serialized_start=2408
+  _globals['_GETSTATSREQUEST']._serialized_end=2425
+  _globals['_GETSTATSRESPONSE']._serialized_start=2428
+  _globals['_GETSTATSRESPONSE']._serialized_end=3194
+  _globals['_STORESTATUS']._serialized_start=3197
+  _globals['_STORESTATUS']._serialized_end=3335
+  _globals['_SAMPLERSERVICE']._serialized_start=3495
+  _globals['_SAMPLERSERVICE']._serialized_end=4115
 # @@protoc_insertion_point(module_scope)

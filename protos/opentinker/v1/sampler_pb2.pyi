@@ -73,7 +73,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop_strings: _Optional[_Iterable[str]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ...) -> None: ...
 
 class SampleRequest(_message.Message):
-    __slots__ = ("model", "prompt", "sampling_params", "num_samples", "prompt_logprobs", "request_id", "prompt_text", "cache_salt")
+    __slots__ = ("model", "prompt", "sampling_params", "num_samples", "prompt_logprobs", "request_id", "prompt_text", "cache_salt", "constraint")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +82,7 @@ class SampleRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
     model: str
     prompt: _common_pb2.ModelInput
     sampling_params: SamplingParams
@@ -90,7 +91,20 @@ class SampleRequest(_message.Message):
     request_id: str
     prompt_text: str
     cache_salt: str
-    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[_Union[_common_pb2.ModelInput, _Mapping]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_samples: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., request_id: _Optional[str] = ..., prompt_text: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    constraint: Constraint
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[_Union[_common_pb2.ModelInput, _Mapping]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_samples: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., request_id: _Optional[str] = ..., prompt_text: _Optional[str] = ..., cache_salt: _Optional[str] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ...) -> None: ...
+
+class Constraint(_message.Message):
+    __slots__ = ("json_schema", "json_object", "regex", "lark")
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    LARK_FIELD_NUMBER: _ClassVar[int]
+    json_schema: str
+    json_object: bool
+    regex: str
+    lark: str
+    def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., lark: _Optional[str] = ...) -> None: ...
 
 class SampleResponse(_message.Message):
     __slots__ = ("sample_index", "tokens", "logprobs", "stop_reason", "version", "prompt_logprobs", "prompt_tokens", "text", "top_logprobs", "replica")
