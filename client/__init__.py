@@ -2,6 +2,7 @@
 `SamplingClient` for sampling from them, `RegistryClient` for the adapter registry, their data types and
 the one error type."""
 
+from opentinker.client.constraints import Grammar, JsonObject, JsonSchema, Regex
 from opentinker.client.datum import Datum, EncodedTextChunk, ModelInput, TensorData
 from opentinker.client.envs import (
     Env,
@@ -108,6 +109,9 @@ __all__ = [
     "Event",
     "ForwardBackwardOutput",
     "GarbageCollection",
+    "Grammar",
+    "JsonObject",
+    "JsonSchema",
     "Lineage",
     "LoadedAdapter",
     "LoraConfig",
@@ -119,6 +123,7 @@ __all__ = [
     "OpenTinkerError",
     "OptimStepResult",
     "Reconcile",
+    "Regex",
     "RegistryClient",
     "RenderedConversation",
     "Renderer",

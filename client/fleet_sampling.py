@@ -9,8 +9,8 @@ max_tokens less what was delivered; stop tokens, stop strings, logprobs and top_
 samples are exact (the rest of a sample depends only on the version and the prefix). Not exact: seeded
 sampling at temperature > 0 (the continuation is a fresh sample of the same distribution), frequency and
 presence penalties (the delivered tokens become prompt, which penalties do not count), and a stop string
-that would have spanned the break. A text prompt (prompt_text) cannot be extended with token ids: it is
-retried only before its first token.
+that would have spanned the break. A text prompt (prompt_text) cannot be extended with token ids, nor a
+constrained sample's grammar resumed part way on another replica: they are retried only before their first token.
 
 Per client, `name@latest` never goes backwards across replicas: the highest version seen of each adapter is
 remembered (for FLOOR_TTL_S), and a replica that answers with an older one (its hot reload not through yet)
@@ -99,8 +99,8 @@ class _Stream:
         unfinished = [i for i in leg.indexes if i not in self.finished]
         if not any(self.delivered.get(i) for i in leg.indexes):
             return [leg]  # nothing delivered: the same request, elsewhere
-        if self.original.prompt_text or self.version is None:
-            raise error  # a text prompt cannot be extended by token ids (module docstring)
+        if self.original.prompt_text or self.version is None or self.original.HasField("constraint"):
+            raise error  # a text prompt cannot be extended by token ids, nor a grammar resumed mid-way (docstring)
         version = self.version
         model = f"{version.adapter}@{version.version}" if version.adapter else "base"
         legs = []

@@ -48,6 +48,7 @@ from opentinker.client.sampling_types import (
     StopReason,
 )
 from opentinker.client.wire import (
+    constraint_to_proto,
     loaded_adapter_from_proto,
     model_input_to_proto,
     sample_chunk_from_proto,
@@ -159,6 +160,8 @@ def _sample_request(
         prompt_logprobs=prompt_logprobs,
         cache_salt=_cache_salt(cache_salt),
     )
+    if params is not None and params.constraint is not None:
+        request.constraint.CopyFrom(constraint_to_proto(params.constraint))
     if isinstance(prompt, str):
         request.prompt_text = prompt
     else:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Literal, TypeAlias
 
+from opentinker.client.constraints import Constraint
 from opentinker.client.datum import int64, int64s
 
 __all__ = [
@@ -60,6 +61,7 @@ class SamplingParams:
     top_logprobs: int
     frequency_penalty: float
     presence_penalty: float
+    constraint: Constraint | None
 
     def __init__(
         self,
@@ -74,6 +76,7 @@ class SamplingParams:
         top_logprobs: int = 0,
         frequency_penalty: float = 0.0,
         presence_penalty: float = 0.0,
+        constraint: Constraint | None = None,
     ) -> None:
         max_tokens = int64(max_tokens)
         if max_tokens < 1:
@@ -92,6 +95,7 @@ class SamplingParams:
         object.__setattr__(self, "top_logprobs", top_logprobs)
         object.__setattr__(self, "frequency_penalty", float(frequency_penalty))
         object.__setattr__(self, "presence_penalty", float(presence_penalty))
+        object.__setattr__(self, "constraint", constraint)
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,6 +8,7 @@ from collections.abc import Iterable, Mapping
 from datetime import UTC
 from typing import Literal, cast
 
+from opentinker.client.constraints import Constraint, JsonObject, JsonSchema, Regex
 from opentinker.client.datum import Datum, EncodedTextChunk, ModelInput, TensorData
 from opentinker.client.sampling_types import (
     LoadedAdapter,
@@ -214,6 +215,16 @@ def sampling_params_to_proto(params: SamplingParams) -> sampler_pb2.SamplingPara
     if proto.top_p == 0.0:
         proto.temperature = 0.0
     return proto
+
+
+def constraint_to_proto(constraint: Constraint) -> sampler_pb2.Constraint:
+    if isinstance(constraint, JsonSchema):
+        return sampler_pb2.Constraint(json_schema=constraint.schema)
+    if isinstance(constraint, JsonObject):
+        return sampler_pb2.Constraint(json_object=True)
+    if isinstance(constraint, Regex):
+        return sampler_pb2.Constraint(regex=constraint.pattern)
+    return sampler_pb2.Constraint(lark=constraint.lark)
 
 
 def stop_reason_from_proto(value: int) -> StopReason | None:

@@ -113,7 +113,7 @@ class Engine:
         self.on_iteration = on_iteration  # called on the engine thread after each round of inbox + step
         self.device = cache.device
         self.grammars = grammars  # constrained decoding's compiler (constraint.py); None: no constraint accepted
-        self.masks = MaskWorker(model.config.vocab_size)
+        self.masks = MaskWorker(grammars.vocab_size if grammars is not None else 0)  # no grammars: never used
         self.stats = EngineStats(blocks_total=self.blocks.num_blocks, block_size=cache.block_size)
         self._inbox = Inbox()
         self._score_ids = itertools.count()

@@ -24,7 +24,7 @@ from transformers import AutoTokenizer
 from opentinker.rpc.serving.errors import InvalidArgument
 from opentinker.sampler_server.constraint import Constraint, Grammars, json_schema
 from opentinker.sampler_server.engine import Engine
-from opentinker.sampler_server.grammar_masks import StepMasks
+from opentinker.sampler_server.grammar_masks import MaskWorker, StepMasks
 from opentinker.sampler_server.model.llama import LlamaForCausalLM
 from opentinker.sampler_server.sampling import sample
 from opentinker.sampler_server.sequence import SamplingParams, Sequence, StopReason
@@ -60,6 +60,7 @@ def grammars(tiny_model: Path, runner: LlamaForCausalLM) -> Grammars:
 def _engine(runner: LlamaForCausalLM, pool: SlotPool, grammars: Grammars) -> Engine:
     eng = engine(runner, pool, block_size=16, num_blocks=200, max_seqs=32, max_len=MAX_LEN)
     eng.grammars = grammars
+    eng.masks = MaskWorker(grammars.vocab_size)
     eng.eos_token_ids = {2}
     return eng
 
