@@ -34,6 +34,7 @@ SCRIPTS = (
     "prefix_cache.py",  # multi-turn agents, prefix cache on / off; the paged KV memory figure
     "fleet.py",  # F1-F4: adapter-affinity routing vs round robin over 3 samplers, a SIGKILL in the run
     "trainer_pool.py",  # the pool's cost (pool / direct), 4 adapters on 1 vs 2 trainers, SIGKILL to next step
+    "structured.py",  # half the batch JSON-schema constrained / free, grammar compile, TTFT cached grammar / none
 )
 
 

@@ -25,6 +25,7 @@ from opentinker.client.envs import (
 from opentinker.client.episodes import (
     Episode,
     EpisodeClient,
+    EpisodeConstraint,
     EpisodeError,
     EpisodeSegment,
     EpisodeTrainResult,
@@ -102,6 +103,7 @@ __all__ = [
     "EnvGroup",
     "Episode",
     "EpisodeClient",
+    "EpisodeConstraint",
     "EpisodeError",
     "EpisodeSegment",
     "EpisodeTrainResult",

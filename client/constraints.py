@@ -24,7 +24,8 @@ __all__ = ["Constraint", "Grammar", "JsonObject", "JsonSchema", "Regex"]
 
 @dataclass(frozen=True, slots=True, init=False)
 class JsonSchema:
-    """A JSON Schema, kept as its JSON text (sorted keys: the same schema is the same sampler cache entry)."""
+    """A JSON Schema, kept as its JSON text in the order given: an object's fields come out in the order its
+    ``properties`` lists them (the sampler's cache keys a schema by its sorted form, so key order costs no compile)."""
 
     schema: str
 
@@ -39,7 +40,7 @@ class JsonSchema:
             raise TypeError(f"JsonSchema takes a pydantic model class, a dict or JSON text, got {schema!r}")
         if not isinstance(value, dict):
             raise TypeError("a JSON schema is a JSON object")
-        object.__setattr__(self, "schema", json.dumps(value, sort_keys=True))
+        object.__setattr__(self, "schema", json.dumps(value))
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,6 +34,7 @@ from opentinker.client.trajectory import Trajectory, Transition, group_advantage
 __all__ = [
     "Episode",
     "EpisodeClient",
+    "EpisodeConstraint",
     "EpisodeError",
     "EpisodeSegment",
     "EpisodeTrainResult",
@@ -46,6 +47,16 @@ EPISODE_HEADER = "X-OpenTinker-Episode"
 
 
 @dataclass(frozen=True, slots=True)
+class EpisodeConstraint:
+    """The grammar a turn was sampled under (response_format or a forced tool call): its logprobs are of the masked,
+    renormalized distribution, not the policy's own (docs/structured.md: what an RL loop does about it)."""
+
+    kind: str  # "json_object", "json_schema" or "lark" (the sampler's Constraint kinds)
+    source: str  # the schema's JSON text or the Lark grammar; "" for json_object
+    origin: str  # the request field that forced it: "response_format" or "tool_choice"
+
+
+@dataclass(frozen=True, slots=True)
 class EpisodeTurn:
     prompt_token_ids: tuple[int, ...]
     token_ids: tuple[int, ...]
@@ -55,6 +66,7 @@ class EpisodeTurn:
     request_id: str
     started_at: float
     finished_at: float
+    constraint: EpisodeConstraint | None = None  # None: sampled free
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +119,14 @@ def _turn(t: dict[str, Any]) -> EpisodeTurn:
         str(t["request_id"]),
         float(t["started_at"]),
         float(t["finished_at"]),
+        _constraint(t.get("constraint")),
     )
+
+
+def _constraint(raw: dict[str, Any] | None) -> EpisodeConstraint | None:
+    if raw is None:
+        return None
+    return EpisodeConstraint(str(raw["kind"]), str(raw["source"]), str(raw["origin"]))
 
 
 class EpisodeError(Exception):

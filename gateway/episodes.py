@@ -59,6 +59,9 @@ class Turn:
     request_id: str
     started_at: float  # unix seconds
     finished_at: float
+    # The grammar the completion was drawn under ({"kind", "source", "origin"}), its logprobs being of the masked
+    # distribution; None: sampled free (and turns stored before constraints were recorded).
+    constraint: dict[str, str] | None = None
 
     @property
     def num_tokens(self) -> int:

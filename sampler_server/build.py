@@ -57,6 +57,7 @@ class SamplerConfig:
     max_seqs_per_tenant: int | None = None  # None: default_tenant_slots(max_seqs); 0: no limit
     max_kv_blocks_per_tenant: int | None = None  # None: default_tenant_blocks(the pool); 0: no bound
     max_queued_per_tenant: int | None = None  # None: default_tenant_queue(max_waiting); 0: no limit
+    max_compiles_per_tenant: int = 16  # grammars one tenant may have waiting to compile; 0: no limit
     max_pinned_per_tenant: int | None = None  # None: default_tenant_pins(max_slots); 0: no limit
     max_prompt_bytes: int = 0  # 0: PROMPT_BYTES_PER_TOKEN per token of the context
     burst_wait_ms: float = 2.0
@@ -152,7 +153,8 @@ def build_sampler(config: SamplerConfig) -> BuiltSampler:
     in_process = not (c.engine_process if c.engine_process is not None else torch_device.type == "cpu")
     tokenizer = load_tokenizer(model_dir)  # loading starts no thread; a forked engine process inherits it
     # Each process compiles its own grammars (a matcher cannot cross the pipe): the edge to check a request, the
-    # engine's submit for its samples; the llguidance tokenizer is made on first use, after the fork.
+    # engine for its samples, each on tenant-fair threads of its own (never the engine process's reader thread,
+    # grammar_lane.py); the llguidance tokenizer is made on first use, after the fork.
     grammars = Grammars(tokenizer, model_config.vocab_size, tuple(model_config.eos_token_ids))
     # Nothing in this process runs a torch op before the engine process is forked (see SlotPool's `shared`), nor
     # touches CUDA: its pool is in CPU shared memory and the engine process keeps a device copy (SlotMirror).
@@ -259,6 +261,7 @@ def build_sampler(config: SamplerConfig) -> BuiltSampler:
             share_base_prefix_cache=c.share_base_prefix_cache,
             max_prompt_bytes=c.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * context,
             grammars=grammars,
+            max_compiles_per_tenant=c.max_compiles_per_tenant,
         )
         sampler_pb2_grpc.add_SamplerServiceServicer_to_server(servicer, server)
         state["servicer"] = servicer

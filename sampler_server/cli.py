@@ -93,6 +93,15 @@ def serve(
             "bounded by --max-waiting only. Default: 3/4 of --max-waiting (at least 1); 0: no limit.",
         ),
     ] = None,
+    max_compiles_per_tenant: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Grammars (constraints not cached) one tenant may have waiting to compile before RESOURCE_EXHAUSTED "
+            "TENANT_COMPILES_FULL; a tenant compiles one at a time, on two threads the tenants take in turns. "
+            "0: no limit.",
+        ),
+    ] = 16,
     max_pinned_per_tenant: Annotated[
         int | None,
         typer.Option(
@@ -201,6 +210,7 @@ def serve(
         share_base_prefix_cache=share_base_prefix_cache,
         max_seqs_per_tenant=max_seqs_per_tenant,
         max_queued_per_tenant=max_queued_per_tenant,
+        max_compiles_per_tenant=max_compiles_per_tenant,
         max_prompt_bytes=max_prompt_bytes,
         burst_wait_ms=burst_wait_ms,
         max_pinned_per_tenant=max_pinned_per_tenant,

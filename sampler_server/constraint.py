@@ -3,16 +3,20 @@ compiled with llguidance against the base's tokenizer, into a matcher per sample
 next (grammar_masks.py turns that into the step's token masks).
 
 Compiling runs on the caller's thread, never the engine's: the service edge compiles once to check the request
-(a bad grammar is INVALID_ARGUMENT INVALID_CONSTRAINT with llguidance's message, before anything is queued), and
-the engine's `submit` (the server's thread, or the engine process's reader thread) takes each sample's matcher
-from the same cache. The cache is bounded (LRU over `MAX_CACHED` grammars) and keyed by the constraint's
-canonical form (a schema's JSON with sorted keys), so a schema sent with its keys in another order is one
-entry; each sample gets a deep copy of the cached matcher, which copies its parser state and shares the
-compiled lexer.
+(a bad grammar is INVALID_ARGUMENT INVALID_CONSTRAINT with llguidance's message, before anything is queued), on
+its tenant-fair compile threads, and the engine takes each sample's matcher from the same cache, or compiles it
+on threads of its own (grammar_lane.py). The cache is bounded (LRU over `MAX_CACHED` grammars) and keyed by the
+constraint's canonical form (a schema's JSON with sorted keys, but for the order of its `properties`, which is
+the order of the output's fields), so a schema sent with its other keys in another order is one entry; each
+sample gets a deep copy of the cached matcher, which copies its parser state and shares the compiled lexer.
 
-Bounds: a constraint's text is at most MAX_CONSTRAINT_BYTES, and llguidance's parser limits cap the work of the
-compile (lexer fuel, grammar size, lexer states: memory) and of every mask; over them the compile fails with
-the limit named, and the request gets INVALID_ARGUMENT, never a stalled engine.
+Bounds: a constraint's text is at most MAX_CONSTRAINT_BYTES, an object of a schema has at most
+MAX_OPTIONAL_PROPERTIES optional properties, and llguidance's parser limits cap the lexer's work (fuel, lexer
+states: memory) at the compile and at every mask; over them the request gets INVALID_ARGUMENT naming the limit.
+llguidance's limits do not see its JSON-schema translation, whose time grows with the square of an object's
+optional properties: 2,000 of them took 0.47 s, 4,000 1.7 s, 8,000 19.7 s (a 75 KB schema within every parser
+limit); a required property costs about the same as a byte elsewhere, ~5 us per byte of schema on a 2-core
+CPU, so a compile stays under ~1.5 s at the byte bound (docs/isolation.md).
 
 JSON comes out compact (", " and ": " separators, no free whitespace): a random or weak model otherwise fills
 its max_tokens with the whitespace JSON allows between tokens.
@@ -37,11 +41,12 @@ if TYPE_CHECKING:
 ConstraintKind = Literal["json_schema", "json_object", "regex", "lark"]
 
 MAX_CONSTRAINT_BYTES = 256 * 1024
+MAX_OPTIONAL_PROPERTIES = 256  # per object of a schema: ~10 ms of compile at most (see above)
 MAX_CACHED = 256
 
 
-# llguidance's defaults are made for one trusted user; these bound one request's compile to well under a second
-# and tens of MiB on this project's CPUs (docs/structured.md).
+# llguidance's defaults are made for one trusted user; these bound the lexer's work at the compile and at each
+# mask to tens of ms and tens of MiB on this project's CPUs.
 def _limits() -> llguidance.LLParserLimits:
     return llguidance.LLParserLimits(
         initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000, max_lexer_states=50_000, max_grammar_size=200_000
@@ -78,14 +83,59 @@ class Constraint:
 
 
 def json_schema(schema: str) -> Constraint:
-    """A schema's JSON text -> its constraint, in canonical form; not JSON, or not an object: INVALID_CONSTRAINT."""
+    """A schema's JSON text -> its constraint, in canonical form; not JSON, not an object, or over a bound:
+    INVALID_CONSTRAINT."""
+    _check_size(schema)
     try:
         value = json.loads(schema)
     except json.JSONDecodeError as exc:
         raise invalid(f"constraint.json_schema is not JSON: {exc}") from None
+    except RecursionError:
+        raise invalid("constraint.json_schema is nested too deeply") from None
     if not isinstance(value, dict):
         raise invalid("constraint.json_schema must be a JSON object (a schema)")
-    return Constraint("json_schema", json.dumps(value, sort_keys=True, separators=(",", ":")))
+    _check_optional_properties(value)
+    return Constraint("json_schema", json.dumps(_canonical(value), separators=(",", ":")))
+
+
+def _canonical(value: Any, ordered: bool = False) -> Any:
+    """A schema with every object's keys sorted, except the names in a `properties` map (``ordered``): their order
+    is the order the output writes the fields in (llguidance follows it), so a schema that puts `reasoning` before
+    `answer` gets that order, and the same fields in another order are another grammar."""
+    if isinstance(value, dict):
+        keys = list(value) if ordered else sorted(value)
+        return {k: _canonical(value[k], ordered=k == "properties" and not ordered) for k in keys}
+    if isinstance(value, list):
+        return [_canonical(v) for v in value]
+    return value
+
+
+def _check_size(source: str) -> None:
+    if len(source) > MAX_CONSTRAINT_BYTES or len(source.encode()) > MAX_CONSTRAINT_BYTES:
+        raise invalid(f"the constraint is over {MAX_CONSTRAINT_BYTES:,} bytes")
+
+
+def _check_optional_properties(schema: dict[str, Any]) -> None:
+    """Every object of the schema (a `properties` map, wherever it is) has at most MAX_OPTIONAL_PROPERTIES
+    properties that are not `required`: llguidance's compile time grows with the square of their number."""
+    pending: list[Any] = [schema]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, list):
+            pending.extend(node)
+        elif isinstance(node, dict):
+            properties, required = node.get("properties"), node.get("required")
+            if isinstance(properties, dict):
+                needed = {r for r in required if isinstance(r, str)} if isinstance(required, list) else set()
+                needed &= properties.keys()
+                optional = len(properties) - len(needed)
+                if optional > MAX_OPTIONAL_PROPERTIES:
+                    raise invalid(
+                        f"constraint.json_schema has an object with {optional:,} optional properties, over the limit "
+                        f"of {MAX_OPTIONAL_PROPERTIES} per object (compiling takes the square of their number): make "
+                        "more of them required, or split the object"
+                    )
+            pending.extend(node.values())
 
 
 def invalid(message: str) -> InvalidArgument:
@@ -106,11 +156,9 @@ class Grammars:
 
     def matcher(self, constraint: Constraint) -> llguidance.LLMatcher:
         """A fresh matcher at the grammar's start; a grammar llguidance refuses: INVALID_CONSTRAINT."""
-        with self._lock:
-            cached = self._cache.get(constraint.key)
-            if cached is not None:
-                self._cache.move_to_end(constraint.key)
-                return cached.deep_copy()
+        cached = self.cached_matcher(constraint)
+        if cached is not None:
+            return cached
         compiled = self._compile(constraint)  # outside the lock: one tenant's slow grammar holds up no other's
         with self._lock:
             self._cache[constraint.key] = compiled
@@ -123,9 +171,17 @@ class Grammars:
         with self._lock:
             return constraint.key in self._cache
 
+    def cached_matcher(self, constraint: Constraint) -> llguidance.LLMatcher | None:
+        """A fresh matcher from the cache, or None when the grammar is not cached (it never compiles here)."""
+        with self._lock:
+            cached = self._cache.get(constraint.key)
+            if cached is None:
+                return None
+            self._cache.move_to_end(constraint.key)
+            return cached.deep_copy()
+
     def _compile(self, constraint: Constraint) -> llguidance.LLMatcher:
-        if len(constraint.source.encode()) > MAX_CONSTRAINT_BYTES:
-            raise invalid(f"the constraint is over {MAX_CONSTRAINT_BYTES:,} bytes")
+        _check_size(constraint.source)
         try:
             grammar = constraint.grammar()
         except ValueError as exc:

@@ -17,10 +17,11 @@
 A ComputeLogprobs input is a sequence too (`score`, scoring.py): it computes its whole input and samples
 nothing, scheduled like everyone else's prompts.
 
-Other threads talk to the engine only through its inbox (submit, abort, finish); it answers through the
-callbacks given at submission, on the engine thread. The engine reads the adapters' weights from `SlotTensors`
-and tells whoever keeps the slot books when a sequence lets go of its slot (`release`): the same process, or
-the server process when the engine runs in its own (engine_process.py).
+Other threads talk to the engine only through its inbox (submit, abort, finish; a constrained request whose
+grammar is not cached gets there once compiled on the engine's compile threads, grammar_lane.py); it answers
+through the callbacks given at submission, on the engine thread. The engine reads the adapters' weights from
+`SlotTensors` and tells whoever keeps the slot books when a sequence lets go of its slot (`release`): the same
+process, or the server process when the engine runs in its own (engine_process.py).
 
 An idle engine woken by a request first waits for the rest of its burst (`burst_wait`, inbox.py).
 
@@ -48,7 +49,9 @@ import torch
 from opentinker.sampler_server.block_manager import BlockManager
 from opentinker.sampler_server.constraint import Grammars
 from opentinker.sampler_server.engine_stats import EngineStats
+from opentinker.sampler_server.grammar_lane import GrammarLane
 from opentinker.sampler_server.grammar_masks import MaskWorker, consume
+from opentinker.sampler_server.grammar_masks import failure as grammar_failure
 from opentinker.sampler_server.inbox import Abort, Finish, Inbox, Message, Submit
 from opentinker.sampler_server.kernels import Backend, Kernel, resolve_kernel
 from opentinker.sampler_server.kernels.segments import RunViews
@@ -112,6 +115,7 @@ class Engine:
         self.burst_wait = burst_wait  # seconds without a new request that end a burst; the whole wait is at most 10x
         self.on_iteration = on_iteration  # called on the engine thread after each round of inbox + step
         self.device = cache.device
+        self._compiles: GrammarLane | None = None
         self.grammars = grammars  # constrained decoding's compiler (constraint.py); None: no constraint accepted
         self.masks = MaskWorker(grammars.vocab_size if grammars is not None else 0)  # no grammars: never used
         self.stats = EngineStats(blocks_total=self.blocks.num_blocks, block_size=cache.block_size)
@@ -122,27 +126,36 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
 
+    @property
+    def grammars(self) -> Grammars | None:
+        return None if self._compiles is None else self._compiles.grammars
+
+    @grammars.setter
+    def grammars(self, grammars: Grammars | None) -> None:
+        """Set before the engine starts. Grammars not cached compile on threads of their own, the tenants in
+        turns, never on the submitting thread."""
+        self._compiles = None if grammars is None else GrammarLane(grammars, self._compiled)
+
     # Thread-safe entry points
 
     def submit(self, sequences: list[Sequence], on_update: UpdateCallback) -> None:
-        """On the caller's thread: a constrained sample's matcher is made here (compiled, or from the cache),
-        never on the engine thread."""
-        for seq in sequences:
-            constraint = seq.params.constraint
-            if constraint is not None and seq.matcher is None:
-                try:
-                    if self.grammars is None:
-                        raise ValueError("this engine has no grammar compiler")
-                    seq.matcher = self.grammars.matcher(constraint)
-                except Exception as exc:  # the edge compiled it already: a cache evicted since, a broken library
-                    log.warning("request %s: its constraint did not compile: %s", seq.request_id, exc)
-                    for each in sequences:  # never queued: their pins on the slot end here
-                        self.release(each.lora_slot)
-                        on_update(failed_update(each, f"the constraint did not compile: {exc}"[:2000]))
-                    return
-        self._inbox.put(Submit(sequences, on_update))
+        """On the caller's thread, which never compiles: a constrained sample's matcher comes from the cache here,
+        or the request waits for its grammar on the engine's compile threads (grammar_lane.py)."""
+        message = Submit(sequences, on_update)
+        if any(seq.params.constraint is not None and seq.matcher is None for seq in sequences):
+            if self._compiles is None:
+                message.error = "the constraint did not compile: this engine has no grammar compiler"
+            elif not self._compiles.take(message):
+                return  # it enters the inbox once compiled
+        self._inbox.put(message)
+
+    def _compiled(self, message: Submit) -> None:
+        """The compile threads hand over a request whose grammar compiled (or failed)."""
+        self._inbox.put(message)
 
     def abort(self, request_id: str) -> None:
+        if self._compiles is not None:
+            self._compiles.abort(request_id)
         self._inbox.put(Abort(request_id))
 
     def finish(self, request_id: str, sample_index: int) -> None:
@@ -162,7 +175,8 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
-        return self.scheduler.num_waiting + self._inbox.qsize()
+        compiling = 0 if self._compiles is None else self._compiles.num_waiting
+        return self.scheduler.num_waiting + self._inbox.qsize() + compiling
 
     @property
     def num_running(self) -> int:
@@ -190,6 +204,8 @@ class Engine:
         if self._thread is not None:
             self._thread.join(30)
         self.masks.stop()
+        if self._compiles is not None:
+            self._compiles.stop()
 
     # Engine thread
 
@@ -215,7 +231,11 @@ class Engine:
         self._inbox.drain(self._handle, block=block)
 
     def _handle(self, message: Message) -> None:
-        if isinstance(message, Submit):
+        if isinstance(message, Submit) and message.error:
+            for seq in message.sequences:  # never queued: their pins on the slot end here
+                self.release(seq.lora_slot)
+                message.on_update(failed_update(seq, message.error))
+        elif isinstance(message, Submit):
             for seq in message.sequences:
                 if seq.generator is None and seq.seed is not None:
                     # On the CPU whatever the device: a row's draw is one uniform, a host op (sampling.py).
@@ -275,9 +295,9 @@ class Engine:
             if seq.request_id in failed:
                 continue
             accepted, grammar_ended = consume(seq, token)
-            if not accepted:  # a mask allowed what the grammar refuses: a library bug, this request alone ends
+            if not accepted:  # a parser limit reached, or a library fault: this request alone ends
                 failed.add(seq.request_id)
-                self._fail_request(seq.request_id, f"the grammar refused token {token}", "GRAMMAR_REFUSED")
+                self._fail_request(seq.request_id, *grammar_failure(seq, token))
                 continue
             seq.num_cached = seq.num_tokens
             self.blocks.register(seq)  # its newly filled blocks join the prefix cache

@@ -17,13 +17,15 @@ from typing import Any
 
 from opentinker.rpc.serving.auth import Principal, current_principal
 from opentinker.rpc.serving.errors import FailedPrecondition, Internal, InvalidArgument, ResourceExhausted
+from opentinker.rpc.serving.fair_executor import TenantQueueFull
 from opentinker.rpc.serving.model_input import tokens_of
 from opentinker.sampler_server.adapters import Resolved
 from opentinker.sampler_server.constraint import Constraint, invalid
 from opentinker.sampler_server.detokenizer import StreamText
+from opentinker.sampler_server.grammar_masks import GRAMMAR_LIMIT, GRAMMAR_REFUSED
 from opentinker.sampler_server.sample_request import STOP_REASONS, cache_salt, constraint_of, sampling_params
 from opentinker.sampler_server.sequence import SamplingParams, Sequence
-from opentinker.sampler_server.servicer_state import Context, ServicerState
+from opentinker.sampler_server.servicer_state import Context, Flight, ServicerState
 from opentinker.sampler_server.tenant_stats import TenantActivity, batch_tenant
 from opentinker.sampler_server.update_stream import Mailbox, coalesce, with_text
 from opentinker.sampler_server.updates import NON_FINITE_OUTPUT, SequenceUpdate
@@ -47,6 +49,10 @@ def _engine_error(update: SequenceUpdate, resolved: Resolved) -> Exception:
     """The status a request ends with when the engine failed one of its samples."""
     if update.error_reason == NON_FINITE_OUTPUT:
         return _non_finite(resolved)
+    if update.error_reason == GRAMMAR_LIMIT:  # the request's grammar needs more than the parser's bounds
+        return invalid(f"{update.error}; this request ended, other requests were not affected")
+    if update.error_reason == GRAMMAR_REFUSED:
+        return Internal(update.error, reason=GRAMMAR_REFUSED)
     return Internal(update.error, reason="ENGINE_FAILED")
 
 
@@ -56,9 +62,6 @@ class GenerationHandlers(ServicerState):
         prompt = await self._prompt(request)
         params = sampling_params(request.sampling_params, vocab_size=self.info.vocab_size)
         constraint = constraint_of(request)
-        if constraint is not None:
-            await self._check_constraint(constraint)
-            params = dataclasses.replace(params, constraint=constraint)
         if len(prompt) + params.max_tokens > self.engine.max_len:
             raise InvalidArgument(
                 f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) exceeds the context "
@@ -76,17 +79,21 @@ class GenerationHandlers(ServicerState):
         principal = current_principal()
         activity = self.tenants.of(principal.tenant or "")
         self._check_tenant_queue(principal, activity, count)
-        # Counted as waiting from here on, before the awaits below: concurrent requests of the tenant see them.
+        tenant = batch_tenant(principal, request.model)
+        # Counted as waiting from here on, before the awaits below (its grammar's compile too): concurrent requests
+        # of the tenant see them.
         activity.waiting += count
         remaining = count
         started: set[int] = set()
         done: set[int] = set()
         submitted = ""  # the request id, once its sequences are in the engine
         try:
+            if constraint is not None:
+                await self._check_constraint(constraint, tenant)
+                params = dataclasses.replace(params, constraint=constraint)
             resolved = await self.loader.resolve(request.model or "base")
             slot = await self.loader.acquire(resolved, count)  # refs released by the engine as sequences end
             request_id = f"{request.request_id or 'req'}-{uuid.uuid4().hex[:12]}"
-            tenant = batch_tenant(principal, request.model)
             key = self._cache_key(slot, principal.tenant or "", salt)
             sequences = [
                 self._sequence(request_id, i, prompt, params, slot, request.prompt_logprobs, tenant, key)
@@ -250,14 +257,48 @@ class GenerationHandlers(ServicerState):
             response.results.append(sampler_pb2.TokenLogprobs(logprobs=logprobs))
         return response
 
-    async def _check_constraint(self, constraint: Constraint) -> None:
-        """Compiles the grammar once (off the event loop, unless cached) so that a bad one is refused before
-        anything is queued; the engine's submit takes each sample's matcher from the same cache."""
+    async def _check_constraint(self, constraint: Constraint, tenant: str) -> None:
+        """Compiles the grammar once (unless cached) so that a bad one is refused before anything is queued; the
+        engine's submit takes each sample's matcher from the same cache. Off the event loop, on the compile
+        threads in the tenant's turn; concurrent requests of one tenant with one grammar share its compile."""
         grammars = self.grammars
         if grammars is None:
             raise invalid("this sampler does not do constrained decoding")
-        if not grammars.cached(constraint):
-            await asyncio.get_running_loop().run_in_executor(self._compile, grammars.matcher, constraint)
+        if grammars.cached(constraint):
+            return
+        key = (tenant, constraint.key)
+        flight = self._compiling.get(key)
+        if flight is None:
+            flight = self._compiling[key] = Flight(asyncio.ensure_future(self._compile_grammar(constraint, tenant)))
+            flight.task.add_done_callback(functools.partial(self._compiled, key))
+        flight.waiters += 1
+        try:
+            await asyncio.shield(flight.task)  # one caller leaving does not cancel the others' compile
+        finally:
+            flight.waiters -= 1
+            if not flight.waiters and not flight.task.done():  # the last one left: a compile not started is dropped
+                flight.task.cancel()
+                self._compiled(key, flight.task)
+
+    def _compiled(self, key: tuple[str, str], task: asyncio.Future[None]) -> None:
+        flight = self._compiling.get(key)
+        if flight is not None and flight.task is task:
+            del self._compiling[key]
+        if task.done() and not task.cancelled():
+            task.exception()  # its callers got it; none left is no error to log
+
+    async def _compile_grammar(self, constraint: Constraint, tenant: str) -> None:
+        assert self.grammars is not None
+        try:
+            await self._compile.run(tenant, functools.partial(self.grammars.matcher, constraint))
+        except TenantQueueFull as exc:
+            raise ResourceExhausted(
+                f"tenant {tenant!r} already has {exc.limit} grammars waiting to compile on this sampler "
+                "(--max-compiles-per-tenant): retry when they have compiled, or reuse a schema (compiled once)",
+                reason="TENANT_COMPILES_FULL",
+                tenant=tenant,
+                limit=exc.limit,
+            ) from None
 
     async def _prompt(self, request: sampler_pb2.SampleRequest) -> list[int]:
         tokens = tokens_of(request.prompt)

@@ -67,10 +67,28 @@ def apply_masks(logits: torch.Tensor, masks: StepMasks | None) -> torch.Tensor:
 
 
 def consume(seq: Sequence, token: int) -> tuple[bool, bool]:
-    """Advances a constrained sample's matcher by its sampled token -> (accepted, the grammar has ended)."""
+    """Advances a constrained sample's matcher by its sampled token -> (accepted, the grammar has ended). A matcher
+    already in error (a parser limit reached while its mask was computed: llguidance then allows only the end of
+    sequence, which it would accept) accepts nothing, so the sample fails instead of ending as if complete."""
     matcher = seq.matcher
     if matcher is None:
         return True, False
-    if not matcher.consume_token(token):
+    if matcher.is_error() or not matcher.consume_token(token):
         return False, True
     return True, bool(matcher.is_stopped())
+
+
+def failure(seq: Sequence, token: int) -> tuple[str, str]:
+    """Why `consume` refused: (message, reason). A parser limit reached mid-sample (llguidance's "too complex"
+    stops: the lexer's fuel or states per step) is the request's constraint asking more than the sampler's bounds,
+    GRAMMAR_LIMIT; a token the mask allowed but the grammar refused is a library fault, GRAMMAR_REFUSED."""
+    matcher = seq.matcher
+    error = matcher.get_error() if matcher is not None and matcher.is_error() else ""
+    first = error.splitlines()[0][:500] if error else ""
+    if first and "satisfy the grammar" not in first:
+        return f"the constraint's grammar hit a parser limit after {len(seq.output)} tokens: {first}", GRAMMAR_LIMIT
+    return f"the constraint's grammar refused token {token} ({first or 'no reason given'})", GRAMMAR_REFUSED
+
+
+GRAMMAR_LIMIT = "GRAMMAR_LIMIT"
+GRAMMAR_REFUSED = "GRAMMAR_REFUSED"

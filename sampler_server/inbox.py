@@ -22,6 +22,7 @@ from opentinker.sampler_server.updates import UpdateCallback
 class Submit:
     sequences: list[Sequence]
     on_update: UpdateCallback
+    error: str = ""  # set: the request ends with it, never queued (its grammar failed, or it was aborted meanwhile)
 
 
 @dataclass(slots=True)

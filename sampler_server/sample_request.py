@@ -102,14 +102,14 @@ def sampling_params(message: sampler_pb2.SamplingParams, *, vocab_size: int) -> 
 
 def constraint_of(message: sampler_pb2.SampleRequest) -> Constraint | None:
     """A request's constraint as the engine's record (its grammar is compiled later, off the event loop); with stop
-    strings: INVALID_CONSTRAINT (a stop string could end the output where the grammar may not)."""
+    strings or stop token ids: INVALID_CONSTRAINT (a stop could end the output where the grammar may not)."""
     kind = message.constraint.WhichOneof("kind")
     if kind is None:
         return None
-    if message.sampling_params.stop_strings:
+    if message.sampling_params.stop_strings or message.sampling_params.stop_token_ids:
         raise invalid(
-            "a constraint cannot be combined with stop strings: a stop string could cut the output where the "
-            "grammar may not end (the grammar itself says where the output ends)"
+            "a constraint cannot be combined with stop strings or stop token ids: a stop could cut the output where "
+            "the grammar may not end (the grammar itself says where the output ends)"
         )
     if kind == "json_schema":
         return json_schema(message.constraint.json_schema)

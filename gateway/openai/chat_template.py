@@ -5,8 +5,8 @@ Loaded once, on first use, off the event loop, from ``--tokenizer`` or else the 
 started with (it runs next to the model in every deployment we have); hub ids resolve through the local
 Hugging Face cache only. Every use runs on one worker thread (a fast tokenizer is not safe to share between
 threads, and a long chat template renders without holding the event loop), shared by the tenants in turns
-(fair_executor.py): one tenant's backlog of huge conversations delays another's request by one job at most, and a
-tenant with ``--max-tokenizer-jobs-per-tenant`` jobs waiting is answered 429 for the next."""
+(rpc/serving/fair_executor.py): one tenant's backlog of huge conversations delays another's request by one job
+at most, and a tenant with ``--max-tokenizer-jobs-per-tenant`` jobs waiting is answered 429 for the next."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from opentinker.gateway.fair_executor import FairExecutor, TenantQueueFull
 from opentinker.gateway.openai.errors import OpenAIError, invalid
 from opentinker.gateway.openai.requests import Message
+from opentinker.rpc.serving.fair_executor import FairExecutor, TenantQueueFull
 
 _T = TypeVar("_T")
 Tokenizer = Any  # transformers.PreTrainedTokenizerBase (transformers is untyped here)

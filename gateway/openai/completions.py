@@ -7,7 +7,7 @@ import uuid
 
 from aiohttp import web
 
-from opentinker.gateway.openai import episode_capture, tool_calls
+from opentinker.gateway.openai import episode_capture, structured, tool_calls
 from opentinker.gateway.openai.admission import check_text_fits, json_body, reference
 from opentinker.gateway.openai.answers import answer
 from opentinker.gateway.openai.body_fields import text_size
@@ -45,13 +45,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         parsed.tools,
         episode,
     )
-    if tool_calls.wanted(parsed.tools, parsed.tool_choice):
+    if tool_calls.wanted(parsed.tools, parsed.tool_choice.mode):
         parser = gw.config.tool_call_parser
         template = await tokenizer.chat_template(principal.tenant, source) if parser == "auto" else None
         job.tool_format = tool_calls.resolve_format(parser, template)  # type: ignore[arg-type]  # checked by the CLI
         if parsed.options.stream:
             for choice in job.choices:
                 choice.held = tool_calls.ToolCallStream(job.tool_format)
+    job.constraint = structured.constraint(parsed.response_format, parsed.tool_choice, parsed.tools, job.tool_format)
     return await (stream if parsed.options.stream else answer)(request, backend, job)
 
 
@@ -84,4 +85,5 @@ async def completions(request: web.Request) -> web.StreamResponse:
         (),
         episode,
     )
+    job.constraint = structured.constraint(parsed.response_format, structured.ToolChoice(), (), "none")
     return await (stream if parsed.options.stream else answer)(request, backend, job)

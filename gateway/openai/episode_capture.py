@@ -33,6 +33,7 @@ async def capture(gw: Gateway, tenant: str, episode: str | None, records: Sequen
         record.request_id,
         record.started_at,
         record.finished_at,
+        record.constraint,
     )
     try:
         await gw.episodes.append(tenant, episode, turn)

@@ -55,7 +55,22 @@ _OPENAI_SAMPLING: dict[str, Schema] = {
     "stream": nullable("boolean"),
     "stream_options": {"type": ["object", "null"], "properties": {"include_usage": nullable("boolean")}},
     "return_token_ids": nullable("boolean"),
-    "response_format": {"type": ["object", "null"], "required": ["type"], "properties": {"type": {"const": "text"}}},
+    "response_format": {  # structured.response_format
+        "type": ["object", "null"],
+        "required": ["type"],
+        "properties": {
+            "type": {"enum": ["text", "json_object", "json_schema"]},
+            "json_schema": {
+                "type": "object",
+                "required": ["name"],
+                "properties": {
+                    "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
+                    "schema": {"type": "object"},
+                    "strict": nullable("boolean"),
+                },
+            },
+        },
+    },
     "logit_bias": {"type": ["object", "null"], "maxProperties": 0},
     "cache_salt": {  # vLLM's prefix-cache salt (requests._cache_salt)
         "type": ["string", "null"],
@@ -88,7 +103,8 @@ ROUTES: tuple[Route, ...] = (
             logprobs=nullable("boolean"),
             top_logprobs=bounded("integer", 0, requests.MAX_TOP_LOGPROBS),
             tools={"type": ["array", "null"], "items": object_of("type", "function", type=STRING, function=OBJECT)},
-            tool_choice={"type": ["string", "object", "null"]},
+            tool_choice={"type": ["string", "object", "null"]},  # structured.tool_choice
+            parallel_tool_calls=nullable("boolean"),
             chat_template_kwargs=nullable("object"),
             **_OPENAI_SAMPLING,
         ),

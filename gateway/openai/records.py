@@ -27,6 +27,9 @@ class CompletedChoice:
     text: str  # the choice's text as answered (stop string cut)
     started_at: float  # unix seconds: request admitted by the gateway
     finished_at: float  # unix seconds: this choice's last token received
+    # The grammar the tokens were drawn under (structured.OutputConstraint.to_record): their logprobs are of the
+    # masked distribution. None: sampled free.
+    constraint: dict[str, str] | None = None
 
 
 def episode_id(header: str | None, metadata_value: str | None) -> str | None:

@@ -1,10 +1,10 @@
 """Bodies of POST /v1/chat/completions and /v1/completions, checked into typed records.
 
-Fields OpenAI defines that do not change what is sampled (user, service_tier, store, parallel_tool_calls...) are
-ignored, as OpenAI ignores unknown ones. One that would change it but is not implemented is refused rather than
-dropped, so that no client believes it got what it asked for: ``response_format`` other than text, ``tool_choice``
-"required" or a named function (nothing here constrains the output to JSON or forces a call), a non-empty
-``logit_bias``. A field of the wrong type, out of range or refused is a 400 naming it (``param``).
+Fields OpenAI defines that do not change what is sampled (user, service_tier, store...) are ignored, as OpenAI
+ignores unknown ones. One that would change it but is not implemented is refused rather than dropped, so that no
+client believes it got what it asked for: a non-empty ``logit_bias``. ``response_format`` and ``tool_choice`` are
+read by structured.py (what they force is built into the sampler's grammar). A field of the wrong type, out of
+range or refused is a 400 naming it (``param``).
 
 ``cache_salt`` (vLLM's; the openai SDK sends it with ``extra_body``): requests with different salts share no
 prefix-cache blocks on the sampler, even within one tenant; a non-empty string of at most 256 UTF-8 bytes."""
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from opentinker.gateway.openai.body_fields import Body, boolean, integer, number, obj, string, type_name
 from opentinker.gateway.openai.errors import invalid
+from opentinker.gateway.openai.structured import ResponseFormat, ToolChoice, response_format, tool_choice
 
 Message = dict[str, object]  # one chat message as the tokenizer's chat template takes it
 
@@ -26,7 +27,6 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's bound (chat); completions allow 5
 MAX_MESSAGES = 4096
 MAX_PROMPTS = 64
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
-TOOL_CHOICES = frozenset({"none", "auto"})  # "required" and named functions: refused until outputs can be forced
 MAX_PENALTY = 2.0  # OpenAI's bound on frequency_penalty and presence_penalty (either sign)
 MAX_CACHE_SALT_BYTES = 256  # the sampler's bound on cache_salt (UTF-8 bytes)
 
@@ -56,7 +56,8 @@ class ChatRequest:
     model: str
     messages: tuple[Message, ...]  # template-ready: text content, tool_calls arguments as objects
     tools: tuple[dict[str, object], ...]  # OpenAI function tools, passed to the chat template as given
-    tool_choice: str | None  # None, "none" or "auto"
+    tool_choice: ToolChoice
+    response_format: ResponseFormat
     template_kwargs: dict[str, object]  # vLLM's chat_template_kwargs (e.g. enable_thinking)
     options: SamplingOptions
     metadata_episode: str | None  # metadata.episode_id, unchecked (records.episode_id checks it)
@@ -70,6 +71,7 @@ class CompletionRequest:
     model: str
     prompts: tuple[Prompt, ...]  # at least one: a text or token ids each
     options: SamplingOptions
+    response_format: ResponseFormat
     metadata_episode: str | None
 
 
@@ -99,23 +101,6 @@ def _top_p(body: Body) -> float:
     if body.get("top_p") == 0 and not isinstance(body.get("top_p"), bool):
         raise invalid("'top_p' must be in (0, 1], got 0; for greedy decoding set 'temperature' to 0", "top_p")
     return number(body, "top_p", 1e-9, 1.0, 1.0)
-
-
-def _response_format(body: Body) -> None:
-    """Only text: nothing here constrains sampling to JSON (a json_object / json_schema answer would be whatever the
-    model wrote, with no guarantee), so those are refused instead of ignored."""
-    value = body.get("response_format")
-    if value is None:
-        return
-    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
-        raise invalid("'response_format' must be an object with a 'type'", "response_format", "invalid_type")
-    if value["type"] != "text":
-        raise invalid(
-            f"'response_format' type {value['type'][:64]!r} is not supported: structured outputs are not "
-            "implemented, only 'text'",
-            "response_format",
-            "unsupported_value",
-        )
 
 
 def _logit_bias(body: Body) -> None:
@@ -150,7 +135,6 @@ def options(body: Body, max_num_samples: int, *, logprobs: bool, top_logprobs: i
     n = integer(body, "n", 1, max_num_samples)
     stream = boolean(body, "stream")
     stream_options = obj(body, "stream_options")
-    _response_format(body)
     _logit_bias(body)
     return SamplingOptions(
         max_tokens=max_tokens,
@@ -258,23 +242,6 @@ def _tools(body: Body) -> tuple[dict[str, object], ...]:
     return tuple(tools)
 
 
-def _tool_choice(body: Body) -> str | None:
-    """Only "none" and "auto". "required" and a named function would need the output forced into a call
-    (constrained decoding, not implemented): parsed like "auto" they would answer plain text while the client
-    believes a call was guaranteed, so they are refused."""
-    choice = body.get("tool_choice")
-    if choice is None or (isinstance(choice, str) and choice in TOOL_CHOICES):
-        return choice
-    if choice == "required" or (isinstance(choice, dict) and choice.get("type") in ("function", "allowed_tools")):
-        raise invalid(
-            "'tool_choice' 'required' or a named function is not supported: nothing forces the model to "
-            "call a tool; use 'auto' (calls the model writes are parsed) or 'none'",
-            "tool_choice",
-            "unsupported_value",
-        )
-    raise invalid("'tool_choice' must be 'none' or 'auto'", "tool_choice")
-
-
 def _model(body: Body) -> str:
     model = string(body, "model", required=True)
     assert model is not None
@@ -295,13 +262,18 @@ def chat_request(body: Body, max_num_samples: int) -> ChatRequest:
     top = integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS) or 0
     if top and not want_logprobs:
         raise invalid("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    tools = _tools(body)
+    choice, shape = tool_choice(body, tools), response_format(body)
+    sampling = options(body, max_num_samples, logprobs=want_logprobs, top_logprobs=top)
+    _check_stop(sampling, forced=choice.forced or shape.kind != "text")
     return ChatRequest(
         model=model,
         messages=messages,
-        tools=_tools(body),
-        tool_choice=_tool_choice(body),
+        tools=tools,
+        tool_choice=choice,
+        response_format=shape,
         template_kwargs=obj(body, "chat_template_kwargs"),
-        options=options(body, max_num_samples, logprobs=want_logprobs, top_logprobs=top),
+        options=sampling,
         metadata_episode=_metadata_episode(body),
     )
 
@@ -347,4 +319,22 @@ def completion_request(body: Body, max_num_samples: int) -> CompletionRequest:
     sampling = options(body, max_num_samples, logprobs=top is not None, top_logprobs=top or 0)
     if len(prompts) * sampling.n > max_num_samples:
         raise invalid(f"{len(prompts)} prompts x n={sampling.n} exceeds {max_num_samples} samples per request", "n")
-    return CompletionRequest(model=model, prompts=prompts, options=sampling, metadata_episode=_metadata_episode(body))
+    shape = response_format(body)
+    _check_stop(sampling, forced=shape.kind != "text")
+    return CompletionRequest(
+        model=model,
+        prompts=prompts,
+        options=sampling,
+        response_format=shape,
+        metadata_episode=_metadata_episode(body),
+    )
+
+
+def _check_stop(sampling: SamplingOptions, *, forced: bool) -> None:
+    """A stop string could cut a forced shape where its grammar may not end (the sampler refuses the pair too)."""
+    if forced and sampling.stop:
+        raise invalid(
+            "'stop' cannot be combined with a forced output ('response_format' json_object / json_schema, or "
+            "'tool_choice' required / a named function): a stop string could cut it where it may not end",
+            "stop",
+        )

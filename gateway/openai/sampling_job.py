@@ -16,6 +16,7 @@ from opentinker.gateway.openai.errors import OpenAIError, backend_error
 from opentinker.gateway.openai.records import CompletedChoice
 from opentinker.gateway.openai.requests import SamplingOptions
 from opentinker.gateway.openai.stop_strings import StopCut
+from opentinker.gateway.openai.structured import OutputConstraint
 from opentinker.v1 import common_pb2, sampler_pb2
 
 CHAT, COMPLETIONS = "chat.completions", "completions"
@@ -51,6 +52,7 @@ class Job:
     tools: tuple[dict[str, object], ...] = ()
     episode: str | None = None
     tool_format: tool_calls.ToolCallFormat = "none"  # "none": the output is never parsed for tool calls
+    constraint: OutputConstraint | None = None  # the grammar every choice follows (structured.py); None: free
     created: int = field(default_factory=lambda: int(time.time()))
     started_at: float = field(default_factory=time.time)
     model: str = ""  # the exact version, from the sampler's first message
@@ -97,6 +99,7 @@ class Job:
             num_samples=opts.n,
             request_id=self.response_id,
             cache_salt=opts.cache_salt,
+            constraint=None if self.constraint is None else self.constraint.to_proto(),
         )
 
     def add(self, i: int, message: sampler_pb2.SampleResponse) -> tuple[Choice, str]:
@@ -133,6 +136,7 @@ class Job:
                 text=c.cut.answer,
                 started_at=self.started_at,
                 finished_at=c.finished_at,
+                constraint=None if self.constraint is None else self.constraint.to_record(),
             )
             for c, reason in zip(self.choices, reasons, strict=True)
         ]
@@ -182,7 +186,10 @@ async def messages_of(backend: Backend, job: Job) -> AsyncGenerator[Tagged, None
             async for tagged in _merged(streams):
                 yield tagged
     except OpenTinkerError as exc:
-        raise backend_error(exc, job.requested) from exc
+        error = backend_error(exc, job.requested)
+        if isinstance(error, OpenAIError) and error.param == "constraint" and job.constraint is not None:
+            error.param = job.constraint.param  # the field of the request that carried the grammar
+        raise error from exc
     finally:
         for stream in streams:
             await stream.aclose()

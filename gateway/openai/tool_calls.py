@@ -261,6 +261,7 @@ def _safe_length(text: str, fmt: ToolCallFormat) -> int:
 
 
 def wanted(tools: Sequence[object], tool_choice: object) -> bool:
-    """Whether a chat request's output is parsed for tool calls: it gave tools and did not say ``"none"``.
-    (``"required"`` and a named function never get here: requests.py refuses them, nothing forces a call.)"""
+    """Whether a chat request's output is parsed for tool calls: it gave tools and did not say ``"none"`` (a
+    forced call, ``"required"`` or a named function, is parsed like any other: structured.py's grammar wrote it
+    in this format)."""
     return bool(tools) and tool_choice != "none"

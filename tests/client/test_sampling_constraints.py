@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from typing import Literal
 
 import pytest
-from pydantic import BaseModel, ConfigDict, Field
+from petschema import Pet
 from registryutil import unique_name
 from serverproc import ServerProcess
 from trainerutil import Trainer, create, lora, sft_batch, train_step
@@ -18,16 +17,6 @@ from opentinker.client import Grammar, JsonObject, JsonSchema, Regex, SamplingPa
 from opentinker.v1 import trainer_pb2
 
 PROMPT = (17, 3, 250, 99, 41, 7)
-
-
-class Pet(BaseModel):
-    model_config = ConfigDict(extra="forbid")  # additionalProperties false: else any extra key is valid JSON too
-    name: str = Field(max_length=8)
-    age: int = Field(ge=0, le=30)
-    kind: Literal["cat", "dog", "fish"]
-    vaccinated: bool
-    toys: list[Literal["ball", "rope"]] = Field(max_length=2)
-    weight: float
 
 
 @pytest.fixture(scope="module")

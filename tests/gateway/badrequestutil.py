@@ -37,18 +37,21 @@ BAD_BODIES: list[dict[str, object]] = [
 REFUSED: list[tuple[dict[str, Any], str]] = [
     ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"frequency_penalty": -3}, "frequency_penalty"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": {}}}}, "response_format"),
-    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "tool_choice"),
+    ({"response_format": {"type": "yaml"}}, "response_format"),
+    ({"response_format": {"type": "json_object"}, "stop": ["}"]}, "stop"),  # a stop string could cut the object
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),  # no tools to call
     ({"top_p": 0}, "top_p"),
 ]
 
 # Their honoured neighbours: each served.
 HONOURED: list[dict[str, Any]] = [
     {"response_format": {"type": "text"}},
+    {"response_format": {"type": "json_object"}},
     {"tools": TOOLS, "tool_choice": "auto"},
     {"tools": TOOLS, "tool_choice": "none"},
+    {"tools": TOOLS, "tool_choice": "required"},
+    {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
 ]
 
 

@@ -9,6 +9,8 @@ import pytest
 from gatewayutil import start_gateway
 from serverproc import ServerProcess
 
+from opentinker.client import ServiceClient
+
 
 @pytest.fixture(scope="module")
 def gateway(
@@ -23,3 +25,12 @@ def gateway(
     server = start_gateway(workdir, trainer_server, sampler_server, registry_server, *flags)
     yield server
     assert server.terminate() == 0, server.log()
+
+
+@pytest.fixture(scope="module")
+def service(
+    trainer_server: ServerProcess, sampler_server: ServerProcess, registry_server: ServerProcess
+) -> Iterator[ServiceClient]:
+    """The SDK over the session's servers (a module of the tinker surface has its own, the tinker SDK's)."""
+    with ServiceClient(trainer_server.address, sampler_server.address, registry_server.address) as client:
+        yield client

@@ -5,16 +5,20 @@
   is in a batch without constrained neighbours (logprobs to float precision: the batch's shape differs).
 - A constrained row's logprob is of the masked, renormalized distribution; its top logprobs only allowed tokens.
 - A sample ends where its grammar ends (STOP_TOKEN), or max_tokens cuts it (LENGTH), never a silent early end.
-- The compile cache: one compile per canonical schema, whatever its key order; bad grammars refused by name.
+- The compile cache: one compile per canonical schema, whatever its key order but its fields'; bad grammars
+  refused by name.
+- A parser limit reached mid-sample fails that request (GRAMMAR_LIMIT), never an early "complete" end.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
+import llguidance
 import pytest
 import torch
 from pagedkvutil import LOGPROB_TOLERANCE, engine, outputs, run
@@ -24,11 +28,12 @@ from transformers import AutoTokenizer
 from opentinker.rpc.serving.errors import InvalidArgument
 from opentinker.sampler_server.constraint import Constraint, Grammars, json_schema
 from opentinker.sampler_server.engine import Engine
-from opentinker.sampler_server.grammar_masks import MaskWorker, StepMasks
+from opentinker.sampler_server.grammar_masks import GRAMMAR_LIMIT, MaskWorker, StepMasks
 from opentinker.sampler_server.model.llama import LlamaForCausalLM
 from opentinker.sampler_server.sampling import sample
 from opentinker.sampler_server.sequence import SamplingParams, Sequence, StopReason
 from opentinker.sampler_server.slot_pool import SlotPool
+from opentinker.sampler_server.updates import SequenceUpdate
 
 MAX_LEN = 320
 SCHEMA = {
@@ -148,6 +153,23 @@ def test_one_compile_per_canonical_schema_and_bad_grammars_named(grammars: Gramm
     grammars.matcher(first)
     grammars.matcher(again)
     assert grammars.compiles == before + 1 and grammars.cached(first)
+    # The order of `properties` is the output's field order: kept, and part of the key.
+    fields, closed = {"zeta": {"const": 1}, "alpha": {"const": 2}}, {"additionalProperties": False}
+    ordered = json.dumps({"type": "object", "properties": fields, "required": ["zeta", "alpha"]} | closed)
+    swapped = json.dumps(
+        {"required": ["alpha", "zeta"], "properties": dict(reversed(fields.items())), "type": "object"} | closed
+    )
+    assert json_schema(ordered) != json_schema(swapped)
+    for schema, text in ((ordered, '{"zeta": 1, "alpha": 2}'), (swapped, '{"alpha": 2, "zeta": 1}')):
+        walk = grammars.matcher(json_schema(schema))
+        forced: list[int] = []
+        while not walk.is_stopped() and len(forced) < 64:
+            token = walk.compute_ff_tokens()  # the whole output is forced: consts in a fixed order
+            if not token:
+                break
+            forced.extend(token)
+            assert walk.consume_tokens(token)
+        assert grammars.tokenizer.decode_str(forced) == text
     cases: list[tuple[Callable[[], object], str]] = [
         (lambda: json_schema("{not json"), "not JSON"),
         (lambda: json_schema("[1, 2]"), "must be a JSON object"),
@@ -160,3 +182,37 @@ def test_one_compile_per_canonical_schema_and_bad_grammars_named(grammars: Gramm
         with pytest.raises(InvalidArgument, match=words) as caught:
             make()
         assert caught.value.reason == "INVALID_CONSTRAINT"
+
+
+def test_a_parser_limit_reached_mid_sample_fails_that_request_alone(
+    runner: LlamaForCausalLM, pool: SlotPool, grammars: Grammars
+) -> None:
+    """A matcher whose per-step lexer fuel runs out while its mask is computed: llguidance then allows only the end
+    of sequence (and would accept it), so without the check the sample would end "complete" with no text. It
+    fails with GRAMMAR_LIMIT instead; its free neighbour finishes as usual."""
+    tight = llguidance.LLParserLimits(step_lexer_fuel=10)
+    grammar = llguidance.LLMatcher.grammar_from_regex("(a|b)*a(a|b){12}")
+    constraint = Constraint("regex", "(a|b)*a(a|b){12}")
+    seq = Sequence(1, "tight", 0, [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=20, constraint=constraint), 0)
+    seq.matcher = llguidance.LLMatcher(grammars.tokenizer, grammar, log_level=0, limits=tight)
+    assert not seq.matcher.is_error()  # the compile itself was within its (initial) fuel
+    free = _free(3)
+    updates: dict[str, list[SequenceUpdate]] = {"tight": [], free.request_id: []}
+    done = threading.Event()
+
+    def on_update(update: SequenceUpdate) -> None:
+        updates[update.request_id].append(update)
+        if all(u and u[-1].finished for u in updates.values()):
+            done.set()
+
+    eng = _engine(runner, pool, grammars)
+    eng.start()
+    try:
+        eng.submit([seq], on_update)
+        eng.submit([free], on_update)
+        assert done.wait(60)
+    finally:
+        eng.stop()
+    last = updates["tight"][-1]
+    assert last.error_reason == GRAMMAR_LIMIT and "parser limit" in last.error, last
+    assert not updates[free.request_id][-1].error and len(free.output) == free.params.max_tokens

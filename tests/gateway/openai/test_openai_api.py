@@ -30,14 +30,6 @@ OTHER = "gw-b/oai-other"
 
 
 @pytest.fixture(scope="module")
-def service(
-    trainer_server: ServerProcess, sampler_server: ServerProcess, registry_server: ServerProcess
-) -> Iterator[ServiceClient]:
-    with ServiceClient(trainer_server.address, sampler_server.address, registry_server.address) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
 def versions(service: ServiceClient) -> dict[str, int]:
     """gw-a's adapter with two versions (latest = 2), gw-b's with one."""
     return {AGENT: train_adapter(service, AGENT, snapshots=2, seed=1), OTHER: train_adapter(service, OTHER, seed=2)}

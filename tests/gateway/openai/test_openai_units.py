@@ -133,33 +133,52 @@ def test_what_cannot_be_honoured_is_refused_naming_the_parameter() -> None:
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": tools}
     text = {"model": "m", "prompt": "hi"}
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}, "strict": True}}
     # accepted: what is honoured, or what asks for nothing
     accepted: list[dict[str, object]] = [
         {"response_format": {"type": "text"}},
         {"response_format": None},
+        {"response_format": {"type": "json_object"}},
+        {"response_format": schema},
         {"tool_choice": "auto"},
         {"tool_choice": "none"},
+        {"tool_choice": "required", "parallel_tool_calls": False},
+        {"tool_choice": {"type": "function", "function": {"name": "f"}}},
         {"logit_bias": {}},
     ]
     for fine in accepted:
         chat_request({**chat, **fine}, 8)
-    assert chat_request({**chat, "tool_choice": "auto"}, 8).tool_choice == "auto"
-    completion_request({**text, "response_format": {"type": "text"}}, 8)
+    assert chat_request({**chat, "tool_choice": "auto"}, 8).tool_choice.mode == "auto"
+    named = chat_request({**chat, "tool_choice": {"type": "function", "function": {"name": "f"}}}, 8).tool_choice
+    assert (named.mode, named.names, named.parallel) == ("required", ("f",), False)
+    assert completion_request({**text, "response_format": schema}, 8).response_format.schema == {"type": "object"}
     refused: list[tuple[dict[str, object], str]] = [
-        ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
         ({"response_format": "json"}, "response_format"),
-        ({"tool_choice": "required"}, "tool_choice"),
-        ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+        ({"response_format": {"type": "yaml"}}, "response_format"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),  # no json_schema
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "response_format"),  # no name
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "a b"}}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": []}}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": 1}}}, "response_format"),
+        ({"response_format": {"type": "json_object"}, "stop": "}"}, "stop"),
+        ({"tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+        ({"tool_choice": {"type": "function", "function": {}}}, "tool_choice"),
+        ({"tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": tools}}}, "tool_choice"),
+        ({"tool_choice": "required", "stop": ["x"]}, "stop"),
+        ({"tool_choice": "required", "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
         ({"logit_bias": {"50256": -100}}, "logit_bias"),
     ]
     for fields, param in refused:
         for parse, body in ((chat_request, chat), (completion_request, text)):
-            if param == "tool_choice" and parse is completion_request:
+            if "tool_choice" in fields and parse is completion_request:
                 continue  # completions have no tools
             with pytest.raises(OpenAIError) as caught:
                 parse({**body, **fields}, 8)
-            assert caught.value.status == 400 and caught.value.param == param, fields
+            # The field, or a path inside it (response_format.json_schema.name).
+            assert caught.value.status == 400 and (caught.value.param or "").split(".")[0] == param, fields
+    with pytest.raises(OpenAIError) as caught:  # "required" with no tools to call
+        chat_request({**chat, "tools": None, "tool_choice": "required"}, 8)
+    assert caught.value.param == "tool_choice"
     with pytest.raises(OpenAIError) as caught:
         chat_request({**chat, "top_p": 0}, 8)
     assert caught.value.param == "top_p" and "temperature" in caught.value.message

@@ -1,6 +1,7 @@
-"""The gateway's shared tokenizer thread (fair_executor.py): tenants take turns, so one tenant's backlog delays
-another tenant's job by the one job running; a tenant's queue is bounded; a cancelled job never runs; a failing
-job fails only its caller."""
+"""The tenant-fair executor (rpc/serving/fair_executor.py) as the gateway's tokenizer thread uses it: tenants take
+turns, so one tenant's backlog delays another tenant's job by the one job running; a tenant's queue is bounded; a
+cancelled job never runs; a failing job fails only its caller. With two workers, from threads (`submit`, the
+sampler's grammar compiles): a tenant runs one job at a time."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import threading
 
 import pytest
 
-from opentinker.gateway.fair_executor import FairExecutor, TenantQueueFull
+from opentinker.rpc.serving.fair_executor import FairExecutor, TenantQueueFull
 
 
 class Gate:
@@ -19,9 +20,11 @@ class Gate:
     def __init__(self) -> None:
         self.started: list[str] = []
         self._release = threading.Semaphore(0)
+        self._lock = threading.Lock()  # two worker threads may start jobs at once
 
     def job(self, name: str) -> str:
-        self.started.append(name)
+        with self._lock:
+            self.started.append(name)
         if not self._release.acquire(timeout=30):
             raise TimeoutError(name)
         return name
@@ -124,3 +127,47 @@ def test_a_cancelled_job_never_runs_and_a_failing_one_fails_only_its_caller() ->
         pool.close()
 
     asyncio.run(main())
+
+
+# From threads (`submit`), two workers, as the sampler's engine compiles its grammars: a tenant runs one job at a
+# time, so another tenant's job starts at once beside a backlog; a cancelled future's job never runs.
+
+
+def _until_on_thread(condition: object) -> None:
+    event = threading.Event()
+    for _ in range(3000):
+        if callable(condition) and condition():
+            return
+        event.wait(0.001)
+    raise AssertionError("timed out")
+
+
+def test_a_tenant_holds_one_thread_so_another_starts_at_once() -> None:
+    gate, pool = Gate(), FairExecutor(max_queued_per_tenant=0, workers=2)
+    noisy = [pool.submit("noisy", functools.partial(gate.job, f"noisy-{i}")) for i in range(5)]
+    _until_on_thread(lambda: gate.started == ["noisy-0"])
+    assert pool.running("noisy") and pool.waiting("noisy") == 4  # the second thread stays free for others
+    quiet = pool.submit("quiet", lambda: gate.job("quiet-0"))
+    _until_on_thread(lambda: len(gate.started) == 2)
+    assert gate.started == ["noisy-0", "quiet-0"]  # started before any more of noisy's backlog
+    gate.release(6)
+    assert quiet.result(timeout=30) == "quiet-0"
+    assert [f.result(timeout=30) for f in noisy] == [f"noisy-{i}" for i in range(5)]
+    assert pool.started == 6 and not pool.running("noisy") and pool.waiting("noisy") == 0
+    pool.close()
+
+
+def test_a_cancelled_job_never_runs_and_the_queue_is_bounded() -> None:
+    gate, pool = Gate(), FairExecutor(max_queued_per_tenant=2, workers=2)
+    first = pool.submit("a", lambda: gate.job("a-0"))
+    _until_on_thread(lambda: gate.started == ["a-0"])
+    dropped = pool.submit("a", lambda: gate.job("a-dropped"))
+    after = pool.submit("a", lambda: gate.job("a-after"))
+    with pytest.raises(TenantQueueFull) as refused:
+        pool.submit("a", lambda: gate.job("a-refused"))
+    assert refused.value.tenant == "a" and refused.value.limit == 2
+    assert dropped.cancel()
+    gate.release(2)
+    assert first.result(timeout=30) == "a-0" and after.result(timeout=30) == "a-after"
+    assert gate.started == ["a-0", "a-after"]
+    pool.close()
