@@ -76,6 +76,11 @@ class ServerProcess:
         """SIGTERM (graceful shutdown) and wait; returns the exit code."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
+        return self.wait(timeout)
+
+    def wait(self, timeout: float) -> int:
+        """Waits for an exit already asked for, without asking again: a second SIGTERM that lands after the server's
+        graceful shutdown put the default handler back kills it (exit -15)."""
         code = self.process.wait(timeout)
         self._log.close()
         return code

@@ -224,7 +224,7 @@ class Stack:
             for service in group:
                 server = self.servers[service]
                 try:
-                    codes[service] = server.terminate(timeout=60)
+                    codes[service] = server.wait(timeout=60)  # signalled above, once
                 except subprocess.TimeoutExpired:  # still running after its grace period: SIGKILL
                     server.kill()
                     codes[service] = server.process.returncode

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import redis
 
-from opentinker.rpc.process.children import die_with_parent
+from opentinker.rpc.process.children import die_with_parent, parent_death_command
 
 
 class EmbeddedRedisError(RuntimeError):
@@ -86,12 +86,13 @@ class EmbeddedRedis:
                 "--logfile",
                 str(self.data_dir / "redis.log"),
             ]
+            prefix = parent_death_command()
             self.process = subprocess.Popen(
-                args,
+                prefix + args,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
                 pass_fds=self.keep_fds,
-                preexec_fn=die_with_parent,  # noqa: PLW1509 -- only prctl, async-signal-safe enough
+                preexec_fn=None if prefix else die_with_parent,  # noqa: PLW1509 -- only prctl
             )
             self.port = port
             if self._wait_ready(timeout):
