@@ -194,7 +194,8 @@ def constraint(
     """The grammar a request's fields force, or None when its output is free."""
     forced_calls = choice.forced
     answer_too = fmt.kind != "text" and not forced_calls
-    calls_too = choice.mode in (None, "auto") and bool(tools) and fmt.kind != "text"  # OpenAI: tools default auto
+    # "auto" (OpenAI's default with tools) and a format: calls or the object, when the template has a call format.
+    calls_too = choice.mode in (None, "auto") and bool(tools) and fmt.kind != "text" and call_format != "none"
     if not forced_calls and not calls_too:
         if fmt.kind == "json_object":
             return OutputConstraint("json_object", "", "response_format")

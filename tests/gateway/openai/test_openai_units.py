@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from opentinker.gateway.backend import BaseModelInfo
+from opentinker.gateway.openai import structured
 from opentinker.gateway.openai.admission import reference
 from opentinker.gateway.openai.errors import OpenAIError
 from opentinker.gateway.openai.records import episode_id
@@ -182,3 +183,35 @@ def test_what_cannot_be_honoured_is_refused_naming_the_parameter() -> None:
     with pytest.raises(OpenAIError) as caught:
         chat_request({**chat, "top_p": 0}, 8)
     assert caught.value.param == "top_p" and "temperature" in caught.value.message
+
+
+def test_the_grammar_each_combination_forces() -> None:
+    seat = {
+        "$defs": {"Choice": {"enum": ["a", "b"]}},
+        "type": "object",
+        "properties": {"x": {"$ref": "#/$defs/Choice"}},
+    }
+    size = {"$defs": {"Choice": {"enum": [1, 2]}}, "type": "object", "properties": {"y": {"$ref": "#/$defs/Choice"}}}
+    tools: tuple[dict[str, object], ...] = (
+        {"type": "function", "function": {"name": "seat", "parameters": seat}},
+        {"type": "function", "function": {"name": "size", "parameters": size}},
+    )
+    schema = structured.ResponseFormat("json_schema", "pet", {"type": "object", "properties": {"b": {}, "a": {}}})
+    required = structured.ToolChoice("required", ("seat", "size"))
+    assert structured.constraint(structured.ResponseFormat(), structured.ToolChoice(), tools, "hermes") is None
+    plain = structured.constraint(schema, structured.ToolChoice("none"), tools, "hermes")
+    assert plain is not None and plain.kind == "json_schema" and plain.source.index('"b"') < plain.source.index('"a"')
+    # Without a call format, "auto" with a format is the format alone; a forced call is refused.
+    alone = structured.constraint(schema, structured.ToolChoice(), tools, "none")
+    assert alone is not None and alone.kind == "json_schema"
+    with pytest.raises(OpenAIError) as caught:
+        structured.constraint(structured.ResponseFormat(), required, tools, "none")
+    assert caught.value.param == "tool_choice" and "--tool-call-parser" in caught.value.message
+    forced = structured.constraint(structured.ResponseFormat(), required, tools, "hermes")
+    assert forced is not None and (forced.kind, forced.param) == ("lark", "tool_choice")
+    # Two tools' definitions of one name stay apart under the call's root.
+    assert '"tool0_Choice"' in forced.source and '"tool1_Choice"' in forced.source
+    assert '"#/$defs/tool1_Choice"' in forced.source and "<tool_call>" in forced.source
+    either = structured.constraint(schema, structured.ToolChoice("auto"), tools, "llama3")
+    assert either is not None and either.source.startswith("start: calls | answer") and '"parameters"' in either.source
+    assert either.param == "response_format"
